@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Developer build: installs the package (C++ core + module) into the dev venv. Serialized with
+# flock so parallel callers do not trample one build tree.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-/work/venv-dev}
+exec 9>/tmp/cxlkv-dev-build.lock
+flock 9
+"$VENV/bin/pip" install -q --no-build-isolation -Cbuild-dir=build/dev . 2>&1 | tail -30

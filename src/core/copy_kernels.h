@@ -1,0 +1,22 @@
+// Copy and cache-line kernels behind the coherence layer. Each has several implementations picked
+// at run time from cpu_features(); all of them are correct for any alignment and length.
+#pragma once
+#include <cstddef>
+
+namespace cxlkv::kernels {
+
+// Copy with streaming (non-temporal) stores: the destination lines do not stay in this CPU's
+// cache, which on CXL both saves a write-back and makes the payload visible to other hosts once
+// store_fence() returns. No fence inside: batch many copies, then call store_fence() once.
+void stream_copy(void* dst, const void* src, size_t n);
+// Orders all earlier streaming stores before later stores (sfence on x86).
+void store_fence();
+// Full fence: orders earlier stores before later loads (mfence on x86).
+void full_fence();
+// Write back the cache lines covering [p, p+n) (clwb > clflushopt > clflush). Ends with a fence.
+void writeback_lines(const void* p, size_t n);
+// Write back and drop the lines covering [p, p+n), so the next load reads memory (clflushopt >
+// clflush). Ends with a fence.
+void evict_lines(const void* p, size_t n);
+
+}  // namespace cxlkv::kernels

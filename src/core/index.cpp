@@ -1,0 +1,410 @@
+// The prefix index: open addressing with linear probing over a fixed table of one-line entries,
+// keyed by (namespace, full 32-byte key). See format.h for the entry state machine.
+//
+// Publication: a writer owns its entry in WRITING, copies the payload, writes every field, and
+// publishes the state word READY last. Readers see either nothing or a complete block.
+// Pins (hazard slots): a reader writes (slot, gen) into its own pin array, fences, and re-reads
+// the state word; an evictor moves READY -> EVICTING with claim (a full fence) and then scans all
+// pin arrays. Either the reader sees EVICTING and backs off, or the evictor sees the pin and puts
+// the entry back to READY: a pinned block is never freed, and no shared counter is incremented.
+#include <algorithm>
+#include <cstring>
+#include <random>
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+#include "pool.h"
+
+namespace cxlkv {
+
+using namespace format;
+
+namespace {
+constexpr uint64_t kDepthPenaltyUs = 4000;  // a block one level deeper looks 4 ms older
+constexpr size_t kCopyStep = 64 * 1024;     // copy then hash in L2-sized steps
+constexpr uint32_t kEvictSample = 32;
+
+struct KeyHash {
+  uint64_t home;
+  uint32_t tag;
+};
+inline KeyHash key_hash(const Key& k, uint32_t ns, uint64_t mask) {
+  uint64_t h = XXH3_64bits_withSeed(k.data(), 32, ns);
+  return {h & mask, uint32_t(h >> 40) & 0xFFFFFF};
+}
+}  // namespace
+
+bool Pool::snapshot(uint64_t slot, uint64_t word, IndexEntry* out) {
+  IndexEntry* e = entry(slot);
+  coh_.invalidate(e, sizeof *e);
+  std::memcpy(reinterpret_cast<char*>(out) + 8, reinterpret_cast<const char*>(e) + 8, sizeof *e - 8);
+  std::atomic_thread_fence(std::memory_order_acquire);
+  out->state = word;
+  return coh_.read(&e->state) == word;
+}
+
+bool Pool::find(const NsHandle& ns, const Key& key, uint64_t /*unused*/, Found* out) {
+  KeyHash kh = key_hash(key, ns.id, slot_mask_);
+  for (uint32_t i = 0; i < kMaxProbe; ++i) {
+    uint64_t slot = (kh.home + i) & slot_mask_;
+    uint64_t w = coh_.read(&entry(slot)->state);
+    uint8_t st = entry_state(w);
+    if (st == kEmpty) return false;
+    if (st != kReady || entry_tag(w) != kh.tag) continue;
+    IndexEntry e;
+    bool stable = false;
+    for (int t = 0; t < 4 && !stable; ++t) {
+      stable = snapshot(slot, w, &e);
+      if (!stable) {
+        w = coh_.read(&entry(slot)->state);
+        if (entry_state(w) != kReady) break;
+      }
+    }
+    if (!stable) continue;
+    if (e.ns_id == ns.id && std::memcmp(e.key, key.data(), 32) == 0) {
+      out->slot = slot;
+      out->word = w;
+      out->e = e;
+      return true;
+    }
+  }
+  return false;
+}
+
+bool Pool::pin(uint64_t slot, uint64_t word, PinRef* out) {
+  uint32_t idx;
+  if (!alloc_pin(&idx)) return false;
+  uint64_t* p = &pins(node_id_ - 1)[idx];
+  coh_.publish(p, pin_value(slot, entry_gen(word)));
+  coh_.fence();  // the pin store must be visible before we re-check the state
+  if (coh_.read(&entry(slot)->state) != word) {
+    coh_.publish(p, 0);
+    free_pin(idx);
+    return false;
+  }
+  *out = PinRef{slot, entry_gen(word), idx};
+  return true;
+}
+
+void Pool::unpin(const PinRef& p) {
+  coh_.publish(&pins(node_id_ - 1)[p.pin_index], 0);
+  free_pin(p.pin_index);
+}
+
+bool Pool::is_pinned(uint64_t slot, uint32_t gen) {
+  const uint64_t v = pin_value(slot, gen);
+  for (uint32_t i = 0; i < hdr_->max_nodes; ++i) {
+    if (node_state(coh_.read(&node_slot(i)->state)) == kNodeFree) continue;
+    uint64_t hw = std::min<uint64_t>(coh_.read(&node_fixed(i)->pin_hw), hdr_->pin_slots);
+    const uint64_t* p = pins(i);
+    coh_.invalidate(p, hw * 8);
+    for (uint64_t k = 0; k < hw; ++k)
+      if (coh_.read_hint(&p[k]) == v) return true;
+  }
+  return false;
+}
+
+void Pool::touch(uint64_t slot, uint16_t depth) {
+  uint64_t now = now_mono_us();
+  uint64_t v = now - std::min<uint64_t>(now, uint64_t(depth) * kDepthPenaltyUs);
+  uint64_t cur = coh_.read_hint(access(slot));
+  if (cur + 1000 < v || v + 1000 < cur) coh_.write_hint(access(slot), v);
+}
+
+bool Pool::validate_ref(const NsHandle& ns, const IndexEntry& e) const {
+  if (e.chunk >= hdr_->chunk_count || e.block >= ns.geo.blocks || e.length > ns.block_bytes) return false;
+  uint64_t w = const_cast<Pool*>(this)->coh_.read(chunk_word(e.chunk));
+  return chunk_state(w) == kChunkActive && chunk_ns(w) == ns.id;
+}
+
+// Frees the block of an entry this node holds in EVICTING and tombstones the slot.
+void Pool::finish_evict(uint64_t slot, uint64_t evicting_word) {
+  IndexEntry e;
+  snapshot(slot, evicting_word, &e);
+  if (e.chunk < hdr_->chunk_count && e.block < desc_bytes_ / 8) {
+    uint64_t* d = block_desc(e.chunk, e.block);
+    uint64_t dw = coh_.read(d);
+    if (block_state(dw) == kBlockUsed && block_slot(dw) == slot) free_block(e.chunk, e.block);
+  }
+  coh_.publish(&entry(slot)->state,
+               make_entry_word(kTombstone, 0, entry_gen(evicting_word), entry_tag(evicting_word)));
+}
+
+// Evicts one unpinned READY entry. With only_ns, victims come from that namespace and, when
+// new_owner_slot != ~0, the victim's block is handed straight to that slot (no FREE window in
+// which another node could take it). Candidates are sampled from [from, from + span) and ranked
+// by access hint (oldest first; deeper chain blocks look older, so chains lose their tails first).
+bool Pool::evict_one(const NsHandle* only_ns, uint64_t from, uint64_t span, uint64_t* out_chunk,
+                     uint32_t* out_block, uint64_t new_owner_slot) {
+  struct Cand {
+    uint64_t access, slot, word;
+  };
+  std::vector<Cand> cands;
+  cands.reserve(kEvictSample);
+  if (span > slot_mask_ + 1) span = slot_mask_ + 1;
+  for (uint64_t i = 0; i < span; ++i) {
+    uint64_t slot = (from + i) & slot_mask_;
+    uint64_t w = coh_.read(&entry(slot)->state);
+    if (entry_state(w) != kReady) continue;
+    if (only_ns) {
+      IndexEntry e;
+      if (!snapshot(slot, w, &e) || e.ns_id != only_ns->id) continue;
+    }
+    cands.push_back({coh_.read_hint(access(slot)), slot, w});
+    if (cands.size() >= kEvictSample) break;
+  }
+  std::sort(cands.begin(), cands.end(), [](const Cand& a, const Cand& b) { return a.access < b.access; });
+  for (const Cand& c : cands) {
+    uint64_t w = c.word;
+    uint64_t ev = make_entry_word(kEvicting, uint8_t(node_id_), entry_gen(w), entry_tag(w));
+    if (!coh_.claim(&entry(c.slot)->state, w, ev)) continue;
+    if (is_pinned(c.slot, entry_gen(ev))) {
+      coh_.publish(&entry(c.slot)->state, c.word);
+      count(kEvictSkippedPinned);
+      continue;
+    }
+    if (new_owner_slot != ~0ull) {
+      IndexEntry e;
+      snapshot(c.slot, ev, &e);
+      if (!only_ns || !validate_ref(*only_ns, e)) {
+        count(kCorruptEntries);
+        finish_evict(c.slot, ev);
+        continue;
+      }
+      uint64_t* d = block_desc(e.chunk, e.block);
+      uint64_t dw = coh_.read(d);
+      if (block_state(dw) != kBlockUsed || block_slot(dw) != c.slot) {
+        count(kCorruptEntries);
+        finish_evict(c.slot, ev);
+        continue;
+      }
+      coh_.publish(d, make_block_word(kBlockUsed, uint8_t(node_id_), new_owner_slot));
+      coh_.publish(&entry(c.slot)->state, make_entry_word(kTombstone, 0, entry_gen(ev), entry_tag(ev)));
+      *out_chunk = e.chunk;
+      *out_block = e.block;
+    } else {
+      finish_evict(c.slot, ev);
+    }
+    count(kEvictions);
+    return true;
+  }
+  return false;
+}
+
+bool Pool::put(const NsHandle& ns, const Key& key, const Piece* src, size_t n, uint16_t depth) {
+  uint64_t total = 0;
+  for (size_t i = 0; i < n; ++i) total += src[i].bytes;
+  if (total > ns.block_bytes)
+    throw ArgumentError("payload of " + std::to_string(total) + " bytes exceeds the namespace block size " +
+                        std::to_string(ns.block_bytes));
+  KeyHash kh = key_hash(key, ns.id, slot_mask_);
+  for (int attempt = 0; attempt < 16; ++attempt) {
+    uint64_t reuse = ~0ull, reuse_word = 0;
+    for (uint32_t i = 0; i < kMaxProbe; ++i) {
+      uint64_t slot = (kh.home + i) & slot_mask_;
+      uint64_t w = coh_.read(&entry(slot)->state);
+      uint8_t st = entry_state(w);
+      if (st == kEmpty || st == kTombstone) {
+        if (reuse == ~0ull) reuse = slot, reuse_word = w;
+        if (st == kEmpty) break;
+        continue;
+      }
+      if (entry_tag(w) != kh.tag) continue;
+      if (st == kWriting) {  // another node is storing (almost surely) this key right now
+        count(kPutsPresent);
+        return true;
+      }
+      IndexEntry e;
+      if (st == kReady && snapshot(slot, w, &e) && e.ns_id == ns.id && !std::memcmp(e.key, key.data(), 32)) {
+        touch(slot, depth);
+        count(kPutsPresent);
+        return true;
+      }
+    }
+    if (reuse == ~0ull) {
+      // The whole probe window is occupied: evict its best victim (any namespace).
+      if (!evict_one(nullptr, kh.home, kMaxProbe, nullptr, nullptr, ~0ull)) {
+        count(kPutsFailed);
+        return false;
+      }
+      continue;
+    }
+    const uint32_t gen = (entry_gen(reuse_word) + 1) & 0xFFFFFF;
+    const uint64_t writing = make_entry_word(kWriting, uint8_t(node_id_), gen, kh.tag);
+    if (!coh_.claim(&entry(reuse)->state, reuse_word, writing)) continue;
+    IndexEntry* e = entry(reuse);
+    auto abandon = [&] {
+      coh_.publish(&e->state, make_entry_word(kTombstone, 0, gen, kh.tag));
+    };
+    // Two nodes may have claimed slots for the same key at once: the earlier probe position wins.
+    bool lost = false;
+    for (uint32_t i = 0; i < kMaxProbe && !lost; ++i) {
+      uint64_t slot = (kh.home + i) & slot_mask_;
+      if (slot == reuse) continue;
+      uint64_t w = coh_.read(&entry(slot)->state);
+      uint8_t st = entry_state(w);
+      if (st == kEmpty) break;
+      if (entry_tag(w) != kh.tag) continue;
+      bool before = ((slot - kh.home) & slot_mask_) < ((reuse - kh.home) & slot_mask_);
+      IndexEntry o;
+      if (st == kWriting && before) lost = true;
+      if (st == kReady && snapshot(slot, w, &o) && o.ns_id == ns.id && !std::memcmp(o.key, key.data(), 32)) lost = true;
+    }
+    if (lost) {
+      abandon();
+      count(kPutsPresent);
+      return true;
+    }
+    uint64_t chunk = 0;
+    uint32_t block = 0;
+    bool got = alloc_block(ns, reuse, &chunk, &block);
+    if (!got) {
+      uint64_t from = evict_hand_.fetch_add(256, std::memory_order_relaxed);
+      got = evict_one(&ns, from, slot_mask_ + 1, &chunk, &block, reuse);
+    }
+    if (!got && now_unix_ns() - last_reap_ns_.load(std::memory_order_relaxed) > 100'000'000) {
+      if (reap_dead_nodes() > 0) got = alloc_block(ns, reuse, &chunk, &block);
+    }
+    if (!got) {
+      abandon();
+      count(kPutsFailed);
+      return false;
+    }
+    e->chunk = uint32_t(chunk);  // written early so a reclaimer can find the block
+    e->block = uint16_t(block);
+    coh_.flush(e, sizeof *e);
+    char* dst = block_payload(ns, chunk, block);
+    XXH3_state_t hs;
+    XXH3_64bits_reset(&hs);
+    for (size_t i = 0; i < n; ++i) {
+      for (uint64_t off = 0; off < src[i].bytes; off += kCopyStep) {
+        uint64_t len = std::min<uint64_t>(kCopyStep, src[i].bytes - off);
+        coh_.stream_copy(dst, src[i].ptr + off, len);
+        XXH3_64bits_update(&hs, src[i].ptr + off, len);
+        dst += len;
+      }
+    }
+    coh_.stream_fence();  // payload reaches memory before the entry can say READY
+    std::memcpy(e->key, key.data(), 32);
+    e->ns_id = ns.id;
+    e->depth = depth;
+    e->length = uint32_t(total);
+    e->checksum = XXH3_64bits_digest(&hs);
+    coh_.flush(e, sizeof *e);
+    coh_.publish(&e->state, make_entry_word(kReady, 0, gen, kh.tag));  // commit: written last
+    touch(reuse, depth);
+    count(kPuts);
+    count(kBytesStored, total);
+    return true;
+  }
+  count(kPutsFailed);
+  return false;
+}
+
+bool Pool::copy_out(const NsHandle& ns, const Found& f, const Piece* dst, size_t n) {
+  const char* src = block_payload(ns, f.e.chunk, f.e.block);
+  uint64_t left = f.e.length;
+  coh_.invalidate(src, left);
+  XXH3_state_t hs;
+  XXH3_64bits_reset(&hs);
+  for (size_t i = 0; i < n && left; ++i) {
+    uint64_t take = std::min<uint64_t>(dst[i].bytes, left);
+    for (uint64_t off = 0; off < take; off += kCopyStep) {
+      uint64_t len = std::min<uint64_t>(kCopyStep, take - off);
+      std::memcpy(dst[i].ptr + off, src, len);
+      XXH3_64bits_update(&hs, dst[i].ptr + off, len);  // hash what the caller got, hot in cache
+      src += len;
+    }
+    left -= take;
+  }
+  return left == 0 && XXH3_64bits_digest(&hs) == f.e.checksum;
+}
+
+bool Pool::get(const NsHandle& ns, const Key& key, const Piece* dst, size_t n, uint64_t* length) {
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    Found f;
+    if (!find(ns, key, 0, &f)) break;
+    if (!validate_ref(ns, f.e)) {
+      count(kCorruptEntries);
+      break;
+    }
+    uint64_t cap = 0;
+    for (size_t i = 0; i < n; ++i) cap += dst[i].bytes;
+    if (cap < f.e.length)
+      throw ArgumentError("output buffer of " + std::to_string(cap) + " bytes is smaller than the block (" +
+                          std::to_string(f.e.length) + " bytes)");
+    PinRef p;
+    if (!pin(f.slot, f.word, &p)) continue;  // being evicted right now, or no pin slot
+    bool ok = copy_out(ns, f, dst, n);
+    unpin(p);
+    if (!ok) {
+      count(kChecksumFailures);
+      remove(ns, key);  // drop it so the next writer stores good bytes
+      break;
+    }
+    touch(f.slot, f.e.depth);
+    count(kHits);
+    count(kBytesLoaded, f.e.length);
+    if (length) *length = f.e.length;
+    return true;
+  }
+  count(kMisses);
+  return false;
+}
+
+bool Pool::contains(const NsHandle& ns, const Key& key) {
+  Found f;
+  return find(ns, key, 0, &f);
+}
+
+size_t Pool::match_prefix(const NsHandle& ns, const Key* keys, size_t n) {
+  // Touch back to front so that, with equal times, the head is the most recently used.
+  std::vector<uint64_t> slots;
+  slots.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    Found f;
+    if (!find(ns, keys[i], 0, &f)) break;
+    slots.push_back(f.slot);
+  }
+  for (size_t i = slots.size(); i-- > 0;) touch(slots[i], uint16_t(std::min<size_t>(i, 0xFFFF)));
+  return slots.size();
+}
+
+bool Pool::remove(const NsHandle& ns, const Key& key) {
+  Found f;
+  if (!find(ns, key, 0, &f)) return false;
+  uint64_t w = f.word;
+  uint64_t ev = make_entry_word(kEvicting, uint8_t(node_id_), entry_gen(w), entry_tag(w));
+  if (!coh_.claim(&entry(f.slot)->state, w, ev)) return false;
+  if (is_pinned(f.slot, entry_gen(ev))) {
+    coh_.publish(&entry(f.slot)->state, f.word);
+    return false;
+  }
+  finish_evict(f.slot, ev);
+  count(kDeletes);
+  return true;
+}
+
+std::vector<PinRef> Pool::acquire(const NsHandle& ns, const Key* keys, size_t n) {
+  std::vector<PinRef> out;
+  for (size_t i = 0; i < n; ++i) {
+    Found f;
+    PinRef p;
+    bool ok = false;
+    for (int attempt = 0; attempt < 3 && !ok; ++attempt) {
+      if (!find(ns, keys[i], 0, &f)) break;
+      ok = pin(f.slot, f.word, &p);
+    }
+    if (!ok) break;
+    touch(f.slot, uint16_t(std::min<size_t>(i, 0xFFFF)));
+    out.push_back(p);
+  }
+  return out;
+}
+
+void Pool::release(const std::vector<PinRef>& pins) {
+  for (const PinRef& p : pins) unpin(p);
+}
+
+}  // namespace cxlkv

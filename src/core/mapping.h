@@ -1,0 +1,43 @@
+// Mapping of the pool's backing store: a regular file (default under /dev/shm) or a CXL devdax
+// character device (/dev/daxX.Y), mapped MAP_SHARED. Devdax needs its mapping address aligned to
+// the device alignment (2 MiB by default), which mmap does not guarantee, so we over-reserve and
+// place the mapping on an aligned address.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace cxlkv {
+
+class Mapping {
+ public:
+  Mapping() = default;
+  Mapping(const Mapping&) = delete;
+  Mapping& operator=(const Mapping&) = delete;
+  Mapping(Mapping&& o) noexcept { *this = std::move(o); }
+  Mapping& operator=(Mapping&& o) noexcept;
+  ~Mapping();
+
+  // Maps an existing pool store. Throws OsError (errno kept) or TruncatedError.
+  static Mapping open_existing(const std::string& path);
+  // Creates a new file of `size` bytes at `tmp_path`, mode 0600 (exclusive create).
+  static Mapping create_file(const std::string& tmp_path, uint64_t size);
+  // Maps a devdax device for creation (its whole size, or `size` if smaller).
+  static Mapping open_devdax_for_create(const std::string& path, uint64_t size);
+
+  static bool is_devdax_path(const std::string& path);
+  char* base() const { return base_; }
+  uint64_t size() const { return size_; }
+  bool devdax() const { return devdax_; }
+
+ private:
+  char* base_ = nullptr;
+  uint64_t size_ = 0;
+  uint64_t map_len_ = 0;
+  bool devdax_ = false;
+};
+
+// Size of a devdax device from sysfs (/sys/dev/char/MAJ:MIN/size). Throws OsError.
+uint64_t devdax_size(const std::string& path);
+
+}  // namespace cxlkv

@@ -1,0 +1,371 @@
+// Pool creation, validation of an existing pool, attachment, and bounds-checked accessors.
+#include "pool.h"
+
+#include <fcntl.h>
+#include <sys/random.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstddef>
+#include <cstring>
+#include <fstream>
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+namespace cxlkv {
+
+using namespace format;
+
+uint64_t xxh3(const void* p, size_t n, uint64_t seed) { return XXH3_64bits_withSeed(p, n, seed); }
+
+uint64_t now_unix_ns() {
+  return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                      std::chrono::system_clock::now().time_since_epoch()).count());
+}
+uint64_t now_mono_us() {
+  return uint64_t(std::chrono::duration_cast<std::chrono::microseconds>(
+                      std::chrono::steady_clock::now().time_since_epoch()).count());
+}
+
+namespace {
+
+uint64_t header_checksum(const PoolHeader& h) { return xxh3(&h, offsetof(PoolHeader, checksum)); }
+
+uint64_t pow2_floor(uint64_t v) { return v ? 1ull << (63 - __builtin_clzll(v)) : 0; }
+uint64_t pow2_ceil(uint64_t v) { return v <= 1 ? 1 : 1ull << (64 - __builtin_clzll(v - 1)); }
+
+// Fills the geometry fields of a header for a pool of opt.size bytes. Throws ArgumentError when
+// the size cannot hold the metadata plus one chunk.
+void plan_geometry(PoolHeader& h, const CreateOptions& opt) {
+  if (opt.max_nodes == 0 || opt.max_nodes > kMaxNodes)
+    throw ArgumentError("max_nodes must be in 1.." + std::to_string(kMaxNodes));
+  if (opt.pin_slots == 0 || opt.pin_slots > (1u << 20)) throw ArgumentError("pin_slots must be in 1..1048576");
+  if (opt.max_namespaces == 0 || opt.max_namespaces > kMaxNamespaces)
+    throw ArgumentError("max_namespaces must be in 1.." + std::to_string(kMaxNamespaces));
+  uint64_t size = opt.size;
+  uint64_t chunk = opt.chunk_bytes;
+  if (chunk == 0) {
+    chunk = pow2_floor(size / 64);
+    chunk = std::max<uint64_t>(4ull << 20, std::min<uint64_t>(chunk, 64ull << 20));
+  }
+  if (chunk < 64 * 1024 || chunk % kMetaAlign)
+    throw ArgumentError("chunk size must be a multiple of 4 KiB and at least 64 KiB");
+  uint64_t slots = opt.index_slots;
+  if (slots == 0) {
+    slots = pow2_ceil(2 * (size / (8 * 1024)));
+    while (slots > 4096 && slots * (sizeof(IndexEntry) + 8) > size / 16) slots /= 2;
+    slots = std::max<uint64_t>(slots, 4096);
+  }
+  if (slots & (slots - 1)) throw ArgumentError("index_slots must be a power of two");
+  if (slots < 64 || slots > (1ull << 36)) throw ArgumentError("index_slots out of range");
+
+  uint64_t off = kSharedWordsOff + kMetaAlign;
+  h.node_table_off = off;
+  off = round_up(off + uint64_t(opt.max_nodes) * sizeof(NodeSlot), kMetaAlign);
+  h.node_area_bytes = round_up(sizeof(NodeAreaFixed) + uint64_t(opt.pin_slots) * 8, kMetaAlign);
+  h.node_area_off = off;
+  off += uint64_t(opt.max_nodes) * h.node_area_bytes;
+  h.ns_table_off = off;
+  off = round_up(off + uint64_t(opt.max_namespaces) * sizeof(NamespaceEntry), kMetaAlign);
+  h.index_off = off;
+  off += slots * sizeof(IndexEntry);
+  h.access_off = off;
+  off = round_up(off + slots * 8, kMetaAlign);
+  h.chunk_map_off = off;
+  uint64_t stride = chunk_desc_bytes(chunk) + chunk;
+  uint64_t rest = size > off ? size - off : 0;
+  uint64_t count = rest / (stride + 8);
+  while (count > 0 && round_up(off + count * 8, 65536) + count * stride > size) --count;
+  if (count == 0) {
+    // A pool smaller than one default chunk: shrink the chunk to what is left.
+    if (opt.chunk_bytes == 0 && rest > 2 * 65536 + 65536) {
+      CreateOptions o = opt;
+      o.chunk_bytes = round_up((rest - 2 * 65536) / 2, kMetaAlign);
+      if (o.chunk_bytes > 64 * 1024 && o.chunk_bytes < chunk) return plan_geometry(h, o);
+    }
+    throw ArgumentError("pool size " + std::to_string(size) + " is too small for its metadata (" +
+                        std::to_string(off) + " bytes) plus one chunk of " + std::to_string(stride) + " bytes");
+  }
+  h.chunk_count = count;
+  h.chunk_bytes = chunk;
+  h.arena_off = round_up(off + count * 8, 65536);
+  h.index_slots = slots;
+  h.max_nodes = opt.max_nodes;
+  h.pin_slots = opt.pin_slots;
+  h.max_namespaces = opt.max_namespaces;
+  h.pool_bytes = size;
+}
+
+void fill_stamp(PoolHeader& h) {
+  h.stamp_cache_line = kCacheLine;
+  h.stamp_header = sizeof(PoolHeader);
+  h.stamp_node_slot = sizeof(NodeSlot);
+  h.stamp_node_area_fixed = sizeof(NodeAreaFixed);
+  h.stamp_namespace = sizeof(NamespaceEntry);
+  h.stamp_index_entry = sizeof(IndexEntry);
+}
+
+uint64_t compute_host_id() {
+  if (const char* h = std::getenv("CXLKV_HOST_ID")) return xxh3(h, std::strlen(h), 1) | 1;
+  std::ifstream f("/proc/sys/kernel/random/boot_id");
+  std::string id;
+  std::getline(f, id);
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  id += host;
+  return xxh3(id.data(), id.size(), 1) | 1;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+std::unique_ptr<Pool> Pool::create(const std::string& path, const CreateOptions& opt, bool exist_ok) {
+  PoolHeader h{};
+  std::memcpy(h.magic, kMagic, 8);
+  h.major = kFormatMajor;
+  h.minor = kFormatMinor;
+  h.header_bytes = sizeof(PoolHeader);
+  h.backend = uint32_t(opt.backend);
+  if (opt.backend != Backend::coherent && opt.backend != Backend::flush)
+    throw ArgumentError("unknown backend");
+  if (::getrandom(h.uuid, sizeof h.uuid, 0) != sizeof h.uuid) throw OsError(errno, "getrandom failed");
+  h.created_unix_ns = now_unix_ns();
+  fill_stamp(h);
+
+  bool devdax = Mapping::is_devdax_path(path);
+  Mapping m;
+  std::string tmp;
+  if (devdax) {
+    m = Mapping::open_devdax_for_create(path, opt.size);
+    auto* existing = reinterpret_cast<const PoolHeader*>(m.base());
+    auto* sw = reinterpret_cast<SharedWords*>(m.base() + kSharedWordsOff);
+    if (std::memcmp(existing->magic, kMagic, 8) == 0 && sw->init.word == kInitReady) {
+      if (!exist_ok) throw OsError(EEXIST, "devdax device " + path + " already holds a cxlkv pool");
+      m = Mapping();
+      return open(path);
+    }
+    CreateOptions o = opt;
+    o.size = m.size();
+    plan_geometry(h, o);
+    Coherence c(opt.backend);
+    c.publish(&sw->init.word, kInitBusy);
+    std::memset(m.base(), 0, kSharedWordsOff);
+    std::memset(m.base() + kSharedWordsOff + kCacheLine, 0, h.arena_off - kSharedWordsOff - kCacheLine);
+  } else {
+    if (::access(path.c_str(), F_OK) == 0) {
+      if (exist_ok) return open(path);
+      throw OsError(EEXIST, "pool " + path + " already exists");
+    }
+    plan_geometry(h, opt);
+    uint8_t r[4];
+    (void)::getrandom(r, sizeof r, 0);
+    char suffix[64];
+    std::snprintf(suffix, sizeof suffix, ".init-%d-%02x%02x%02x%02x", int(::getpid()), r[0], r[1], r[2], r[3]);
+    tmp = path + suffix;
+    m = Mapping::create_file(tmp, opt.size);  // zero-filled: every state word starts FREE/EMPTY
+  }
+
+  h.checksum = header_checksum(h);
+  std::memcpy(m.base(), &h, sizeof h);
+  Coherence c(opt.backend);
+  c.flush(m.base(), h.arena_off);
+  auto* sw = reinterpret_cast<SharedWords*>(m.base() + kSharedWordsOff);
+  c.publish(&sw->init.word, kInitReady);  // commit word, written last
+  if (!devdax) {
+    // The pool appears at `path` only once complete: link() fails if someone else won the race.
+    if (::link(tmp.c_str(), path.c_str()) != 0) {
+      int e = errno;
+      ::unlink(tmp.c_str());
+      if (e == EEXIST && exist_ok) return open(path);
+      if (e == EEXIST) throw OsError(e, "pool " + path + " already exists");
+      throw OsError(e, "cannot create pool " + path + ": " + std::strerror(e));
+    }
+    ::unlink(tmp.c_str());
+  }
+  std::unique_ptr<Pool> p(new Pool());
+  p->path_ = path;
+  p->map_ = std::move(m);
+  p->validate_and_attach(true);
+  return p;
+}
+
+std::unique_ptr<Pool> Pool::open(const std::string& path) {
+  std::unique_ptr<Pool> p(new Pool());
+  p->path_ = path;
+  p->map_ = Mapping::open_existing(path);
+  p->validate_and_attach(false);
+  return p;
+}
+
+void Pool::destroy(const std::string& path) {
+  if (Mapping::is_devdax_path(path)) {
+    Mapping m = Mapping::open_existing(path);
+    Coherence c;
+    auto* sw = reinterpret_cast<SharedWords*>(m.base() + kSharedWordsOff);
+    c.publish(&sw->init.word, 0);
+    std::memset(m.base(), 0, sizeof(PoolHeader));
+    kernels::writeback_lines(m.base(), kHeaderBytes);
+    return;
+  }
+  // Refuse to delete something that is not a pool.
+  { Mapping m = Mapping::open_existing(path);
+    if (std::memcmp(m.base(), kMagic, 8) != 0)
+      throw FormatError(path + " is not a cxlkv pool (bad magic); not deleting it"); }
+  if (::unlink(path.c_str()) != 0) throw OsError(errno, "cannot delete " + path + ": " + std::strerror(errno));
+}
+
+void Pool::validate_and_attach(bool fresh) {
+  (void)fresh;
+  char* b = map_.base();
+  const auto& h = *reinterpret_cast<const PoolHeader*>(b);
+  const auto* sw = reinterpret_cast<const SharedWords*>(b + kSharedWordsOff);
+  const std::string& P = path_;
+  if (std::memcmp(h.magic, kMagic, 8) != 0) {
+    static const char zero[8] = {};
+    uint64_t init = std::atomic_ref<uint64_t>(const_cast<uint64_t&>(sw->init.word)).load();
+    if (std::memcmp(h.magic, zero, 8) == 0 && init == kInitBusy)
+      throw NotReadyError("pool " + P + " was never completely initialized (its creator died or is still running); destroy and re-create it");
+    throw FormatError(P + " is not a cxlkv pool (bad magic)");
+  }
+  if (h.major > kFormatMajor)
+    throw VersionError("pool " + P + " has format " + std::to_string(h.major) + "." + std::to_string(h.minor) +
+                       ", newer than this cxlkv build supports (" + std::to_string(kFormatMajor) + ".x)");
+  if (h.major < kFormatMajor)
+    throw VersionError("pool " + P + " has an old format " + std::to_string(h.major) + ".x; re-create it");
+  if (h.header_bytes != sizeof(PoolHeader))
+    throw FormatError("pool " + P + " header has " + std::to_string(h.header_bytes) + " bytes, expected " + std::to_string(sizeof(PoolHeader)));
+  if (h.checksum != header_checksum(h))
+    throw FormatError("pool " + P + " header checksum mismatch: the header is corrupt");
+  if (h.incompat & ~kIncompatSupported) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "0x%llx", (unsigned long long)(h.incompat & ~kIncompatSupported));
+    throw VersionError("pool " + P + " uses incompatible features unknown to this build (" + buf + ")");
+  }
+  if (h.stamp_cache_line != kCacheLine || h.stamp_header != sizeof(PoolHeader) ||
+      h.stamp_node_slot != sizeof(NodeSlot) || h.stamp_node_area_fixed != sizeof(NodeAreaFixed) ||
+      h.stamp_namespace != sizeof(NamespaceEntry) || h.stamp_index_entry != sizeof(IndexEntry))
+    throw VersionError("pool " + P + " was created by a build with another memory layout (build stamp differs)");
+  if (h.pool_bytes > map_.size())
+    throw TruncatedError("pool " + P + " is truncated: header says " + std::to_string(h.pool_bytes) +
+                         " bytes, the file has " + std::to_string(map_.size()));
+  // Geometry: every area inside the pool, in order, without overlap.
+  auto bad = [&](const char* what) { throw FormatError("pool " + P + " has an impossible geometry (" + what + ")"); };
+  if (h.backend != uint32_t(Backend::coherent) && h.backend != uint32_t(Backend::flush)) bad("backend");
+  if (h.max_nodes == 0 || h.max_nodes > kMaxNodes) bad("max_nodes");
+  if (h.pin_slots == 0 || h.pin_slots > (1u << 20)) bad("pin_slots");
+  if (h.max_namespaces == 0 || h.max_namespaces > kMaxNamespaces) bad("max_namespaces");
+  if (h.index_slots < 64 || (h.index_slots & (h.index_slots - 1)) || h.index_slots > (1ull << 36)) bad("index_slots");
+  if (h.chunk_bytes < 65536 || h.chunk_bytes % kMetaAlign || h.chunk_bytes > (1ull << 40)) bad("chunk_bytes");
+  if (h.node_area_bytes < sizeof(NodeAreaFixed) + uint64_t(h.pin_slots) * 8 || h.node_area_bytes % kMetaAlign) bad("node_area_bytes");
+  if (h.chunk_count == 0 || h.chunk_count > (1ull << 32)) bad("chunk_count");
+  uint64_t end = kSharedWordsOff + kMetaAlign;
+  auto area = [&](uint64_t off, uint64_t len, const char* what) {
+    if (off < end || off % 64 || len > h.pool_bytes || off > h.pool_bytes - len) bad(what);
+    end = off + len;
+  };
+  area(h.node_table_off, uint64_t(h.max_nodes) * sizeof(NodeSlot), "node table");
+  area(h.node_area_off, uint64_t(h.max_nodes) * h.node_area_bytes, "node areas");
+  area(h.ns_table_off, uint64_t(h.max_namespaces) * sizeof(NamespaceEntry), "namespace table");
+  area(h.index_off, h.index_slots * sizeof(IndexEntry), "index");
+  area(h.access_off, h.index_slots * 8, "access hints");
+  area(h.chunk_map_off, h.chunk_count * 8, "chunk map");
+  uint64_t stride = chunk_desc_bytes(h.chunk_bytes) + h.chunk_bytes;
+  if (h.chunk_count > (h.pool_bytes / stride)) bad("arena");
+  area(h.arena_off, h.chunk_count * stride, "arena");
+  uint64_t init = std::atomic_ref<uint64_t>(const_cast<uint64_t&>(sw->init.word)).load(std::memory_order_acquire);
+  if (init != kInitReady)
+    throw NotReadyError("pool " + P + " was never completely initialized (its creator died or is still running); destroy and re-create it");
+
+  base_ = b;
+  hdr_ = &h;
+  coh_ = Coherence(Backend(h.backend));
+  entries_ = reinterpret_cast<IndexEntry*>(b + h.index_off);
+  access_ = reinterpret_cast<uint64_t*>(b + h.access_off);
+  slot_mask_ = h.index_slots - 1;
+  desc_bytes_ = chunk_desc_bytes(h.chunk_bytes);
+  chunk_stride_ = desc_bytes_ + h.chunk_bytes;
+  pid_ = uint32_t(::getpid());
+  host_id_ = compute_host_id();
+  reap_dead_nodes();
+  attach_node();
+}
+
+Pool::~Pool() {
+  try { close(); } catch (...) {}
+}
+
+void Pool::close() {
+  if (!base_) return;
+  detach_node();
+  base_ = nullptr;
+  hdr_ = nullptr;
+  map_ = Mapping();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bounds-checked accessors. Values read from the pool are untrusted: check before use.
+NodeSlot* Pool::node_slot(uint32_t idx) const {
+  if (idx >= hdr_->max_nodes) throw CorruptError("node index " + std::to_string(idx) + " out of range");
+  return reinterpret_cast<NodeSlot*>(base_ + hdr_->node_table_off) + idx;
+}
+char* Pool::node_area(uint32_t idx) const {
+  if (idx >= hdr_->max_nodes) throw CorruptError("node index " + std::to_string(idx) + " out of range");
+  return base_ + hdr_->node_area_off + uint64_t(idx) * hdr_->node_area_bytes;
+}
+NamespaceEntry* Pool::ns_entry(uint32_t id) const {
+  if (id == 0 || id > hdr_->max_namespaces) throw CorruptError("namespace id " + std::to_string(id) + " out of range");
+  return reinterpret_cast<NamespaceEntry*>(base_ + hdr_->ns_table_off) + (id - 1);
+}
+uint64_t* Pool::chunk_word(uint64_t chunk) const {
+  if (chunk >= hdr_->chunk_count) throw CorruptError("chunk " + std::to_string(chunk) + " out of range");
+  return reinterpret_cast<uint64_t*>(base_ + hdr_->chunk_map_off) + chunk;
+}
+uint64_t* Pool::block_desc(uint64_t chunk, uint32_t block) const {
+  if (chunk >= hdr_->chunk_count || block >= desc_bytes_ / 8)
+    throw CorruptError("block " + std::to_string(chunk) + ":" + std::to_string(block) + " out of range");
+  return reinterpret_cast<uint64_t*>(base_ + hdr_->arena_off + chunk * chunk_stride_) + block;
+}
+char* Pool::block_payload(const NsHandle& ns, uint64_t chunk, uint32_t block) const {
+  if (chunk >= hdr_->chunk_count || block >= ns.geo.blocks)
+    throw CorruptError("block " + std::to_string(chunk) + ":" + std::to_string(block) + " out of range");
+  return base_ + hdr_->arena_off + chunk * chunk_stride_ + desc_bytes_ + uint64_t(block) * ns.geo.block_stride;
+}
+
+void Pool::count(Counter c, uint64_t v) {
+  if (!base_ || !node_id_) return;
+  coh_.bump_owned(&node_fixed(node_id_ - 1)->counters[c], v);
+}
+
+std::vector<uint64_t> Pool::counters() {
+  std::vector<uint64_t> sum(kCounterCount, 0);
+  for (uint32_t i = 0; i < hdr_->max_nodes; ++i) {
+    if (node_state(coh_.read(&node_slot(i)->state)) == kNodeFree) continue;
+    auto* f = node_fixed(i);
+    for (uint32_t c = 0; c < kCounterCount; ++c) sum[c] += coh_.read_hint(&f->counters[c]);
+  }
+  return sum;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pin slots: a process-local free list over this node's pin array. pin_hw only grows while
+// attached; it tells other nodes how far to scan.
+bool Pool::alloc_pin(uint32_t* idx) {
+  std::lock_guard<std::mutex> g(pin_mu_);
+  if (free_pins_.empty()) {
+    if (pin_hw_ >= hdr_->pin_slots) return false;
+    *idx = uint32_t(pin_hw_++);
+    coh_.publish(&node_fixed(node_id_ - 1)->pin_hw, pin_hw_);
+    return true;
+  }
+  *idx = free_pins_.back();
+  free_pins_.pop_back();
+  return true;
+}
+void Pool::free_pin(uint32_t idx) {
+  std::lock_guard<std::mutex> g(pin_mu_);
+  free_pins_.push_back(idx);
+}
+
+}  // namespace cxlkv

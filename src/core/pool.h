@@ -1,0 +1,206 @@
+// Pool: one attachment of this process to a cxlkv pool. Owns the mapping, the node slot and the
+// process-local helpers (pin-slot allocator, allocation cursors). Thread-safe: several threads of
+// one process may use one Pool (the Python binding releases the GIL during copies).
+#pragma once
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "coherence.h"
+#include "errors.h"
+#include "format.h"
+#include "mapping.h"
+
+namespace cxlkv {
+
+struct CreateOptions {
+  uint64_t size = 0;
+  uint64_t chunk_bytes = 0;   // 0: derived from size
+  uint64_t index_slots = 0;   // 0: derived from size
+  uint32_t max_nodes = 64;
+  uint32_t pin_slots = 256;
+  uint32_t max_namespaces = 64;
+  Backend backend = Backend::coherent;
+};
+
+struct Layout {
+  std::string name;      // namespace identity (unique in a pool)
+  std::string model_id;
+  std::string dtype;     // "bf16", "fp16", "fp32", "fp8", "int8", "uint8", "bytes"
+  uint32_t dtype_bytes = 2;
+  uint32_t kind = format::kLayoutDense;
+  uint32_t num_layers = 0, num_kv_heads = 0, head_size = 0, tokens_per_block = 0;
+  uint32_t tp_rank = 0, tp_size = 1;
+  uint64_t block_bytes = 0;
+};
+
+struct NsHandle {
+  uint32_t id = 0;  // 1-based namespace id (index in the table + 1)
+  uint64_t block_bytes = 0;
+  format::ChunkGeometry geo{};
+  std::string name;
+};
+
+using Key = std::array<uint8_t, 32>;
+
+// A contiguous piece of a block's payload in caller memory (gather source / scatter target).
+struct Piece {
+  char* ptr;
+  uint64_t bytes;
+};
+
+// One strided fragment family: for block id b, bytes at base + b * block_stride.
+struct Fragment {
+  uintptr_t base;
+  int64_t block_stride;
+  uint64_t bytes;
+};
+
+struct PinRef {
+  uint64_t slot;
+  uint32_t gen;
+  uint32_t pin_index;
+};
+
+struct CheckReport {
+  bool ok = true;
+  std::vector<std::string> errors, warnings;
+  uint64_t reclaimed_nodes = 0;
+  uint64_t capacity_blocks = 0, free_blocks = 0, ready_blocks = 0, inflight_blocks = 0;
+  uint64_t leaked_blocks = 0, stuck_entries = 0, orphan_pins = 0, duplicate_keys = 0;
+  uint64_t free_chunks = 0, active_chunks = 0;
+};
+
+class Pool {
+ public:
+  static std::unique_ptr<Pool> create(const std::string& path, const CreateOptions& opt, bool exist_ok);
+  static std::unique_ptr<Pool> open(const std::string& path);
+  static void destroy(const std::string& path);
+  ~Pool();
+  void close();
+  bool closed() const { return !base_; }
+
+  // --- identity ---------------------------------------------------------------------------
+  const std::string& path() const { return path_; }
+  uint64_t size() const { return map_.size(); }
+  uint32_t node_id() const { return node_id_; }
+  const format::PoolHeader& header() const { return *hdr_; }
+  Backend backend() const { return coh_.backend(); }
+
+  // --- namespaces (namespaces.cpp) ----------------------------------------------------------
+  NsHandle open_namespace(const Layout& layout);
+  std::vector<std::pair<NsHandle, Layout>> list_namespaces();
+
+  // --- block operations (index.cpp) ---------------------------------------------------------
+  // put: true if the key is present afterwards (stored now, already there, or being stored by
+  // another node); false if no block could be allocated or evicted.
+  bool put(const NsHandle& ns, const Key& key, const Piece* src, size_t n, uint16_t depth);
+  // get: scatter the payload into dst pieces (total >= length); false on miss or checksum failure.
+  bool get(const NsHandle& ns, const Key& key, const Piece* dst, size_t n, uint64_t* length);
+  bool contains(const NsHandle& ns, const Key& key);
+  size_t match_prefix(const NsHandle& ns, const Key* keys, size_t n);
+  bool remove(const NsHandle& ns, const Key& key);
+  std::vector<PinRef> acquire(const NsHandle& ns, const Key* keys, size_t n);
+  void release(const std::vector<PinRef>& pins);
+
+  // --- batched gather/scatter (copy_engine.cpp) ---------------------------------------------
+  // Gathers, for key i, the fragments at block id block_ids[i] into one pool block (depth of key
+  // i in its chain = start_depth + i). Returns the number of leading keys present afterwards.
+  size_t store(const NsHandle& ns, const Key* keys, size_t n, const std::vector<Fragment>& frags,
+               const int64_t* block_ids, uint32_t start_depth = 0);
+  // Scatters blocks back; returns the number of leading keys loaded (a miss or checksum failure
+  // stops the count; later keys may still have been written).
+  size_t load(const NsHandle& ns, const Key* keys, size_t n, const std::vector<Fragment>& frags,
+              const int64_t* block_ids);
+  static void set_copy_threads(unsigned n);
+
+  // --- maintenance (nodes.cpp, check.cpp) ----------------------------------------------------
+  uint64_t reap_dead_nodes();  // returns nodes reclaimed
+  CheckReport check();
+  std::vector<uint64_t> counters();  // summed over attached nodes
+  struct Occupancy { uint64_t capacity, free, used, free_chunks, active_chunks; };
+  Occupancy occupancy();
+
+ private:
+  Pool() = default;
+  void validate_and_attach(bool fresh);
+  void attach_node();
+  void detach_node();
+  bool node_is_dead(uint32_t idx, uint64_t word);
+  void reclaim_node(uint32_t idx, uint64_t word);
+
+  // bounds-checked accessors: throw CorruptError on an out-of-range value read from the pool
+  format::NodeSlot* node_slot(uint32_t idx) const;
+  char* node_area(uint32_t idx) const;
+  format::NodeAreaFixed* node_fixed(uint32_t idx) const { return reinterpret_cast<format::NodeAreaFixed*>(node_area(idx)); }
+  uint64_t* pins(uint32_t idx) const { return reinterpret_cast<uint64_t*>(node_area(idx) + sizeof(format::NodeAreaFixed)); }
+  format::NamespaceEntry* ns_entry(uint32_t id) const;  // 1-based id
+  format::IndexEntry* entry(uint64_t slot) const { return entries_ + (slot & slot_mask_); }
+  uint64_t* access(uint64_t slot) const { return access_ + (slot & slot_mask_); }
+  uint64_t* chunk_word(uint64_t chunk) const;
+  uint64_t* block_desc(uint64_t chunk, uint32_t block) const;
+  char* block_payload(const NsHandle& ns, uint64_t chunk, uint32_t block) const;
+  uint64_t chunk_stride() const { return chunk_stride_; }
+  format::SharedWords* shared() const { return reinterpret_cast<format::SharedWords*>(base_ + format::kSharedWordsOff); }
+
+  // index internals (index.cpp)
+  struct Found {
+    uint64_t slot;
+    uint64_t word;
+    format::IndexEntry e;
+  };
+  bool find(const NsHandle& ns, const Key& key, uint64_t hash, Found* out);
+  bool snapshot(uint64_t slot, uint64_t word, format::IndexEntry* out);
+  bool pin(uint64_t slot, uint64_t word, PinRef* out);
+  void unpin(const PinRef& p);
+  bool is_pinned(uint64_t slot, uint32_t gen);
+  void touch(uint64_t slot, uint16_t depth);
+  bool evict_one(const NsHandle* only_ns, uint64_t from, uint64_t span, uint64_t* freed_chunk,
+                 uint32_t* freed_block, uint64_t new_owner_slot);
+  void finish_evict(uint64_t slot, uint64_t evicting_word);
+  bool copy_out(const NsHandle& ns, const Found& f, const Piece* dst, size_t n);
+  bool validate_ref(const NsHandle& ns, const format::IndexEntry& e) const;
+  // allocator.cpp
+  bool alloc_block(const NsHandle& ns, uint64_t slot, uint64_t* chunk, uint32_t* block);
+  bool carve_chunk(const NsHandle& ns, uint64_t* chunk);
+  bool claim_free_block(const NsHandle& ns, uint64_t chunk, uint64_t slot, uint32_t* block, uint32_t start);
+  void free_block(uint64_t chunk, uint32_t block);
+  // pin slots (process-local allocator over this node's pin array)
+  bool alloc_pin(uint32_t* idx);
+  void free_pin(uint32_t idx);
+  void count(format::Counter c, uint64_t v = 1);
+
+  std::string path_;
+  Mapping map_;
+  char* base_ = nullptr;
+  const format::PoolHeader* hdr_ = nullptr;
+  Coherence coh_;
+  format::IndexEntry* entries_ = nullptr;
+  uint64_t* access_ = nullptr;
+  uint64_t slot_mask_ = 0;
+  uint64_t chunk_stride_ = 0;
+  uint64_t desc_bytes_ = 0;
+  uint32_t node_id_ = 0;  // 1-based; 0 = not attached
+  uint32_t pid_ = 0;
+  uint64_t host_id_ = 0;
+  uint64_t node_word_ = 0;
+
+  std::mutex pin_mu_;
+  std::vector<uint32_t> free_pins_;
+  uint64_t pin_hw_ = 0;
+  std::mutex alloc_mu_;
+  std::unordered_map<uint32_t, uint64_t> home_chunk_;  // ns id -> chunk this node carves from
+  std::atomic<uint64_t> evict_hand_{0};
+  std::atomic<uint64_t> last_reap_ns_{0};
+};
+
+uint64_t xxh3(const void* p, size_t n, uint64_t seed = 0);
+uint64_t now_unix_ns();
+uint64_t now_mono_us();
+
+}  // namespace cxlkv
