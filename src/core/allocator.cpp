@@ -48,45 +48,52 @@ bool Pool::carve_chunk(const NsHandle& ns, uint64_t* out) {
 }
 
 bool Pool::alloc_block(const NsHandle& ns, uint64_t slot, uint64_t* chunk, uint32_t* block) {
-  uint64_t home = ~0ull;
+  constexpr uint64_t kStealBackoffUs = 20'000;
+  NsAlloc st;
   {
     std::lock_guard<std::mutex> g(alloc_mu_);
-    auto it = home_chunk_.find(ns.id);
-    if (it != home_chunk_.end()) home = it->second;
+    st = alloc_[ns.id];
   }
-  auto remember = [&](uint64_t c) {
+  auto remember = [&](uint64_t c, uint32_t next, uint64_t steal_after) {
     std::lock_guard<std::mutex> g(alloc_mu_);
-    home_chunk_[ns.id] = c;
+    alloc_[ns.id] = NsAlloc{c, next, steal_after};
   };
   auto mine = [&](uint64_t c) {
     uint64_t w = coh_.read(chunk_word(c));
     return chunk_state(w) == kChunkActive && chunk_ns(w) == ns.id;
   };
-  // 1. This node's home chunk.
-  if (home != ~0ull && mine(home) && claim_free_block(ns, home, slot, block, 0)) {
-    *chunk = home;
+  // 1. This node's home chunk, from where the last allocation stopped.
+  if (st.home != ~0ull && st.home < hdr_->chunk_count && mine(st.home) &&
+      claim_free_block(ns, st.home, slot, block, st.cursor)) {
+    remember(st.home, *block + 1, st.steal_after_us);
+    *chunk = st.home;
     return true;
   }
   // 2. A fresh chunk from the global map.
   uint64_t c;
   while (carve_chunk(ns, &c)) {
-    remember(c);
     if (claim_free_block(ns, c, slot, block, 0)) {
+      remember(c, *block + 1, 0);
       *chunk = c;
       return true;
     }
   }
-  // 3. A block freed in another chunk of this namespace (deletes, evictions by other nodes).
+  // 3. A block freed in another chunk of this namespace (deletes, reclaimed writers). Under
+  //    steady eviction pressure there are none, so a fruitless scan backs off for a while and
+  //    the caller evicts instead.
+  uint64_t now = now_mono_us();
+  if (now < st.steal_after_us) return false;
   uint64_t start = std::random_device{}() % hdr_->chunk_count;
   for (uint64_t i = 0; i < hdr_->chunk_count; ++i) {
     c = (start + i) % hdr_->chunk_count;
-    if (c == home || !mine(c)) continue;
+    if (!mine(c)) continue;
     if (claim_free_block(ns, c, slot, block, 0)) {
-      remember(c);
+      remember(c, *block + 1, 0);
       *chunk = c;
       return true;
     }
   }
+  remember(st.home, st.cursor, now + kStealBackoffUs);
   return false;
 }
 

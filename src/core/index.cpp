@@ -118,7 +118,8 @@ bool Pool::validate_ref(const NsHandle& ns, const IndexEntry& e) const {
   return chunk_state(w) == kChunkActive && chunk_ns(w) == ns.id;
 }
 
-// Frees the block of an entry this node holds in EVICTING and tombstones the slot.
+// Frees the block of an entry this node holds in EVICTING (or WRITING, when a put is abandoned)
+// and tombstones the slot. The block is freed only if its descriptor still points to the slot.
 void Pool::finish_evict(uint64_t slot, uint64_t evicting_word) {
   IndexEntry e;
   snapshot(slot, evicting_word, &e);
@@ -233,8 +234,8 @@ bool Pool::put(const NsHandle& ns, const Key& key, const Piece* src, size_t n, u
     const uint32_t gen = (entry_gen(reuse_word) + 1) & 0xFFFFFF;
     const uint64_t writing = make_entry_word(kWriting, uint8_t(node_id_), gen, kh.tag);
     if (!coh_.claim(&entry(reuse)->state, reuse_word, writing)) continue;
-    IndexEntry* e = entry(reuse);
     auto abandon = [&] {
+      IndexEntry* e = entry(reuse);
       coh_.publish(&e->state, make_entry_word(kTombstone, 0, gen, kh.tag));
     };
     // Two nodes may have claimed slots for the same key at once: the earlier probe position wins.
@@ -256,6 +257,24 @@ bool Pool::put(const NsHandle& ns, const Key& key, const Piece* src, size_t n, u
       count(kPutsPresent);
       return true;
     }
+    try {
+      return fill_claimed(ns, key, src, n, depth, total, reuse, gen, kh.tag);
+    } catch (...) {
+      finish_evict(reuse, writing);  // never leave a WRITING entry or its block behind
+      throw;
+    }
+  }
+  count(kPutsFailed);
+  return false;
+}
+
+// Second half of put(): this node owns `slot` in WRITING. Allocates a block (evicting if
+// needed), copies and checksums the payload, and publishes READY.
+bool Pool::fill_claimed(const NsHandle& ns, const Key& key, const Piece* src, size_t n, uint16_t depth,
+                        uint64_t total, uint64_t slot, uint32_t gen, uint32_t tag) {
+  IndexEntry* e = entry(slot);
+  const uint64_t reuse = slot;
+  {  // (scope kept flat for readability of the publication order below)
     uint64_t chunk = 0;
     uint32_t block = 0;
     bool got = alloc_block(ns, reuse, &chunk, &block);
@@ -267,7 +286,7 @@ bool Pool::put(const NsHandle& ns, const Key& key, const Piece* src, size_t n, u
       if (reap_dead_nodes() > 0) got = alloc_block(ns, reuse, &chunk, &block);
     }
     if (!got) {
-      abandon();
+      coh_.publish(&e->state, make_entry_word(kTombstone, 0, gen, tag));
       count(kPutsFailed);
       return false;
     }
@@ -292,14 +311,12 @@ bool Pool::put(const NsHandle& ns, const Key& key, const Piece* src, size_t n, u
     e->length = uint32_t(total);
     e->checksum = XXH3_64bits_digest(&hs);
     coh_.flush(e, sizeof *e);
-    coh_.publish(&e->state, make_entry_word(kReady, 0, gen, kh.tag));  // commit: written last
+    coh_.publish(&e->state, make_entry_word(kReady, 0, gen, tag));  // commit: written last
     touch(reuse, depth);
     count(kPuts);
     count(kBytesStored, total);
     return true;
   }
-  count(kPutsFailed);
-  return false;
 }
 
 bool Pool::copy_out(const NsHandle& ns, const Found& f, const Piece* dst, size_t n) {
@@ -359,14 +376,22 @@ bool Pool::contains(const NsHandle& ns, const Key& key) {
 }
 
 size_t Pool::match_prefix(const NsHandle& ns, const Key* keys, size_t n) {
-  // Touch back to front so that, with equal times, the head is the most recently used.
+  // Prefetch the home lines of the next keys, so a long prefix costs about one memory latency
+  // per batch of keys instead of one per key.
+  constexpr size_t kAhead = 16;
+  auto prefetch = [&](size_t i) {
+    if (i < n) __builtin_prefetch(entry(key_hash(keys[i], ns.id, slot_mask_).home), 0, 3);
+  };
+  for (size_t i = 0; i < kAhead; ++i) prefetch(i);
   std::vector<uint64_t> slots;
   slots.reserve(n);
   for (size_t i = 0; i < n; ++i) {
+    prefetch(i + kAhead);
     Found f;
     if (!find(ns, keys[i], 0, &f)) break;
     slots.push_back(f.slot);
   }
+  // Touch back to front so that, with equal times, the head is the most recently used.
   for (size_t i = slots.size(); i-- > 0;) touch(slots[i], uint16_t(std::min<size_t>(i, 0xFFFF)));
   return slots.size();
 }

@@ -163,6 +163,8 @@ class Pool {
   bool evict_one(const NsHandle* only_ns, uint64_t from, uint64_t span, uint64_t* freed_chunk,
                  uint32_t* freed_block, uint64_t new_owner_slot);
   void finish_evict(uint64_t slot, uint64_t evicting_word);
+  bool fill_claimed(const NsHandle& ns, const Key& key, const Piece* src, size_t n, uint16_t depth,
+                    uint64_t total, uint64_t slot, uint32_t gen, uint32_t tag);
   bool copy_out(const NsHandle& ns, const Found& f, const Piece* dst, size_t n);
   bool validate_ref(const NsHandle& ns, const format::IndexEntry& e) const;
   // allocator.cpp
@@ -194,7 +196,12 @@ class Pool {
   std::vector<uint32_t> free_pins_;
   uint64_t pin_hw_ = 0;
   std::mutex alloc_mu_;
-  std::unordered_map<uint32_t, uint64_t> home_chunk_;  // ns id -> chunk this node carves from
+  struct NsAlloc {
+    uint64_t home = ~0ull;       // chunk this node allocates from first
+    uint32_t cursor = 0;         // where the last scan of the home chunk stopped
+    uint64_t steal_after_us = 0; // a scan of other chunks found nothing: skip scans until then
+  };
+  std::unordered_map<uint32_t, NsAlloc> alloc_;  // by namespace id; process-local
   std::atomic<uint64_t> evict_hand_{0};
   std::atomic<uint64_t> last_reap_ns_{0};
 };

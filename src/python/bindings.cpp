@@ -10,6 +10,7 @@
 #include <cstring>
 #include <shared_mutex>
 
+#include "bench.h"
 #include "cpu_features.h"
 #include "pool.h"
 
@@ -449,7 +450,27 @@ NB_MODULE(_core, m) {
           lease->keys.push_back(nb::borrow<nb::bytes>(nb::bytes(Buffer(h, false).data(), 32)));
         }
         return lease;
-      }, "keys"_a, nb::keep_alive<0, 1>(), nb::rv_policy::take_ownership);
+      }, "keys"_a, nb::keep_alive<0, 1>(), nb::rv_policy::take_ownership)
+      .def("bench_index", [](PyNamespace& n, uint64_t inserts, uint64_t lookups, uint64_t payload_bytes, uint64_t seed, double seconds) {
+        OpGuard g(*n.owner);
+        IndexBenchResult r;
+        {
+          nb::gil_scoped_release nogil;
+          r = bench_index(*g.p, n.h, inserts, lookups, payload_bytes, seed, seconds);
+        }
+        nb::dict d;
+        d["inserts"] = r.inserts;
+        d["lookups"] = r.lookups;
+        d["lookup_p50_ns"] = r.lookup_p50_ns;
+        d["lookup_p99_ns"] = r.lookup_p99_ns;
+        d["lookup_mean_ns"] = r.lookup_mean_ns;
+        d["insert_p50_ns"] = r.insert_p50_ns;
+        d["insert_p99_ns"] = r.insert_p99_ns;
+        d["lookups_per_s"] = r.lookups_per_s;
+        d["inserts_per_s"] = r.inserts_per_s;
+        return d;
+      }, "inserts"_a, "lookups"_a, "payload_bytes"_a = 64, "seed"_a = 1, "seconds"_a = 1.0,
+      "Core-side index benchmark (timed in C++): inserts fresh keys, then looks them up.");
 
   nb::class_<PyLease>(m, "Lease")
       .def("release", &PyLease::release)

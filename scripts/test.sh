@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh machine: installs what is missing, builds and runs the C++
+# GoogleTest suite, then the Python suite (real processes, real files, kill -9 chaos).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$ROOT/scripts/bootstrap.sh"
+cd "$ROOT"
+
+echo "== C++ core tests (GoogleTest)"
+cmake -S . -B build/gtest -G Ninja -DCXLKV_BUILD_TESTS=ON -DCXLKV_BUILD_PYTHON=OFF \
+      -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+cmake --build build/gtest
+(cd build/gtest && ctest --output-on-failure -j2)
+
+echo "== Python tests (pytest)"
+python -m pytest tests/python -q -p no:cacheprovider "$@"
