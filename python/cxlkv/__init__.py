@@ -108,8 +108,10 @@ class Pool:
         return cls(core)
 
     @classmethod
-    def open(cls, path: str = DEFAULT_POOL_PATH) -> "Pool":
-        return cls(_core.Pool.open(os.fspath(path)))
+    def open(cls, path: str = DEFAULT_POOL_PATH, *, populate: bool = False) -> "Pool":
+        """Attach to an existing pool. populate=True maps every page now (long-lived servers),
+        instead of faulting pages in during the first copies."""
+        return cls(_core.Pool.open(os.fspath(path), populate=populate))
 
     @classmethod
     def open_or_create(cls, path: str = DEFAULT_POOL_PATH, size: SizeLike = "1GiB", **kwargs) -> "Pool":

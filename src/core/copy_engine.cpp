@@ -45,6 +45,8 @@ class Workers {
 
 // Runs op(i) -> bool for each key, in parallel for large batches; returns leading successes.
 size_t run_batch(size_t n, uint64_t block_bytes, const std::function<bool(size_t)>& op) {
+  AccessStamp outer;  // one access time for the whole batch, on every thread
+  const uint64_t stamp = AccessStamp::current();
   std::vector<uint8_t> ok(n, 0);
   unsigned parts = 1;
   if (n > 1 && n * block_bytes >= kParallelBytes)
@@ -52,6 +54,7 @@ size_t run_batch(size_t n, uint64_t block_bytes, const std::function<bool(size_t
   std::exception_ptr err;
   std::mutex err_mu;
   Workers::get().run(parts, [&](unsigned p) {
+    AccessStamp same(stamp);
     size_t lo = n * p / parts, hi = n * (p + 1) / parts;
     try {
       for (size_t i = lo; i < hi; ++i) ok[i] = op(i);

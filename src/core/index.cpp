@@ -11,9 +11,7 @@
 #include <cstring>
 #include <random>
 
-#define XXH_INLINE_ALL
-#include <xxhash.h>
-
+#include "checksum.h"
 #include "pool.h"
 
 namespace cxlkv {
@@ -21,7 +19,6 @@ namespace cxlkv {
 using namespace format;
 
 namespace {
-constexpr uint64_t kDepthPenaltyUs = 4000;  // a block one level deeper looks 4 ms older
 constexpr size_t kCopyStep = 64 * 1024;     // copy then hash in L2-sized steps
 constexpr uint32_t kEvictSample = 32;
 
@@ -30,7 +27,7 @@ struct KeyHash {
   uint32_t tag;
 };
 inline KeyHash key_hash(const Key& k, uint32_t ns, uint64_t mask) {
-  uint64_t h = XXH3_64bits_withSeed(k.data(), 32, ns);
+  uint64_t h = xxh3(k.data(), 32, ns);
   return {h & mask, uint32_t(h >> 40) & 0xFFFFFF};
 }
 }  // namespace
@@ -105,11 +102,21 @@ bool Pool::is_pinned(uint64_t slot, uint32_t gen) {
   return false;
 }
 
+// Access hint = [time in ms : 48][0xFFFF - depth : 16]. Eviction takes the smallest: the least
+// recently used time first and, within one time, the deepest block of its chain first. Batch
+// operations (store, load, match_prefix, acquire) stamp all their keys with one time, so a chain
+// touched together loses its tail before its head, and older chains go before newer ones.
+namespace {
+thread_local uint64_t t_batch_ms = 0;
+}
+AccessStamp::AccessStamp(uint64_t ms) : prev_(t_batch_ms) { t_batch_ms = ms ? ms : now_mono_us() / 1000; }
+AccessStamp::~AccessStamp() { t_batch_ms = prev_; }
+uint64_t AccessStamp::current() { return t_batch_ms; }
+
 void Pool::touch(uint64_t slot, uint16_t depth) {
-  uint64_t now = now_mono_us();
-  uint64_t v = now - std::min<uint64_t>(now, uint64_t(depth) * kDepthPenaltyUs);
-  uint64_t cur = coh_.read_hint(access(slot));
-  if (cur + 1000 < v || v + 1000 < cur) coh_.write_hint(access(slot), v);
+  uint64_t ms = t_batch_ms ? t_batch_ms : now_mono_us() / 1000;
+  uint64_t v = (ms << 16) | uint64_t(0xFFFF - depth);
+  if (coh_.read_hint(access(slot)) != v) coh_.write_hint(access(slot), v);
 }
 
 bool Pool::validate_ref(const NsHandle& ns, const IndexEntry& e) const {
@@ -294,13 +301,12 @@ bool Pool::fill_claimed(const NsHandle& ns, const Key& key, const Piece* src, si
     e->block = uint16_t(block);
     coh_.flush(e, sizeof *e);
     char* dst = block_payload(ns, chunk, block);
-    XXH3_state_t hs;
-    XXH3_64bits_reset(&hs);
+    Checksum hs;
     for (size_t i = 0; i < n; ++i) {
       for (uint64_t off = 0; off < src[i].bytes; off += kCopyStep) {
         uint64_t len = std::min<uint64_t>(kCopyStep, src[i].bytes - off);
         coh_.stream_copy(dst, src[i].ptr + off, len);
-        XXH3_64bits_update(&hs, src[i].ptr + off, len);
+        hs.update(src[i].ptr + off, len);
         dst += len;
       }
     }
@@ -309,7 +315,7 @@ bool Pool::fill_claimed(const NsHandle& ns, const Key& key, const Piece* src, si
     e->ns_id = ns.id;
     e->depth = depth;
     e->length = uint32_t(total);
-    e->checksum = XXH3_64bits_digest(&hs);
+    e->checksum = hs.digest();
     coh_.flush(e, sizeof *e);
     coh_.publish(&e->state, make_entry_word(kReady, 0, gen, tag));  // commit: written last
     touch(reuse, depth);
@@ -323,19 +329,22 @@ bool Pool::copy_out(const NsHandle& ns, const Found& f, const Piece* dst, size_t
   const char* src = block_payload(ns, f.e.chunk, f.e.block);
   uint64_t left = f.e.length;
   coh_.invalidate(src, left);
-  XXH3_state_t hs;
-  XXH3_64bits_reset(&hs);
+  // Streaming stores into the caller's buffer (no read-for-ownership of its lines: measured
+  // 3.5 -> 6+ GB/s on 2 MiB blocks), and the checksum over the pool bytes just read, which are
+  // in cache. The block is pinned and write-once, so those are the bytes the caller received.
+  Checksum hs;
   for (size_t i = 0; i < n && left; ++i) {
     uint64_t take = std::min<uint64_t>(dst[i].bytes, left);
     for (uint64_t off = 0; off < take; off += kCopyStep) {
       uint64_t len = std::min<uint64_t>(kCopyStep, take - off);
-      std::memcpy(dst[i].ptr + off, src, len);
-      XXH3_64bits_update(&hs, dst[i].ptr + off, len);  // hash what the caller got, hot in cache
+      coh_.stream_copy(dst[i].ptr + off, src, len);
+      hs.update(src, len);
       src += len;
     }
     left -= take;
   }
-  return left == 0 && XXH3_64bits_digest(&hs) == f.e.checksum;
+  coh_.stream_fence();
+  return left == 0 && hs.digest() == f.e.checksum;
 }
 
 bool Pool::get(const NsHandle& ns, const Key& key, const Piece* dst, size_t n, uint64_t* length) {
@@ -376,6 +385,7 @@ bool Pool::contains(const NsHandle& ns, const Key& key) {
 }
 
 size_t Pool::match_prefix(const NsHandle& ns, const Key* keys, size_t n) {
+  AccessStamp stamp;
   // Prefetch the home lines of the next keys, so a long prefix costs about one memory latency
   // per batch of keys instead of one per key.
   constexpr size_t kAhead = 16;
@@ -391,8 +401,7 @@ size_t Pool::match_prefix(const NsHandle& ns, const Key* keys, size_t n) {
     if (!find(ns, keys[i], 0, &f)) break;
     slots.push_back(f.slot);
   }
-  // Touch back to front so that, with equal times, the head is the most recently used.
-  for (size_t i = slots.size(); i-- > 0;) touch(slots[i], uint16_t(std::min<size_t>(i, 0xFFFF)));
+  for (size_t i = 0; i < slots.size(); ++i) touch(slots[i], uint16_t(std::min<size_t>(i, 0xFFFF)));
   return slots.size();
 }
 
@@ -412,6 +421,7 @@ bool Pool::remove(const NsHandle& ns, const Key& key) {
 }
 
 std::vector<PinRef> Pool::acquire(const NsHandle& ns, const Key* keys, size_t n) {
+  AccessStamp stamp;
   std::vector<PinRef> out;
   for (size_t i = 0; i < n; ++i) {
     Found f;

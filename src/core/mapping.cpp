@@ -28,9 +28,10 @@ struct Fd {
 };
 
 // Maps `len` bytes of fd at an address aligned to `align`.
-char* map_aligned(int fd, uint64_t len, uint64_t align, uint64_t* map_len, const std::string& path) {
+char* map_aligned(int fd, uint64_t len, uint64_t align, uint64_t* map_len, const std::string& path,
+                  bool populate = false) {
   if (align <= 4096) {
-    void* p = ::mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    void* p = ::mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED | (populate ? MAP_POPULATE : 0), fd, 0);
     if (p == MAP_FAILED) throw_os(errno, "cannot map", path);
     *map_len = len;
     return static_cast<char*>(p);
@@ -38,7 +39,8 @@ char* map_aligned(int fd, uint64_t len, uint64_t align, uint64_t* map_len, const
   void* r = ::mmap(nullptr, len + align, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (r == MAP_FAILED) throw_os(errno, "cannot reserve address space for", path);
   uintptr_t a = (reinterpret_cast<uintptr_t>(r) + align - 1) & ~(align - 1);
-  void* p = ::mmap(reinterpret_cast<void*>(a), len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0);
+  void* p = ::mmap(reinterpret_cast<void*>(a), len, PROT_READ | PROT_WRITE,
+                   MAP_SHARED | MAP_FIXED | (populate ? MAP_POPULATE : 0), fd, 0);
   if (p == MAP_FAILED) {
     int e = errno;
     ::munmap(r, len + align);
@@ -87,7 +89,7 @@ uint64_t devdax_size(const std::string& path) {
   return size;
 }
 
-Mapping Mapping::open_existing(const std::string& path) {
+Mapping Mapping::open_existing(const std::string& path, bool populate) {
   Mapping m;
   Fd fd;
   fd.fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
@@ -113,7 +115,7 @@ Mapping Mapping::open_existing(const std::string& path) {
   if (size < format::kSharedWordsOff + 4096)
     throw TruncatedError("pool " + path + " is truncated: " + std::to_string(size) +
                          " bytes, smaller than a pool header");
-  m.base_ = map_aligned(fd.fd, size, m.devdax_ ? kDevdaxAlign : 0, &m.map_len_, path);
+  m.base_ = map_aligned(fd.fd, size, m.devdax_ ? kDevdaxAlign : 0, &m.map_len_, path, populate);
   m.size_ = size;
   return m;
 }
@@ -130,7 +132,7 @@ Mapping Mapping::create_file(const std::string& tmp_path, uint64_t size) {
     ::unlink(tmp_path.c_str());
     throw_os(e, "cannot allocate " + std::to_string(size) + " bytes for", tmp_path);
   }
-  m.base_ = map_aligned(fd.fd, size, 0, &m.map_len_, tmp_path);
+  m.base_ = map_aligned(fd.fd, size, 0, &m.map_len_, tmp_path, true);
   m.size_ = size;
   return m;
 }

@@ -11,14 +11,10 @@
 #include <cstring>
 #include <fstream>
 
-#define XXH_INLINE_ALL
-#include <xxhash.h>
 
 namespace cxlkv {
 
 using namespace format;
-
-uint64_t xxh3(const void* p, size_t n, uint64_t seed) { return XXH3_64bits_withSeed(p, n, seed); }
 
 uint64_t now_unix_ns() {
   return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -191,10 +187,10 @@ std::unique_ptr<Pool> Pool::create(const std::string& path, const CreateOptions&
   return p;
 }
 
-std::unique_ptr<Pool> Pool::open(const std::string& path) {
+std::unique_ptr<Pool> Pool::open(const std::string& path, bool populate) {
   std::unique_ptr<Pool> p(new Pool());
   p->path_ = path;
-  p->map_ = Mapping::open_existing(path);
+  p->map_ = Mapping::open_existing(path, populate);
   p->validate_and_attach(false);
   return p;
 }

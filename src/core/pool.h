@@ -11,6 +11,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "checksum.h"
 #include "coherence.h"
 #include "errors.h"
 #include "format.h"
@@ -76,10 +77,24 @@ struct CheckReport {
   uint64_t free_chunks = 0, active_chunks = 0;
 };
 
+// Stamps every access hint written by this thread while alive with one time (ms; 0 = now), so
+// that the keys of one batch rank by chain depth alone (see Pool::touch).
+class AccessStamp {
+ public:
+  explicit AccessStamp(uint64_t ms = 0);
+  ~AccessStamp();
+  AccessStamp(const AccessStamp&) = delete;
+  AccessStamp& operator=(const AccessStamp&) = delete;
+  static uint64_t current();
+
+ private:
+  uint64_t prev_;
+};
+
 class Pool {
  public:
   static std::unique_ptr<Pool> create(const std::string& path, const CreateOptions& opt, bool exist_ok);
-  static std::unique_ptr<Pool> open(const std::string& path);
+  static std::unique_ptr<Pool> open(const std::string& path, bool populate = false);
   static void destroy(const std::string& path);
   ~Pool();
   void close();
@@ -206,7 +221,6 @@ class Pool {
   std::atomic<uint64_t> last_reap_ns_{0};
 };
 
-uint64_t xxh3(const void* p, size_t n, uint64_t seed = 0);
 uint64_t now_unix_ns();
 uint64_t now_mono_us();
 

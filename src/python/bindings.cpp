@@ -264,18 +264,18 @@ NB_MODULE(_core, m) {
           "max_namespaces"_a = 64, "backend"_a = "coherent", "exist_ok"_a = false, nb::rv_policy::take_ownership)
       .def_static(
           "open",
-          [](const std::string& path) {
+          [](const std::string& path, bool populate) {
             auto* pp = new PyPool();
             try {
               nb::gil_scoped_release nogil;
-              pp->pool = Pool::open(path);
+              pp->pool = Pool::open(path, populate);
             } catch (...) {
               delete pp;
               throw;
             }
             return pp;
           },
-          "path"_a, nb::rv_policy::take_ownership)
+          "path"_a, "populate"_a = false, nb::rv_policy::take_ownership)
       .def_static("destroy", [](const std::string& path) { Pool::destroy(path); }, "path"_a)
       .def("close", [](PyPool& pp) {
         nb::gil_scoped_release nogil;
