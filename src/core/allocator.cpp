@@ -15,7 +15,7 @@ using namespace format;
 
 bool Pool::claim_free_block(const NsHandle& ns, uint64_t chunk, uint64_t slot, uint32_t* block, uint32_t start) {
   uint32_t n = ns.geo.blocks;
-  uint64_t used = make_block_word(kBlockUsed, uint8_t(node_id_), slot);
+  uint64_t used = make_block_word(kBlockUsed, uint8_t(node_id_), my_epoch8(), slot);
   for (uint32_t i = 0; i < n; ++i) {
     uint32_t b = (start + i) % n;
     uint64_t* d = block_desc(chunk, b);
@@ -35,16 +35,98 @@ bool Pool::carve_chunk(const NsHandle& ns, uint64_t* out) {
     uint64_t w = coh_.read(cw);
     if (chunk_state(w) != kChunkFree) continue;
     if (!coh_.claim(cw, w, make_chunk_word(kChunkCarving, uint8_t(node_id_), ns.id))) continue;
-    // Descs of a never-used chunk are zero already; reset anyway so the invariant does not
-    // depend on history (a chunk freed by a crashed carver, a devdax reused across pools).
-    uint64_t* d = block_desc(c, 0);
-    std::memset(d, 0, desc_bytes_);
-    coh_.flush(d, desc_bytes_);
-    coh_.publish(cw, make_chunk_word(kChunkActive, 0, ns.id));
+    init_chunk(ns, c);
     *out = c;
     return true;
   }
   return false;
+}
+
+void Pool::init_chunk(const NsHandle& ns, uint64_t c) {
+  // Descs of a never-used chunk are zero already; reset anyway so the invariant does not depend
+  // on history (a drained chunk is all FENCED, a devdax may be reused across pools).
+  uint64_t* d = block_desc(c, 0);
+  std::memset(d, 0, desc_bytes_);
+  coh_.flush(d, desc_bytes_);
+  coh_.publish(chunk_word(c), make_chunk_word(kChunkActive, 0, ns.id));
+}
+
+// Takes a chunk from the namespace that holds the most chunks, if it holds more than `ns`:
+// namespaces that share a pool converge to a fair share of chunks instead of the first one to
+// fill the pool keeping it.
+bool Pool::steal_chunk(const NsHandle& ns, uint64_t* out) {
+  std::vector<NsHandle> handles(hdr_->max_namespaces + 1);
+  for (auto& [h, l] : list_namespaces()) handles[h.id] = h;
+  std::vector<uint64_t> held(hdr_->max_namespaces + 1, 0);
+  for (uint64_t c = 0; c < hdr_->chunk_count; ++c) {
+    uint64_t w = coh_.read(chunk_word(c));
+    if (chunk_state(w) == kChunkActive && chunk_ns(w) <= hdr_->max_namespaces) ++held[chunk_ns(w)];
+  }
+  uint32_t donor = 0;
+  for (uint32_t id = 1; id <= hdr_->max_namespaces; ++id)
+    if (id != ns.id && handles[id].id && held[id] > held[donor]) donor = id;
+  if (!donor || held[donor] <= held[ns.id] + 1) return false;
+  uint64_t start = std::random_device{}() % hdr_->chunk_count;
+  int tries = 0;
+  for (uint64_t i = 0; i < hdr_->chunk_count && tries < 4; ++i) {
+    uint64_t c = (start + i) % hdr_->chunk_count;
+    uint64_t w = coh_.read(chunk_word(c));
+    if (chunk_state(w) != kChunkActive || chunk_ns(w) != donor) continue;
+    ++tries;
+    if (drain_chunk(c, w, handles[donor], ns)) {
+      *out = c;
+      return true;
+    }
+  }
+  return false;
+}
+
+bool Pool::drain_chunk(uint64_t c, uint64_t active_word, const NsHandle& donor, const NsHandle& ns) {
+  uint64_t* cw = chunk_word(c);
+  uint64_t w = active_word;
+  if (!coh_.claim(cw, w, make_chunk_word(kChunkDraining, uint8_t(node_id_), donor.id))) return false;
+  const uint64_t fenced = make_block_word(kBlockFenced, uint8_t(node_id_), my_epoch8(), 0);
+  uint32_t done = 0;
+  bool ok = true;
+  for (; done < donor.geo.blocks && ok; ++done) {
+    uint64_t* d = block_desc(c, done);
+    uint64_t dw = coh_.read(d);
+    if (dw == 0) {
+      ok = coh_.claim(d, dw, fenced);
+      continue;
+    }
+    // A used block: evict its entry if it is READY, unpinned and points back here.
+    uint64_t slot = block_slot(dw);
+    ok = false;
+    if (block_state(dw) != kBlockUsed || slot > slot_mask_) break;
+    uint64_t ew = coh_.read(&entry(slot)->state);
+    IndexEntry e;
+    if (entry_state(ew) != kReady || !snapshot(slot, ew, &e) || e.chunk != c || e.block != done) break;
+    uint64_t ev = make_entry_word(kEvicting, uint8_t(node_id_), entry_gen(ew), entry_tag(ew));
+    if (!coh_.claim(&entry(slot)->state, ew, ev)) break;
+    if (is_pinned(slot, entry_gen(ev))) {
+      coh_.publish(&entry(slot)->state, ew);
+      count(kEvictSkippedPinned);
+      break;
+    }
+    uint64_t cur = coh_.read(d);
+    ok = cur == dw && coh_.claim(d, cur, fenced);
+    coh_.publish(&entry(slot)->state, make_entry_word(kTombstone, 0, entry_gen(ev), entry_tag(ev)));
+    count(kEvictions);
+  }
+  if (!ok) {
+    // Roll back: unfence what we fenced, give the chunk back to its namespace.
+    for (uint32_t b = 0; b < donor.geo.blocks; ++b) {
+      uint64_t* d = block_desc(c, b);
+      uint64_t dw = coh_.read(d);
+      if (dw == fenced) coh_.claim(d, dw, 0);
+    }
+    coh_.publish(cw, active_word);
+    return false;
+  }
+  coh_.publish(cw, make_chunk_word(kChunkCarving, uint8_t(node_id_), ns.id));
+  init_chunk(ns, c);
+  return true;
 }
 
 bool Pool::alloc_block(const NsHandle& ns, uint64_t slot, uint64_t* chunk, uint32_t* block) {
@@ -94,6 +176,12 @@ bool Pool::alloc_block(const NsHandle& ns, uint64_t slot, uint64_t* chunk, uint3
     }
   }
   remember(st.home, st.cursor, now + kStealBackoffUs);
+  // 4. A chunk of a namespace that holds more chunks than this one.
+  if (steal_chunk(ns, &c) && claim_free_block(ns, c, slot, block, 0)) {
+    remember(c, *block + 1, 0);
+    *chunk = c;
+    return true;
+  }
   return false;
 }
 
@@ -106,7 +194,7 @@ Pool::Occupancy Pool::occupancy() {
   for (uint64_t c = 0; c < hdr_->chunk_count; ++c) {
     uint64_t w = coh_.read(chunk_word(c));
     if (chunk_state(w) == kChunkFree) { ++o.free_chunks; continue; }
-    if (chunk_state(w) != kChunkActive) continue;
+    if (chunk_state(w) != kChunkActive) continue;  // CARVING/DRAINING: changing hands
     ++o.active_chunks;
     uint32_t ns = chunk_ns(w);
     if (ns == 0 || ns > hdr_->max_namespaces) continue;

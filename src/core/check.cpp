@@ -67,7 +67,10 @@ CheckReport Pool::check() {
     uint64_t w = coh_.read(chunk_word(c));
     uint8_t st = chunk_state(w);
     if (st == kChunkFree) { ++r.free_chunks; continue; }
-    if (st == kChunkCarving) { if (!node_alive(chunk_node(w))) err("chunk " + std::to_string(c) + " stuck in CARVING"); continue; }
+    if (st == kChunkCarving || st == kChunkDraining) {
+      if (!node_alive(chunk_node(w))) err("chunk " + std::to_string(c) + (st == kChunkCarving ? " stuck in CARVING" : " stuck in DRAINING"));
+      continue;  // changing hands right now: its blocks are counted once it is ACTIVE again
+    }
     if (st != kChunkActive) { err("chunk " + std::to_string(c) + " has invalid state"); continue; }
     ++r.active_chunks;
     auto it = ns.find(chunk_ns(w));
@@ -87,7 +90,7 @@ CheckReport Pool::check() {
       uint8_t est = entry_state(ew);
       if (back && est == kReady) ++r.ready_blocks;
       else if (back && (est == kWriting || est == kEvicting)) ++r.inflight_blocks;
-      else if (node_alive(block_node(dw))) ++r.inflight_blocks;  // owner is between two steps
+      else if (incarnation_alive(block_node(dw), block_epoch(dw))) ++r.inflight_blocks;  // owner is between two steps
       else leak_suspects.emplace_back(c, b);
     }
   }

@@ -217,10 +217,15 @@ inline uint64_t make_entry_word(uint8_t st, uint8_t node, uint32_t gen, uint32_t
 
 // ---------------------------------------------------------------------------------------------
 // Chunk map word = [state:8][node:8][ns:16][reserved:32]
-//   FREE(0) -> CARVING(node) (claim; block descs being reset) -> ACTIVE(ns) (published)
-// An ACTIVE chunk belongs to one namespace forever after (until pool re-creation); its block
-// geometry follows from (chunk_bytes, namespace block_bytes), see chunk_geometry().
-enum ChunkState : uint8_t { kChunkFree = 0, kChunkCarving = 1, kChunkActive = 2 };
+//   FREE(0) -> CARVING(node, ns) (claim; block descs being reset) -> ACTIVE(ns) (published)
+//   ACTIVE(ns) -> DRAINING(node, ns) (claim by a node of another namespace that found no free
+//     chunk): it fences every FREE desc and evicts every READY block, then re-carves the chunk
+//     for its own namespace (-> CARVING -> ACTIVE(new ns)), or, if a block is pinned or in flight,
+//     unfences and puts the chunk back ACTIVE(ns).
+// Allocators only claim descs of ACTIVE chunks of their namespace; a desc fenced by a drainer
+// fails their claim, so no block is handed out of a chunk that changes hands.
+// Block geometry follows from (chunk_bytes, namespace block_bytes), see chunk_geometry().
+enum ChunkState : uint8_t { kChunkFree = 0, kChunkCarving = 1, kChunkActive = 2, kChunkDraining = 3 };
 inline uint8_t chunk_state(uint64_t w) { return uint8_t(w >> 56); }
 inline uint8_t chunk_node(uint64_t w) { return uint8_t(w >> 48); }
 inline uint32_t chunk_ns(uint64_t w) { return uint32_t(w >> 32) & 0xFFFF; }
@@ -228,19 +233,23 @@ inline uint64_t make_chunk_word(uint8_t st, uint8_t node, uint32_t ns) {
   return (uint64_t(st) << 56) | (uint64_t(node) << 48) | (uint64_t(ns & 0xFFFF) << 32);
 }
 
-// Block descriptor (one uint64 per block, at the start of its chunk) = [state:8][node:8][pad:8][slot:40]
+// Block descriptor (one uint64 per block, at the start of its chunk)
+//   = [state:8][node:8][epoch:8][slot:40]   (epoch: low 8 bits of the owner's node epoch, so a
+//     later process that reuses the node id is not mistaken for the owner)
 //   FREE(0) -> USED(node, slot) (claim by the allocating writer, after it owns index slot `slot`)
 //   USED -> FREE (publish by the evictor/deleter, or by the reclaimer of a dead writer)
+//   FREE -> FENCED(node), USED -> FENCED(node): only by the drainer of a DRAINING chunk
 // Accounting invariant, per namespace, checked by `pool check`:
 //   capacity (sum of blocks of its ACTIVE chunks) == free + ready + in_flight
 //   where ready = USED blocks whose entry is READY and points back to the block,
 //         in_flight = USED blocks whose entry is WRITING or EVICTING.
-enum BlockState : uint8_t { kBlockFree = 0, kBlockUsed = 1 };
+enum BlockState : uint8_t { kBlockFree = 0, kBlockUsed = 1, kBlockFenced = 2 };
 inline uint8_t block_state(uint64_t w) { return uint8_t(w >> 56); }
 inline uint8_t block_node(uint64_t w) { return uint8_t(w >> 48); }
 inline uint64_t block_slot(uint64_t w) { return w & ((1ull << 40) - 1); }
-inline uint64_t make_block_word(uint8_t st, uint8_t node, uint64_t slot) {
-  return (uint64_t(st) << 56) | (uint64_t(node) << 48) | (slot & ((1ull << 40) - 1));
+inline uint8_t block_epoch(uint64_t w) { return uint8_t(w >> 40); }
+inline uint64_t make_block_word(uint8_t st, uint8_t node, uint8_t epoch, uint64_t slot) {
+  return (uint64_t(st) << 56) | (uint64_t(node) << 48) | (uint64_t(epoch) << 40) | (slot & ((1ull << 40) - 1));
 }
 
 // A chunk is [desc area | payload]. The desc area is sized at creation for blocks of

@@ -122,7 +122,9 @@ void Pool::touch(uint64_t slot, uint16_t depth) {
 bool Pool::validate_ref(const NsHandle& ns, const IndexEntry& e) const {
   if (e.chunk >= hdr_->chunk_count || e.block >= ns.geo.blocks || e.length > ns.block_bytes) return false;
   uint64_t w = const_cast<Pool*>(this)->coh_.read(chunk_word(e.chunk));
-  return chunk_state(w) == kChunkActive && chunk_ns(w) == ns.id;
+  // DRAINING: the chunk may change hands, but only after this entry is evicted, which a pin
+  // prevents; so its READY entries are still valid to read.
+  return (chunk_state(w) == kChunkActive || chunk_state(w) == kChunkDraining) && chunk_ns(w) == ns.id;
 }
 
 // Frees the block of an entry this node holds in EVICTING (or WRITING, when a put is abandoned)
@@ -139,63 +141,99 @@ void Pool::finish_evict(uint64_t slot, uint64_t evicting_word) {
                make_entry_word(kTombstone, 0, entry_gen(evicting_word), entry_tag(evicting_word)));
 }
 
-// Evicts one unpinned READY entry. With only_ns, victims come from that namespace and, when
-// new_owner_slot != ~0, the victim's block is handed straight to that slot (no FREE window in
-// which another node could take it). Candidates are sampled from [from, from + span) and ranked
-// by access hint (oldest first; deeper chain blocks look older, so chains lose their tails first).
-bool Pool::evict_one(const NsHandle* only_ns, uint64_t from, uint64_t span, uint64_t* out_chunk,
-                     uint32_t* out_block, uint64_t new_owner_slot) {
-  struct Cand {
-    uint64_t access, slot, word;
-  };
-  std::vector<Cand> cands;
-  cands.reserve(kEvictSample);
-  if (span > slot_mask_ + 1) span = slot_mask_ + 1;
-  for (uint64_t i = 0; i < span; ++i) {
-    uint64_t slot = (from + i) & slot_mask_;
-    uint64_t w = coh_.read(&entry(slot)->state);
-    if (entry_state(w) != kReady) continue;
-    if (only_ns) {
-      IndexEntry e;
-      if (!snapshot(slot, w, &e) || e.ns_id != only_ns->id) continue;
-    }
-    cands.push_back({coh_.read_hint(access(slot)), slot, w});
-    if (cands.size() >= kEvictSample) break;
+// Evicts one candidate if it is still READY in the same generation and not pinned. With
+// new_owner_slot != ~0 its block is handed straight to that slot (no FREE window in which
+// another node could take it); otherwise the block is freed.
+bool Pool::evict_victim(const Victim& c, const NsHandle* ns, uint64_t* out_chunk, uint32_t* out_block,
+                        uint64_t new_owner_slot) {
+  uint64_t w = c.word;
+  uint64_t ev = make_entry_word(kEvicting, uint8_t(node_id_), entry_gen(w), entry_tag(w));
+  if (!coh_.claim(&entry(c.slot)->state, w, ev)) return false;
+  if (is_pinned(c.slot, entry_gen(ev))) {
+    coh_.publish(&entry(c.slot)->state, c.word);
+    count(kEvictSkippedPinned);
+    return false;
   }
-  std::sort(cands.begin(), cands.end(), [](const Cand& a, const Cand& b) { return a.access < b.access; });
-  for (const Cand& c : cands) {
-    uint64_t w = c.word;
-    uint64_t ev = make_entry_word(kEvicting, uint8_t(node_id_), entry_gen(w), entry_tag(w));
-    if (!coh_.claim(&entry(c.slot)->state, w, ev)) continue;
-    if (is_pinned(c.slot, entry_gen(ev))) {
-      coh_.publish(&entry(c.slot)->state, c.word);
-      count(kEvictSkippedPinned);
-      continue;
-    }
-    if (new_owner_slot != ~0ull) {
-      IndexEntry e;
-      snapshot(c.slot, ev, &e);
-      if (!only_ns || !validate_ref(*only_ns, e)) {
-        count(kCorruptEntries);
-        finish_evict(c.slot, ev);
-        continue;
-      }
-      uint64_t* d = block_desc(e.chunk, e.block);
-      uint64_t dw = coh_.read(d);
-      if (block_state(dw) != kBlockUsed || block_slot(dw) != c.slot) {
-        count(kCorruptEntries);
-        finish_evict(c.slot, ev);
-        continue;
-      }
-      coh_.publish(d, make_block_word(kBlockUsed, uint8_t(node_id_), new_owner_slot));
-      coh_.publish(&entry(c.slot)->state, make_entry_word(kTombstone, 0, entry_gen(ev), entry_tag(ev)));
-      *out_chunk = e.chunk;
-      *out_block = e.block;
-    } else {
-      finish_evict(c.slot, ev);
-    }
+  if (new_owner_slot == ~0ull) {
+    finish_evict(c.slot, ev);
     count(kEvictions);
     return true;
+  }
+  IndexEntry e;
+  snapshot(c.slot, ev, &e);
+  uint64_t dw = 0;
+  uint64_t* d = nullptr;
+  if (ns && validate_ref(*ns, e)) {
+    d = block_desc(e.chunk, e.block);
+    dw = coh_.read(d);
+  }
+  if (!d || block_state(dw) != kBlockUsed || block_slot(dw) != c.slot) {
+    count(kCorruptEntries);
+    finish_evict(c.slot, ev);
+    return false;
+  }
+  // A block of a chunk being drained stays with the drainer.
+  if (chunk_state(coh_.read(chunk_word(e.chunk))) != kChunkActive) {
+    finish_evict(c.slot, ev);
+    count(kEvictions);
+    return false;
+  }
+  coh_.publish(d, make_block_word(kBlockUsed, uint8_t(node_id_), my_epoch8(), new_owner_slot));
+  coh_.publish(&entry(c.slot)->state, make_entry_word(kTombstone, 0, entry_gen(ev), entry_tag(ev)));
+  *out_chunk = e.chunk;
+  *out_block = e.block;
+  count(kEvictions);
+  return true;
+}
+
+// Window eviction: the 128-slot probe window of a key is full. Evicts the oldest unpinned READY
+// entry of the window (any namespace) and frees its block.
+bool Pool::evict_in_window(uint64_t home) {
+  std::vector<Victim> cands;
+  for (uint64_t i = 0; i < kMaxProbe; ++i) {
+    uint64_t slot = (home + i) & slot_mask_;
+    uint64_t w = coh_.read(&entry(slot)->state);
+    if (entry_state(w) == kReady) cands.push_back({coh_.read_hint(access(slot)), slot, w});
+  }
+  std::sort(cands.begin(), cands.end(), [](const Victim& a, const Victim& b) { return a.access < b.access; });
+  for (const Victim& c : cands)
+    if (evict_victim(c, nullptr, nullptr, nullptr, ~0ull)) return true;
+  return false;
+}
+
+// Namespace eviction from a sampled, sorted candidate queue. The queue is refilled when empty or
+// older than kVictimMaxAgeUs with up to kVictimSample candidates read from a moving hand; each
+// candidate is re-validated (state word and access hint unchanged) before it is evicted, so a
+// block touched since the sample is not evicted on stale information.
+bool Pool::evict_from_queue(const NsHandle& ns, uint64_t* out_chunk, uint32_t* out_block, uint64_t new_owner_slot) {
+  constexpr size_t kVictimSample = 1024;
+  constexpr uint64_t kVictimMaxAgeUs = 100'000;
+  std::lock_guard<std::mutex> g(victim_mu_);
+  VictimQueue& q = victims_[ns.id];
+  for (int refill = 0; refill < 2; ++refill) {
+    uint64_t now = now_mono_us();
+    if (q.v.empty() || now - q.filled_us > kVictimMaxAgeUs || refill) {
+      q.v.clear();
+      uint64_t from = evict_hand_.load(std::memory_order_relaxed);
+      uint64_t i = 0;
+      for (; i <= slot_mask_ && q.v.size() < kVictimSample; ++i) {
+        uint64_t slot = (from + i) & slot_mask_;
+        uint64_t w = coh_.read(&entry(slot)->state);
+        if (entry_state(w) != kReady) continue;
+        IndexEntry e;
+        if (!snapshot(slot, w, &e) || e.ns_id != ns.id) continue;
+        q.v.push_back({coh_.read_hint(access(slot)), slot, w});
+      }
+      evict_hand_.store(from + i, std::memory_order_relaxed);
+      std::sort(q.v.begin(), q.v.end(), [](const Victim& a, const Victim& b) { return a.access > b.access; });
+      q.filled_us = now;
+    }
+    while (!q.v.empty()) {
+      Victim c = q.v.back();
+      q.v.pop_back();
+      if (coh_.read(&entry(c.slot)->state) != c.word || coh_.read_hint(access(c.slot)) != c.access) continue;
+      if (evict_victim(c, &ns, out_chunk, out_block, new_owner_slot)) return true;
+    }
   }
   return false;
 }
@@ -232,7 +270,7 @@ bool Pool::put(const NsHandle& ns, const Key& key, const Piece* src, size_t n, u
     }
     if (reuse == ~0ull) {
       // The whole probe window is occupied: evict its best victim (any namespace).
-      if (!evict_one(nullptr, kh.home, kMaxProbe, nullptr, nullptr, ~0ull)) {
+      if (!evict_in_window(kh.home)) {
         count(kPutsFailed);
         return false;
       }
@@ -285,10 +323,7 @@ bool Pool::fill_claimed(const NsHandle& ns, const Key& key, const Piece* src, si
     uint64_t chunk = 0;
     uint32_t block = 0;
     bool got = alloc_block(ns, reuse, &chunk, &block);
-    if (!got) {
-      uint64_t from = evict_hand_.fetch_add(256, std::memory_order_relaxed);
-      got = evict_one(&ns, from, slot_mask_ + 1, &chunk, &block, reuse);
-    }
+    if (!got) got = evict_from_queue(ns, &chunk, &block, reuse);
     if (!got && now_unix_ns() - last_reap_ns_.load(std::memory_order_relaxed) > 100'000'000) {
       if (reap_dead_nodes() > 0) got = alloc_block(ns, reuse, &chunk, &block);
     }

@@ -95,6 +95,13 @@ bool Pool::node_is_dead(uint32_t idx, uint64_t w) {
   return false;
 }
 
+bool Pool::incarnation_alive(uint8_t node, uint8_t epoch8) {
+  if (node == 0 || node > hdr_->max_nodes) return false;
+  uint64_t w = coh_.read(&node_slot(node - 1)->state);
+  uint8_t st = node_state(w);
+  return (st == kNodeAlive || st == kNodeClaimed) && uint8_t(node_epoch(w)) == epoch8;
+}
+
 uint64_t Pool::reap_dead_nodes() {
   uint64_t reaped = 0;
   last_reap_ns_.store(now_unix_ns(), std::memory_order_relaxed);
@@ -134,13 +141,24 @@ void Pool::reclaim_node(uint32_t idx, uint64_t reclaiming_word) {
     }
     coh_.claim(&e->state, w, make_entry_word(kTombstone, 0, entry_gen(w), entry_tag(w)));
   }
-  // 3. Chunks it was carving; block descs it claimed that no live entry points back to.
+  // 3. Chunks it was carving or draining; block descs it claimed that no entry points back to.
   for (uint64_t c = 0; c < hdr_->chunk_count; ++c) {
     uint64_t* cw = chunk_word(c);
     uint64_t w = coh_.read(cw);
     if (chunk_state(w) == kChunkCarving && chunk_node(w) == dead) {
       coh_.claim(cw, w, 0);
       continue;
+    }
+    if (chunk_state(w) == kChunkDraining && chunk_node(w) == dead) {
+      // Undo a half-done drain: unfence, and the chunk goes back to its namespace.
+      for (uint32_t b = 0; b < desc_bytes_ / 8; ++b) {
+        uint64_t* d = block_desc(c, b);
+        uint64_t dw = coh_.read(d);
+        if (block_state(dw) == kBlockFenced && block_node(dw) == dead) coh_.claim(d, dw, 0);
+      }
+      uint64_t back = make_chunk_word(kChunkActive, 0, chunk_ns(w));
+      if (!coh_.claim(cw, w, back)) continue;
+      w = back;
     }
     if (chunk_state(w) != kChunkActive) continue;
     uint32_t nblocks = uint32_t(desc_bytes_ / 8);

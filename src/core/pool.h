@@ -175,8 +175,7 @@ class Pool {
   void unpin(const PinRef& p);
   bool is_pinned(uint64_t slot, uint32_t gen);
   void touch(uint64_t slot, uint16_t depth);
-  bool evict_one(const NsHandle* only_ns, uint64_t from, uint64_t span, uint64_t* freed_chunk,
-                 uint32_t* freed_block, uint64_t new_owner_slot);
+  bool evict_in_window(uint64_t home);
   void finish_evict(uint64_t slot, uint64_t evicting_word);
   bool fill_claimed(const NsHandle& ns, const Key& key, const Piece* src, size_t n, uint16_t depth,
                     uint64_t total, uint64_t slot, uint32_t gen, uint32_t tag);
@@ -185,12 +184,18 @@ class Pool {
   // allocator.cpp
   bool alloc_block(const NsHandle& ns, uint64_t slot, uint64_t* chunk, uint32_t* block);
   bool carve_chunk(const NsHandle& ns, uint64_t* chunk);
+  void init_chunk(const NsHandle& ns, uint64_t chunk);  // caller holds it CARVING
+  bool steal_chunk(const NsHandle& ns, uint64_t* chunk);
+  bool drain_chunk(uint64_t chunk, uint64_t active_word, const NsHandle& donor, const NsHandle& ns);
   bool claim_free_block(const NsHandle& ns, uint64_t chunk, uint64_t slot, uint32_t* block, uint32_t start);
   void free_block(uint64_t chunk, uint32_t block);
   // pin slots (process-local allocator over this node's pin array)
   bool alloc_pin(uint32_t* idx);
   void free_pin(uint32_t idx);
   void count(format::Counter c, uint64_t v = 1);
+  uint8_t my_epoch8() const { return uint8_t(format::node_epoch(node_word_)); }
+  // True if node `node` is attached now in the incarnation whose epoch ends in `epoch8`.
+  bool incarnation_alive(uint8_t node, uint8_t epoch8);
 
   std::string path_;
   Mapping map_;
@@ -218,6 +223,20 @@ class Pool {
   };
   std::unordered_map<uint32_t, NsAlloc> alloc_;  // by namespace id; process-local
   std::atomic<uint64_t> evict_hand_{0};
+  // Eviction candidates of one namespace, sampled from the index and sorted, oldest last: a big
+  // sample approximates LRU far better than a fresh small one per eviction, at lower cost.
+  struct Victim {
+    uint64_t access, slot, word;
+  };
+  struct VictimQueue {
+    std::vector<Victim> v;
+    uint64_t filled_us = 0;
+  };
+  std::mutex victim_mu_;
+  std::unordered_map<uint32_t, VictimQueue> victims_;
+  bool evict_from_queue(const NsHandle& ns, uint64_t* out_chunk, uint32_t* out_block, uint64_t new_owner_slot);
+  bool evict_victim(const Victim& c, const NsHandle* ns, uint64_t* out_chunk, uint32_t* out_block,
+                    uint64_t new_owner_slot);
   std::atomic<uint64_t> last_reap_ns_{0};
 };
 

@@ -90,11 +90,13 @@ std::vector<int64_t> to_ids(nb::handle seq) {
   return out;
 }
 
-using AnyArray = nb::ndarray<nb::device::cpu>;
+using AnyArray = nb::ndarray<nb::device::cpu>;      // writable (scatter targets)
+using RoArray = nb::ndarray<nb::ro, nb::device::cpu>;  // read-only allowed (gather sources)
 
 // Expands one array with a block dimension into fragments: every index combination of the dims
 // before block_dim (C order) is one fragment; the dims after block_dim must be contiguous.
-void add_fragments(const AnyArray& a, int block_dim, std::vector<Fragment>& out, int64_t* num_blocks) {
+template <class Array>
+void add_fragments(const Array& a, int block_dim, std::vector<Fragment>& out, int64_t* num_blocks) {
   int nd = int(a.ndim());
   if (block_dim < 0) block_dim += nd;
   if (block_dim < 0 || block_dim >= nd) throw ArgumentError("block_dim out of range for an array of " + std::to_string(nd) + " dims");
@@ -125,9 +127,19 @@ std::vector<Fragment> fragments_of(nb::handle sources, int block_dim, const std:
   std::vector<Fragment> frags;
   int64_t nblocks = INT64_MAX;
   for (nb::handle s : sources) {
-    AnyArray a = nb::cast<AnyArray>(s);
-    if (writable && a.is_valid() && !nb::cast<AnyArray>(s).data()) throw ArgumentError("null array");
-    add_fragments(a, block_dim, frags, &nblocks);
+    if (writable) {
+      AnyArray a;
+      if (!nb::try_cast(s, a))
+        throw ArgumentError("load targets must be writable CPU arrays (buffer protocol or DLPack), got " +
+                            std::string(nb::str(nb::type_name(s.type())).c_str()));
+      add_fragments(a, block_dim, frags, &nblocks);
+    } else {
+      RoArray a;
+      if (!nb::try_cast(s, a))
+        throw ArgumentError("store sources must be CPU arrays (buffer protocol or DLPack), got " +
+                            std::string(nb::str(nb::type_name(s.type())).c_str()));
+      add_fragments(a, block_dim, frags, &nblocks);
+    }
   }
   if (frags.empty()) throw ArgumentError("no source arrays given");
   for (int64_t id : ids)
@@ -178,12 +190,17 @@ const char* kCounterNames[] = {"hits", "misses", "puts", "puts_present", "puts_f
                                "reclaimed_nodes", "evict_skipped_pinned", "corrupt_entries"};
 static_assert(sizeof(kCounterNames) / sizeof(kCounterNames[0]) == format::kCounterCount);
 
+// Strings read from the pool are untrusted bytes: decode them without ever failing.
+nb::object pool_str(const std::string& s) {
+  return nb::steal(PyUnicode_DecodeUTF8(s.data(), Py_ssize_t(s.size()), "replace"));
+}
+
 nb::dict layout_dict(const NsHandle& h, const Layout& l) {
   nb::dict d;
   d["id"] = h.id;
-  d["name"] = l.name;
-  d["model_id"] = l.model_id;
-  d["dtype"] = l.dtype;
+  d["name"] = pool_str(l.name);
+  d["model_id"] = pool_str(l.model_id);
+  d["dtype"] = pool_str(l.dtype);
   d["kind"] = l.kind == format::kLayoutMla ? "mla" : l.kind == format::kLayoutOpaque ? "opaque" : "dense";
   d["num_layers"] = l.num_layers;
   d["num_kv_heads"] = l.num_kv_heads;
@@ -365,7 +382,7 @@ NB_MODULE(_core, m) {
 
   nb::class_<PyNamespace>(m, "Namespace")
       .def_prop_ro("id", [](PyNamespace& n) { return n.h.id; })
-      .def_prop_ro("name", [](PyNamespace& n) { return n.h.name; })
+      .def_prop_ro("name", [](PyNamespace& n) { return pool_str(n.h.name); })
       .def_prop_ro("block_bytes", [](PyNamespace& n) { return n.h.block_bytes; })
       .def_prop_ro("blocks_per_chunk", [](PyNamespace& n) { return n.h.geo.blocks; })
       .def("put", [](PyNamespace& n, nb::handle key, nb::handle data, uint32_t depth) {
@@ -429,8 +446,6 @@ NB_MODULE(_core, m) {
         auto ks = to_keys(keys);
         auto ids = to_ids(block_ids);
         if (ids.size() != ks.size()) throw ArgumentError("keys and block_ids differ in length");
-        for (nb::handle s : sources)
-          if (nb::cast<AnyArray>(s).dtype().bits == 0) throw ArgumentError("bad array");
         auto frags = fragments_of(sources, block_dim, ids, true);
         OpGuard g(*n.owner);
         nb::gil_scoped_release nogil;

@@ -1,0 +1,760 @@
+"""Benchmarks behind ``cxlkv bench copy`` and ``cxlkv bench index``.
+
+``bench copy``: the batched gather/scatter of vLLM-layout KV blocks (per layer an array shaped
+``[2, num_blocks, block_tokens, kv_heads, head_size]`` of bf16, block dimension 1) into and out of a
+pool, against plain memcpy of exactly the same bytes measured in the same run, interleaved round by
+round so that machine noise hits every variant alike. Baselines:
+
+* ``memcpy_loop``: one ``np.copyto`` per fragment (a Python loop over precomputed views) into a
+  contiguous destination of the same size: the same fragments, but with ~0.5 us of Python call
+  overhead per fragment;
+* ``memcpy_strided``: the same fragments copied by numpy in one strided call per layer (no per
+  fragment Python overhead; fragments in ascending block order);
+* ``memcpy_contig``: one contiguous copy of the whole batch (the upper bound).
+
+``memcpy_gbps`` is the faster of the two per-fragment baselines, so the ratios do not flatter the pool.
+
+``bench index``: single-operation latency (each call timed with ``perf_counter_ns``) and throughput
+(batches timed as a whole) of ``Namespace.contains`` and ``Namespace.put`` from 1..N processes on one
+pool. Python call overhead dominates these numbers; when the core exposes
+``cxlkv._core.bench_index`` its C++-side numbers are reported as ``core_*``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import random
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+from cxlkv.sizes import format_size
+
+__all__ = ["GEOMETRIES", "bench_copy", "bench_index", "print_copy_result", "print_index_result"]
+
+GEOMETRIES: dict[str, dict[str, Any]] = {
+    "llama3-8b": dict(model_id="meta-llama/Meta-Llama-3-8B", dtype="bf16", num_layers=32,
+                      num_kv_heads=8, head_size=128, tokens_per_block=16),
+    "smollm2-135m": dict(model_id="HuggingFaceTB/SmolLM2-135M", dtype="bf16", num_layers=30,
+                         num_kv_heads=3, head_size=64, tokens_per_block=16),
+}
+
+_MiB = 1 << 20
+
+
+def _progress(quiet: bool):
+    if quiet:
+        return lambda *a, **k: None
+    from rich.console import Console
+
+    con = Console(stderr=True, highlight=False)
+    return lambda msg: con.print(f"[dim]{msg}[/dim]")
+
+
+def _key(*parts: Any) -> bytes:
+    h = hashlib.blake2b(digest_size=32)
+    for p in parts:
+        h.update(p if isinstance(p, bytes) else str(p).encode())
+        h.update(b"\x00")
+    return h.digest()
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, int(n - 1).bit_length())
+
+
+def _machine() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    out: dict[str, Any] = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+    }
+    try:
+        from cxlkv import _core  # type: ignore
+
+        for name in ("nt_copy_kernel", "cpu_features", "copy_threads"):
+            f = getattr(_core, name, None)
+            if f is not None:
+                try:
+                    out["core_" + name] = f() if callable(f) else f
+                except Exception:  # pragma: no cover - informational only
+                    pass
+    except Exception:
+        pass
+    return out
+
+
+def _gbps(nbytes: int, ns: float) -> float:
+    return nbytes / ns if ns > 0 else float("inf")  # bytes per ns == GB/s (1e9 B/s)
+
+
+def _med(xs: list[int]) -> float:
+    return float(statistics.median(xs))
+
+
+# =============================================================================================
+# bench copy
+
+
+def bench_copy(geometry: str = "all", iters: int = 7, batch_bytes: int = 128 * _MiB,
+               pool_dir: str = "/dev/shm", quiet: bool = False) -> dict[str, Any]:
+    """Store/load bandwidth per geometry vs memcpy of the same bytes. Returns one JSON-able dict
+    whose top-level store/load/memcpy fields are those of the first geometry (llama3-8b for "all")."""
+    names = list(GEOMETRIES) if geometry == "all" else [geometry]
+    for n in names:
+        if n not in GEOMETRIES:
+            raise ValueError(f"unknown geometry {n!r} (choose from {', '.join(GEOMETRIES)} or all)")
+    log = _progress(quiet)
+    results = [_bench_copy_one(n, iters, batch_bytes, pool_dir, log) for n in names]
+    head = results[0]
+    out: dict[str, Any] = {"bench": "copy"}
+    for k in ("geometry", "store_gbps", "load_gbps", "memcpy_gbps", "memcpy_contig_gbps",
+              "store_vs_memcpy", "load_vs_memcpy"):
+        out[k] = head[k]
+    out["results"] = results
+    out["machine"] = _machine()
+    out["notes"] = (
+        "GB/s = 1e9 bytes/s, medians over interleaved rounds (best values in *_best_gbps). "
+        "memcpy_gbps: the faster per-fragment memcpy of the same fragments (store direction: "
+        "gather into a contiguous buffer); load_vs_memcpy compares with the same memcpy in the "
+        "scatter direction. memcpy_contig_gbps: one contiguous copy of the whole batch."
+    )
+    return out
+
+
+def _bench_copy_one(name: str, iters: int, batch_bytes: int, pool_dir: str, log) -> dict[str, Any]:
+    import cxlkv
+
+    g = GEOMETRIES[name]
+    L, H, D, T = g["num_layers"], g["num_kv_heads"], g["head_size"], g["tokens_per_block"]
+    frag_elems = T * H * D
+    frag_bytes = frag_elems * 2
+    block_bytes = L * 2 * frag_bytes
+    nblocks = max(1, batch_bytes // block_bytes)
+    nbytes = nblocks * block_bytes
+    log(f"bench copy {name}: {nblocks} blocks of {format_size(block_bytes)} "
+        f"({L * 2} fragments of {format_size(frag_bytes)}), batch {format_size(nbytes)}")
+
+    rng = np.random.default_rng(0x5EED)
+    shape = (2, nblocks, T, H, D)
+    src = [rng.integers(0, 1 << 16, size=shape, dtype=np.uint16) for _ in range(L)]
+    dst = [np.ones(shape, dtype=np.uint16) for _ in range(L)]  # ones: fault the pages in now
+    block_ids = [int(b) for b in rng.permutation(nblocks)]
+
+    # memcpy baselines: gather into / scatter out of a contiguous buffer in pool block order
+    flat = np.ones(nbytes // 2, dtype=np.uint16)
+    flat2 = np.ones(nbytes // 2, dtype=np.uint16)
+    gather: list[tuple[np.ndarray, np.ndarray]] = []
+    scatter: list[tuple[np.ndarray, np.ndarray]] = []
+    for i, bid in enumerate(block_ids):
+        for l in range(L):
+            for kv in range(2):
+                off = ((i * L + l) * 2 + kv) * frag_elems
+                f = flat[off:off + frag_elems]
+                gather.append((f, src[l][kv, bid].reshape(-1)))
+                scatter.append((dst[l][kv, bid].reshape(-1), f))
+    flat_v = flat.reshape(nblocks, L, 2, frag_elems)
+    src_v = [s.reshape(2, nblocks, frag_elems) for s in src]
+    dst_v = [d.reshape(2, nblocks, frag_elems) for d in dst]
+    copyto = np.copyto
+
+    def memcpy_loop(pairs):
+        t0 = time.perf_counter_ns()
+        for a, b in pairs:
+            copyto(a, b)
+        return time.perf_counter_ns() - t0
+
+    def gather_strided():
+        t0 = time.perf_counter_ns()
+        for l in range(L):
+            copyto(flat_v[:, l].transpose(1, 0, 2), src_v[l])
+        return time.perf_counter_ns() - t0
+
+    def scatter_strided():
+        t0 = time.perf_counter_ns()
+        for l in range(L):
+            copyto(dst_v[l], flat_v[:, l].transpose(1, 0, 2))
+        return time.perf_counter_ns() - t0
+
+    def contig():
+        t0 = time.perf_counter_ns()
+        copyto(flat2, flat)
+        return time.perf_counter_ns() - t0
+
+    def baseline_check(order: list[int]) -> None:
+        # the memcpy baselines must have copied the same fragments the pool gathers
+        for i in {0, nblocks // 2, nblocks - 1}:
+            for l in {0, L - 1}:
+                if not np.array_equal(flat_v[i, l], src_v[l][:, order[i]]):
+                    raise RuntimeError("memcpy baseline self-check failed")
+
+    chunk = min(max(8 * _MiB, _pow2_at_least(16 * block_bytes)), 256 * _MiB)
+    pool_size = 2 * nbytes + 4 * chunk + 64 * _MiB
+    path = os.path.join(pool_dir, f"cxlkv-bench-copy-{os.getpid()}")
+    t: dict[str, list[int]] = {k: [] for k in (
+        "store", "load", "gather_loop", "gather_strided", "scatter_loop", "scatter_strided", "contig")}
+    verified = False
+    try:
+        with cxlkv.Pool.create(path, pool_size, chunk_size=chunk) as pool:
+            ns = pool.namespace(cxlkv.KVLayout(**g), name=f"bench-{name}")
+            if ns.block_bytes != block_bytes:
+                raise RuntimeError(f"namespace block_bytes {ns.block_bytes} != expected {block_bytes}")
+            prev: list[bytes] = []
+            keys: list[bytes] = []
+            for it in range(iters + 1):  # round 0 warms up (page faults, chunk carving)
+                for k in prev:  # store skips present keys: free the previous round's blocks
+                    ns.delete(k)
+                keys = [_key("bench-copy", name, it, i) for i in range(nblocks)]
+                t0 = time.perf_counter_ns()
+                n = ns.store(keys, src, block_ids, block_dim=1)
+                t_store = time.perf_counter_ns() - t0
+                if n != nblocks:
+                    raise RuntimeError(f"store stored {n} of {nblocks} blocks (pool of "
+                                       f"{format_size(pool_size)} too small?)")
+                prev = keys
+                t0 = time.perf_counter_ns()
+                n = ns.load(keys, dst, block_ids, block_dim=1)
+                t_load = time.perf_counter_ns() - t0
+                if n != nblocks:
+                    raise RuntimeError(f"load loaded {n} of {nblocks} blocks")
+                if not verified:
+                    for l in range(L):
+                        if not np.array_equal(src[l], dst[l]):
+                            raise RuntimeError(f"loaded bytes differ from the source (layer {l})")
+                    verified = True
+                    for d in dst:  # so that the scatter baseline below writes real changes
+                        d.fill(1)
+                t_gl = memcpy_loop(gather)
+                if it == 0:
+                    baseline_check(block_ids)
+                t_gs = gather_strided()
+                if it == 0:
+                    baseline_check(list(range(nblocks)))
+                t_sl = memcpy_loop(scatter)
+                t_ss = scatter_strided()
+                t_c = contig()
+                if it == 0:
+                    continue
+                t["store"].append(t_store)
+                t["load"].append(t_load)
+                t["gather_loop"].append(t_gl)
+                t["gather_strided"].append(t_gs)
+                t["scatter_loop"].append(t_sl)
+                t["scatter_strided"].append(t_ss)
+                t["contig"].append(t_c)
+            stats = pool.stats()
+    finally:
+        try:
+            cxlkv.Pool.destroy(path)
+        except FileNotFoundError:
+            pass
+        except Exception:  # pragma: no cover - best effort cleanup
+            pass
+
+    med = {k: _gbps(nbytes, _med(v)) for k, v in t.items()}
+    best = {k: _gbps(nbytes, min(v)) for k, v in t.items()}
+    gather_base = max(("gather_loop", "gather_strided"), key=lambda k: med[k])
+    scatter_base = max(("scatter_loop", "scatter_strided"), key=lambda k: med[k])
+    r = {
+        "geometry": name,
+        "layout": dict(g),
+        "blocks": nblocks,
+        "block_bytes": block_bytes,
+        "fragments_per_block": L * 2,
+        "fragment_bytes": frag_bytes,
+        "batch_bytes": nbytes,
+        "iters": iters,
+        "verified": verified,
+        "store_gbps": round(med["store"], 3),
+        "load_gbps": round(med["load"], 3),
+        "memcpy_gbps": round(med[gather_base], 3),
+        "memcpy_scatter_gbps": round(med[scatter_base], 3),
+        "memcpy_contig_gbps": round(med["contig"], 3),
+        "memcpy_loop_gbps": round(med["gather_loop"], 3),
+        "memcpy_strided_gbps": round(med["gather_strided"], 3),
+        "memcpy_scatter_loop_gbps": round(med["scatter_loop"], 3),
+        "memcpy_scatter_strided_gbps": round(med["scatter_strided"], 3),
+        "memcpy_baseline": gather_base.replace("gather_", ""),
+        "store_vs_memcpy": round(med["store"] / med[gather_base], 3),
+        "load_vs_memcpy": round(med["load"] / med[scatter_base], 3),
+        "store_vs_memcpy_contig": round(med["store"] / med["contig"], 3),
+        "load_vs_memcpy_contig": round(med["load"] / med["contig"], 3),
+        "store_best_gbps": round(best["store"], 3),
+        "load_best_gbps": round(best["load"], 3),
+        "memcpy_best_gbps": round(max(best["gather_loop"], best["gather_strided"]), 3),
+        "memcpy_contig_best_gbps": round(best["contig"], 3),
+        "store_ms": round(_med(t["store"]) / 1e6, 3),
+        "load_ms": round(_med(t["load"]) / 1e6, 3),
+    }
+    for k in ("checksum_failures", "checksum_failed", "evictions"):
+        if isinstance(stats, dict) and isinstance(stats.get(k), int):
+            r["pool_" + k] = stats[k]
+    log(f"  store {r['store_gbps']:.2f} GB/s, load {r['load_gbps']:.2f} GB/s, "
+        f"memcpy {r['memcpy_gbps']:.2f} GB/s, contiguous memcpy {r['memcpy_contig_gbps']:.2f} GB/s")
+    return r
+
+
+def print_copy_result(console, result: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    rs = result["results"]
+    t = Table(title="cxlkv bench copy (GB/s = 1e9 B/s, median of rounds)", title_justify="left")
+    t.add_column("")
+    for r in rs:
+        t.add_column(r["geometry"], justify="right")
+    rows = [
+        ("batch", lambda r: f"{r['blocks']} x {format_size(r['block_bytes'])}"),
+        ("fragments/block", lambda r: f"{r['fragments_per_block']} x {format_size(r['fragment_bytes'])}"),
+        ("store GB/s", lambda r: f"[bold]{r['store_gbps']:.2f}[/bold]"),
+        ("load GB/s", lambda r: f"[bold]{r['load_gbps']:.2f}[/bold]"),
+        ("memcpy gather GB/s", lambda r: f"{r['memcpy_gbps']:.2f} ({r['memcpy_baseline']})"),
+        ("memcpy scatter GB/s", lambda r: f"{r['memcpy_scatter_gbps']:.2f}"),
+        ("memcpy contiguous GB/s", lambda r: f"{r['memcpy_contig_gbps']:.2f}"),
+        ("store / memcpy", lambda r: _ratio(r["store_vs_memcpy"])),
+        ("load / memcpy", lambda r: _ratio(r["load_vs_memcpy"])),
+        ("store / contiguous", lambda r: _ratio(r["store_vs_memcpy_contig"])),
+        ("load / contiguous", lambda r: _ratio(r["load_vs_memcpy_contig"])),
+        ("bytes verified", lambda r: "yes" if r["verified"] else "[red]NO[/red]"),
+    ]
+    for label, f in rows:
+        t.add_row(label, *[f(r) for r in rs])
+    console.print(t)
+    m = result.get("machine", {})
+    kern = m.get("core_nt_copy_kernel")
+    console.print(f"[dim]{m.get('cpu', '?')}, {m.get('cores', '?')} cores"
+                  + (f", copy kernel {kern}" if kern else "") + ". memcpy gather/scatter: the faster "
+                  "of a per-fragment np.copyto loop and a strided numpy copy of the same fragments "
+                  "(load is compared with scatter); contiguous: one copy of the whole batch.[/dim]")
+
+
+def _ratio(x: float) -> str:
+    style = "green" if x >= 0.9 else ("yellow" if x >= 0.7 else "red")
+    return f"[{style}]{x:.2f}x[/{style}]"
+
+
+# =============================================================================================
+# bench index
+
+_INDEX_LAYOUT = dict(model_id="cxlkv-bench-index", dtype="bf16", num_layers=1, num_kv_heads=1,
+                     head_size=64, tokens_per_block=1)  # 256-byte blocks
+_INDEX_BLOCK = 256
+_INDEX_NS = "bench-index"
+
+
+def _index_key(i: int) -> bytes:
+    return hashlib.blake2b(i.to_bytes(8, "little"), digest_size=32, person=b"cxlkv-idx").digest()
+
+
+def _pct(sorted_xs: list[int], p: float) -> int:
+    if not sorted_xs:
+        return 0
+    i = min(len(sorted_xs) - 1, max(0, int(round(p / 100.0 * (len(sorted_xs) - 1)))))
+    return int(sorted_xs[i])
+
+
+def _timer_overhead_ns(n: int = 20000) -> int:
+    pc = time.perf_counter_ns
+    xs = []
+    for _ in range(n):
+        a = pc()
+        b = pc()
+        xs.append(b - a)
+    xs.sort()
+    return _pct(xs, 50)
+
+
+def _core_bench(ns, keys: list[bytes], ops: int, inserts: int, seed: int, barrier):
+    """Run ``cxlkv._core.bench_index`` if the core has it. Expected contract (C++ side, timed with
+    a steady clock per operation, no Python in the loop)::
+
+        _core.bench_index(ns, keys: bytes, lookups: int, inserts: int, seed: int) -> dict
+            keys: the present keys, concatenated (32 bytes each); lookups: random single lookups
+            among them; inserts: puts of fresh random keys with ns.block_bytes payloads.
+            returns {"lookup_p50_ns", "lookup_p99_ns", "insert_p50_ns", "insert_p99_ns",
+                     "lookups_per_s", ...}
+
+    Returns None when the helper is absent, {"error": ...} when it cannot be called."""
+    try:
+        from cxlkv import _core  # type: ignore
+    except Exception:
+        return None
+    fn = getattr(_core, "bench_index", None)
+    if fn is None:
+        return None
+    blob = b"".join(keys)
+    barrier.wait(timeout=300)
+    try:
+        res = fn(ns, blob, ops, inserts, seed)
+    except Exception as e:  # a different signature: report, do not fail the Python numbers
+        return {"error": f"_core.bench_index: {type(e).__name__}: {e}"}
+    return dict(res) if isinstance(res, dict) else {"error": f"_core.bench_index returned {res!r}"}
+
+
+_BATCH = 1000  # keys per match_prefix / store call in the batched measurements
+
+
+def _index_worker(path: str, run: int, rank: int, nkeys: int, ops: int, samples: int,
+                  inserts: int, barrier, queue) -> None:
+    """One benchmark process: attach, time lookups and inserts (single calls and batches), report.
+    Every phase starts at a barrier so that all processes run it at the same time."""
+    try:
+        import cxlkv
+
+        pc = time.perf_counter_ns
+        try:  # map every page now: measure the index, not this process's first-touch faults
+            pool = cxlkv.Pool.open(path, populate=True)
+        except TypeError:
+            pool = cxlkv.Pool.open(path)
+        with pool:
+            ns = pool.namespace(cxlkv.KVLayout(**_INDEX_LAYOUT), name=_INDEX_NS)
+            keys = [_index_key(i) for i in range(nkeys)]
+            rng = random.Random(1000 * run + rank)
+            order = [keys[j] for j in rng.choices(range(nkeys), k=ops)]
+            lat_keys = [keys[j] for j in rng.choices(range(nkeys), k=samples)]
+            ins_keys = [_key("bench-index-insert", run, rank, i) for i in range(inserts)]
+            bins_keys = [_key("bench-index-binsert", run, rank, i) for i in range(inserts)]
+            lookup_batches = [order[i:i + _BATCH] for i in range(0, len(order) - _BATCH + 1, _BATCH)]
+            insert_batches = [bins_keys[i:i + _BATCH] for i in range(0, len(bins_keys), _BATCH)]
+            payload = bytes(range(256)) * (_INDEX_BLOCK // 256)
+            payloads = np.frombuffer(payload * _BATCH, dtype=np.uint8).reshape(_BATCH, _INDEX_BLOCK).copy()
+            contains, put, match = ns.contains, ns.put, ns.match_prefix
+            for k in order[: min(len(order), 20000)]:  # warm caches and the code path
+                contains(k)
+            overhead = _timer_overhead_ns()
+
+            # 1. single-call throughput: the whole run timed at once (no per-op timer cost)
+            barrier.wait(timeout=300)
+            t0 = pc()
+            hits = sum(map(contains, order))
+            t1 = pc()
+
+            # 2. single-call latency: every lookup timed on its own
+            barrier.wait(timeout=300)
+            lat = []
+            append = lat.append
+            for k in lat_keys:
+                a = pc()
+                contains(k)
+                b = pc()
+                append(b - a)
+
+            # 3. batched lookups: match_prefix over _BATCH present keys = _BATCH index lookups in
+            #    one call (Python overhead amortized; includes converting the keys)
+            barrier.wait(timeout=300)
+            blat = []
+            bhits = 0
+            tb0 = pc()
+            for batch in lookup_batches:
+                a = pc()
+                bhits += match(batch)
+                b = pc()
+                blat.append((b - a) / len(batch))
+            tb1 = pc()
+
+            # 4. single-call inserts
+            barrier.wait(timeout=300)
+            ins = []
+            append = ins.append
+            failed = 0
+            for k in ins_keys:
+                a = pc()
+                ok = put(k, payload)
+                b = pc()
+                append(b - a)
+                if not ok:
+                    failed += 1
+
+            # 5. batched inserts: store() of _BATCH fresh 256-byte blocks per call
+            barrier.wait(timeout=300)
+            bins = []
+            bstored = 0
+            for batch in insert_batches:
+                ids = list(range(len(batch)))
+                a = pc()
+                n = ns.store(batch, [payloads], ids, block_dim=0)
+                b = pc()
+                bins.append((b - a) / len(batch))
+                bstored += n
+            # 6. optional C++-side numbers (no Python in the timed loop), all processes at once
+            core = _core_bench(ns, keys, ops, inserts, 1000 * run + rank, barrier)
+        lat.sort()
+        ins.sort()
+        blat.sort()
+        bins.sort()
+        queue.put({
+            "rank": rank, "ok": True, "t0": t0, "t1": t1, "ops": ops, "hits": hits,
+            "lookups_per_s": ops / ((t1 - t0) / 1e9),
+            "lookup_ns": [_pct(lat, 50), _pct(lat, 90), _pct(lat, 99), _pct(lat, 99.9)],
+            "insert_ns": [_pct(ins, 50), _pct(ins, 90), _pct(ins, 99), _pct(ins, 99.9)],
+            "lat_sample": lat[:: max(1, len(lat) // 2000)],
+            "ins_sample": ins[:: max(1, len(ins) // 2000)],
+            "insert_failed": failed,
+            "tb0": tb0, "tb1": tb1, "batch_ops": sum(len(b) for b in lookup_batches),
+            "batch_hits": bhits,
+            "batch_lookup_ns": [_pct(blat, 50), _pct(blat, 99)],
+            "batch_insert_ns": [_pct(bins, 50), _pct(bins, 99)],
+            "batch_insert_failed": len(bins_keys) - bstored,
+            "timer_overhead_ns": overhead,
+            "core": core,
+        })
+    except BaseException as e:  # report instead of hanging the parent
+        import traceback
+
+        try:
+            barrier.abort()
+        except Exception:
+            pass
+        queue.put({"rank": rank, "ok": False, "error": f"{type(e).__name__}: {e}",
+                   "traceback": traceback.format_exc()})
+
+
+def _run_index_procs(path: str, run: int, nprocs: int, nkeys: int, ops: int, samples: int,
+                     inserts: int) -> dict[str, Any]:
+    import multiprocessing as mp
+    import queue as queue_mod
+
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(nprocs)
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_index_worker, name=f"cxlkv-bench-index-{r}",
+                         args=(path, run, r, nkeys, ops, samples, inserts, barrier, q))
+             for r in range(nprocs)]
+    for p in procs:
+        p.start()
+    results: list[dict[str, Any]] = []
+    deadline = time.monotonic() + 900
+    try:
+        while len(results) < nprocs:
+            try:
+                results.append(q.get(timeout=1.0))
+            except queue_mod.Empty:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("bench index: workers did not finish in time")
+                if all(not p.is_alive() for p in procs) and q.empty():
+                    raise RuntimeError(f"bench index: {nprocs - len(results)} worker(s) died "
+                                       f"(exit codes {[p.exitcode for p in procs]})")
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+    bad = [r for r in results if not r.get("ok")]
+    if bad:
+        raise RuntimeError(f"bench index worker {bad[0]['rank']} failed: {bad[0]['error']}\n"
+                           f"{bad[0].get('traceback', '')}".rstrip())
+    results.sort(key=lambda r: r["rank"])
+    total_ops = sum(r["ops"] for r in results)
+    span = max(r["t1"] for r in results) - min(r["t0"] for r in results)
+    bspan = max(r["tb1"] for r in results) - min(r["tb0"] for r in results)
+    lat = sorted(x for r in results for x in r["lat_sample"])
+    ins = sorted(x for r in results for x in r["ins_sample"])
+    med = statistics.median
+    core: dict[str, Any] = {}
+    cores = [r.get("core") for r in results]
+    if all(isinstance(c, dict) and "error" not in c for c in cores):
+        def cget(k):
+            return [c[k] for c in cores if isinstance(c.get(k), (int, float))]
+        if cget("lookups_per_s"):
+            core["core_lookups_per_s"] = round(sum(cget("lookups_per_s")))
+        for k in ("lookup_p50_ns", "insert_p50_ns"):
+            if cget(k):
+                core["core_" + k] = round(med(cget(k)))
+        for k in ("lookup_p99_ns", "insert_p99_ns"):
+            if cget(k):
+                core["core_" + k] = round(max(cget(k)), 1)
+    elif any(isinstance(c, dict) for c in cores):
+        core["core_error"] = next(c["error"] for c in cores if isinstance(c, dict) and "error" in c)
+    return {
+        **core,
+        "procs": nprocs,
+        "lookups_per_s": round(total_ops / (span / 1e9)),
+        "per_proc_lookups_per_s": [round(r["lookups_per_s"]) for r in results],
+        "lookup_p50_ns": int(med(r["lookup_ns"][0] for r in results)),
+        "lookup_p99_ns": max(r["lookup_ns"][2] for r in results),
+        "lookup_p999_ns": max(r["lookup_ns"][3] for r in results),
+        "lookup_p50_ns_pooled": _pct(lat, 50),
+        "insert_p50_ns": int(med(r["insert_ns"][0] for r in results)),
+        "insert_p99_ns": max(r["insert_ns"][2] for r in results),
+        "insert_p999_ns": max(r["insert_ns"][3] for r in results),
+        "insert_p50_ns_pooled": _pct(ins, 50),
+        "batch_lookups_per_s": round(sum(r["batch_ops"] for r in results) / (bspan / 1e9)),
+        "batch_lookup_ns_p50": round(med(r["batch_lookup_ns"][0] for r in results), 1),
+        "batch_lookup_ns_p99": round(max(r["batch_lookup_ns"][1] for r in results), 1),
+        "batch_insert_ns_p50": round(med(r["batch_insert_ns"][0] for r in results), 1),
+        "batch_insert_ns_p99": round(max(r["batch_insert_ns"][1] for r in results), 1),
+        "lookup_misses": sum(r["ops"] - r["hits"] for r in results)
+                         + sum(r["batch_ops"] - r["batch_hits"] for r in results),
+        "insert_failed": sum(r["insert_failed"] + r["batch_insert_failed"] for r in results),
+        "timer_overhead_ns": int(med(r["timer_overhead_ns"] for r in results)),
+    }
+
+
+def bench_index(procs: list[int] | None = None, ops: int = 300_000, keys: int = 100_000,
+                samples: int = 20_000, inserts: int = 20_000, pool_dir: str = "/dev/shm",
+                quiet: bool = False) -> dict[str, Any]:
+    """Lookup/insert latency and multi-process lookup throughput on one pool."""
+    import cxlkv
+
+    log = _progress(quiet)
+    cores = os.cpu_count() or 1
+    if not procs:
+        procs = []
+        n = 1
+        while n <= cores:
+            procs.append(n)
+            n *= 2
+        if procs[-1] != cores:
+            procs.append(cores)
+    counts = sorted(set([1] + list(procs)))
+
+    total_entries = keys + 2 * inserts * sum(counts) + 1024
+    index_slots = _pow2_at_least(4 * total_entries)
+    data = total_entries * (_INDEX_BLOCK + 8 + 64)
+    pool_size = index_slots * 80 + int(data * 1.5) + 64 * _MiB
+    path = os.path.join(pool_dir, f"cxlkv-bench-index-{os.getpid()}")
+    runs: list[dict[str, Any]] = []
+    log(f"bench index: pool {format_size(pool_size)}, {index_slots} index slots, prefill {keys} keys, "
+        f"process counts {counts}")
+    try:
+        with cxlkv.Pool.create(path, pool_size, index_slots=index_slots) as pool:
+            ns = pool.namespace(cxlkv.KVLayout(**_INDEX_LAYOUT), name=_INDEX_NS)
+            payload = bytes(range(256)) * (_INDEX_BLOCK // 256)
+            put = ns.put
+            t0 = time.perf_counter_ns()
+            for i in range(keys):
+                if not put(_index_key(i), payload):
+                    raise RuntimeError(f"prefill: put failed at key {i} (pool full?)")
+            log(f"  prefill {keys} keys: {(time.perf_counter_ns() - t0) / keys:.0f} ns/put from Python")
+            for run, n in enumerate(counts):
+                r = _run_index_procs(path, run, n, keys, ops, samples, inserts)
+                log(f"  {n} proc(s): {r['lookups_per_s'] / 1e6:.2f} M lookups/s, lookup p50 "
+                    f"{r['lookup_p50_ns']} ns p99 {r['lookup_p99_ns']} ns, insert p50 "
+                    f"{r['insert_p50_ns']} ns p99 {r['insert_p99_ns']} ns")
+                runs.append(r)
+            stats = pool.stats()
+    finally:
+        try:
+            cxlkv.Pool.destroy(path)
+        except Exception:
+            pass
+
+    base = runs[0]
+    for r in runs:
+        r["scaling"] = round(r["lookups_per_s"] / base["lookups_per_s"], 3)
+        r["scaling_per_proc"] = round(r["scaling"] / r["procs"], 3)
+        r["batch_scaling"] = round(r["batch_lookups_per_s"] / base["batch_lookups_per_s"], 3)
+        r["batch_scaling_per_proc"] = round(r["batch_scaling"] / r["procs"], 3)
+        if "core_lookups_per_s" in r and "core_lookups_per_s" in base:
+            r["core_scaling"] = round(r["core_lookups_per_s"] / base["core_lookups_per_s"], 3)
+            r["core_scaling_per_proc"] = round(r["core_scaling"] / r["procs"], 3)
+    top = runs[-1]
+    out: dict[str, Any] = {
+        "bench": "index",
+        "procs": top["procs"],
+        "lookup_p50_ns": base["lookup_p50_ns"],
+        "lookup_p99_ns": base["lookup_p99_ns"],
+        "insert_p50_ns": base["insert_p50_ns"],
+        "insert_p99_ns": base["insert_p99_ns"],
+        "lookups_per_s": top["lookups_per_s"],
+        "lookups_per_s_1proc": base["lookups_per_s"],
+        "scaling": top["scaling"],
+        "scaling_per_proc": top["scaling_per_proc"],
+        "batch_lookup_ns_p50": base["batch_lookup_ns_p50"],
+        "batch_lookup_ns_p99": base["batch_lookup_ns_p99"],
+        "batch_insert_ns_p50": base["batch_insert_ns_p50"],
+        "batch_lookups_per_s": top["batch_lookups_per_s"],
+        "batch_lookups_per_s_1proc": base["batch_lookups_per_s"],
+        "batch_scaling": top["batch_scaling"],
+        "batch_scaling_per_proc": top["batch_scaling_per_proc"],
+        "timer_overhead_ns": base["timer_overhead_ns"],
+        "keys": keys,
+        "block_bytes": _INDEX_BLOCK,
+        "index_slots": index_slots,
+        "ops_per_proc": ops,
+        "samples_per_proc": samples,
+        "inserts_per_proc": inserts,
+        "runs": runs,
+    }
+    if "core_lookups_per_s" in base:
+        for k in ("core_lookup_p50_ns", "core_lookup_p99_ns", "core_insert_p50_ns",
+                  "core_insert_p99_ns"):
+            out[k] = base[k]
+        out["core_lookups_per_s"] = top["core_lookups_per_s"]
+        out["core_lookups_per_s_1proc"] = base["core_lookups_per_s"]
+        out["core_scaling"] = top["core_scaling"]
+        out["core_scaling_per_proc"] = top["core_scaling_per_proc"]
+    elif any("core_error" in r for r in runs):
+        out["core_error"] = next(r["core_error"] for r in runs if "core_error" in r)
+    if isinstance(stats, dict):
+        for k in ("checksum_failures", "evictions"):
+            if isinstance(stats.get(k), int):
+                out["pool_" + k] = stats[k]
+    out["machine"] = _machine()
+    out["notes"] = (
+        "Latencies are single Python calls (ns.contains / ns.put of a 256-byte block) timed one by "
+        "one with time.perf_counter_ns (timer_overhead_ns included) and are dominated by Python "
+        "call overhead; top-level latencies are from the 1-process run, lookups_per_s and scaling "
+        "from the largest process count (aggregate ops over the common wall-clock span). "
+        "batch_* fields: match_prefix over 1000 present keys (1000 index lookups in one call) and "
+        "store of 1000 fresh 256-byte blocks, timed per call and divided by 1000: the index cost "
+        "with the Python call overhead amortized (key conversion still included). "
+        "core_* fields, when present, come from the C++-side helper without Python overhead."
+    )
+    return out
+
+
+def print_index_result(console, result: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    runs = result["runs"]
+    t = Table(title="cxlkv bench index (latencies in ns)", title_justify="left")
+    t.add_column("")
+    for r in runs:
+        t.add_column(f"{r['procs']} proc" + ("s" if r["procs"] > 1 else ""), justify="right")
+    rows = [
+        ("[bold]single calls[/bold] (contains / put)", None),
+        ("lookups/s (all procs)", lambda r: f"{r['lookups_per_s'] / 1e6:.2f} M"),
+        ("scaling vs 1 proc", lambda r: f"{r['scaling']:.2f}x ({r['scaling_per_proc']:.2f}/proc)"),
+        ("lookup p50 / p99", lambda r: f"{r['lookup_p50_ns']} / {r['lookup_p99_ns']}"),
+        ("insert p50 / p99", lambda r: f"{r['insert_p50_ns']} / {r['insert_p99_ns']}"),
+        ("[bold]batches of 1000[/bold] (match_prefix / store)", None),
+        ("lookups/s (all procs)", lambda r: f"{r['batch_lookups_per_s'] / 1e6:.2f} M"),
+        ("scaling vs 1 proc", lambda r: f"{r['batch_scaling']:.2f}x ({r['batch_scaling_per_proc']:.2f}/proc)"),
+        ("lookup per key p50 / p99", lambda r: f"{r['batch_lookup_ns_p50']:.0f} / {r['batch_lookup_ns_p99']:.0f}"),
+        ("insert per key p50 / p99", lambda r: f"{r['batch_insert_ns_p50']:.0f} / {r['batch_insert_ns_p99']:.0f}"),
+        ("misses / failed inserts", lambda r: f"{r['lookup_misses']} / {r['insert_failed']}"),
+    ]
+    if all("core_lookups_per_s" in r for r in runs):
+        rows += [
+            ("[bold]core[/bold] (C++ side, no Python)", None),
+            ("lookups/s (all procs)", lambda r: f"{r['core_lookups_per_s'] / 1e6:.2f} M"),
+            ("scaling vs 1 proc", lambda r: f"{r.get('core_scaling', 1):.2f}x "
+                                            f"({r.get('core_scaling_per_proc', 1):.2f}/proc)"),
+            ("lookup p50 / p99", lambda r: f"{r.get('core_lookup_p50_ns', '-')} / {r.get('core_lookup_p99_ns', '-')}"),
+            ("insert p50 / p99", lambda r: f"{r.get('core_insert_p50_ns', '-')} / {r.get('core_insert_p99_ns', '-')}"),
+        ]
+    for label, f in rows:
+        t.add_row(label, *[(f(r) if f else "") for r in runs])
+    console.print(t)
+    if result.get("core_error"):
+        console.print(f"[yellow]core helper not used: {result['core_error']}[/yellow]")
+    m = result.get("machine", {})
+    console.print(f"[dim]{m.get('cpu', '?')}, {m.get('cores', '?')} cores; {result['keys']} keys of "
+                  f"{result['block_bytes']} B, {result['index_slots']} index slots. Single-call numbers "
+                  f"are Python calls timed one by one (timer ~{result['timer_overhead_ns']} ns included); "
+                  "batch numbers are per key, Python overhead amortized.[/dim]")

@@ -1,0 +1,105 @@
+"""Fixtures of the cxlkv Python test suite.
+
+Pools live in /dev/shm (real shared-memory files, as in production), each under a unique name
+that is removed after the test, including leftovers such as ``<path>.init-*`` temporaries.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import stat
+import sys
+import uuid
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import cxlkv_testutil as tu  # noqa: E402
+
+SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+
+MiB = 1 << 20
+KiB = 1 << 10
+
+
+def _remove(path: str) -> None:
+    for p in [path] + glob.glob(path + ".*"):
+        try:
+            if os.path.isdir(p) and not os.path.islink(p):
+                os.chmod(p, stat.S_IRWXU)
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                os.unlink(p)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            pass
+
+
+@pytest.fixture
+def pool_path():
+    """A unique, not yet existing pool path under /dev/shm; removed afterwards."""
+    path = os.path.join(SHM_DIR, f"cxlkv-test-{uuid.uuid4().hex}")
+    yield path
+    _remove(path)
+
+
+@pytest.fixture
+def scratch_dir(tmp_path):
+    return tmp_path
+
+
+@pytest.fixture
+def make_pool(pool_path):
+    """Factory: ``make_pool(size=64 MiB, chunk_size=1 MiB, **create_kwargs)`` creates a pool at
+    ``pool_path`` (or at ``path=``) and closes every pool it made after the test."""
+    import cxlkv
+
+    made = []
+    extra_paths = []
+
+    def _make(size=64 * MiB, chunk_size=1 * MiB, path=None, **kwargs):
+        p = path or pool_path
+        if path is not None and path != pool_path:
+            extra_paths.append(path)
+        pool = cxlkv.Pool.create(p, size, chunk_size=chunk_size, **kwargs)
+        made.append(pool)
+        return pool
+
+    yield _make
+    for pool in made:
+        try:
+            pool.close()
+        except Exception:
+            pass
+    for p in extra_paths:
+        _remove(p)
+
+
+def small_layout(block_bytes=4 * KiB, model_id="test/small-model", **kw):
+    """A KVLayout whose block size is overridden to ``block_bytes``."""
+    import cxlkv
+
+    args = dict(model_id=model_id, dtype="bf16", num_layers=2, num_kv_heads=2, head_size=16,
+                tokens_per_block=4)
+    args.update(kw)
+    return cxlkv.KVLayout(block_bytes=block_bytes, **args)
+
+
+@pytest.fixture
+def small_ns(make_pool):
+    """(pool, namespace) on a 64 MiB pool with 1 MiB chunks and 4 KiB blocks."""
+    pool = make_pool()
+    return pool, pool.namespace(small_layout())
+
+
+@pytest.fixture
+def key():
+    return tu.make_key
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: long-running test (still run by the CI command)")

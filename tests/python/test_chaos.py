@@ -1,0 +1,301 @@
+"""Crash chaos: a supervisor kill -9s random workers at random moments, hundreds of times, and
+restarts them. Workers loop put/get/store/load/acquire/delete on a shared pool and verify every byte
+they read. Afterwards the pool must check clean: no leaked blocks, no entries stuck in
+WRITING/EVICTING, no orphan pins; and no worker ever saw wrong bytes.
+
+Workers are forked from a zygote process (chaos_worker.py zygote) that has already imported numpy
+and cxlkv, so a restart costs a fork, not an interpreter start: that is what makes hundreds of
+kills fit in a few seconds on two cores. Each worker is a real process killed with SIGKILL at a
+random point: while attaching, inside put/store (WRITING), inside eviction, holding a lease...
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+import cxlkv
+import cxlkv_testutil as tu
+from conftest import KiB, MiB
+
+WORKER = os.path.join(tu.here(), "chaos_worker.py")
+N_WORKERS = 4
+TARGET_KILLS = 300
+MIN_KILLS = 200
+CHAOS_BUDGET_S = 35.0
+
+
+class Zygote:
+    def __init__(self, pool_path, report_dir, *, chains, singles):
+        env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, WORKER, "zygote", "--pool", pool_path, "--report-dir", str(report_dir),
+             "--chains", str(chains), "--singles", str(singles)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            bufsize=1, env=env)
+        self.events = queue.Queue()
+        self.ready = set()
+        self.status = {}
+        self.pids = {}
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.events.put(line.split())
+        self.events.put(["eof"])
+
+    def _pump(self, timeout):
+        try:
+            ev = self.events.get(timeout=timeout)
+        except queue.Empty:
+            return False
+        if ev[0] == "pid":
+            self.pids[int(ev[1])] = int(ev[2])
+        elif ev[0] == "ready":
+            self.ready.add(int(ev[1]))
+        elif ev[0] == "status":
+            self.status[int(ev[1])] = int(ev[2])
+        elif ev[0] == "eof":
+            raise RuntimeError("zygote died: " + self.proc.stderr.read())
+        return True
+
+    def _until(self, pred, timeout, what):
+        end = time.monotonic() + timeout
+        while not pred():
+            left = end - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(what)
+            self._pump(min(left, 0.5))
+
+    def send(self, line):
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def spawn(self, wid, seed):
+        self.pids.pop(wid, None)
+        self.send(f"spawn {wid} {seed}")
+        self._until(lambda: wid in self.pids, 30, "spawn reply")
+        return self.pids[wid]
+
+    def wait_ready(self, pid, timeout):
+        try:
+            self._until(lambda: pid in self.ready, timeout, "ready")
+            return True
+        except TimeoutError:
+            return False
+
+    def drain(self):
+        while self._pump(0):
+            pass
+
+    def reap(self, pid):
+        self.send(f"wait {pid}")
+        self._until(lambda: pid in self.status, 30, f"status of {pid}")
+        return self.status.pop(pid)
+
+    def quit(self):
+        try:
+            self.send("quit")
+        except (BrokenPipeError, OSError):
+            pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def read_reports(report_dir, prefix):
+    out = []
+    for name in sorted(os.listdir(report_dir)):
+        if name.startswith(prefix):
+            with open(os.path.join(report_dir, name)) as f:
+                out.append(f"{name}:\n{f.read()}")
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_chaos_kill9(pool_path, tmp_path):
+    chains, singles = 300, 2000
+    size = 8 * MiB  # much smaller than the working set: constant eviction
+    assert size < (chains * 8 + singles) * 4 * KiB / 2
+    with cxlkv.Pool.create(pool_path, size, chunk_size=256 * KiB, max_nodes=16) as pool:
+        pool.namespace(tu.shared_layout())
+    rng = random.Random(20240601)
+    zy = Zygote(pool_path, tmp_path, chains=chains, singles=singles)
+    kills = 0
+    kills_before_ready = 0
+    unexpected = []
+    try:
+        live = {}
+        for wid in range(N_WORKERS):
+            live[wid] = zy.spawn(wid, rng.randrange(1 << 30))
+        t_end = time.monotonic() + CHAOS_BUDGET_S
+        while kills < TARGET_KILLS and time.monotonic() < t_end:
+            wid = rng.randrange(N_WORKERS)
+            pid = live[wid]
+            r = rng.random()
+            if r < 0.15:
+                # anywhere, including while attaching to the pool (node slot half claimed)
+                time.sleep(rng.uniform(0, 0.004))
+            else:
+                if not zy.wait_ready(pid, 20):
+                    unexpected.append(f"worker {wid} pid {pid} never became ready")
+                # mostly short lifetimes, sometimes long enough to fill the pool and evict
+                time.sleep(rng.uniform(0, 0.03) if r < 0.9 else rng.uniform(0.05, 0.25))
+            zy.drain()
+            if pid not in zy.ready:
+                kills_before_ready += 1
+            os.kill(pid, signal.SIGKILL)
+            status = zy.reap(pid)
+            zy.ready.discard(pid)
+            if not (os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL):
+                unexpected.append(f"worker {wid} pid {pid} ended by itself, status {status}")
+            kills += 1
+            live[wid] = zy.spawn(wid, rng.randrange(1 << 30))
+        # end of chaos: kill the survivors too (they die holding whatever they held)
+        for wid, pid in live.items():
+            os.kill(pid, signal.SIGKILL)
+            zy.reap(pid)
+            kills += 1
+    finally:
+        zy.quit()
+
+    elapsed = time.monotonic() - t_end + CHAOS_BUDGET_S
+    ops = 256 * sum(os.path.getsize(os.path.join(tmp_path, n)) for n in os.listdir(tmp_path)
+                    if n.startswith("progress-"))
+    print(f"chaos: {kills} kills ({kills_before_ready} before the worker was attached) in "
+          f"{elapsed:.1f} s, about {ops} operations")
+    errors = read_reports(tmp_path, "errors-")
+    mismatches = read_reports(tmp_path, "mismatch-")
+    assert not mismatches, "readers observed wrong bytes:\n" + "\n".join(mismatches)[:4000]
+    assert not errors, "workers raised:\n" + "\n".join(errors)[:4000]
+    assert not unexpected, unexpected
+    assert kills >= MIN_KILLS, f"only {kills} kills in {CHAOS_BUDGET_S} s"
+    assert ops >= 20000, f"workers did only about {ops} operations between kills"
+
+    # Attaching reclaims the dead nodes: their pins, half-written blocks, evictions in progress.
+    with cxlkv.Pool.open(pool_path) as pool:
+        report = pool.check()
+        print("chaos: check after reopening:", json.dumps(report))
+        assert tu.pool_check_problems(report) == [], json.dumps(report, indent=1)[:4000]
+        ns = pool.namespace(tu.shared_layout())
+        keys = [k for c in range(chains) for k in tu.chain_keys(c, 8)]
+        keys += [tu.make_key("single", i) for i in range(singles)]
+        resident = 0
+        for k in keys:
+            d = ns.get_bytes(k)
+            if d is not None:
+                resident += 1
+                assert tu.verify_bytes(k, d, ns.block_bytes), f"{k.hex()}: wrong bytes after chaos"
+        assert resident > 0
+        # no capacity leaked: the pool can be filled again completely
+        fresh = [tu.make_key("post-chaos", i) for i in range(size // (4 * KiB) + 200)]
+        failed = sum(1 for k in fresh if not ns.put(k, tu.key_payload(k, 4 * KiB)))
+        assert failed == 0, f"{failed} puts failed after chaos: capacity leaked or pins orphaned"
+        report = pool.check()
+        assert tu.pool_check_problems(report) == [], json.dumps(report, indent=1)[:4000]
+
+    # and the pool keeps working for new processes, concurrently
+    procs = []
+    for wid in range(2):
+        summary = os.path.join(tmp_path, f"post-{wid}.json")
+        procs.append((subprocess.Popen(
+            [sys.executable, WORKER, "run", "--pool", pool_path, "--report-dir", str(tmp_path),
+             "--wid", str(100 + wid), "--seed", str(wid), "--duration", "2",
+             "--chains", str(chains), "--singles", str(singles), "--summary", summary],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), summary))
+    for p, summary in procs:
+        _, err = p.communicate(timeout=60)
+        with open(summary) as f:
+            s = json.load(f)
+        assert p.returncode == 0 and s["ok"], s.get("traceback", err)
+        assert s["mismatches"] == 0, s["first_mismatches"]
+        assert s["ops"] > 100
+    with cxlkv.Pool.open(pool_path) as pool:
+        assert tu.pool_check_problems(pool.check()) == []
+
+
+@pytest.mark.timeout(60)
+def test_killed_processes_free_their_node_slots(pool_path):
+    """max_nodes=3: processes that attach and die by kill -9 must not use up the node table."""
+    import textwrap
+
+    with cxlkv.Pool.create(pool_path, 16 * MiB, chunk_size=1 * MiB, max_nodes=3) as pool:
+        pool.namespace(tu.shared_layout())
+    code = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {tu.here()!r})
+        import cxlkv, cxlkv_testutil as tu
+        pool = cxlkv.Pool.open({pool_path!r})
+        ns = pool.namespace(tu.shared_layout())
+        k = tu.make_key("slot", pool.node_id)
+        ns.put(k, tu.key_payload(k, ns.block_bytes))
+        lease = ns.acquire([k])
+        print("ready", flush=True)
+        time.sleep(120)
+    """)
+    for round_ in range(3):
+        procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for _ in range(3)]
+        for p in procs:
+            line = p.stdout.readline().strip()
+            assert line == "ready", (line, p.stderr.read() if p.poll() is not None else "")
+        # the table is full of live nodes now
+        with pytest.raises(cxlkv.NodeTableFullError, match="node"):
+            cxlkv.Pool.open(pool_path)
+        for p in procs:
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+    with cxlkv.Pool.open(pool_path) as pool:
+        report = pool.check()
+        assert tu.pool_check_problems(report) == [], report
+        assert report.get("orphan_pins", 0) == 0
+
+
+@pytest.mark.timeout(60)
+def test_concurrent_open_or_create_and_namespace(pool_path, tmp_path):
+    """Processes racing to create the same pool and namespace all end up in one pool and one
+    namespace."""
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {tu.here()!r})
+        import cxlkv, cxlkv_testutil as tu
+        start = float(sys.argv[1])
+        while time.time() < start:
+            pass
+        with cxlkv.Pool.open_or_create({pool_path!r}, 32 << 20, chunk_size=1 << 20) as pool:
+            ns = pool.namespace(tu.shared_layout())
+            k = tu.make_key("race", pool.node_id)
+            assert ns.put(k, tu.key_payload(k, ns.block_bytes))
+            print(pool.uuid, ns.id, flush=True)
+    """)
+    start = time.time() + 1.0
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(start)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(6)]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+        outs.append(out.split())
+    assert len({o[0] for o in outs}) == 1, f"several pools were created: {outs}"
+    assert len({o[1] for o in outs}) == 1, f"several namespaces were created: {outs}"
+    leftovers = [n for n in os.listdir(os.path.dirname(pool_path))
+                 if n.startswith(os.path.basename(pool_path) + ".")]
+    assert not leftovers, f"temporary files left behind: {leftovers}"
+    with cxlkv.Pool.open(pool_path) as pool:
+        assert len(pool.namespaces()) == 1
+        assert tu.pool_check_problems(pool.check()) == []
