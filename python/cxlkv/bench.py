@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from cxlkv.cli import CommandError
 from cxlkv.sizes import format_size
 
 __all__ = ["GEOMETRIES", "bench_copy", "bench_index", "print_copy_result", "print_index_result"]
@@ -111,27 +112,39 @@ def _med(xs: list[int]) -> float:
 
 
 def bench_copy(geometry: str = "all", iters: int = 7, batch_bytes: int = 128 * _MiB,
-               pool_dir: str = "/dev/shm", quiet: bool = False) -> dict[str, Any]:
+               pool_dir: str = "/dev/shm", quiet: bool = False,
+               copy_threads: int | None = None) -> dict[str, Any]:
     """Store/load bandwidth per geometry vs memcpy of the same bytes. Returns one JSON-able dict
-    whose top-level store/load/memcpy fields are those of the first geometry (llama3-8b for "all")."""
+    whose top-level store/load/memcpy fields are those of the first geometry (llama3-8b for "all").
+    copy_threads: threads the core may use for one large batch (default: the core's own choice)."""
     names = list(GEOMETRIES) if geometry == "all" else [geometry]
     for n in names:
         if n not in GEOMETRIES:
             raise ValueError(f"unknown geometry {n!r} (choose from {', '.join(GEOMETRIES)} or all)")
     log = _progress(quiet)
+    threads_label: Any = os.environ.get("CXLKV_COPY_THREADS") or f"default (min(8, {os.cpu_count()} cores))"
+    if copy_threads is not None:
+        from cxlkv import _core  # type: ignore
+
+        if not hasattr(_core, "set_copy_threads"):
+            raise ValueError("this cxlkv core cannot set its copy threads")
+        _core.set_copy_threads(copy_threads)
+        threads_label = copy_threads
     results = [_bench_copy_one(n, iters, batch_bytes, pool_dir, log) for n in names]
     head = results[0]
     out: dict[str, Any] = {"bench": "copy"}
     for k in ("geometry", "store_gbps", "load_gbps", "memcpy_gbps", "memcpy_contig_gbps",
               "store_vs_memcpy", "load_vs_memcpy"):
         out[k] = head[k]
+    out["copy_threads"] = threads_label
     out["results"] = results
     out["machine"] = _machine()
     out["notes"] = (
         "GB/s = 1e9 bytes/s, medians over interleaved rounds (best values in *_best_gbps). "
         "memcpy_gbps: the faster per-fragment memcpy of the same fragments (store direction: "
         "gather into a contiguous buffer); load_vs_memcpy compares with the same memcpy in the "
-        "scatter direction. memcpy_contig_gbps: one contiguous copy of the whole batch."
+        "scatter direction. memcpy_contig_gbps: one contiguous copy of the whole batch. The memcpy "
+        "baselines run on one thread; the core may split a batch of >= 4 MiB over copy_threads."
     )
     return out
 
@@ -200,7 +213,7 @@ def _bench_copy_one(name: str, iters: int, batch_bytes: int, pool_dir: str, log)
         for i in {0, nblocks // 2, nblocks - 1}:
             for l in {0, L - 1}:
                 if not np.array_equal(flat_v[i, l], src_v[l][:, order[i]]):
-                    raise RuntimeError("memcpy baseline self-check failed")
+                    raise CommandError("memcpy baseline self-check failed", exit_code=1)
 
     chunk = min(max(8 * _MiB, _pow2_at_least(16 * block_bytes)), 256 * _MiB)
     pool_size = 2 * nbytes + 4 * chunk + 64 * _MiB
@@ -212,7 +225,7 @@ def _bench_copy_one(name: str, iters: int, batch_bytes: int, pool_dir: str, log)
         with cxlkv.Pool.create(path, pool_size, chunk_size=chunk) as pool:
             ns = pool.namespace(cxlkv.KVLayout(**g), name=f"bench-{name}")
             if ns.block_bytes != block_bytes:
-                raise RuntimeError(f"namespace block_bytes {ns.block_bytes} != expected {block_bytes}")
+                raise CommandError(f"namespace block_bytes {ns.block_bytes} != expected {block_bytes}")
             prev: list[bytes] = []
             keys: list[bytes] = []
             for it in range(iters + 1):  # round 0 warms up (page faults, chunk carving)
@@ -223,18 +236,19 @@ def _bench_copy_one(name: str, iters: int, batch_bytes: int, pool_dir: str, log)
                 n = ns.store(keys, src, block_ids, block_dim=1)
                 t_store = time.perf_counter_ns() - t0
                 if n != nblocks:
-                    raise RuntimeError(f"store stored {n} of {nblocks} blocks (pool of "
+                    raise CommandError(f"bench copy: store stored {n} of {nblocks} blocks (pool of "
                                        f"{format_size(pool_size)} too small?)")
                 prev = keys
                 t0 = time.perf_counter_ns()
                 n = ns.load(keys, dst, block_ids, block_dim=1)
                 t_load = time.perf_counter_ns() - t0
                 if n != nblocks:
-                    raise RuntimeError(f"load loaded {n} of {nblocks} blocks")
+                    raise CommandError(f"bench copy: load loaded {n} of {nblocks} blocks", exit_code=1)
                 if not verified:
                     for l in range(L):
                         if not np.array_equal(src[l], dst[l]):
-                            raise RuntimeError(f"loaded bytes differ from the source (layer {l})")
+                            raise CommandError(f"bench copy: loaded bytes differ from the source "
+                                               f"(layer {l})", exit_code=1)
                     verified = True
                     for d in dst:  # so that the scatter baseline below writes real changes
                         d.fill(1)
@@ -336,7 +350,9 @@ def print_copy_result(console, result: dict[str, Any]) -> None:
     m = result.get("machine", {})
     kern = m.get("core_nt_copy_kernel")
     console.print(f"[dim]{m.get('cpu', '?')}, {m.get('cores', '?')} cores"
-                  + (f", copy kernel {kern}" if kern else "") + ". memcpy gather/scatter: the faster "
+                  + (f", copy kernel {kern}" if kern else "")
+                  + f", core copy threads {result.get('copy_threads')} (memcpy: 1 thread)"
+                  + ". memcpy gather/scatter: the faster "
                   "of a per-fragment np.copyto loop and a strided numpy copy of the same fragments "
                   "(load is compared with scatter); contiguous: one copy of the whole batch.[/dim]")
 
@@ -438,9 +454,11 @@ def _index_worker(path: str, run: int, rank: int, nkeys: int, ops: int, samples:
 
             # 1. single-call throughput: the whole run timed at once (no per-op timer cost)
             barrier.wait(timeout=300)
+            c0 = time.process_time_ns()
             t0 = pc()
             hits = sum(map(contains, order))
             t1 = pc()
+            cpu_share = (time.process_time_ns() - c0) / max(1, t1 - t0)
 
             # 2. single-call latency: every lookup timed on its own
             barrier.wait(timeout=300)
@@ -497,6 +515,7 @@ def _index_worker(path: str, run: int, rank: int, nkeys: int, ops: int, samples:
         bins.sort()
         queue.put({
             "rank": rank, "ok": True, "t0": t0, "t1": t1, "ops": ops, "hits": hits,
+            "cpu_share": cpu_share,
             "lookups_per_s": ops / ((t1 - t0) / 1e9),
             "lookup_ns": [_pct(lat, 50), _pct(lat, 90), _pct(lat, 99), _pct(lat, 99.9)],
             "insert_ns": [_pct(ins, 50), _pct(ins, 90), _pct(ins, 99), _pct(ins, 99.9)],
@@ -543,9 +562,9 @@ def _run_index_procs(path: str, run: int, nprocs: int, nkeys: int, ops: int, sam
                 results.append(q.get(timeout=1.0))
             except queue_mod.Empty:
                 if time.monotonic() > deadline:
-                    raise RuntimeError("bench index: workers did not finish in time")
+                    raise CommandError("bench index: workers did not finish in time")
                 if all(not p.is_alive() for p in procs) and q.empty():
-                    raise RuntimeError(f"bench index: {nprocs - len(results)} worker(s) died "
+                    raise CommandError(f"bench index: {nprocs - len(results)} worker(s) died "
                                        f"(exit codes {[p.exitcode for p in procs]})")
     finally:
         for p in procs:
@@ -553,10 +572,12 @@ def _run_index_procs(path: str, run: int, nprocs: int, nkeys: int, ops: int, sam
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=5)
-    bad = [r for r in results if not r.get("ok")]
+    # the root cause first: the other workers then fail at the aborted barrier
+    bad = sorted((r for r in results if not r.get("ok")),
+                 key=lambda r: r["error"].startswith("BrokenBarrierError"))
     if bad:
-        raise RuntimeError(f"bench index worker {bad[0]['rank']} failed: {bad[0]['error']}\n"
-                           f"{bad[0].get('traceback', '')}".rstrip())
+        raise CommandError(f"bench index worker {bad[0]['rank']} failed: {bad[0]['error']}",
+                           detail=bad[0].get("traceback", ""))
     results.sort(key=lambda r: r["rank"])
     total_ops = sum(r["ops"] for r in results)
     span = max(r["t1"] for r in results) - min(r["t0"] for r in results)
@@ -601,6 +622,9 @@ def _run_index_procs(path: str, run: int, nprocs: int, nkeys: int, ops: int, sam
                          + sum(r["batch_ops"] - r["batch_hits"] for r in results),
         "insert_failed": sum(r["insert_failed"] + r["batch_insert_failed"] for r in results),
         "timer_overhead_ns": int(med(r["timer_overhead_ns"] for r in results)),
+        # CPU time / wall time of each process during the timed lookups: < 1 means it was
+        # descheduled (more runnable processes than cores), which caps the scaling measured
+        "cpu_share": [round(r["cpu_share"], 2) for r in results],
     }
 
 
@@ -638,7 +662,7 @@ def bench_index(procs: list[int] | None = None, ops: int = 300_000, keys: int = 
             t0 = time.perf_counter_ns()
             for i in range(keys):
                 if not put(_index_key(i), payload):
-                    raise RuntimeError(f"prefill: put failed at key {i} (pool full?)")
+                    raise CommandError(f"bench index: prefill put failed at key {i} (pool full?)")
             log(f"  prefill {keys} keys: {(time.perf_counter_ns() - t0) / keys:.0f} ns/put from Python")
             for run, n in enumerate(counts):
                 r = _run_index_procs(path, run, n, keys, ops, samples, inserts)
@@ -738,6 +762,7 @@ def print_index_result(console, result: dict[str, Any]) -> None:
         ("lookup per key p50 / p99", lambda r: f"{r['batch_lookup_ns_p50']:.0f} / {r['batch_lookup_ns_p99']:.0f}"),
         ("insert per key p50 / p99", lambda r: f"{r['batch_insert_ns_p50']:.0f} / {r['batch_insert_ns_p99']:.0f}"),
         ("misses / failed inserts", lambda r: f"{r['lookup_misses']} / {r['insert_failed']}"),
+        ("CPU share per proc", lambda r: " ".join(f"{x:.2f}" for x in r["cpu_share"])),
     ]
     if all("core_lookups_per_s" in r for r in runs):
         rows += [

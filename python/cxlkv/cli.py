@@ -27,7 +27,18 @@ from cxlkv.sizes import format_size, parse_size
 
 DEFAULT_POOL = "/dev/shm/cxlkv"
 
-__all__ = ["main", "build_parser", "DEFAULT_POOL"]
+__all__ = ["main", "build_parser", "DEFAULT_POOL", "CommandError"]
+
+
+class CommandError(Exception):
+    """A command failed in a way worth one line, not a traceback (a benchmark or demo worker died,
+    a pool too small for a benchmark, wrong bytes read back). ``detail`` (e.g. a worker's traceback)
+    is printed only with CXLKV_DEBUG=1; ``exit_code`` 1 marks an inconsistency, 2 a failure."""
+
+    def __init__(self, message: str, detail: str = "", exit_code: int = 2):
+        super().__init__(message)
+        self.detail = detail
+        self.exit_code = exit_code
 
 
 # ---------------------------------------------------------------------------------------------
@@ -340,6 +351,7 @@ def cmd_bench_copy(args) -> int:
         batch_bytes=args.batch_size,
         pool_dir=args.pool_dir,
         quiet=args.json,
+        copy_threads=args.copy_threads,
     )
     if args.json:
         print_json(result)
@@ -450,6 +462,9 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--iters", type=_pos_int, default=7, help="timed iterations per measurement (default 7)")
     bc.add_argument("--batch-size", type=_size_arg, default=parse_size("128MiB"),
                     help="bytes per store/load batch (default 128MiB)")
+    bc.add_argument("--copy-threads", type=_pos_int, default=None,
+                    help="threads the core may use per large batch (default: the core's choice; "
+                         "1 compares like for like with the single-threaded memcpy)")
     bc.add_argument("--pool-dir", default="/dev/shm", help="where the temporary pool lives (default /dev/shm)")
     bc.set_defaults(func=cmd_bench_copy)
 
@@ -532,6 +547,11 @@ def main(argv: list[str] | None = None) -> int:
         except OSError:
             pass
         return 0
+    except CommandError as e:
+        print(f"cxlkv: error: {format_error(e)}", file=sys.stderr)
+        if e.detail and os.environ.get("CXLKV_DEBUG"):
+            print(e.detail.rstrip(), file=sys.stderr)
+        return e.exit_code
     except ImportError as e:
         if os.environ.get("CXLKV_DEBUG"):
             raise

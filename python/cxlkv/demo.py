@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from cxlkv.cli import CommandError
 from cxlkv.sizes import format_size
 
 __all__ = ["run_demo", "DEMO_LAYOUT"]
@@ -98,11 +99,21 @@ class _KV:
 
 def _open_populated(cxlkv, path: str):
     """Attach with every page mapped up front (as a long-lived engine would), so the copies below
-    measure memory bandwidth rather than this process's first-touch page faults."""
+    measure memory bandwidth rather than this process's first-touch page faults. Only for file
+    pools of up to 4 GiB: mapping a huge pool in every worker would cost more than it shows."""
+    import stat
+
     try:
-        return cxlkv.Pool.open(path, populate=True)
-    except TypeError:  # a core without the populate option
-        return cxlkv.Pool.open(path)
+        st = os.stat(path)
+        small_file = stat.S_ISREG(st.st_mode) and st.st_size <= (4 << 30)
+    except OSError:
+        small_file = False
+    if small_file:
+        try:
+            return cxlkv.Pool.open(path, populate=True)
+        except TypeError:  # a core without the populate option
+            pass
+    return cxlkv.Pool.open(path)
 
 
 def _worker(path: str, rank: int, role: str, nprefill: int, salt: bytes, seconds: float,
@@ -241,9 +252,9 @@ def run_demo(pool_path: str = "/dev/shm/cxlkv", procs: int = 4, seconds: float =
                     results.append(q.get(timeout=0.5))
                 except queue_mod.Empty:
                     if time.monotonic() - t_start > seconds + 120:
-                        raise RuntimeError("demo workers did not finish in time")
+                        raise CommandError("demo workers did not finish in time")
                     if all(not w.is_alive() for w in workers) and q.empty():
-                        raise RuntimeError(f"{procs - len(results)} demo worker(s) died "
+                        raise CommandError(f"{procs - len(results)} demo worker(s) died "
                                            f"(exit codes {[w.exitcode for w in workers]})")
         finally:
             for w in workers:
@@ -251,10 +262,12 @@ def run_demo(pool_path: str = "/dev/shm/cxlkv", procs: int = 4, seconds: float =
                 if w.is_alive():
                     w.terminate()
                     w.join(timeout=5)
-        bad = [r for r in results if not r.get("ok")]
+        # the root cause first: the other workers then fail at the aborted barrier
+        bad = sorted((r for r in results if not r.get("ok")),
+                     key=lambda r: r["error"].startswith("BrokenBarrierError"))
         if bad:
-            raise RuntimeError(f"demo worker {bad[0]['rank']} failed: {bad[0]['error']}\n"
-                               f"{bad[0].get('traceback', '')}".rstrip())
+            raise CommandError(f"demo worker {bad[0]['rank']} failed: {bad[0]['error']}",
+                               detail=bad[0].get("traceback", ""))
         wall = time.monotonic() - t_start
         stats = pool.stats()
         pool_size, block_bytes = pool.size, ns.block_bytes

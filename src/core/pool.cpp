@@ -1,7 +1,10 @@
 // Pool creation, validation of an existing pool, attachment, and bounds-checked accessors.
 #include "pool.h"
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <signal.h>
+#include <pthread.h>
 #include <sys/random.h>
 #include <unistd.h>
 
@@ -116,6 +119,34 @@ uint64_t compute_host_id() {
 
 }  // namespace
 
+namespace {
+std::atomic<uint64_t> g_fork_generation{0};
+void note_fork_in_child() { g_fork_generation.fetch_add(1, std::memory_order_relaxed); }
+uint64_t fork_generation() {
+  static const int registered = ::pthread_atfork(nullptr, nullptr, note_fork_in_child);
+  (void)registered;
+  return g_fork_generation.load(std::memory_order_relaxed);
+}
+// A creator killed mid-way leaves `<path>.init-<pid>-<rand>` behind (the pool never appeared at
+// `path`). Remove those whose creator is gone, so they do not pin /dev/shm memory forever.
+void remove_stale_init_files(const std::string& path) {
+  size_t slash = path.rfind('/');
+  std::string dir = slash == std::string::npos ? "." : path.substr(0, slash ? slash : 1);
+  std::string prefix = (slash == std::string::npos ? path : path.substr(slash + 1)) + ".init-";
+  DIR* d = ::opendir(dir.c_str());
+  if (!d) return;
+  while (dirent* e = ::readdir(d)) {
+    std::string name = e->d_name;
+    if (name.rfind(prefix, 0) != 0) continue;
+    long pid = std::strtol(name.c_str() + prefix.size(), nullptr, 10);
+    if (pid <= 0 || (::kill(pid_t(pid), 0) == 0 || errno != ESRCH)) continue;
+    ::unlink((dir + "/" + name).c_str());
+  }
+  ::closedir(d);
+}
+
+}  // namespace
+
 // ---------------------------------------------------------------------------------------------
 std::unique_ptr<Pool> Pool::create(const std::string& path, const CreateOptions& opt, bool exist_ok) {
   PoolHeader h{};
@@ -155,6 +186,7 @@ std::unique_ptr<Pool> Pool::create(const std::string& path, const CreateOptions&
       throw OsError(EEXIST, "pool " + path + " already exists");
     }
     plan_geometry(h, opt);
+    remove_stale_init_files(path);
     uint8_t r[4];
     (void)::getrandom(r, sizeof r, 0);
     char suffix[64];
@@ -216,11 +248,11 @@ void Pool::validate_and_attach(bool fresh) {
   (void)fresh;
   char* b = map_.base();
   const auto& h = *reinterpret_cast<const PoolHeader*>(b);
-  const auto* sw = reinterpret_cast<const SharedWords*>(b + kSharedWordsOff);
+  auto* sw = reinterpret_cast<SharedWords*>(b + kSharedWordsOff);
   const std::string& P = path_;
   if (std::memcmp(h.magic, kMagic, 8) != 0) {
     static const char zero[8] = {};
-    uint64_t init = std::atomic_ref<uint64_t>(const_cast<uint64_t&>(sw->init.word)).load();
+    uint64_t init = Coherence(Backend::flush).read(&sw->init.word);
     if (std::memcmp(h.magic, zero, 8) == 0 && init == kInitBusy)
       throw NotReadyError("pool " + P + " was never completely initialized (its creator died or is still running); destroy and re-create it");
     throw FormatError(P + " is not a cxlkv pool (bad magic)");
@@ -270,7 +302,7 @@ void Pool::validate_and_attach(bool fresh) {
   uint64_t stride = chunk_desc_bytes(h.chunk_bytes) + h.chunk_bytes;
   if (h.chunk_count > (h.pool_bytes / stride)) bad("arena");
   area(h.arena_off, h.chunk_count * stride, "arena");
-  uint64_t init = std::atomic_ref<uint64_t>(const_cast<uint64_t&>(sw->init.word)).load(std::memory_order_acquire);
+  uint64_t init = Coherence(Backend::flush).read(&sw->init.word);  // valid for any backend
   if (init != kInitReady)
     throw NotReadyError("pool " + P + " was never completely initialized (its creator died or is still running); destroy and re-create it");
 
@@ -284,6 +316,7 @@ void Pool::validate_and_attach(bool fresh) {
   chunk_stride_ = desc_bytes_ + h.chunk_bytes;
   pid_ = uint32_t(::getpid());
   host_id_ = compute_host_id();
+  fork_generation_ = fork_generation();
   reap_dead_nodes();
   attach_node();
 }
@@ -292,9 +325,16 @@ Pool::~Pool() {
   try { close(); } catch (...) {}
 }
 
+void Pool::ensure_usable() const {
+  if (!base_) throw Error("pool " + path_ + " is closed");
+  if (fork_generation_ != fork_generation())
+    throw Error("pool " + path_ + ": this attachment was inherited through fork(); open the pool again in the child process");
+}
+
 void Pool::close() {
   if (!base_) return;
-  detach_node();
+  // A forked child unmaps only: the node slot belongs to the parent.
+  if (fork_generation_ == fork_generation()) detach_node();
   base_ = nullptr;
   hdr_ = nullptr;
   map_ = Mapping();

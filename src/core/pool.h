@@ -99,6 +99,9 @@ class Pool {
   ~Pool();
   void close();
   bool closed() const { return !base_; }
+  // Throws if the pool is closed, or if this attachment was inherited through fork(): the child
+  // does not own the parent's node slot and must open the pool itself.
+  void ensure_usable() const;
 
   // --- identity ---------------------------------------------------------------------------
   const std::string& path() const { return path_; }
@@ -211,6 +214,7 @@ class Pool {
   uint32_t pid_ = 0;
   uint64_t host_id_ = 0;
   uint64_t node_word_ = 0;
+  uint64_t fork_generation_ = 0;
 
   std::mutex pin_mu_;
   std::vector<uint32_t> free_pins_;

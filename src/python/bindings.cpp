@@ -25,7 +25,8 @@ struct PyPool {
   std::unique_ptr<Pool> pool;
   std::shared_mutex mu;
   Pool& get() {
-    if (!pool || pool->closed()) throw Error("pool is closed");
+    if (!pool) throw Error("pool is closed");
+    pool->ensure_usable();
     return *pool;
   }
 };

@@ -155,8 +155,10 @@ TEST_F(RecoveryTest, HalfDoneOperationsOfADeadNodeAreUndone) {
         if (raw.block_desc(ch, k) == 0) { c = ch, b = k; break; }
     }
     ASSERT_NE(c, ~0ull);
+    const auto* slots = reinterpret_cast<const NodeSlot*>(raw.base() + hd.node_table_off);
+    const uint8_t epoch8 = uint8_t(node_epoch(slots[n - 1].state));
     reinterpret_cast<uint64_t*>(raw.base() + hd.arena_off + c * raw.chunk_stride())[b] =
-        make_block_word(kBlockUsed, n, s1);
+        make_block_word(kBlockUsed, n, epoch8, s1);
     auto* e1 = raw.entry(s1);
     e1->chunk = 0, e1->block = 0;  // stale: another entry's block
     e1->state = make_entry_word(kWriting, n, 1, 0x123456);

@@ -1,5 +1,6 @@
 // One Pool shared by several threads of one process (the Python binding releases the GIL, so
 // this is how it is used): random put/get/acquire/remove, every byte read verified.
+#include <chrono>
 #include <random>
 #include <thread>
 
@@ -53,6 +54,45 @@ TEST_F(ThreadsTest, ShareOnePool) {
   EXPECT_TRUE(r.ok) << join(r.errors);
   EXPECT_EQ(r.inflight_blocks + r.leaked_blocks + r.stuck_entries + r.orphan_pins, 0u);
   EXPECT_EQ(pool->counters()[format::kChecksumFailures], 0u);
+}
+
+// A pinned block stays readable: an evictor or remover that finds the pin puts the entry back, and
+// a reader of the pinned key must not see a miss in between.
+TEST_F(ThreadsTest, PinnedKeyNeverMisses) {
+  auto pool = Pool::create(path_, opts(4 * MiB, 64 * KiB, 1024), false);
+  auto ns = pool->open_namespace(layout("pin", 4096));
+  const Key k = key_of(1);
+  auto v = payload(1, 4096);
+  Piece in{v.data(), v.size()};
+  ASSERT_TRUE(pool->put(ns, k, &in, 1, 0));
+  auto pins = pool->acquire(ns, &k, 1);
+  ASSERT_EQ(pins.size(), 1u);
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> removed{0}, attempts{0};
+  std::thread remover([&] {
+    while (!stop.load()) {
+      removed += pool->remove(ns, k);
+      ++attempts;
+    }
+  });
+  uint64_t misses = 0, wrong = 0, absent = 0;
+  std::vector<char> out(4096);
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(500);
+  while (std::chrono::steady_clock::now() < until) {
+    Piece p{out.data(), out.size()};
+    if (!pool->get(ns, k, &p, 1, nullptr)) ++misses;
+    else if (out != v) ++wrong;
+    if (!pool->contains(ns, k)) ++absent;
+  }
+  stop = true;
+  remover.join();
+  pool->release(pins);
+  EXPECT_EQ(removed.load(), 0u) << "a pinned key was removed";
+  EXPECT_EQ(wrong, 0u);
+  EXPECT_EQ(misses, 0u) << "get() of a pinned key missed while remove() attempts (" << attempts.load()
+                        << ") briefly held it EVICTING";
+  EXPECT_EQ(absent, 0u) << "contains() of a pinned key said no";
+  EXPECT_TRUE(pool->remove(ns, k));
 }
 
 }  // namespace

@@ -524,3 +524,37 @@ def test_get_on_closed_pool_raises(make_pool):
     with pytest.raises(Exception) as ei:
         ns.get_bytes(k)
     assert not isinstance(ei.value, (SystemError, MemoryError))
+
+
+def test_flush_backend_round_trip(make_pool, pool_path):
+    """The non-coherent discipline (flush/invalidate around metadata, streaming payload copies)
+    keeps the same semantics on one host."""
+    pool = make_pool(backend="flush")
+    assert pool.backend == "flush"
+    ns = pool.namespace(small_layout())
+    keys = [tu.make_key("flush", i) for i in range(100)]
+    for k in keys:
+        assert ns.put(k, tu.key_payload(k, BB))
+    src = tu.CudaKV(num_layers=2, block_size=4, heads=2, head=32, num_blocks=4)
+    for i, a in enumerate(src.arrays):
+        a[...] = np.arange(a.size, dtype=np.uint16).reshape(a.shape) * (i + 3)
+    ns2 = pool.namespace(_layout_for(src, "test/flush-kv"))
+    ck = tu.chain_keys("flush-chain", 4)
+    assert ns2.store(ck, src.arrays, [3, 2, 1, 0], block_dim=1) == 4
+    with cxlkv.Pool.open(pool_path) as other:
+        assert other.backend == "flush"
+        ons = other.namespace(small_layout())
+        for k in keys:
+            assert ons.get_bytes(k) == tu.key_payload(k, BB)
+        dst = tu.CudaKV(num_layers=2, block_size=4, heads=2, head=32, num_blocks=4)
+        assert other.namespace(_layout_for(src, "test/flush-kv")).load(
+            ck, dst.arrays, [0, 1, 2, 3], block_dim=1) == 4
+        for i, b in enumerate([3, 2, 1, 0]):
+            assert dst.read_block(i) == src.read_block(b)
+    assert tu.pool_check_problems(pool.check()) == []
+
+
+def test_unknown_backend_raises(pool_path):
+    with pytest.raises(ValueError):
+        cxlkv.Pool.create(pool_path, 32 * MiB, backend="telepathy")
+    assert not os.path.exists(pool_path)

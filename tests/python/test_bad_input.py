@@ -5,9 +5,7 @@ and of index entries / metadata with corrupt offsets: errors, misses, never wron
 
 from __future__ import annotations
 
-import mmap
 import os
-import shutil
 import struct
 import subprocess
 import sys
@@ -57,6 +55,7 @@ def assert_cli_rejects(path, *, as_user=None):
         assert "Traceback" not in r.stderr, r.stderr
         assert "Traceback" not in r.stdout, r.stdout
         assert r.stderr.strip(), f"pool {sub}: no error message on stderr"
+        assert path in r.stderr, f"pool {sub}: the message does not name the path: {r.stderr!r}"
 
 
 def make_file_pool(path, size=32 * MiB):

@@ -11,6 +11,7 @@ random point: while attaching, inside put/store (WRITING), inside eviction, hold
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import queue
@@ -298,4 +299,42 @@ def test_concurrent_open_or_create_and_namespace(pool_path, tmp_path):
     assert not leftovers, f"temporary files left behind: {leftovers}"
     with cxlkv.Pool.open(pool_path) as pool:
         assert len(pool.namespaces()) == 1
+        assert tu.pool_check_problems(pool.check()) == []
+
+
+@pytest.mark.timeout(120)
+def test_creator_killed_mid_create(pool_path):
+    """kill -9 of the creating process at random moments: the path either does not exist or holds
+    a complete pool; a half-initialized pool is never visible, and open_or_create works after."""
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import cxlkv
+        print("go", flush=True)
+        cxlkv.Pool.create({pool_path!r}, 256 << 20, chunk_size=4 << 20).close()
+        print("done", flush=True)
+    """)
+    rng = random.Random(7)
+    for i in range(8):
+        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        assert p.stdout.readline().strip() == "go"
+        time.sleep(rng.uniform(0, 0.4))
+        p.kill()
+        p.wait()
+        # temporaries of the dead creator (<path>.init-*) may remain; the pool path itself is
+        # either absent or complete
+        for tmp in glob.glob(pool_path + ".*"):
+            os.unlink(tmp)
+        if os.path.exists(pool_path):
+            with cxlkv.Pool.open(pool_path) as pool:
+                assert pool.size == 256 << 20
+                assert tu.pool_check_problems(pool.check()) == []
+            cxlkv.Pool.destroy(pool_path)
+        else:
+            with pytest.raises(FileNotFoundError):
+                cxlkv.Pool.open(pool_path)
+    with cxlkv.Pool.open_or_create(pool_path, 32 * MiB, chunk_size=1 * MiB) as pool:
+        ns = pool.namespace(tu.shared_layout())
+        k = tu.make_key("after-creator-kill")
+        assert ns.put(k, tu.key_payload(k, ns.block_bytes))
         assert tu.pool_check_problems(pool.check()) == []
