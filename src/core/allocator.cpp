@@ -164,18 +164,19 @@ bool Pool::alloc_block(const NsHandle& ns, uint64_t slot, uint64_t* chunk, uint3
   //    steady eviction pressure there are none, so a fruitless scan backs off for a while and
   //    the caller evicts instead.
   uint64_t now = now_mono_us();
-  if (now < st.steal_after_us) return false;
-  uint64_t start = std::random_device{}() % hdr_->chunk_count;
-  for (uint64_t i = 0; i < hdr_->chunk_count; ++i) {
-    c = (start + i) % hdr_->chunk_count;
-    if (!mine(c)) continue;
-    if (claim_free_block(ns, c, slot, block, 0)) {
-      remember(c, *block + 1, 0);
-      *chunk = c;
-      return true;
+  if (now >= st.steal_after_us) {
+    uint64_t start = std::random_device{}() % hdr_->chunk_count;
+    for (uint64_t i = 0; i < hdr_->chunk_count; ++i) {
+      c = (start + i) % hdr_->chunk_count;
+      if (!mine(c)) continue;
+      if (claim_free_block(ns, c, slot, block, 0)) {
+        remember(c, *block + 1, 0);
+        *chunk = c;
+        return true;
+      }
     }
+    remember(st.home, st.cursor, now + kStealBackoffUs);
   }
-  remember(st.home, st.cursor, now + kStealBackoffUs);
   // 4. A chunk of a namespace that holds more chunks than this one.
   if (steal_chunk(ns, &c) && claim_free_block(ns, c, slot, block, 0)) {
     remember(c, *block + 1, 0);

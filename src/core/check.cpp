@@ -36,9 +36,16 @@ CheckReport Pool::check() {
     if (ns_state(w) > kNsReady) err("namespace " + std::to_string(id) + " has an invalid state");
   }
 
-  // Index entries: states, references, probe distance, duplicates.
+  // Index entries: states, references, probe distance, duplicates. A finding about a READY entry
+  // counts only if the entry is unchanged after the pause below (an eviction that hands the
+  // block to a new entry between our two reads is not an inconsistency).
   std::set<std::pair<uint32_t, std::string>> keys;
   std::vector<uint64_t> suspects;
+  struct EntryFinding {
+    uint64_t slot, word;
+    std::string what;
+  };
+  std::vector<EntryFinding> findings;
   for (uint64_t slot = 0; slot <= slot_mask_; ++slot) {
     uint64_t w = coh_.read(&entry(slot)->state);
     uint8_t st = entry_state(w);
@@ -50,14 +57,15 @@ CheckReport Pool::check() {
     }
     IndexEntry e;
     if (!snapshot(slot, w, &e)) continue;
+    const std::string at = "index slot " + std::to_string(slot);
     auto it = ns.find(e.ns_id);
-    if (it == ns.end()) { err("index slot " + std::to_string(slot) + " names unknown namespace " + std::to_string(e.ns_id)); continue; }
-    if (!validate_ref(it->second, e)) { err("index slot " + std::to_string(slot) + " points outside its namespace's chunks (chunk " + std::to_string(e.chunk) + ", block " + std::to_string(e.block) + ")"); continue; }
+    if (it == ns.end()) { findings.push_back({slot, w, at + " names unknown namespace " + std::to_string(e.ns_id)}); continue; }
+    if (!validate_ref(it->second, e)) { findings.push_back({slot, w, at + " points outside its namespace's chunks (chunk " + std::to_string(e.chunk) + ", block " + std::to_string(e.block) + ")"}); continue; }
     uint64_t dw = coh_.read(block_desc(e.chunk, e.block));
     if (block_state(dw) != kBlockUsed || block_slot(dw) != slot)
-      err("index slot " + std::to_string(slot) + " points to block " + std::to_string(e.chunk) + ":" + std::to_string(e.block) + " whose descriptor does not point back");
+      findings.push_back({slot, w, at + " points to block " + std::to_string(e.chunk) + ":" + std::to_string(e.block) + " whose descriptor does not point back"});
     uint64_t h = xxh3(e.key, 32, e.ns_id);
-    if (((slot - (h & slot_mask_)) & slot_mask_) >= kMaxProbe) err("index slot " + std::to_string(slot) + " is outside its key's probe window");
+    if (((slot - (h & slot_mask_)) & slot_mask_) >= kMaxProbe) findings.push_back({slot, w, at + " is outside its key's probe window"});
     if (!keys.emplace(e.ns_id, std::string(reinterpret_cast<char*>(e.key), 32)).second) ++r.duplicate_keys;
   }
 
@@ -96,7 +104,10 @@ CheckReport Pool::check() {
   }
 
   // Re-read suspects once after a pause: only what did not move is a finding.
-  if (!suspects.empty() || !leak_suspects.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  if (!suspects.empty() || !leak_suspects.empty() || !findings.empty())
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  for (const auto& f : findings)
+    if (coh_.read(&entry(f.slot)->state) == f.word) err(f.what);
   for (uint64_t slot : suspects) {
     uint64_t w = coh_.read(&entry(slot)->state);
     uint8_t st = entry_state(w);

@@ -19,6 +19,11 @@ namespace cxlkv {
 using namespace format;
 
 namespace {
+inline void cpu_relax() {
+#if defined(__x86_64__)
+  __builtin_ia32_pause();
+#endif
+}
 constexpr size_t kCopyStep = 64 * 1024;     // copy then hash in L2-sized steps
 constexpr uint32_t kEvictSample = 32;
 
@@ -48,6 +53,15 @@ bool Pool::find(const NsHandle& ns, const Key& key, uint64_t /*unused*/, Found* 
     uint64_t w = coh_.read(&entry(slot)->state);
     uint8_t st = entry_state(w);
     if (st == kEmpty) return false;
+    if (st == kEvicting && entry_tag(w) == kh.tag) {
+      // An evictor is checking pins (microseconds): it may well put the entry back to READY,
+      // e.g. when a lease pins it. Wait a little rather than report a false miss.
+      for (int spin = 0; spin < 2000 && entry_state(w) == kEvicting; ++spin) {
+        cpu_relax();
+        w = coh_.read(&entry(slot)->state);
+      }
+      st = entry_state(w);
+    }
     if (st != kReady || entry_tag(w) != kh.tag) continue;
     IndexEntry e;
     bool stable = false;
@@ -147,6 +161,12 @@ void Pool::finish_evict(uint64_t slot, uint64_t evicting_word) {
 bool Pool::evict_victim(const Victim& c, const NsHandle* ns, uint64_t* out_chunk, uint32_t* out_block,
                         uint64_t new_owner_slot) {
   uint64_t w = c.word;
+  // Pre-check: a pinned entry is skipped without flipping its state, so readers of pinned
+  // blocks (leases) do not see a transient EVICTING. The check after the claim is the real one.
+  if (is_pinned(c.slot, entry_gen(w))) {
+    count(kEvictSkippedPinned);
+    return false;
+  }
   uint64_t ev = make_entry_word(kEvicting, uint8_t(node_id_), entry_gen(w), entry_tag(w));
   if (!coh_.claim(&entry(c.slot)->state, w, ev)) return false;
   if (is_pinned(c.slot, entry_gen(ev))) {
@@ -325,7 +345,9 @@ bool Pool::fill_claimed(const NsHandle& ns, const Key& key, const Piece* src, si
     bool got = alloc_block(ns, reuse, &chunk, &block);
     if (!got) got = evict_from_queue(ns, &chunk, &block, reuse);
     if (!got && now_unix_ns() - last_reap_ns_.load(std::memory_order_relaxed) > 100'000'000) {
-      if (reap_dead_nodes() > 0) got = alloc_block(ns, reuse, &chunk, &block);
+      // Dead nodes may hold pins or blocks: reclaim them, then try both paths again.
+      if (reap_dead_nodes() > 0)
+        got = alloc_block(ns, reuse, &chunk, &block) || evict_from_queue(ns, &chunk, &block, reuse);
     }
     if (!got) {
       coh_.publish(&e->state, make_entry_word(kTombstone, 0, gen, tag));
@@ -444,6 +466,7 @@ bool Pool::remove(const NsHandle& ns, const Key& key) {
   Found f;
   if (!find(ns, key, 0, &f)) return false;
   uint64_t w = f.word;
+  if (is_pinned(f.slot, entry_gen(w))) return false;
   uint64_t ev = make_entry_word(kEvicting, uint8_t(node_id_), entry_gen(w), entry_tag(w));
   if (!coh_.claim(&entry(f.slot)->state, w, ev)) return false;
   if (is_pinned(f.slot, entry_gen(ev))) {

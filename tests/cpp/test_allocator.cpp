@@ -1,6 +1,8 @@
 // Block allocator: capacity accounting (occupancy() and check() agree with the puts made),
 // eviction once the pool is full, chunks owned by one namespace each, blocks too big for a chunk.
+#include <chrono>
 #include <set>
+#include <thread>
 
 #include "test_util.h"
 
@@ -134,6 +136,86 @@ TEST_F(AllocatorTest, NamespacesGetDistinctChunks) {
   EXPECT_EQ(o.capacity, 3u * 4 + 3u * 16);
   EXPECT_EQ(o.used, 50u);
   expect_check_ok("two namespaces");
+}
+
+// A namespace that arrives after another one filled the pool takes chunks from it (draining them)
+// until both hold a fair share; the donor's surviving blocks are intact.
+TEST_F(AllocatorTest, FullPoolIsSharedBetweenNamespaces) {
+  for (uint64_t id = 0; id < total_blocks_ * 2; ++id) ASSERT_TRUE(put_id(ns_, id, kBlock));
+  ASSERT_EQ(pool_->occupancy().free_chunks, 0u);
+  auto late = pool_->open_namespace(layout("late", 4 * KiB));
+  const uint64_t chunks = pool_->header().chunk_count;
+  for (uint64_t id = 0; id < chunks * late.geo.blocks; ++id)
+    ASSERT_TRUE(put_id(late, id, 4 * KiB)) << "put " << id << " into the late namespace";
+  RawMap raw(path_);
+  uint64_t held_big = 0, held_late = 0;
+  for (uint64_t c = 0; c < chunks; ++c) {
+    uint64_t w = raw.chunk_word(c);
+    ASSERT_EQ(format::chunk_state(w), format::kChunkActive) << "chunk " << c;
+    (format::chunk_ns(w) == ns_.id ? held_big : held_late)++;
+  }
+  EXPECT_EQ(held_big + held_late, chunks);
+  EXPECT_LE(held_big, held_late + 2) << "the late namespace did not get a fair share";
+  EXPECT_LE(held_late, held_big + 2);
+  // Every READY block of both namespaces reads back its own bytes.
+  uint64_t big = 0, small = 0;
+  for (uint64_t s : raw.ready_slots()) {
+    const auto* e = raw.entry(s);
+    const bool is_big = e->ns_id == ns_.id;
+    const NsHandle& ns = is_big ? ns_ : late;
+    std::vector<char> out(ns.block_bytes);
+    Piece p{out.data(), out.size()};
+    uint64_t id = id_of(e->key);
+    ASSERT_TRUE(pool_->get(ns, key_of(id), &p, 1, nullptr));
+    ASSERT_EQ(out, payload(id, ns.block_bytes)) << (is_big ? "big " : "late ") << id;
+    (is_big ? big : small)++;
+  }
+  EXPECT_EQ(big, held_big * ns_.geo.blocks);
+  EXPECT_EQ(small, held_late * late.geo.blocks);
+  expect_check_ok("after sharing");
+}
+
+// A chunk with a pinned block cannot be drained: the drain rolls back and leaves nothing fenced.
+TEST_F(AllocatorTest, PinnedChunksAreNotDrained) {
+  std::vector<Key> keys;
+  for (uint64_t id = 0; id < total_blocks_; ++id) {
+    ASSERT_TRUE(put_id(ns_, id, kBlock));
+    keys.push_back(key_of(id));
+  }
+  auto pins = pool_->acquire(ns_, keys.data(), keys.size());
+  ASSERT_EQ(pins.size(), total_blocks_);
+  auto late = pool_->open_namespace(layout("late", 4 * KiB));
+  EXPECT_FALSE(put_id(late, 1, 4 * KiB)) << "every chunk holds pinned blocks";
+  {
+    RawMap raw(path_);
+    for (uint64_t c = 0; c < raw.hdr().chunk_count; ++c) {
+      EXPECT_EQ(raw.chunk_word(c), format::make_chunk_word(format::kChunkActive, 0, ns_.id)) << "chunk " << c;
+      for (uint32_t b = 0; b < ns_.geo.blocks; ++b)
+        EXPECT_EQ(format::block_state(raw.block_desc(c, b)), format::kBlockUsed) << c << ":" << b;
+    }
+  }
+  for (uint64_t id = 0; id < total_blocks_; ++id) ASSERT_TRUE(pool_->contains(ns_, keys[id])) << id;
+  expect_check_ok("after failed drains");
+  pool_->release(pins);
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));  // past the allocator's steal back-off
+  EXPECT_TRUE(put_id(late, 1, 4 * KiB));
+  expect_check_ok("after release");
+}
+
+// A namespace that holds no chunk cannot evict its own blocks, so its put must try to drain a
+// chunk every time, not only once the allocator's scan back-off (20 ms) has passed.
+TEST_F(AllocatorTest, EmptyNamespaceRetriesStealRightAway) {
+  std::vector<Key> keys;
+  for (uint64_t id = 0; id < total_blocks_; ++id) {
+    ASSERT_TRUE(put_id(ns_, id, kBlock));
+    keys.push_back(key_of(id));
+  }
+  auto pins = pool_->acquire(ns_, keys.data(), keys.size());
+  auto late = pool_->open_namespace(layout("late", 4 * KiB));
+  EXPECT_FALSE(put_id(late, 1, 4 * KiB));  // every chunk pinned
+  pool_->release(pins);
+  EXPECT_TRUE(put_id(late, 1, 4 * KiB)) << "put failed although a chunk can now be drained";
+  expect_check_ok("after release");
 }
 
 TEST_F(AllocatorTest, BlockThatDoesNotFitIsArgumentError) {

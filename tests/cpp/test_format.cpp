@@ -55,7 +55,7 @@ TEST_F(FormatTest, CreateThenOpen) {
   b->close();
   EXPECT_TRUE(b->closed());
   a->close();
-  auto c = Pool::open(path_);  // reopen after everyone closed
+  auto c = Pool::open(path_, /*populate=*/true);  // reopen after everyone closed, pre-faulted
   EXPECT_TRUE(c->check().ok);
 }
 

@@ -1,157 +1,39 @@
 // Real processes on one pool: forked children that each Pool::open() it and hammer a working set
-// larger than the pool, verifying every byte they read; and a SIGKILL chaos run after which the
-// pool must check clean (nothing leaked, stuck or orphaned) and every READY key must read back
-// its own bytes.
-//
-// Children are fork()ed from the (single-threaded) test process, use only the cxlkv API and end
-// with _exit(): no gtest assertions, no destructors, no stdio flushing in the child.
-#include <signal.h>
-#include <sys/wait.h>
-#include <time.h>
-
-#include <chrono>
+// larger than the pool, verifying every byte they read (one namespace, then two namespaces that
+// must share the chunks); check() run while they work; racing creators of one pool.
+// The SIGKILL chaos run is in test_chaos.cpp.
 #include <filesystem>
 #include <set>
-#include <random>
 
-#include "test_util.h"
+#include "mp_workload.h"
 
 namespace cxlkv::test {
 namespace {
 
-constexpr uint64_t kBlock = 8 * KiB;
-constexpr uint64_t kWorkingSet = 2000;  // ids; the pool holds ~900 blocks
-
-// Lengths vary with the id so a block returned for the wrong key is caught by length too.
-uint64_t len_of(uint64_t id) { return kBlock - (id % 5) * 64 - (id % 3); }
-
-// Verifies a get of id into buf; returns false on wrong bytes (a miss is fine).
-bool get_and_verify(Pool& pool, const NsHandle& ns, uint64_t id, std::vector<char>& buf,
-                    std::vector<char>& want, bool* hit) {
-  Piece p{buf.data(), buf.size()};
-  uint64_t len = 0;
-  *hit = pool.get(ns, key_of(id), &p, 1, &len);
-  if (!*hit) return true;
-  if (len != len_of(id)) return false;
-  fill_payload(id, want.data(), len);
-  return std::memcmp(buf.data(), want.data(), len) == 0;
-}
-
-bool put_id(Pool& pool, const NsHandle& ns, uint64_t id, std::vector<char>& want) {
-  fill_payload(id, want.data(), len_of(id));
-  Piece p{want.data(), len_of(id)};
-  return pool.put(ns, key_of(id), &p, 1, uint16_t(id % 8));
-}
-
-// Child body of the random workload: returns the exit code (0 ok, 1 wrong bytes, 2 exception).
-int random_worker(const std::string& path, uint64_t seed, int ops) {
-  try {
-    auto pool = Pool::open(path);
-    auto ns = pool->open_namespace(layout("mp", kBlock));
-    std::mt19937_64 rng(seed);
-    std::vector<char> buf(kBlock), want(kBlock);
-    uint64_t bad = 0, pinned_miss = 0;
-    for (int i = 0; i < ops; ++i) {
-      uint64_t id = rng() % kWorkingSet;
-      uint32_t op = uint32_t(rng() % 100);
-      bool hit = false;
-      if (op < 60) {
-        if (!get_and_verify(*pool, ns, id, buf, want, &hit)) ++bad;
-        if (!hit) put_id(*pool, ns, id, want);
-      } else if (op < 85) {
-        put_id(*pool, ns, id, want);
-      } else if (op < 95) {
-        // Pin a short chain, verify it while pinned, release.
-        Key keys[4] = {key_of(id), key_of((id + 1) % kWorkingSet), key_of((id + 2) % kWorkingSet),
-                       key_of((id + 3) % kWorkingSet)};
-        auto pins = pool->acquire(ns, keys, 4);
-        for (size_t k = 0; k < pins.size(); ++k) {
-          if (!get_and_verify(*pool, ns, (id + k) % kWorkingSet, buf, want, &hit)) ++bad;
-          if (!hit) ++pinned_miss;  // pinned blocks cannot disappear
-        }
-        pool->release(pins);
-      } else {
-        pool->remove(ns, key_of(id));
-      }
-    }
-    pool->close();
-    (void)pinned_miss;  // transient misses of pinned keys: see ThreadsTest.PinnedKeyNeverMisses
-    return bad ? 1 : 0;
-  } catch (...) {
-    return 2;
-  }
-}
-
-// Child body of the chaos run: puts and verified gets until killed.
-int chaos_worker(const std::string& path, uint64_t seed) {
-  try {
-    auto pool = Pool::open(path);
-    auto ns = pool->open_namespace(layout("mp", kBlock));
-    std::mt19937_64 rng(seed);
-    std::vector<char> buf(kBlock), want(kBlock);
-    for (;;) {
-      uint64_t id = rng() % kWorkingSet;
-      bool hit = false;
-      if (rng() % 4 == 0) {
-        if (!get_and_verify(*pool, ns, id, buf, want, &hit)) return 1;
-      } else if (rng() % 16 == 0) {
-        Key keys[2] = {key_of(id), key_of((id + 1) % kWorkingSet)};
-        auto pins = pool->acquire(ns, keys, 2);  // killed while holding pins, sometimes
-        pool->release(pins);
-      } else if (rng() % 32 == 0) {
-        pool->remove(ns, key_of(id));
-      } else {
-        put_id(*pool, ns, id, want);
-      }
-    }
-  } catch (...) {
-    return 2;
-  }
-}
+using namespace mp;
 
 class MultiProcessTest : public PoolTest {
  protected:
   void SetUp() override {
     PoolTest::SetUp();
     pool_ = create(opts(8 * MiB, 256 * KiB));
-    ns_ = pool_->open_namespace(layout("mp", kBlock));
-    capacity_ = pool_->header().chunk_count * ns_.geo.blocks;
+    ns0_ = open_ns(*pool_, spec(0));
+    capacity_ = pool_->header().chunk_count * ns0_.h.geo.blocks;
   }
   void TearDown() override {
     pool_.reset();
     PoolTest::TearDown();
   }
-  // Every READY entry of the pool is one of our keys and reads back its own bytes.
-  void verify_ready_entries() {
+  std::map<uint32_t, uint64_t> chunks_by_ns() {
     RawMap raw(path_);
-    auto slots = raw.ready_slots();
-    std::vector<char> buf(kBlock), want(kBlock);
-    uint64_t ok = 0;
-    for (uint64_t s : slots) {
-      const auto* e = raw.entry(s);
-      ASSERT_EQ(e->ns_id, ns_.id);
-      ASSERT_TRUE(key_matches_id(e->key)) << "slot " << s << " holds a torn key";
-      uint64_t id = id_of(e->key);
-      ASSERT_LT(id, kWorkingSet);
-      bool hit = false;
-      EXPECT_TRUE(get_and_verify(*pool_, ns_, id, buf, want, &hit)) << "wrong bytes for id " << id;
-      EXPECT_TRUE(hit) << "READY id " << id << " does not read back";
-      ok += hit;
-    }
-    EXPECT_EQ(ok, slots.size());
-    EXPECT_EQ(pool_->counters()[format::kChecksumFailures], 0u);
-  }
-  void expect_clean(const CheckReport& r) {
-    EXPECT_TRUE(r.ok) << join(r.errors);
-    EXPECT_EQ(r.leaked_blocks, 0u);
-    EXPECT_EQ(r.stuck_entries, 0u);
-    EXPECT_EQ(r.orphan_pins, 0u);
-    EXPECT_EQ(r.inflight_blocks, 0u);
-    EXPECT_EQ(r.capacity_blocks, r.free_blocks + r.ready_blocks);
+    std::map<uint32_t, uint64_t> m;
+    for (uint64_t c = 0; c < raw.hdr().chunk_count; ++c)
+      if (format::chunk_state(raw.chunk_word(c)) == format::kChunkActive) ++m[format::chunk_ns(raw.chunk_word(c))];
+    return m;
   }
 
   std::unique_ptr<Pool> pool_;
-  NsHandle ns_;
+  Ns ns0_;
   uint64_t capacity_ = 0;
 };
 
@@ -159,17 +41,35 @@ TEST_F(MultiProcessTest, RandomOpsFromFourProcesses) {
   ASSERT_LT(capacity_, kWorkingSet) << "the working set must not fit";
   std::vector<pid_t> kids;
   for (uint64_t i = 0; i < 4; ++i) kids.push_back(spawn([&] { return random_worker(path_, 1000 + i, 20000); }));
-  for (pid_t pid : kids) {
-    int status = 0;
-    ASSERT_EQ(::waitpid(pid, &status, 0), pid);
-    ASSERT_TRUE(WIFEXITED(status)) << "child killed by signal " << WTERMSIG(status);
-    EXPECT_EQ(WEXITSTATUS(status), 0) << "1 = wrong bytes read, 2 = exception";
-  }
+  for (pid_t pid : kids) EXPECT_EQ(wait_exit(pid), 0) << "1 = wrong bytes read, 2 = exception, >128 = signal";
   EXPECT_EQ(pool_->reap_dead_nodes(), 0u);  // all children closed cleanly
   auto r = pool_->check();
   expect_clean(r);
   EXPECT_GT(r.ready_blocks, capacity_ / 2);
-  verify_ready_entries();
+  EXPECT_EQ(verify_ready_entries(*pool_, path_, 1), r.ready_blocks);
+}
+
+// Namespace 0 fills the pool first; then processes work on namespaces 0 and 1 (another block
+// size): namespace 1 must get chunks (drained from namespace 0) and nobody may read wrong bytes.
+TEST_F(MultiProcessTest, TwoNamespacesShareAFullPool) {
+  std::vector<char> want;
+  for (uint64_t id = 0; id < kWorkingSet; ++id) ASSERT_TRUE(put_id(*pool_, ns0_, id, want));
+  EXPECT_EQ(pool_->occupancy().free_chunks, 0u);
+  std::vector<pid_t> kids;
+  kids.push_back(spawn([&] { return random_worker(path_, 7, 20000, 1, 1); }));
+  kids.push_back(spawn([&] { return random_worker(path_, 8, 20000, 1, 1); }));
+  kids.push_back(spawn([&] { return random_worker(path_, 9, 20000, 0, 2); }));
+  kids.push_back(spawn([&] { return random_worker(path_, 10, 20000, 0, 1); }));
+  for (pid_t pid : kids) EXPECT_EQ(wait_exit(pid), 0) << "1 = wrong bytes read, 2 = exception, >128 = signal";
+  auto held = chunks_by_ns();
+  Ns ns1 = open_ns(*pool_, spec(1));
+  EXPECT_GT(held[ns1.h.id], 0u) << "namespace 1 never got a chunk";
+  EXPECT_GT(held[ns0_.h.id], 0u);
+  uint64_t total = held[ns0_.h.id] + held[ns1.h.id];
+  EXPECT_EQ(total, pool_->header().chunk_count);
+  auto r = pool_->check();
+  expect_clean(r);
+  EXPECT_EQ(verify_ready_entries(*pool_, path_, 2), r.ready_blocks);
 }
 
 // check() run while other processes work must not report their in-flight states as errors.
@@ -191,6 +91,62 @@ TEST_F(MultiProcessTest, CheckWhileOthersWork) {
     EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << "exit " << WEXITSTATUS(st) << " (1 = wrong bytes, 2 = exception)";
   EXPECT_GE(checks, 2);
   expect_clean(pool_->check());
+}
+
+// The same workload on a pool with the flush backend (clwb/clflushopt discipline).
+TEST(MultiProcessFlush, RandomOpsWithFlushBackend) {
+  const std::string path = unique_pool_path();
+  CreateOptions o;
+  o.size = 8 * MiB;
+  o.chunk_bytes = 256 * KiB;
+  o.backend = Backend::flush;
+  auto pool = Pool::create(path, o, false);
+  ASSERT_EQ(pool->backend(), Backend::flush);
+  std::vector<pid_t> kids;
+  for (uint64_t i = 0; i < 3; ++i) kids.push_back(spawn([&] { return random_worker(path, 3000 + i, 8000, 0, 2); }));
+  for (pid_t pid : kids) EXPECT_EQ(wait_exit(pid), 0) << "1 = wrong bytes read, 2 = exception, >128 = signal";
+  auto r = pool->check();
+  expect_clean(r);
+  EXPECT_EQ(verify_ready_entries(*pool, path, 2), r.ready_blocks);
+  pool.reset();
+  ::unlink(path.c_str());
+}
+
+// A Pool inherited through fork() belongs to the parent: closing it in the child must not detach
+// the parent's node (its pins must survive), and the child's own open() is a separate node.
+TEST_F(MultiProcessTest, ForkedChildDoesNotDetachParent) {
+  std::vector<char> want;
+  ASSERT_TRUE(put_id(*pool_, ns0_, 1, want));
+  Key k = key_of(1);
+  auto pins = pool_->acquire(ns0_.h, &k, 1);
+  ASSERT_EQ(pins.size(), 1u);
+  const uint32_t parent_node = pool_->node_id();
+  pid_t pid = spawn([&] {
+    int code = 0;
+    try {
+      pool_->ensure_usable();
+      code = 10;  // the inherited attachment should refuse use
+    } catch (const Error&) {
+    }
+    pool_->close();  // unmap only
+    try {
+      auto mine = Pool::open(path_);
+      if (mine->node_id() == parent_node) code = 11;
+      auto ns = mine->open_namespace(layout(spec(0).name, spec(0).block));
+      if (mine->remove(ns, k)) code = 12;  // the parent's pin must still hold
+    } catch (...) {
+      code = 13;
+    }
+    return code;
+  });
+  EXPECT_EQ(wait_exit(pid), 0) << "10 = inherited pool usable, 11 = same node id, 12 = pin lost, 13 = exception";
+  EXPECT_FALSE(pool_->closed());
+  pool_->ensure_usable();
+  auto r = pool_->check();
+  EXPECT_TRUE(r.ok) << join(r.errors);
+  EXPECT_EQ(r.orphan_pins, 0u);
+  pool_->release(pins);
+  EXPECT_TRUE(pool_->remove(ns0_.h, k));
 }
 
 // Racing creators: every process calls create(exist_ok) on the same path and opens the same new
@@ -217,11 +173,9 @@ TEST(MultiProcessCreate, RacingCreatorsAgree) {
   }
   std::set<int> ids;
   for (pid_t pid : kids) {
-    int st = 0;
-    ASSERT_EQ(::waitpid(pid, &st, 0), pid);
-    ASSERT_TRUE(WIFEXITED(st));
-    ASSERT_LT(WEXITSTATUS(st), 100) << "child failed with " << WEXITSTATUS(st);
-    ids.insert(WEXITSTATUS(st));
+    int code = wait_exit(pid);
+    ASSERT_LT(code, 100) << "child failed with " << code;
+    ids.insert(code);
   }
   EXPECT_EQ(ids.size(), 1u);
   auto pool = Pool::open(path);
@@ -241,58 +195,6 @@ TEST(MultiProcessCreate, RacingCreatorsAgree) {
   std::string prefix = path.substr(std::string("/dev/shm/").size()) + ".init-";
   for (const auto& ent : std::filesystem::directory_iterator("/dev/shm"))
     EXPECT_NE(ent.path().filename().string().rfind(prefix, 0), 0u) << ent.path();
-}
-
-TEST_F(MultiProcessTest, SigkillChaos) {
-  constexpr int kTargetKills = 100, kWorkers = 2;
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(6);
-  std::mt19937_64 rng(::getpid());
-  std::vector<pid_t> live;
-  int kills = 0, bad_exits = 0;
-  uint64_t seed = 1;
-  std::vector<char> buf(kBlock), want(kBlock);
-  while (kills < kTargetKills && std::chrono::steady_clock::now() < deadline) {
-    while (live.size() < kWorkers) {
-      uint64_t s = seed++;
-      live.push_back(spawn([&] { return chaos_worker(path_, s); }));
-    }
-    // Let them run 1..40 ms; the parent reads and verifies meanwhile (it is a node too).
-    auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(1000 + rng() % 39000);
-    while (std::chrono::steady_clock::now() < until) {
-      bool hit = false;
-      uint64_t id = rng() % kWorkingSet;
-      if (!get_and_verify(*pool_, ns_, id, buf, want, &hit)) ADD_FAILURE() << "parent read wrong bytes for " << id;
-    }
-    size_t victim = rng() % live.size();
-    pid_t pid = live[victim];
-    live.erase(live.begin() + long(victim));
-    ::kill(pid, SIGKILL);
-    int status = 0;
-    ASSERT_EQ(::waitpid(pid, &status, 0), pid);  // reaped at once: a zombie would look alive
-    if (WIFEXITED(status)) ++bad_exits;          // workers never exit on their own
-    else ++kills;
-  }
-  for (pid_t pid : live) {
-    ::kill(pid, SIGKILL);
-    int status = 0;
-    ::waitpid(pid, &status, 0);
-    if (WIFEXITED(status)) ++bad_exits;
-  }
-  EXPECT_EQ(bad_exits, 0) << "a worker exited by itself: wrong bytes (1) or exception (2)";
-  EXPECT_GE(kills, 20) << "too few kills in the time budget";
-
-  pool_->reap_dead_nodes();
-  auto r = pool_->check();
-  expect_clean(r);
-  EXPECT_GT(r.ready_blocks, 0u);
-  verify_ready_entries();
-  // The pool is still fully usable: a fresh process can fill it again.
-  pid_t pid = spawn([&] { return random_worker(path_, 77, 3000); });
-  int status = 0;
-  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
-  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
-  expect_clean(pool_->check());
-  verify_ready_entries();
 }
 
 }  // namespace

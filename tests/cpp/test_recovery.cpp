@@ -1,5 +1,5 @@
 // Recovery from dead nodes, deterministically: a real child process attaches (and pins, or is made
-// to look half-way through a put, an eviction, a chunk carve, a namespace creation), is killed
+// to look half-way through a put, an eviction, a chunk carve or drain, a namespace creation), is killed
 // with SIGKILL, and the survivors must reclaim everything it held.
 //
 // The half-way states are written into the pool with a raw mapping, exactly as format.h says a
@@ -179,6 +179,17 @@ TEST_F(RecoveryTest, HalfDoneOperationsOfADeadNodeAreUndone) {
     auto* fx = reinterpret_cast<NodeAreaFixed*>(area);
     reinterpret_cast<uint64_t*>(area + sizeof(NodeAreaFixed))[0] = pin_value(s5, entry_gen(raw.entry(s5)->state));
     fx->pin_hw = 1;
+    // (5) Killed while draining the chunk of key 6 for another namespace: it had evicted key 6
+    //     (entry tombstoned, desc FENCED(n)) and not yet reached the chunk's other blocks.
+    uint64_t s6 = slot_of(raw, 6);
+    ASSERT_NE(s6, ~0ull);
+    const uint64_t c6 = raw.entry(s6)->chunk;
+    const uint32_t b6 = raw.entry(s6)->block;
+    w = raw.entry(s6)->state;
+    raw.entry(s6)->state = make_entry_word(kTombstone, 0, entry_gen(w), entry_tag(w));
+    reinterpret_cast<uint64_t*>(raw.base() + hd.arena_off + c6 * raw.chunk_stride())[b6] =
+        make_block_word(kBlockFenced, n, epoch8, 0);
+    reinterpret_cast<uint64_t*>(raw.base() + hd.chunk_map_off)[c6] = make_chunk_word(kChunkDraining, n, ns_.id);
   }
   // While the node lives, all this is legitimately in flight.
   auto live = pool_->check();
@@ -189,14 +200,28 @@ TEST_F(RecoveryTest, HalfDoneOperationsOfADeadNodeAreUndone) {
   EXPECT_EQ(pool_->reap_dead_nodes(), 1u);
   auto r = pool_->check();
   expect_clean(r);
-  EXPECT_EQ(r.ready_blocks, 9u);
+  EXPECT_EQ(r.ready_blocks, 8u);
   EXPECT_FALSE(pool_->contains(ns_, key_of(3)));  // its eviction was completed
+  EXPECT_FALSE(pool_->contains(ns_, key_of(6)));  // evicted by the drainer
   for (uint64_t id = 0; id < 10; ++id)
-    if (id != 3) EXPECT_TRUE(get_ok(id)) << id;
+    if (id != 3 && id != 6) EXPECT_TRUE(get_ok(id)) << id;
   EXPECT_TRUE(pool_->remove(ns_, key_of(5)));  // the dead node's pin is gone
   auto o = pool_->occupancy();
-  EXPECT_EQ(o.active_chunks, 3u);  // the half-carved chunk went back to FREE
-  EXPECT_EQ(o.used, 8u);
+  EXPECT_EQ(o.active_chunks, 3u);  // the half-carved chunk went back to FREE, the drained one ACTIVE
+  EXPECT_EQ(o.used, 7u);
+  EXPECT_EQ(o.capacity, o.free + o.used);
+  {  // Nothing stays fenced or carving.
+    RawMap raw(path_);
+    for (uint64_t ch = 0; ch < raw.hdr().chunk_count; ++ch) {
+      uint8_t st = chunk_state(raw.chunk_word(ch));
+      EXPECT_TRUE(st == kChunkFree || st == kChunkActive) << "chunk " << ch;
+      if (st != kChunkActive) continue;
+      for (uint32_t k = 0; k < ns_.geo.blocks; ++k)
+        EXPECT_NE(block_state(raw.block_desc(ch, k)), kBlockFenced) << "block " << ch << ":" << k;
+    }
+  }
+  for (uint64_t id = 100; id < 100 + cap_; ++id) ASSERT_TRUE(put_id(id));
+  expect_clean(pool_->check());
 }
 
 TEST_F(RecoveryTest, NamespaceLockOfADeadNodeIsBroken) {

@@ -56,6 +56,35 @@ TEST_F(ThreadsTest, ShareOnePool) {
   EXPECT_EQ(pool->counters()[format::kChecksumFailures], 0u);
 }
 
+// check() is meant to run while other nodes work: an eviction that completes between check()
+// reading an entry and reading its block descriptor is not an inconsistency.
+TEST_F(ThreadsTest, CheckDuringEvictionsReportsNoErrors) {
+  auto pool = Pool::create(path_, opts(4 * MiB, 64 * KiB, 1024), false);
+  auto ns = pool->open_namespace(layout("chk", 4 * KiB));
+  std::atomic<bool> stop{false};
+  std::thread writer([&] {
+    std::vector<char> v(4 * KiB);
+    for (uint64_t id = 0; !stop.load(); ++id) {  // a full pool: every put evicts (block hand-off)
+      fill_payload(id, v.data(), v.size());
+      Piece p{v.data(), v.size()};
+      pool->put(ns, key_of(id), &p, 1, 0);
+    }
+  });
+  int checks = 0, failed = 0;
+  std::string first;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(1500);
+  while (std::chrono::steady_clock::now() < until) {
+    auto r = pool->check();
+    ++checks;
+    if (!r.ok && failed++ == 0) first = join(r.errors);
+  }
+  stop = true;
+  writer.join();
+  EXPECT_EQ(failed, 0) << failed << " of " << checks << " checks reported errors, first:" << first;
+  auto r = pool->check();
+  EXPECT_TRUE(r.ok) << join(r.errors);
+}
+
 // A pinned block stays readable: an evictor or remover that finds the pin puts the entry back, and
 // a reader of the pinned key must not see a miss in between.
 TEST_F(ThreadsTest, PinnedKeyNeverMisses) {
