@@ -14,3 +14,7 @@ cmake --build build/gtest
 
 echo "== Python tests (pytest)"
 python -m pytest tests/python -q -p no:cacheprovider "$@"
+
+echo "== Python tests again on the 'flush' backend (non-coherent CXL discipline, one host)"
+CXLKV_TEST_BACKEND=flush python -m pytest -q -p no:cacheprovider "$@" \
+  tests/python/test_api.py tests/python/test_full_pool.py tests/python/test_multiprocess.py

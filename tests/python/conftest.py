@@ -21,6 +21,8 @@ import cxlkv_testutil as tu  # noqa: E402
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
 
+TEST_BACKEND = os.environ.get("CXLKV_TEST_BACKEND", "coherent")
+
 MiB = 1 << 20
 KiB = 1 << 10
 
@@ -62,6 +64,8 @@ def make_pool(pool_path):
     extra_paths = []
 
     def _make(size=64 * MiB, chunk_size=1 * MiB, path=None, **kwargs):
+        # CXLKV_TEST_BACKEND=flush reruns tests under the non-coherent (flush) discipline.
+        kwargs.setdefault("backend", TEST_BACKEND)
         p = path or pool_path
         if path is not None and path != pool_path:
             extra_paths.append(path)

@@ -13,7 +13,7 @@ import pytest
 
 import cxlkv
 import cxlkv_testutil as tu
-from conftest import KiB, MiB, small_layout
+from conftest import TEST_BACKEND, KiB, MiB, small_layout
 
 BB = 4 * KiB  # block bytes of small_layout()
 
@@ -24,7 +24,7 @@ def test_create_open_identity(make_pool, pool_path):
     pool = make_pool(size="64MiB")
     assert pool.path == pool_path
     assert pool.size == 64 * MiB
-    assert pool.backend == "coherent"
+    assert pool.backend == TEST_BACKEND
     assert isinstance(pool.uuid, str) and len(pool.uuid) >= 32
     assert pool.node_id >= 1
     assert os.stat(pool_path).st_mode & 0o777 == 0o600
