@@ -12,6 +12,7 @@ command -v cmake >/dev/null || need_apt+=(cmake)
 command -v ninja >/dev/null || need_apt+=(ninja-build)
 [ -f /usr/include/xxhash.h ] || need_apt+=(libxxhash-dev)
 [ -d /usr/include/gtest ] || need_apt+=(libgtest-dev)
+command -v gdb >/dev/null || need_apt+=(gdb)
 python3 -c "import venv, ensurepip" 2>/dev/null || need_apt+=(python3-venv)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "bootstrap: installing ${need_apt[*]}" >&2

@@ -22,6 +22,14 @@ bool Pool::claim_free_block(const NsHandle& ns, uint64_t chunk, uint64_t slot, u
     uint64_t w = coh_.read(d);
     if (w != 0) continue;
     if (coh_.claim(d, w, used)) {
+      // The caller saw the chunk ACTIVE for `ns` before the scan; it may have been drained and
+      // re-carved for another namespace since (its descs are zero again). Holding the desc now
+      // stops any further drain, so one re-check after the claim is enough.
+      uint64_t cw = coh_.read(chunk_word(chunk));
+      if ((chunk_state(cw) != kChunkActive && chunk_state(cw) != kChunkDraining) || chunk_ns(cw) != ns.id) {
+        coh_.publish(d, 0);
+        return false;
+      }
       *block = b;
       return true;
     }
