@@ -131,7 +131,8 @@ inline uint64_t make_node_word(uint8_t st, uint32_t pid, uint32_t epoch) {
 // Node area: written only by the owning node. Readers of other nodes scan pins[0, pin_hw).
 // pin value: 0 = empty, else pin_value(slot, gen): the entry at `slot` in generation `gen` must
 // not be freed (hazard-pointer style; validated by generation, no shared counters).
-// Counters are monotonic per attachment and summed by stats().
+// Counters are monotonic over the pool's life: an attaching node keeps the slot's counters, so
+// stats() (the sum over all slots) still counts processes that have exited.
 enum Counter : uint32_t {
   kHits, kMisses, kPuts, kPutsPresent, kPutsFailed, kEvictions, kChecksumFailures,
   kBytesStored, kBytesLoaded, kDeletes, kReclaimedNodes, kEvictSkippedPinned, kCorruptEntries,

@@ -48,7 +48,9 @@ void Pool::attach_node() {
       uint64_t hw = coh_.read(&fx->pin_hw);
       if (hw > hdr_->pin_slots) hw = hdr_->pin_slots;
       std::memset(pins(i), 0, hw * 8);
-      std::memset(fx, 0, sizeof *fx);
+      // Counters are kept across attachments: they accumulate per slot (one writer at a time),
+      // so `pool stats` still counts the work of processes that have exited.
+      coh_.publish(&fx->pin_hw, 0);
       coh_.flush(node_area(i), sizeof(NodeAreaFixed) + hw * 8);
       s->pid = pid_;
       s->start_time = proc_start_time(pid_);

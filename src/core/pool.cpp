@@ -376,8 +376,7 @@ void Pool::count(Counter c, uint64_t v) {
 
 std::vector<uint64_t> Pool::counters() {
   std::vector<uint64_t> sum(kCounterCount, 0);
-  for (uint32_t i = 0; i < hdr_->max_nodes; ++i) {
-    if (node_state(coh_.read(&node_slot(i)->state)) == kNodeFree) continue;
+  for (uint32_t i = 0; i < hdr_->max_nodes; ++i) {  // every slot: counters outlive attachments
     auto* f = node_fixed(i);
     for (uint32_t c = 0; c < kCounterCount; ++c) sum[c] += coh_.read_hint(&f->counters[c]);
   }
