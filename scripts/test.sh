@@ -18,3 +18,12 @@ python -m pytest tests/python -q -p no:cacheprovider "$@"
 echo "== Python tests again on the 'flush' backend (non-coherent CXL discipline, one host)"
 CXLKV_TEST_BACKEND=flush python -m pytest -q -p no:cacheprovider "$@" \
   tests/python/test_api.py tests/python/test_full_pool.py tests/python/test_multiprocess.py
+
+if [ "${CXLKV_SKIP_VLLM:-0}" = "1" ]; then
+  echo "== vLLM tests skipped (CXLKV_SKIP_VLLM=1)"
+  exit 0
+fi
+echo "== vLLM integration tests (real vLLM CPU engines, one process each)"
+bash "$ROOT/scripts/setup-vllm.sh" "$VENV"
+python -m pip install -q --no-deps --force-reinstall "$ROOT" >/dev/null   # cxlkv on top of the vLLM pins
+python -m pytest tests/vllm -q -p no:cacheprovider "$@"

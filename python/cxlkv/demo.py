@@ -116,10 +116,20 @@ def _open_populated(cxlkv, path: str):
     return cxlkv.Pool.open(path)
 
 
+def _copy_threads(procs: int) -> int:
+    """Copy threads per process: the cores shared out among the demo's processes (more would only
+    make the processes wait for each other's threads on a small machine)."""
+    return max(1, (os.cpu_count() or 1) // max(1, procs))
+
+
 def _worker(path: str, rank: int, role: str, nprefill: int, salt: bytes, seconds: float,
-            barrier, queue) -> None:
+            procs: int, barrier, queue) -> None:
     try:
         import cxlkv
+
+        set_threads = getattr(getattr(cxlkv, "_core", None), "set_copy_threads", None)
+        if set_threads is not None:
+            set_threads(_copy_threads(procs))
 
         kv = _KV()
         chains = [_chain(salt, d) for d in range(DOCS)]
@@ -234,13 +244,14 @@ def run_demo(pool_path: str = "/dev/shm/cxlkv", procs: int = 4, seconds: float =
                   f"{seconds:g} s")
         con.print(f"  model layout {DEMO_LAYOUT['model_id']}: blocks of {format_size(ns.block_bytes)}; "
                   f"catalogue of {DOCS} shared prefixes = {catalogue_blocks} blocks "
-                  f"({format_size(catalogue_blocks * ns.block_bytes)})")
+                  f"({format_size(catalogue_blocks * ns.block_bytes)}); "
+                  f"{_copy_threads(procs)} copy thread(s) per process on {os.cpu_count()} cores")
 
         ctx = mp.get_context("spawn")
         barrier = ctx.Barrier(procs)
         q = ctx.Queue()
         workers = [ctx.Process(target=_worker, name=f"cxlkv-demo-{r}",
-                               args=(pool_path, r, roles[r], nprefill, salt, seconds, barrier, q))
+                               args=(pool_path, r, roles[r], nprefill, salt, seconds, procs, barrier, q))
                    for r in range(procs)]
         t_start = time.monotonic()
         for w in workers:
@@ -289,6 +300,7 @@ def run_demo(pool_path: str = "/dev/shm/cxlkv", procs: int = 4, seconds: float =
         "seconds": round(run_s, 2),
         "wall_seconds": round(wall, 2),
         "block_bytes": block_bytes,
+        "copy_threads_per_proc": _copy_threads(procs),
         "hit_rate": round(hit_rate(total), 4),
         "consumer_hit_rate": round(
             sum(r["blocks_hit"] for r in results if r["role"] == "consumer")

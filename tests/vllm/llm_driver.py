@@ -1,0 +1,83 @@
+"""Runs one real vLLM engine (CPU) with or without the cxlkv connector, as its own process, and
+prints one `RESULT <json>` line per round. Driven by tests/vllm/test_connector.py.
+
+    python llm_driver.py '<json spec>'
+
+spec: model ("tiny" | "smollm2"), pool (path), connector (bool), role ("kv_both" ...),
+max_num_batched_tokens (optional), max_tokens, rounds: [{"prompts": [{"prompt": str,
+"cache_salt": str?}], "before": "corrupt_pool" | "unlink_pool" | null}].
+"""
+import json
+import mmap
+import os
+import struct
+import sys
+import time
+
+os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+
+
+def corrupt_pool(path: str) -> int:
+    """Flips one payload byte of every READY block in the pool (the layout of src/core/format.h)."""
+    import cxlkv
+    with cxlkv.Pool.open(path) as pool:
+        info = pool.info()
+        blocks = {n["id"]: n["block_bytes"] for n in pool.namespaces()}
+    chunk = info["chunk_bytes"]
+    desc = (chunk // 1024 * 8 + 4095) // 4096 * 4096
+    flipped = 0
+    with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
+        for slot in range(info["index_slots"]):
+            off = info["index_off"] + slot * 64
+            state = struct.unpack_from("<Q", m, off)[0]
+            if state >> 56 != 2:  # READY
+                continue
+            ns_id, c, b = struct.unpack_from("<IIH", m, off + 40)
+            stride = (blocks[ns_id] + 63) // 64 * 64
+            p = info["arena_off"] + c * (desc + chunk) + desc + b * stride + 100
+            m[p] ^= 0xFF
+            flipped += 1
+    return flipped
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    from cxlkv.integrations import models
+    from vllm import LLM, SamplingParams
+
+    model = models.tiny_llama() if spec.get("model", "tiny") == "tiny" else models.smollm2()
+    kw = dict(model=model, enforce_eager=True, kv_cache_memory_bytes=spec.get("kv_bytes", 1 << 30),
+              max_model_len=spec.get("max_model_len", 4096), seed=0)
+    if spec.get("max_num_batched_tokens"):
+        kw["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
+        kw["max_num_seqs"] = spec.get("max_num_seqs", 4)
+    if spec.get("connector", True):
+        kw["kv_transfer_config"] = {
+            "kv_connector": "CxlKVConnector", "kv_connector_module_path": "cxlkv.integrations.vllm",
+            "kv_role": spec.get("role", "kv_both"), "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"pool_path": spec["pool"],
+                                          "pool_size": spec.get("pool_size", "1GiB")}}
+    t0 = time.time()
+    llm = LLM(**kw)
+    print("STARTUP", round(time.time() - t0, 1), flush=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), logprobs=1)
+    for i, rnd in enumerate(spec["rounds"]):
+        extra = {}
+        if rnd.get("before") == "corrupt_pool":
+            extra["corrupted"] = corrupt_pool(spec["pool"])
+        elif rnd.get("before") == "unlink_pool":
+            os.unlink(spec["pool"])
+        inputs = [{"prompt": p["prompt"], **({"cache_salt": p["cache_salt"]} if p.get("cache_salt") else {})}
+                  for p in rnd["prompts"]]
+        t0 = time.time()
+        outs = llm.generate(inputs, sp)
+        res = [{"len": len(o.prompt_token_ids), "cached": o.num_cached_tokens or 0,
+                "tokens": list(o.outputs[0].token_ids),
+                "logprobs": [next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs]}
+               for o in outs]
+        print("RESULT " + json.dumps({"round": i, "seconds": round(time.time() - t0, 3),
+                                      "outputs": res, **extra}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
