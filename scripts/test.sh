@@ -25,5 +25,4 @@ if [ "${CXLKV_SKIP_VLLM:-0}" = "1" ]; then
 fi
 echo "== vLLM integration tests (real vLLM CPU engines, one process each)"
 bash "$ROOT/scripts/setup-vllm.sh" "$VENV"
-python -m pip install -q --no-deps --force-reinstall "$ROOT" >/dev/null   # cxlkv on top of the vLLM pins
 python -m pytest tests/vllm -q -p no:cacheprovider "$@"
