@@ -56,7 +56,8 @@ def main() -> None:
             "kv_connector": "CxlKVConnector", "kv_connector_module_path": "cxlkv.integrations.vllm",
             "kv_role": spec.get("role", "kv_both"), "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"pool_path": spec["pool"],
-                                          "pool_size": spec.get("pool_size", "1GiB")}}
+                                          "pool_size": spec.get("pool_size", "1GiB"),
+                                          **({"chunk_size": spec["chunk_size"]} if spec.get("chunk_size") else {})}}
     t0 = time.time()
     llm = LLM(**kw)
     print("STARTUP", round(time.time() - t0, 1), flush=True)

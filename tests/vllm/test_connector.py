@@ -101,3 +101,24 @@ def test_failures_keep_answers_correct(pool_path, tiny_model):
     for r, o in zip(ref, out[0]["outputs"]):
         assert o["tokens"] == r["tokens"]
     assert len(out[1]["outputs"][0]["tokens"]) > 0
+
+
+def test_full_pool_keeps_serving_and_leaks_nothing(pool_path, tiny_model):
+    """A pool far smaller than the prompts' KV (a few chunks of 8 blocks, 40 blocks of prompts):
+    saves evict older blocks, loads get what is left, answers stay exact, and once the engines
+    are gone the pool is consistent with no pins and no half-written blocks left behind."""
+    import cxlkv
+    prompts = plain([words(20 + i, 700) for i in range(8)])
+    small = {"pool": pool_path, "pool_size": "4MiB", "chunk_size": "1MiB"}
+    first = run_engine({**small, "rounds": [{"prompts": prompts}]})[0]["outputs"]
+    second = run_engine({**small, "rounds": [{"prompts": prompts}]})[0]["outputs"]
+    for a, b in zip(first, second):
+        assert b["tokens"] == a["tokens"]
+    assert 0 < sum(o["cached"] for o in second) < sum(full_blocks(o["len"]) for o in second)
+    with cxlkv.Pool.open(pool_path) as pool:
+        report = pool.check()
+        stats = pool.stats()
+    assert report["ok"], report["errors"]
+    assert report["orphan_pins"] == 0 and report["stuck_entries"] == 0
+    assert report["blocks"]["in_flight"] == 0 and report["blocks"]["leaked"] == 0
+    assert stats["evictions"] > 0 and stats["puts_failed"] == 0
