@@ -36,6 +36,7 @@ import numpy as np
 
 from cxlkv.cli import CommandError
 from cxlkv.sizes import format_size
+from cxlkv.workers import run_workers
 
 __all__ = ["GEOMETRIES", "bench_copy", "bench_index", "print_copy_result", "print_index_result"]
 
@@ -612,42 +613,10 @@ def _index_worker(path: str, run: int, rank: int, nkeys: int, ops: int, samples:
 
 def _run_index_procs(path: str, run: int, nprocs: int, nkeys: int, ops: int, samples: int,
                      inserts: int) -> dict[str, Any]:
-    import multiprocessing as mp
-    import queue as queue_mod
-
-    ctx = mp.get_context("spawn")
-    barrier = ctx.Barrier(nprocs)
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_index_worker, name=f"cxlkv-bench-index-{r}",
-                         args=(path, run, r, nkeys, ops, samples, inserts, barrier, q))
-             for r in range(nprocs)]
-    for p in procs:
-        p.start()
-    results: list[dict[str, Any]] = []
-    deadline = time.monotonic() + 900
-    try:
-        while len(results) < nprocs:
-            try:
-                results.append(q.get(timeout=1.0))
-            except queue_mod.Empty:
-                if time.monotonic() > deadline:
-                    raise CommandError("bench index: workers did not finish in time")
-                if all(not p.is_alive() for p in procs) and q.empty():
-                    raise CommandError(f"bench index: {nprocs - len(results)} worker(s) died "
-                                       f"(exit codes {[p.exitcode for p in procs]})")
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
-    # the root cause first: the other workers then fail at the aborted barrier
-    bad = sorted((r for r in results if not r.get("ok")),
-                 key=lambda r: r["error"].startswith("BrokenBarrierError"))
-    if bad:
-        raise CommandError(f"bench index worker {bad[0]['rank']} failed: {bad[0]['error']}",
-                           detail=bad[0].get("traceback", ""))
-    results.sort(key=lambda r: r["rank"])
+    results = run_workers(
+        _index_worker, nprocs,
+        lambda r, barrier, q: (path, run, r, nkeys, ops, samples, inserts, barrier, q),
+        "bench index", timeout_s=900)
     total_ops = sum(r["ops"] for r in results)
     span = max(r["t1"] for r in results) - min(r["t0"] for r in results)
     bspan = max(r["tb1"] for r in results) - min(r["tb0"] for r in results)

@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from cxlkv.cli import CommandError
 from cxlkv.sizes import format_size
+from cxlkv.workers import run_workers
 
 __all__ = ["run_demo", "DEMO_LAYOUT"]
 
@@ -219,8 +219,6 @@ def _gbps(b: int, ns: int) -> float | None:
 
 def run_demo(pool_path: str = "/dev/shm/cxlkv", procs: int = 4, seconds: float = 8.0,
              size: int = 1 << 30, json_out: bool = False) -> int:
-    import multiprocessing as mp
-    import queue as queue_mod
 
     import cxlkv
     from rich.console import Console
@@ -247,42 +245,14 @@ def run_demo(pool_path: str = "/dev/shm/cxlkv", procs: int = 4, seconds: float =
                   f"({format_size(catalogue_blocks * ns.block_bytes)}); "
                   f"{_copy_threads(procs)} copy thread(s) per process on {os.cpu_count()} cores")
 
-        ctx = mp.get_context("spawn")
-        barrier = ctx.Barrier(procs)
-        q = ctx.Queue()
-        workers = [ctx.Process(target=_worker, name=f"cxlkv-demo-{r}",
-                               args=(pool_path, r, roles[r], nprefill, salt, seconds, procs, barrier, q))
-                   for r in range(procs)]
         t_start = time.monotonic()
-        for w in workers:
-            w.start()
-        results: list[dict[str, Any]] = []
-        try:
-            while len(results) < procs:
-                try:
-                    results.append(q.get(timeout=0.5))
-                except queue_mod.Empty:
-                    if time.monotonic() - t_start > seconds + 120:
-                        raise CommandError("demo workers did not finish in time")
-                    if all(not w.is_alive() for w in workers) and q.empty():
-                        raise CommandError(f"{procs - len(results)} demo worker(s) died "
-                                           f"(exit codes {[w.exitcode for w in workers]})")
-        finally:
-            for w in workers:
-                w.join(timeout=10)
-                if w.is_alive():
-                    w.terminate()
-                    w.join(timeout=5)
-        # the root cause first: the other workers then fail at the aborted barrier
-        bad = sorted((r for r in results if not r.get("ok")),
-                     key=lambda r: r["error"].startswith("BrokenBarrierError"))
-        if bad:
-            raise CommandError(f"demo worker {bad[0]['rank']} failed: {bad[0]['error']}",
-                               detail=bad[0].get("traceback", ""))
+        results = run_workers(
+            _worker, procs,
+            lambda r, barrier, q: (pool_path, r, roles[r], nprefill, salt, seconds, procs, barrier, q),
+            "demo", timeout_s=seconds + 120)
         wall = time.monotonic() - t_start
         stats = pool.stats()
         pool_size, block_bytes = pool.size, ns.block_bytes
-    results.sort(key=lambda r: r["rank"])
 
     def hit_rate(r):
         return r["blocks_hit"] / r["blocks_requested"] if r["blocks_requested"] else 0.0

@@ -12,9 +12,7 @@ or not) is returned to the client. No KV travels over HTTP: only the two request
 from __future__ import annotations
 
 import argparse
-import asyncio
 import copy
-import json
 import logging
 
 from aiohttp import ClientSession, ClientTimeout, web

@@ -28,7 +28,6 @@ the namespace name derived from the model and KV layout).
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
