@@ -360,6 +360,12 @@ def cmd_bench_copy(args) -> int:
     return 0
 
 
+def cmd_bench_vllm(args) -> int:
+    from cxlkv import bench_vllm
+    return bench_vllm.run(model=args.model, contexts=args.contexts, turns=args.turns,
+                          turn_words=args.turn_words, plot=args.plot, json_out=args.json)
+
+
 def cmd_bench_index(args) -> int:
     from cxlkv import bench
 
@@ -481,6 +487,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="individually timed inserts per process (default 20000)")
     bi.add_argument("--pool-dir", default="/dev/shm", help="where the temporary pool lives (default /dev/shm)")
     bi.set_defaults(func=cmd_bench_index)
+
+    bv = bsub.add_parser("vllm", help="multi-turn TTFT on real vLLM engines: off / local prefix "
+                                      "cache / cxlkv across two replicas (needs vLLM)")
+    bv.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2")
+    bv.add_argument("--contexts", type=_pos_int, default=2, help="conversations (default 2)")
+    bv.add_argument("--turns", type=_pos_int, default=5, help="turns per conversation (default 5)")
+    bv.add_argument("--turn-words", type=_pos_int, default=1100,
+                    help="words appended per turn (default 1100: ~7K tokens at turn 5)")
+    bv.add_argument("--plot", default=None, help="write a PNG of TTFT per turn here")
+    bv.add_argument("--json", action="store_true", help="print one JSON object")
+    bv.set_defaults(func=cmd_bench_vllm)
 
     # demo -------------------------------------------------------------------------------------
     dm = sub.add_parser("demo", help="several processes sharing one pool: hit rates and bandwidth")
