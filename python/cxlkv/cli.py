@@ -386,6 +386,9 @@ def cmd_bench_index(args) -> int:
 
 
 def cmd_demo(args) -> int:
+    if args.vllm:
+        from cxlkv import demo_vllm
+        return demo_vllm.run()
     from cxlkv import demo
 
     return demo.run_demo(
@@ -507,6 +510,9 @@ def build_parser() -> argparse.ArgumentParser:
     dm.add_argument("--size", type=_size_arg, default=parse_size("1GiB"),
                     help="size if the pool must be created (default 1GiB)")
     dm.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    dm.add_argument("--vllm", action="store_true",
+                    help="the real thing: two vLLM servers (SmolLM2) sharing a pool, a multi-turn "
+                         "conversation moved from one to the other, TTFT against plain vLLM (needs vLLM)")
     dm.set_defaults(func=cmd_demo)
     return p
 
