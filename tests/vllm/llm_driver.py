@@ -48,6 +48,8 @@ def main() -> None:
     model = models.tiny_llama() if spec.get("model", "tiny") == "tiny" else models.smollm2()
     kw = dict(model=model, enforce_eager=True, kv_cache_memory_bytes=spec.get("kv_bytes", 1 << 30),
               max_model_len=spec.get("max_model_len", 4096), seed=0)
+    if spec.get("stats"):
+        kw["disable_log_stats"] = False  # enables llm.get_metrics(): preemption counts
     if spec.get("max_num_batched_tokens"):
         kw["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
         kw["max_num_seqs"] = spec.get("max_num_seqs", 4)
@@ -76,6 +78,9 @@ def main() -> None:
                 "tokens": list(o.outputs[0].token_ids),
                 "logprobs": [next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs]}
                for o in outs]
+        if spec.get("stats"):
+            extra["preemptions"] = sum(getattr(m, "value", 0) or 0 for m in llm.get_metrics()
+                                       if m.name == "vllm:num_preemptions")
         print("RESULT " + json.dumps({"round": i, "seconds": round(time.time() - t0, 3),
                                       "outputs": res, **extra}), flush=True)
 
