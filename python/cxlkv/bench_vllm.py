@@ -2,7 +2,7 @@
 
 C conversations x T turns; every turn appends about --turn-tokens tokens to its conversation's
 context and asks for the first token (TTFT = wall time of a one-token generate, one request at a
-time, after a warm-up request). Four configurations, each a fresh engine process:
+time, after a warm-up request). Six configurations, each a fresh engine process:
 
   off       vLLM with prefix caching disabled: every turn recomputes the whole context
   local     vLLM's in-memory prefix cache, one instance, replaying the conversations a second
@@ -11,6 +11,11 @@ time, after a warm-up request). Four configurations, each a fresh engine process
             prefix cache is on as in production)
   cxlkv-2   replica 2, a second process on the same pool, replaying the same conversations: its
             local cache is cold, every prefix comes from the pool (cross-instance reuse)
+  example-1, example-2   the same two replicas with vLLM's ExampleConnector (safetensors files
+            per layer in a /dev/shm directory), the shared-storage baseline that runs on CPU
+
+With --turns 1 and several --contexts this is Beluga's first-run / second-run experiment:
+replica 1 populates the cache, replica 2 hits it (mean and p99 TTFT, requests/s).
 
 Prints per-turn TTFT and the speedups against `off` measured in the same run; --plot writes a PNG.
 Needs vLLM (scripts/setup-vllm.sh).
@@ -20,12 +25,13 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
 from typing import Any
 
-CONFIGS = ("off", "local", "cxlkv-1", "cxlkv-2")
+CONFIGS = ("off", "local", "cxlkv-1", "cxlkv-2", "example-1", "example-2")
 
 
 def conversations(n: int, turns: int, turn_words: int) -> list[list[str]]:
@@ -51,12 +57,18 @@ def _worker(spec: dict) -> None:
     model = models.smollm2() if spec["model"] == "smollm2" else models.tiny_llama()
     kw: dict[str, Any] = dict(model=model, enforce_eager=True, kv_cache_memory_bytes=2 << 30,
                               max_model_len=spec["max_model_len"], seed=0,
-                              enable_prefix_caching=spec["config"] != "off")
+                              enable_prefix_caching=spec["config"] != "off",
+                              # whole prompts in one step: ExampleConnector breaks on chunked prefill
+                              max_num_batched_tokens=spec["max_model_len"])
     if spec["config"].startswith("cxlkv"):
         kw["kv_transfer_config"] = {
             "kv_connector": "CxlKVConnector", "kv_connector_module_path": "cxlkv.integrations.vllm",
             "kv_role": "kv_both",
             "kv_connector_extra_config": {"pool_path": spec["pool"], "pool_size": "4GiB"}}
+    elif spec["config"].startswith("example"):
+        kw["kv_transfer_config"] = {
+            "kv_connector": "ExampleConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": spec["pool"] + ".example"}}
     llm = LLM(**kw)
     sp = SamplingParams(temperature=0.0, max_tokens=1)
     llm.generate(["warm up " * 20], sp)
@@ -98,6 +110,7 @@ def run(model: str = "smollm2", contexts: int = 2, turns: int = 5, turn_words: i
     finally:
         if os.path.exists(pool):
             os.unlink(pool)
+        shutil.rmtree(pool + ".example", ignore_errors=True)
 
     def per_turn(cfg: str) -> list[float]:
         return [sum(c[t]["ttft_s"] for c in results[cfg]) / contexts for t in range(turns)]
@@ -114,6 +127,13 @@ def run(model: str = "smollm2", contexts: int = 2, turns: int = 5, turn_words: i
         "raw": results,
     }
     summary["wall_speedup_cxlkv2_vs_off"] = summary["wall_s"]["off"] / summary["wall_s"]["cxlkv-2"]
+    # Over every request of a configuration: mean and p99 TTFT, sequential requests per second.
+    summary["per_request"] = {}
+    for cfg in CONFIGS:
+        xs = sorted(t["ttft_s"] for conv in results[cfg] for t in conv)
+        mean = sum(xs) / len(xs)
+        summary["per_request"][cfg] = {"mean_ttft_s": mean, "p99_ttft_s": xs[min(len(xs) - 1, int(0.99 * len(xs)))],
+                                       "requests_per_s": 1.0 / mean}
     if plot:
         _plot(summary, plot)
         summary["plot"] = plot
@@ -130,6 +150,13 @@ def run(model: str = "smollm2", contexts: int = 2, turns: int = 5, turn_words: i
         t.add_row(str(i + 1), f"{tokens[i]:.0f}", *[f"{turns_ttft[c][i]:.3f}" for c in CONFIGS],
                   f"{cached2[i]:.0f}")
     con.print(t)
+    t2 = Table(title="per request (all turns of all conversations)")
+    for c in ("config", "mean TTFT", "p99 TTFT", "requests/s"):
+        t2.add_column(c, justify="right")
+    for cfg in CONFIGS:
+        r = summary["per_request"][cfg]
+        t2.add_row(cfg, f"{r['mean_ttft_s']:.3f}", f"{r['p99_ttft_s']:.3f}", f"{r['requests_per_s']:.2f}")
+    con.print(t2)
     con.print(f"last turn: cxlkv-2 {summary['warm_turn_speedup_cxlkv2_vs_off']:.1f}x faster than off, "
               f"{summary['warm_turn_cxlkv2_vs_local']:.2f}x vLLM's local prefix hit; whole workload "
               f"{summary['wall_speedup_cxlkv2_vs_off']:.1f}x faster than off")
@@ -142,7 +169,7 @@ def _plot(summary: dict, path: str) -> None:
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4))
     x = list(range(1, summary["turns"] + 1))
-    for cfg, style in zip(CONFIGS, ("o-", "s-", "^--", "d-")):
+    for cfg, style in zip(CONFIGS, ("o-", "s-", "^--", "d-", "v--", "x-")):
         ax.plot(x, summary["ttft_s"][cfg], style, label=cfg)
     ax.set_xlabel("turn (context grows every turn)")
     ax.set_ylabel("TTFT (s)")
