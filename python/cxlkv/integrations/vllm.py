@@ -227,6 +227,7 @@ class CxlKVConnector(KVConnectorBase_V1):
             logger.warning("cxlkv: %s: %d blocks allocated for %d external blocks; not loading",
                            request.request_id, len(st.load.block_ids), n)
             st.load = None
+            self._release(st)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         self._step += 1
