@@ -36,7 +36,7 @@ import numpy as np
 
 from cxlkv.cli import CommandError
 from cxlkv.sizes import format_size
-from cxlkv.workers import run_workers
+from cxlkv.workers import report_failure, run_workers
 
 __all__ = ["GEOMETRIES", "bench_copy", "bench_index", "print_copy_result", "print_index_result"]
 
@@ -601,14 +601,7 @@ def _index_worker(path: str, run: int, rank: int, nkeys: int, ops: int, samples:
             "core": core,
         })
     except BaseException as e:  # report instead of hanging the parent
-        import traceback
-
-        try:
-            barrier.abort()
-        except Exception:
-            pass
-        queue.put({"rank": rank, "ok": False, "error": f"{type(e).__name__}: {e}",
-                   "traceback": traceback.format_exc()})
+        report_failure(rank, barrier, queue, e)
 
 
 def _run_index_procs(path: str, run: int, nprocs: int, nkeys: int, ops: int, samples: int,

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from cxlkv.sizes import format_size
-from cxlkv.workers import run_workers
+from cxlkv.workers import report_failure, run_workers
 
 __all__ = ["run_demo", "DEMO_LAYOUT"]
 
@@ -198,15 +198,8 @@ def _worker(path: str, rank: int, role: str, nprefill: int, salt: bytes, seconds
                     time.sleep(interval)
             st["seconds"] = time.monotonic() - start
         queue.put({"ok": True, **st})
-    except BaseException as e:
-        import traceback
-
-        try:
-            barrier.abort()
-        except Exception:
-            pass
-        queue.put({"ok": False, "rank": rank, "error": f"{type(e).__name__}: {e}",
-                   "traceback": traceback.format_exc()})
+    except BaseException as e:  # report instead of hanging the parent
+        report_failure(rank, barrier, queue, e)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,6 +10,19 @@ from typing import Any, Callable
 from cxlkv.cli import CommandError
 
 
+def report_failure(rank: int, barrier, queue, exc: BaseException) -> None:
+    """Called by a worker in its `except BaseException`: releases the others from the barrier and
+    reports the error (with its traceback) instead of leaving the parent waiting."""
+    import traceback
+
+    try:
+        barrier.abort()
+    except Exception:  # noqa: BLE001 - the barrier may already be broken
+        pass
+    queue.put({"rank": rank, "ok": False, "error": f"{type(exc).__name__}: {exc}",
+               "traceback": traceback.format_exc()})
+
+
 def run_workers(target: Callable, nprocs: int, args_of: Callable[[int, Any, Any], tuple], what: str,
                 timeout_s: float) -> list[dict[str, Any]]:
     """Spawns target(*args_of(rank, barrier, queue)) for each rank and returns their reports,
