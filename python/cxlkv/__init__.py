@@ -47,6 +47,9 @@ class KVLayout:
     dense: per layer, K and V of ``num_kv_heads x head_size`` per token.
     mla:   per layer, one latent vector of ``head_size`` per token (DeepSeek MLA).
     ``block_bytes`` overrides the computed size (for layouts with padding or extra scales).
+    ``source`` says what ``model_id`` was derived from (shown by ``pool info``); it is not part of
+    the identity: layouts that differ only in ``source`` open the same namespace, which keeps the
+    source of its creator.
     """
 
     model_id: str
@@ -59,6 +62,7 @@ class KVLayout:
     tp_rank: int = 0
     tp_size: int = 1
     block_bytes: Optional[int] = None
+    source: str = dataclasses.field(default="", compare=False)
 
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:
@@ -168,7 +172,7 @@ class Pool:
                 name=name, model_id=layout.model_id, dtype=layout.dtype, dtype_bytes=layout.dtype_bytes,
                 kind=layout.kind, num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
                 head_size=layout.head_size, tokens_per_block=layout.tokens_per_block, tp_rank=layout.tp_rank,
-                tp_size=layout.tp_size, block_bytes=layout.block_bytes)
+                tp_size=layout.tp_size, block_bytes=layout.block_bytes, source=layout.source)
             self._namespaces[(name, layout)] = ns
         return ns
 

@@ -184,7 +184,7 @@ def render_namespaces(console, namespaces: list[dict]) -> None:
 
     t = Table(title="namespaces", title_justify="left", title_style="bold", box=box.SIMPLE_HEAD,
               show_edge=False, collapse_padding=True)
-    for c in ("id", "name", "model", "layout", "tp", "block", "blocks/chunk"):
+    for c in ("id", "name", "model", "layout", "tp", "block", "blocks/chunk", "source"):
         t.add_column(c, justify="right" if c in ("id", "block", "blocks/chunk") else "left",
                      overflow="fold")
     for n in namespaces:
@@ -193,7 +193,8 @@ def render_namespaces(console, namespaces: list[dict]) -> None:
         bb = n.get("block_bytes")
         t.add_row(str(n.get("id", "")), _escape(str(n.get("name", ""))), _escape(str(n.get("model_id", ""))),
                   layout, f"{n.get('tp_rank', 0)}/{n.get('tp_size', 1)}",
-                  format_size(bb) if isinstance(bb, int) else "-", str(n.get("blocks_per_chunk", "-")))
+                  format_size(bb) if isinstance(bb, int) else "-", str(n.get("blocks_per_chunk", "-")),
+                  _escape(str(n.get("source") or "-")))
     console.print(t)
 
 

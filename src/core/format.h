@@ -23,7 +23,7 @@
 namespace cxlkv::format {
 
 constexpr char kMagic[8] = {'C', 'X', 'L', 'K', 'V', 'P', 'L', '\0'};
-constexpr uint16_t kFormatMajor = 1;
+constexpr uint16_t kFormatMajor = 2;  // 2: NamespaceEntry grew to 512 bytes (source)
 constexpr uint16_t kFormatMinor = 0;
 constexpr uint64_t kIncompatSupported = 0;  // no incompat features defined yet
 constexpr size_t kCacheLine = 64;
@@ -36,6 +36,7 @@ constexpr uint32_t kMaxNodes = 254;             // node ids 1..254 fit the 8-bit
 constexpr uint32_t kMaxNamespaces = 4096;
 constexpr uint32_t kModelIdBytes = 96;
 constexpr uint32_t kNameBytes = 96;
+constexpr uint32_t kSourceBytes = 256;  // NamespaceEntry.source: up to 255 bytes + NUL
 
 // ---------------------------------------------------------------------------------------------
 // Header. Written once by the creator before the init word says READY; never written again.
@@ -148,14 +149,19 @@ static_assert(sizeof(NodeAreaFixed) == 192);
 inline uint64_t pin_value(uint64_t slot, uint32_t gen) { return ((slot + 1) << 24) | gen; }
 
 // ---------------------------------------------------------------------------------------------
-// Namespace entry: identifies one model/KV layout. 256 bytes, 4 cache lines.
+// Namespace entry: identifies one model/KV layout. 512 bytes, 8 cache lines.
 // state word = [state:8][node:8][reserved:48]; FREE(0) -> CREATING(node) -> READY. Written under
 // ns_lock only; READY entries are immutable, so readers need no lock.
+// Strings (dtype, model_id, name, source) are NUL-padded, at most N-1 bytes, without NUL or control
+// characters when written by this build; readers still treat them as untrusted bytes.
+// `source` is provenance for operators (what the identity was derived from, e.g. "weights
+// sha256-sampled of /models/x (3 files, 269 MB)"); it is display text, NOT part of the fingerprint:
+// two processes that derive the same identity by different routes share the namespace.
 enum NsState : uint8_t { kNsFree = 0, kNsCreating = 1, kNsReady = 2 };
 enum LayoutKind : uint32_t { kLayoutDense = 1, kLayoutMla = 2, kLayoutOpaque = 3 };
 struct alignas(kCacheLine) NamespaceEntry {
   uint64_t state;
-  uint64_t fingerprint;  // XXH3 over the layout fields below
+  uint64_t fingerprint;  // XXH3 over the layout fields below (not name, not source)
   uint64_t block_bytes;
   uint32_t dtype_bytes;
   uint32_t kind;
@@ -168,8 +174,9 @@ struct alignas(kCacheLine) NamespaceEntry {
   char dtype[8];
   char model_id[kModelIdBytes];
   char name[kNameBytes];
+  char source[kSourceBytes];
 };
-static_assert(sizeof(NamespaceEntry) == 256);
+static_assert(sizeof(NamespaceEntry) == 512);
 inline uint8_t ns_state(uint64_t w) { return uint8_t(w >> 56); }
 inline uint8_t ns_node(uint64_t w) { return uint8_t(w >> 48); }
 inline uint64_t make_ns_word(uint8_t st, uint8_t node) {

@@ -24,6 +24,17 @@ uint64_t fingerprint(const Layout& l) {
 
 std::string fixed_str(const char* p, size_t n) { return std::string(p, strnlen(p, n)); }
 
+// Display text written into the pool: bounded, and free of NUL (which would cut it short when
+// read back) and of control characters (which a terminal would execute when `pool info` prints).
+void check_text(const char* field, const std::string& s, size_t capacity) {
+  if (s.size() >= capacity)
+    throw ArgumentError(std::string(field) + " must be at most " + std::to_string(capacity - 1) + " bytes, got " +
+                        std::to_string(s.size()));
+  for (unsigned char c : s)
+    if (c < 0x20 || c == 0x7f)
+      throw ArgumentError(std::string(field) + " must not contain NUL or control characters");
+}
+
 Layout layout_of(const NamespaceEntry& e) {
   Layout l;
   l.name = fixed_str(e.name, kNameBytes);
@@ -38,6 +49,7 @@ Layout layout_of(const NamespaceEntry& e) {
   l.tp_rank = e.tp_rank;
   l.tp_size = e.tp_size;
   l.block_bytes = e.block_bytes;
+  l.source = fixed_str(e.source, kSourceBytes);
   return l;
 }
 
@@ -83,6 +95,7 @@ NsHandle Pool::open_namespace(const Layout& want) {
   if (want.model_id.size() >= kModelIdBytes)
     throw ArgumentError("model_id must be shorter than " + std::to_string(kModelIdBytes) + " bytes");
   if (want.dtype.size() >= 8) throw ArgumentError("dtype name too long");
+  check_text("source", want.source, kSourceBytes);
   if (want.block_bytes == 0 || want.block_bytes > 0xFFFFFFFFull)
     throw ArgumentError("block_bytes must be in 1..4294967295");
   auto geo = chunk_geometry(hdr_->chunk_bytes, want.block_bytes);
@@ -140,6 +153,7 @@ NsHandle Pool::open_namespace(const Layout& want) {
     std::memcpy(e->dtype, want.dtype.data(), want.dtype.size());
     std::memcpy(e->model_id, want.model_id.data(), want.model_id.size());
     std::memcpy(e->name, want.name.data(), want.name.size());
+    std::memcpy(e->source, want.source.data(), want.source.size());
     coh_.flush(e, sizeof *e);
     coh_.publish(&e->state, make_ns_word(kNsReady, 0));
     h.id = id;

@@ -38,6 +38,9 @@ struct Layout {
   uint32_t num_layers = 0, num_kv_heads = 0, head_size = 0, tokens_per_block = 0;
   uint32_t tp_rank = 0, tp_size = 1;
   uint64_t block_bytes = 0;
+  // Provenance shown to operators (what model_id was derived from); not part of the identity:
+  // opening an existing namespace with another source opens it and keeps the stored source.
+  std::string source;
 };
 
 struct NsHandle {

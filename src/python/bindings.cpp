@@ -210,6 +210,7 @@ nb::dict layout_dict(const NsHandle& h, const Layout& l) {
   d["tp_rank"] = l.tp_rank;
   d["tp_size"] = l.tp_size;
   d["block_bytes"] = l.block_bytes;
+  d["source"] = pool_str(l.source);
   d["blocks_per_chunk"] = h.geo.blocks;
   return d;
 }
@@ -354,7 +355,7 @@ NB_MODULE(_core, m) {
           "open_namespace",
           [](PyPool& pp, const std::string& name, const std::string& model_id, const std::string& dtype, uint32_t dtype_bytes,
              const std::string& kind, uint32_t num_layers, uint32_t num_kv_heads, uint32_t head_size, uint32_t tokens_per_block,
-             uint32_t tp_rank, uint32_t tp_size, uint64_t block_bytes) {
+             uint32_t tp_rank, uint32_t tp_size, uint64_t block_bytes, const std::string& source) {
             OpGuard g(pp);
             Layout l;
             l.name = name, l.model_id = model_id, l.dtype = dtype, l.dtype_bytes = dtype_bytes;
@@ -362,6 +363,7 @@ NB_MODULE(_core, m) {
             if (kind != "dense" && kind != "mla" && kind != "opaque") throw ArgumentError("layout kind must be 'dense', 'mla' or 'opaque'");
             l.num_layers = num_layers, l.num_kv_heads = num_kv_heads, l.head_size = head_size;
             l.tokens_per_block = tokens_per_block, l.tp_rank = tp_rank, l.tp_size = tp_size, l.block_bytes = block_bytes;
+            l.source = source;
             auto* ns = new PyNamespace{&pp, {}, l};
             try {
               nb::gil_scoped_release nogil;
@@ -373,7 +375,7 @@ NB_MODULE(_core, m) {
             return ns;
           },
           "name"_a, "model_id"_a, "dtype"_a, "dtype_bytes"_a, "kind"_a, "num_layers"_a, "num_kv_heads"_a, "head_size"_a,
-          "tokens_per_block"_a, "tp_rank"_a, "tp_size"_a, "block_bytes"_a, nb::keep_alive<0, 1>(), nb::rv_policy::take_ownership)
+          "tokens_per_block"_a, "tp_rank"_a, "tp_size"_a, "block_bytes"_a, "source"_a = "", nb::keep_alive<0, 1>(), nb::rv_policy::take_ownership)
       .def("namespaces", [](PyPool& pp) {
         OpGuard g(pp);
         nb::list out;

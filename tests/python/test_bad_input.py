@@ -565,7 +565,7 @@ def test_fuzz_metadata_areas(pristine_pool, pool_path, data, area):
     bounds = {
         "node_table": (h["node_table_off"], h["max_nodes"] * 64),
         "node_areas": (h["node_area_off"], h["max_nodes"] * h["node_area_bytes"]),
-        "ns_table": (h["ns_table_off"], h["max_namespaces"] * 256),
+        "ns_table": (h["ns_table_off"], h["max_namespaces"] * h["stamp_namespace"]),
         "index": (h["index_off"], h["index_slots"] * 64),
         "access": (h["access_off"], h["index_slots"] * 8),
         "chunk_map": (h["chunk_map_off"], h["chunk_count"] * 8),
