@@ -23,6 +23,7 @@ import os
 import sys
 from typing import Any, Callable
 
+from cxlkv import _core
 from cxlkv.sizes import format_size, parse_size
 
 DEFAULT_POOL = "/dev/shm/cxlkv"
@@ -441,7 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--index-slots", type=_pos_int, default=None, help="index entries (rounded to a power of two)")
     c.add_argument("--max-nodes", type=_pos_int, default=None, help="max attached processes (default 64)")
     c.add_argument("--pin-slots", type=_pos_int, default=None, help="pin slots per process (default 256)")
-    c.add_argument("--backend", choices=["coherent", "flush"], default="coherent",
+    c.add_argument("--backend", choices=_core.backends(), default="coherent",
                    help="memory backend: coherent (one host) or flush (non-coherent CXL)")
     c.add_argument("--force", action="store_true", help="destroy an existing pool at PATH first")
     c.add_argument("--json", action="store_true", help="print the new pool's info as JSON")
