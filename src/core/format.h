@@ -167,8 +167,8 @@ inline uint64_t pin_value(uint64_t slot, uint32_t gen) { return ((slot + 1) << 2
   X(uint32_t, tp_rank, number, 0, 0, 0xFFFFFFFEu)                               \
   X(uint32_t, tp_size, number, 1, 1, 0xFFFFFFFFu)
 
-// Plain, fixed-width, no padding between the fields as listed (uint64 first): the entry's bytes
-// are exactly the fields.
+// Plain and fixed-width; copied whole into and out of the entry. Nothing hashes its raw bytes (the
+// fingerprint walks the list), so padding a new field may introduce is harmless.
 struct LayoutFields {
 #define CXLKV_LAYOUT_MEMBER(type, name, ...) type name;
   CXLKV_LAYOUT_FIELDS(CXLKV_LAYOUT_MEMBER)

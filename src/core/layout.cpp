@@ -10,14 +10,6 @@ namespace cxlkv {
 using format::LayoutFields;
 
 namespace {
-// Fields in list order with no holes: the entry's bytes are exactly the listed fields.
-constexpr size_t kListedBytes = 0
-#define CXLKV_LAYOUT_SIZE(type, name, ...) +sizeof(type)
-    CXLKV_LAYOUT_FIELDS(CXLKV_LAYOUT_SIZE)
-#undef CXLKV_LAYOUT_SIZE
-    ;
-static_assert(kListedBytes == sizeof(LayoutFields), "order CXLKV_LAYOUT_FIELDS so that no padding arises");
-
 constexpr LayoutFieldDesc kFields[] = {
 #define CXLKV_LAYOUT_DESC(type, fname, codec, dflt, lo, hi)                            \
   {#fname, FieldCodec::codec, uint64_t(dflt), uint64_t(lo), uint64_t(hi),              \
@@ -52,10 +44,13 @@ std::string LayoutFieldDesc::print(uint64_t v) const {
   return std::to_string(v);
 }
 
+void throw_out_of_range(const LayoutFieldDesc& f, const std::string& got) {
+  throw ArgumentError(std::string(f.name) + " must be in " + std::to_string(f.min) + ".." + std::to_string(f.max) +
+                      ", got " + got);
+}
+
 void set_layout_field(LayoutFields& l, const LayoutFieldDesc& f, uint64_t v) {
-  if (v < f.min || v > f.max)
-    throw ArgumentError(std::string(f.name) + " must be in " + std::to_string(f.min) + ".." + std::to_string(f.max) +
-                        ", got " + std::to_string(v));
+  if (v < f.min || v > f.max) throw_out_of_range(f, std::to_string(v));
   f.set(l, v);
 }
 
@@ -78,9 +73,7 @@ uint64_t natural_block_bytes(const LayoutFields& l) {
 void check_layout(const LayoutFields& l) {
   for (const auto& f : kFields) {
     uint64_t v = f.get(l);
-    if (v < f.min || v > f.max)
-      throw ArgumentError(std::string(f.name) + " must be in " + std::to_string(f.min) + ".." + std::to_string(f.max) +
-                          ", got " + std::to_string(v));
+    if (v < f.min || v > f.max) throw_out_of_range(f, std::to_string(v));
   }
   if (!find_dtype(l.dtype)) throw ArgumentError("unknown dtype code " + std::to_string(l.dtype));
   if (!code_known(layout_kind_names(), l.kind)) throw ArgumentError("unknown layout kind code " + std::to_string(l.kind));

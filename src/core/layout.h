@@ -37,6 +37,8 @@ struct LayoutFieldDesc {
 
 std::span<const LayoutFieldDesc> layout_field_table();
 
+// ArgumentError "<field> must be in <min>..<max>, got <got>".
+[[noreturn]] void throw_out_of_range(const LayoutFieldDesc& f, const std::string& got);
 // Sets field `f` from a caller's value; ArgumentError naming the field and its range.
 void set_layout_field(format::LayoutFields& l, const LayoutFieldDesc& f, uint64_t v);
 // The block size a layout implies: tokens_per_block x num_layers x head_size x dtype bytes, x 2 x

@@ -265,20 +265,16 @@ Layout layout_from(nb::handle obj) {
       set_layout_field(l, f, f.parse(str_of(v)));
       continue;
     }
-    if (v.is_none() && std::string_view(f.name) == "block_bytes") {
+    if (v.is_none() && std::string_view(f.name) == "block_bytes") {  // KVLayout(block_bytes=None)
       natural_size = true;
       continue;
     }
     nb::object n = exact_int(v, f.name);
-    int overflow = 0;
     unsigned long long x = PyLong_AsUnsignedLongLong(n.ptr());
-    if (x == (unsigned long long)-1 && PyErr_Occurred()) {
+    if (x == (unsigned long long)-1 && PyErr_Occurred()) {  // negative, or beyond 64 bits
       PyErr_Clear();
-      overflow = 1;
+      throw_out_of_range(f, str_of(n));
     }
-    if (overflow)
-      throw ArgumentError(std::string(f.name) + " must be in " + std::to_string(f.min) + ".." + std::to_string(f.max) +
-                          ", got " + nb::str(n).c_str());
     set_layout_field(l, f, x);
   }
   if (natural_size) l.block_bytes = natural_block_bytes(l);

@@ -109,11 +109,14 @@ def test_kind_and_backend_names_come_from_the_core(make_pool):
 
 
 def test_kvlayout_fields_are_the_core_field_list():
-    """The core's field list (format.h) is the one list; KVLayout carries an attribute per field."""
+    """The core's field list (format.h) is the one list: every KVLayout attribute but model_id and
+    source is one of its fields (nothing Python-only stays outside the fingerprint). A core field
+    KVLayout lacks takes its default until the dataclass exposes it."""
     core = [f["name"] for f in _core.layout_fields()]
     py = {f.name for f in dataclasses.fields(cxlkv.KVLayout)}
-    assert set(core) <= py
     assert py - set(core) == {"model_id", "source"}
+    assert core[:9] == ["block_bytes", "dtype", "kind", "num_layers", "num_kv_heads", "head_size",
+                        "tokens_per_block", "tp_rank", "tp_size"]
 
 
 def test_layout_field_checks_come_from_the_core():
