@@ -55,6 +55,10 @@ def dtype_bytes(dtype: object) -> int:
     return _core.dtype_info(dtype)["bytes"]
 
 
+# The layout fields' defaults are the core's (format.h CXLKV_LAYOUT_FIELDS).
+_LAYOUT_DEFAULTS = {f["name"]: f["default"] for f in _core.layout_fields()}
+
+
 @dataclasses.dataclass(frozen=True)
 class KVLayout:
     """What a namespace's blocks hold. Two layouts that differ in any field never share blocks.
@@ -72,15 +76,15 @@ class KVLayout:
     """
 
     model_id: str
-    dtype: str = "bf16"
-    num_layers: int = 1
-    num_kv_heads: int = 1
-    head_size: int = 1
-    tokens_per_block: int = 16
-    kind: str = "dense"
-    tp_rank: int = 0
-    tp_size: int = 1
-    block_bytes: Optional[int] = None
+    dtype: str = _LAYOUT_DEFAULTS["dtype"]
+    num_layers: int = _LAYOUT_DEFAULTS["num_layers"]
+    num_kv_heads: int = _LAYOUT_DEFAULTS["num_kv_heads"]
+    head_size: int = _LAYOUT_DEFAULTS["head_size"]
+    tokens_per_block: int = _LAYOUT_DEFAULTS["tokens_per_block"]
+    kind: str = _LAYOUT_DEFAULTS["kind"]
+    tp_rank: int = _LAYOUT_DEFAULTS["tp_rank"]
+    tp_size: int = _LAYOUT_DEFAULTS["tp_size"]
+    block_bytes: Optional[int] = None  # None: the natural size of the other fields
     source: str = dataclasses.field(default="", compare=False)
 
     def __post_init__(self) -> None:
