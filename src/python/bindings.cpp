@@ -178,7 +178,9 @@ ArrayGeometry geometry_of(const Array& a, int block_dim) {
   uint64_t item = uint64_t(a.itemsize());
   uint64_t inner = item;
   for (int d = nd - 1; d > block_dim; --d) {
-    if (a.shape(d) > 1 && (a.stride(d) < 0 || uint64_t(a.stride(d)) * item != inner))
+    uint64_t stride_bytes;
+    if (a.shape(d) > 1 && (a.stride(d) < 0 || __builtin_mul_overflow(uint64_t(a.stride(d)), item, &stride_bytes) ||
+                           stride_bytes != inner))
       throw ArgumentError("the dims after block_dim must be contiguous (C order)");
     inner = mul_or_throw(inner, uint64_t(a.shape(d)), "the bytes per fragment");
   }
