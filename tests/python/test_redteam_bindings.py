@@ -78,8 +78,11 @@ def test_f7_load_target_freed_during_copy(pool_path):
     assert r.returncode == 0, f"rc={r.returncode} (SIGSEGV is -11)\n{r.stdout}\n{r.stderr}"
     words = r.stdout.split()
     assert words[0] == "refused" and words[2] == "closed_during_load", r.stdout
-    # close() may win before load() takes the export (a clean error), never during the copy
-    assert int(words[3]) == 0, r.stdout
+    # The closer only gets the GIL while load() runs without it: BufferError there means the export
+    # is held during the copy (before the fix: 0 refusals, and a crash when close() won).
+    # closed_during_load is printed, not asserted: a close right after load() returned but before
+    # done.set() would count too.
+    assert int(words[1]) > 0, r.stdout
 
 
 def test_f7_store_keeps_sources_until_copied(small_ns):
