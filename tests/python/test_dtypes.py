@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import cxlkv
+import cxlkv_testutil as tu
 from cxlkv import _core
 
 # Each group is one dtype (issue 7: "every alias of a type gives the same fingerprint").
@@ -133,3 +134,22 @@ def test_layout_field_checks_come_from_the_core():
     with pytest.raises(ValueError, match="blocks would hold more than 4294967295 bytes"):
         layout("fp32", num_layers=1 << 20, head_size=1 << 12)
     assert layout("bf16", num_layers=np.int64(3)).num_layers == 3
+
+
+NS_DTYPE_OFF = 24  # NamespaceEntry.layout.dtype (format.h: state, fingerprint, block_bytes, dtype)
+NS_KIND_OFF = 28
+
+
+@pytest.mark.parametrize("off, field", [(NS_DTYPE_OFF, "dtype"), (NS_KIND_OFF, "kind")])
+def test_unknown_code_in_the_pool_is_shown_not_trusted(pool_path, off, field):
+    """A dtype or kind code this build does not know (a newer writer, or a scribble) is listed as
+    unknown(N) and never matches a caller's layout."""
+    with cxlkv.Pool.create(pool_path, 16 * 1024 * 1024, chunk_size="1MiB") as pool:
+        pool.namespace(layout("bf16"), name="ns")
+    h = tu.read_header(pool_path)
+    tu.patch_file(pool_path, h["ns_table_off"] + off, (4242).to_bytes(4, "little"))
+    with cxlkv.Pool.open(pool_path) as pool:
+        [listed] = pool.namespaces()
+        assert listed[field] == "unknown(4242)"
+        with pytest.raises(cxlkv.LayoutMismatchError, match=rf"{field} \w+ != unknown\(4242\)"):
+            pool.namespace(layout("bf16"), name="ns")
