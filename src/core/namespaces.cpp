@@ -43,17 +43,34 @@ std::vector<std::pair<NsHandle, Layout>> Pool::list_namespaces() {
     if (ns_state(coh_.read(&e->state)) != kNsReady) continue;
     coh_.invalidate(e, sizeof *e);
     Layout l = layout_of(*e);
+    // F5: a READY entry is immutable by contract, but the bytes are untrusted: read once, and skip
+    // an entry whose block size no writer could have stored (`pool check` reports it).
+    if (l.block_bytes == 0 || l.block_bytes > kMaxBlockBytes) continue;
     NsHandle h;
     h.id = id;
-    h.block_bytes = e->layout.block_bytes;
-    h.geo = chunk_geometry(hdr_->chunk_bytes, e->layout.block_bytes);
+    h.block_bytes = l.block_bytes;
+    h.geo = chunk_geometry(hdr_->chunk_bytes, l.block_bytes);
     h.name = l.name;
     out.emplace_back(h, l);
   }
   return out;
 }
 
+uint64_t Pool::break_stale_ns_lock() {
+  uint64_t* lock = &shared()->ns_lock.word;
+  uint64_t holder = coh_.read(lock);
+  if (holder == 0) return 0;
+  bool stale = holder > hdr_->max_nodes;
+  if (!stale) stale = node_state(coh_.read(&node_slot(uint32_t(holder - 1))->state)) == kNodeFree;
+  if (!stale) return 0;
+  uint64_t expected = holder;
+  return coh_.claim(lock, expected, 0) ? holder : 0;
+}
+
 NsHandle Pool::open_namespace(const Layout& want) {
+  if (read_only_) throw Error("pool " + path_ + " was opened read-only; namespaces cannot be opened");
+  check_text("namespace name", want.name, kNameBytes);
+  check_text("model_id", want.model_id, kModelIdBytes);
   if (want.name.empty() || want.name.size() >= kNameBytes)
     throw ArgumentError("namespace name must have 1.." + std::to_string(kNameBytes - 1) + " bytes");
   if (want.model_id.size() >= kModelIdBytes)
@@ -87,6 +104,7 @@ NsHandle Pool::open_namespace(const Layout& want) {
   for (int spins = 0;; ++spins) {
     uint64_t expected = 0;
     if (coh_.claim(lock, expected, node_id_)) break;
+    if (spins % 100 == 0) break_stale_ns_lock();  // F13: a holder that can never release it
     if (spins % 100 == 99) reap_dead_nodes();
     if (spins > 100000) throw Error("pool " + path_ + ": namespace table lock held too long by node " + std::to_string(expected));
     std::this_thread::sleep_for(std::chrono::microseconds(100));
