@@ -99,12 +99,13 @@ class Pool:
     # -- lifecycle ------------------------------------------------------------------------
     @classmethod
     def create(cls, path: str = DEFAULT_POOL_PATH, size: SizeLike = "1GiB", *, chunk_size: Optional[SizeLike] = None,
-               index_slots: Optional[int] = None, max_nodes: int = 64, pin_slots: int = 256,
+               index_slots: Optional[int] = None, max_nodes: int = 64, pin_slots: Optional[int] = None,
                max_namespaces: int = 64, backend: str = "coherent", exist_ok: bool = False) -> "Pool":
         core = _core.Pool.create(
             os.fspath(path), parse_size(size), chunk_bytes=parse_size(chunk_size) if chunk_size else 0,
-            index_slots=index_slots or 0, max_nodes=max_nodes, pin_slots=pin_slots,
-            max_namespaces=max_namespaces, backend=backend, exist_ok=exist_ok)
+            index_slots=index_slots or 0, max_nodes=max_nodes,
+            max_namespaces=max_namespaces, backend=backend, exist_ok=exist_ok,
+            **({} if pin_slots is None else {"pin_slots": pin_slots}))  # None: the core's default
         return cls(core)
 
     @classmethod

@@ -508,13 +508,14 @@ bool Pool::contains(const NsHandle& ns, const Key& key) {
 
 // Batched lookups (match_prefix, acquire): hash every key and prefetch every home line first,
 // so the misses of a long prefix overlap (one memory latency per batch, not per key); the
-// probes that follow mostly hit the cache. Each home's next line is prefetched too, since a
-// probe that starts near the end of a line runs into it.
+// probes that follow mostly hit the cache. The access-hint line that touch() writes is
+// prefetched for writing at the same time.
 void Pool::prefetch_homes(const NsHandle& ns, const Key* keys, size_t n, std::vector<uint64_t>& hashes) {
   hashes.resize(n);
   for (size_t i = 0; i < n; ++i) {
     hashes[i] = xxh3(keys[i].data(), 32, ns.id);
     __builtin_prefetch(entry(hashes[i] & slot_mask_), 0, 3);
+    __builtin_prefetch(access(hashes[i] & slot_mask_), 1, 3);  // touch() writes it afterwards
   }
 }
 

@@ -279,7 +279,7 @@ NB_MODULE(_core, m) {
             }
             return pp;
           },
-          "path"_a, "size"_a, "chunk_bytes"_a = 0, "index_slots"_a = 0, "max_nodes"_a = 64, "pin_slots"_a = 256,
+          "path"_a, "size"_a, "chunk_bytes"_a = 0, "index_slots"_a = 0, "max_nodes"_a = 64, "pin_slots"_a = format::kDefaultPinSlots,
           "max_namespaces"_a = 64, "backend"_a = "coherent", "exist_ok"_a = false, nb::rv_policy::take_ownership)
       .def_static(
           "open",
@@ -477,15 +477,8 @@ NB_MODULE(_core, m) {
           r = bench_index(*g.p, n.h, inserts, lookups, payload_bytes, seed, seconds);
         }
         nb::dict d;
-        d["inserts"] = r.inserts;
-        d["lookups"] = r.lookups;
-        d["lookup_p50_ns"] = r.lookup_p50_ns;
-        d["lookup_p99_ns"] = r.lookup_p99_ns;
-        d["lookup_mean_ns"] = r.lookup_mean_ns;
-        d["insert_p50_ns"] = r.insert_p50_ns;
-        d["insert_p99_ns"] = r.insert_p99_ns;
-        d["lookups_per_s"] = r.lookups_per_s;
-        d["inserts_per_s"] = r.inserts_per_s;
+        for (const auto& [k, v] : r.fields()) d[k] = v;
+        d["inserts"] = r.inserts, d["lookups"] = r.lookups;  // counts stay ints
         return d;
       }, "inserts"_a, "lookups"_a, "payload_bytes"_a = 64, "seed"_a = 1, "seconds"_a = 1.0,
       "Core-side index benchmark (timed in C++): inserts fresh keys, then looks them up.");
