@@ -120,7 +120,7 @@ class Pool:
     # -- lifecycle ------------------------------------------------------------------------
     @classmethod
     def create(cls, path: str = DEFAULT_POOL_PATH, size: SizeLike = "1GiB", *, chunk_size: Optional[SizeLike] = None,
-               index_slots: Optional[int] = None, max_nodes: int = 64, pin_slots: int = 256,
+               index_slots: Optional[int] = None, max_nodes: int = 64, pin_slots: Optional[int] = None,
                max_namespaces: int = 64, backend: str = "coherent", exist_ok: bool = False,
                allow_foreign_owner: bool = False, allow_group: bool = False) -> "Pool":
         """Create a pool (mode 0600). With exist_ok, an existing pool is opened instead, under
@@ -129,9 +129,10 @@ class Pool:
         ensure_private_dir(path)
         core = _core.Pool.create(
             path, parse_size(size), chunk_bytes=parse_size(chunk_size) if chunk_size else 0,
-            index_slots=index_slots or 0, max_nodes=max_nodes, pin_slots=pin_slots,
+            index_slots=index_slots or 0, max_nodes=max_nodes,
             max_namespaces=max_namespaces, backend=backend, exist_ok=exist_ok,
-            allow_foreign_owner=allow_foreign_owner, allow_group=allow_group)
+            allow_foreign_owner=allow_foreign_owner, allow_group=allow_group,
+            **({} if pin_slots is None else {"pin_slots": pin_slots}))  # None: the core's default
         return cls(core)
 
     @classmethod

@@ -169,7 +169,8 @@ def bench_copy(geometry: str = "all", iters: int = 7, batch_bytes: int = 128 * _
     out: dict[str, Any] = {"bench": "copy"}
     for k in ("geometry", "store_gbps", "load_gbps", "memcpy_gbps", "memcpy_contig_gbps",
               "memcpy_mt_gbps", "store_vs_memcpy", "load_vs_memcpy", "store_vs_memcpy_mt",
-              "load_vs_memcpy_mt"):
+              "load_vs_memcpy_mt", "memcpy_contig_2t_gbps", "store_vs_memcpy_contig",
+              "load_vs_memcpy_contig", "store_vs_memcpy_contig_2t", "load_vs_memcpy_contig_2t"):
         out[k] = head[k]
     out["copy_threads"] = threads
     out["results"] = results
@@ -182,7 +183,10 @@ def bench_copy(geometry: str = "all", iters: int = 7, batch_bytes: int = 128 * _
         "memcpy baselines run on one thread, while the core splits a batch of >= 4 MiB over "
         "copy_threads threads: memcpy_mt_gbps / memcpy_scatter_mt_gbps are the strided per-fragment "
         "copies split over the same number of threads (numpy releases the GIL), and *_vs_memcpy_mt "
-        "the like-for-like ratios. Use --copy-threads 1 to compare single-threaded."
+        "the like-for-like ratios. Use --copy-threads 1 to compare single-threaded. "
+        "memcpy_contig_2t_gbps: the contiguous copy split in two halves on two threads; "
+        "*_vs_memcpy_contig (goal >= 0.9 with --copy-threads 1) and *_vs_memcpy_contig_2t (goal "
+        ">= 0.9 with --copy-threads 2) compare the pool, checksum included, with those limits."
     )
     return out
 
@@ -269,6 +273,17 @@ def _bench_copy_one(name: str, iters: int, batch_bytes: int, pool_dir: str, log,
         copyto(flat2, flat)
         return time.perf_counter_ns() - t0
 
+    pair = ThreadPoolExecutor(max_workers=2)
+    half = flat.size // 2
+
+    def contig_2t():
+        # the same contiguous copy, halves on two threads: the 2-thread limit for the core
+        t0 = time.perf_counter_ns()
+        a = pair.submit(copyto, flat2[:half], flat[:half])
+        copyto(flat2[half:], flat[half:])
+        a.result()
+        return time.perf_counter_ns() - t0
+
     def baseline_check(order: list[int]) -> None:
         # the memcpy baselines must have copied the same fragments the pool gathers
         for i in {0, nblocks // 2, nblocks - 1}:
@@ -281,7 +296,7 @@ def _bench_copy_one(name: str, iters: int, batch_bytes: int, pool_dir: str, log,
     path = os.path.join(pool_dir, f"cxlkv-bench-copy-{os.getpid()}")
     t: dict[str, list[int]] = {k: [] for k in (
         "store", "load", "gather_loop", "gather_strided", "scatter_loop", "scatter_strided", "contig",
-        "gather_mt", "scatter_mt")}
+        "gather_mt", "scatter_mt", "contig_2t")}
     verified = False
     try:
         pool, ns = _create_pool(path, pool_size, g, f"bench-{name}", 2 * nblocks, chunk_size=chunk)
@@ -323,6 +338,7 @@ def _bench_copy_one(name: str, iters: int, batch_bytes: int, pool_dir: str, log,
                 t_sl = memcpy_loop(scatter)
                 t_ss = scatter_strided()
                 t_c = contig()
+                t_c2 = contig_2t()
                 t_gm = _split(_gather_layers)
                 t_sm = _split(_scatter_layers)
                 if it == 0:
@@ -336,8 +352,10 @@ def _bench_copy_one(name: str, iters: int, batch_bytes: int, pool_dir: str, log,
                 t["scatter_loop"].append(t_sl)
                 t["scatter_strided"].append(t_ss)
                 t["contig"].append(t_c)
+                t["contig_2t"].append(t_c2)
             stats = pool.stats()
     finally:
+        pair.shutdown()
         if executor is not None:
             executor.shutdown()
         try:
@@ -380,6 +398,9 @@ def _bench_copy_one(name: str, iters: int, batch_bytes: int, pool_dir: str, log,
         "load_vs_memcpy": round(med["load"] / med[scatter_base], 3),
         "store_vs_memcpy_contig": round(med["store"] / med["contig"], 3),
         "load_vs_memcpy_contig": round(med["load"] / med["contig"], 3),
+        "memcpy_contig_2t_gbps": round(med["contig_2t"], 3),
+        "store_vs_memcpy_contig_2t": round(med["store"] / med["contig_2t"], 3),
+        "load_vs_memcpy_contig_2t": round(med["load"] / med["contig_2t"], 3),
         "store_best_gbps": round(best["store"], 3),
         "load_best_gbps": round(best["load"], 3),
         "memcpy_best_gbps": round(max(best["gather_loop"], best["gather_strided"]), 3),
@@ -625,9 +646,12 @@ def _run_index_procs(path: str, run: int, nprocs: int, nkeys: int, ops: int, sam
             core["core_lookups_per_s"] = round(sum(cget("lookups_per_s")))
         if cget("inserts") and cget("inserts_per_s"):
             core["core_inserts_per_s"] = round(sum(cget("inserts_per_s")))
-        for k in ("lookup_p50_ns", "insert_p50_ns", "lookup_mean_ns"):
+        for k in ("lookup_p50_ns", "insert_p50_ns", "lookup_mean_ns", "line_read_p50_ns"):
             if cget(k):
                 core["core_" + k] = round(med(cget(k)))
+        for k in _LIMIT_FIELDS:
+            if cget(k):
+                core["core_" + k] = round(med(cget(k)), 3)
         for k in ("lookup_p99_ns", "insert_p99_ns"):
             if cget(k):
                 core["core_" + k] = round(max(cget(k)))
@@ -659,6 +683,12 @@ def _run_index_procs(path: str, run: int, nprocs: int, nkeys: int, ops: int, sam
         # descheduled (more runnable processes than cores), which caps the scaling measured
         "cpu_share": [round(r["cpu_share"], 2) for r in results],
     }
+
+
+# Read path against the memory's limit (from Namespace.bench_index, same process, same run):
+# the batched prefix match of 256 keys per key, and the ratios to a dependent random line read.
+_LIMIT_FIELDS = ("prefix256_match_ns_per_key", "prefix256_acquire_ns_per_key", "lookup_vs_line_read",
+                 "prefix256_vs_line_read")
 
 
 def bench_index(procs: list[int] | None = None, ops: int = 300_000, keys: int = 100_000,
@@ -754,6 +784,11 @@ def bench_index(procs: list[int] | None = None, ops: int = 300_000, keys: int = 
                   "core_insert_p50_ns", "core_insert_p99_ns"):
             if k in base:
                 out[k] = base[k]
+        if "core_line_read_p50_ns" in base:  # the limit, from the 1-process run like the latencies
+            out["line_read_p50_ns"] = base["core_line_read_p50_ns"]
+            for k in _LIMIT_FIELDS:
+                if "core_" + k in base:
+                    out[k] = base["core_" + k]
         out["core_lookups_per_s"] = top["core_lookups_per_s"]
         out["core_lookups_per_s_1proc"] = base["core_lookups_per_s"]
         out["core_scaling"] = top["core_scaling"]
@@ -771,7 +806,12 @@ def bench_index(procs: list[int] | None = None, ops: int = 300_000, keys: int = 
         "with the Python call overhead amortized (key conversion still included). "
         "core_* fields come from Namespace.bench_index (timed in C++, no Python in the loop; "
         "each process inserts as many fresh keys as were prefilled, then looks them up; "
-        "core_lookups_per_s: back-to-back lookups, summed over processes)."
+        "core_lookups_per_s: back-to-back lookups, summed over processes). "
+        "line_read_p50_ns: a dependent random 64-byte read (pointer chase, one clock read per hop "
+        "like core lookups) in a private mapping the size of the index; lookup_vs_line_read = "
+        "core_lookup_p50_ns / line_read_p50_ns (goal <= 1.5); prefix256_*_ns_per_key: p50 of one "
+        "match_prefix (or acquire) call over 256 random present keys, divided by 256; "
+        "prefix256_vs_line_read (goal <= 0.5)."
     )
     return out
 
@@ -806,6 +846,10 @@ def print_index_result(console, result: dict[str, Any]) -> None:
                                             f"({r.get('core_scaling_per_proc', 1):.2f}/proc)"),
             ("lookup p50 / p99", lambda r: f"{r.get('core_lookup_p50_ns', '-')} / {r.get('core_lookup_p99_ns', '-')}"),
             ("insert p50 / p99", lambda r: f"{r.get('core_insert_p50_ns', '-')} / {r.get('core_insert_p99_ns', '-')}"),
+            ("line read p50 (the limit)", lambda r: f"{r.get('core_line_read_p50_ns', '-')}"),
+            ("lookup / line read", lambda r: f"{r.get('core_lookup_vs_line_read', '-')}"),
+            ("prefix-256 match ns/key", lambda r: f"{r.get('core_prefix256_match_ns_per_key', '-')}"),
+            ("prefix-256 / line read", lambda r: f"{r.get('core_prefix256_vs_line_read', '-')}"),
         ]
     for label, f in rows:
         t.add_row(label, *[(f(r) if f else "") for r in runs])

@@ -325,7 +325,8 @@ nb::dict info_dict(Pool& p) {
 
 const char* kCounterNames[] = {"hits", "misses", "puts", "puts_present", "puts_failed", "evictions",
                                "checksum_failures", "bytes_stored", "bytes_loaded", "deletes",
-                               "reclaimed_nodes", "evict_skipped_pinned", "corrupt_entries"};
+                               "reclaimed_nodes", "evict_skipped_pinned", "corrupt_entries", "condemned",
+                               "pins_exhausted", "puts_in_flight"};
 static_assert(sizeof(kCounterNames) / sizeof(kCounterNames[0]) == format::kCounterCount);
 
 // Strings read from the pool are untrusted bytes: decode them without ever failing.
@@ -431,7 +432,7 @@ NB_MODULE(_core, m) {
             }
             return pp;
           },
-          "path"_a, "size"_a, "chunk_bytes"_a = 0, "index_slots"_a = 0, "max_nodes"_a = 64, "pin_slots"_a = 256,
+          "path"_a, "size"_a, "chunk_bytes"_a = 0, "index_slots"_a = 0, "max_nodes"_a = 64, "pin_slots"_a = format::kDefaultPinSlots,
           "max_namespaces"_a = 64, "backend"_a = "coherent", "exist_ok"_a = false, "allow_foreign_owner"_a = false,
           "allow_group"_a = false, nb::rv_policy::take_ownership)
       .def_static(
@@ -508,6 +509,7 @@ NB_MODULE(_core, m) {
         blocks["ready"] = r.ready_blocks;
         blocks["in_flight"] = r.inflight_blocks;
         blocks["leaked"] = r.leaked_blocks;
+        blocks["condemned"] = r.condemned_blocks;
         d["blocks"] = blocks;
         d["stuck_entries"] = r.stuck_entries;
         d["orphan_pins"] = r.orphan_pins;
@@ -634,15 +636,8 @@ NB_MODULE(_core, m) {
           r = bench_index(*g.p, n.h, inserts, lookups, payload_bytes, seed, seconds);
         }
         nb::dict d;
-        d["inserts"] = r.inserts;
-        d["lookups"] = r.lookups;
-        d["lookup_p50_ns"] = r.lookup_p50_ns;
-        d["lookup_p99_ns"] = r.lookup_p99_ns;
-        d["lookup_mean_ns"] = r.lookup_mean_ns;
-        d["insert_p50_ns"] = r.insert_p50_ns;
-        d["insert_p99_ns"] = r.insert_p99_ns;
-        d["lookups_per_s"] = r.lookups_per_s;
-        d["inserts_per_s"] = r.inserts_per_s;
+        for (const auto& [k, v] : r.fields()) d[k] = v;
+        d["inserts"] = r.inserts, d["lookups"] = r.lookups;  // counts stay ints
         return d;
       }, "inserts"_a, "lookups"_a, "payload_bytes"_a = 64, "seed"_a = 1, "seconds"_a = 1.0,
       "Core-side index benchmark (timed in C++): inserts fresh keys, then looks them up.");
