@@ -200,6 +200,19 @@ def test_bench_index(scratch_pool_dir):
     assert os.listdir(scratch_pool_dir) == [], "bench index left its pool behind"
 
 
+@pytest.mark.skipif(HAVE_VLLM, reason="vllm is importable: the commands run below instead")
+@pytest.mark.parametrize("argv", [
+    ["bench", "vllm", "--model", "tiny", "--contexts", "1", "--turns", "1", "--json"],
+    ["demo", "--vllm"],
+])
+def test_vllm_commands_without_vllm_exit_2_with_the_reason(argv):
+    """Not one engine start: the command says at once that it needs vLLM (exit 2, not 1)."""
+    r = cxlkv_cli(*argv)
+    assert r.returncode == 2, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+    assert r.stderr.startswith("cxlkv: error:") and "needs vLLM" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and r.stdout == "", (r.stdout, r.stderr)
+
+
 @pytest.mark.xfail(strict=True, reason="bench index divides by a zero batched-lookup rate when "
                    "--ops is below its batch of 1000 (a ZeroDivisionError traceback, exit 1); "
                    "bench.py's index part is being rewritten on branch h2-readpath")
