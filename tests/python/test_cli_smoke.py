@@ -48,7 +48,8 @@ DEMO_KEYS = {"pool", "pool_size", "pool_existed", "procs", "seconds", "block_byt
 def cxlkv_cli(*args: str, timeout: int = CLI_TIMEOUT_S) -> subprocess.CompletedProcess:
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", COLUMNS="120")
     env.pop("CXLKV_DEBUG", None)
-    return subprocess.run([CXLKV, *args], capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run([CXLKV, *args], capture_output=True, text=True, timeout=timeout, env=env,
+                          check=False)
 
 
 def ok(r: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
