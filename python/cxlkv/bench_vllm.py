@@ -105,7 +105,9 @@ def run(model: str = "smollm2", contexts: int = 2, turns: int = 5, turn_words: i
             line = next((x for x in p.stdout.splitlines() if x.startswith("BENCH_RESULT ")), None)
             if p.returncode != 0 or line is None:
                 con.print((p.stdout + p.stderr)[-4000:])
-                raise SystemExit(f"bench vllm: the {cfg} engine failed (exit {p.returncode})")
+                from cxlkv.cli import CommandError
+
+                raise CommandError(f"bench vllm: the {cfg} engine failed (exit {p.returncode})")
             results[cfg] = json.loads(line[len("BENCH_RESULT "):])
     finally:
         if os.path.exists(pool):

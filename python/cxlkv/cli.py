@@ -372,7 +372,17 @@ def cmd_bench_copy(args) -> int:
     return 0
 
 
+def _require_vllm(command: str) -> None:
+    """The vLLM commands start engine processes; without vLLM each would fail only inside them."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise CommandError(f"{command} needs vLLM, which is not installed in {sys.prefix} "
+                           "(install it with scripts/setup-vllm.sh)")
+
+
 def cmd_bench_vllm(args) -> int:
+    _require_vllm("bench vllm")
     from cxlkv import bench_vllm
     return bench_vllm.run(model=args.model, contexts=args.contexts, turns=args.turns,
                           turn_words=args.turn_words, plot=args.plot, json_out=args.json)
@@ -399,6 +409,7 @@ def cmd_bench_index(args) -> int:
 
 def cmd_demo(args) -> int:
     if args.vllm:
+        _require_vllm("demo --vllm")
         from cxlkv import demo_vllm
         return demo_vllm.run()
     from cxlkv import demo

@@ -41,15 +41,17 @@ def _server(model: str, port: int, pool: str | None, log) -> subprocess.Popen:
 
 
 def _wait(port: int, proc: subprocess.Popen, deadline: float, logpath: str) -> None:
+    from cxlkv.cli import CommandError
+
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"cxlkv demo vllm: a server exited (see {logpath})")
+            raise CommandError(f"demo --vllm: a server exited (see {logpath})")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
                 return
         except Exception:  # noqa: BLE001 - not up yet
             time.sleep(1)
-    raise SystemExit(f"cxlkv demo vllm: server on port {port} not ready (see {logpath})")
+    raise CommandError(f"demo --vllm: server on port {port} not ready (see {logpath})")
 
 
 def _chat(port: int, messages: list) -> tuple[float, str, int, int]:

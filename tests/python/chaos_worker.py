@@ -41,9 +41,13 @@ CHAIN_LEN = 8
 
 
 class Reporter:
-    def __init__(self, report_dir, wid):
+    """Appends mismatches and errors to per-worker files; each line names the worker's seed, so a
+    failure can be replayed (``chaos_worker.py run --seed N``)."""
+
+    def __init__(self, report_dir, wid, seed):
         self.report_dir = report_dir
         self.wid = wid
+        self.seed = seed
         self.mismatches = 0
         self.first = []
 
@@ -59,10 +63,10 @@ class Reporter:
         self.mismatches += 1
         if len(self.first) < 10:
             self.first.append(msg)
-        self._append("mismatch", f"pid={os.getpid()} {msg}")
+        self._append("mismatch", f"pid={os.getpid()} seed={self.seed} {msg}")
 
     def error(self, text):
-        self._append("errors", f"pid={os.getpid()}\n{text}")
+        self._append("errors", f"pid={os.getpid()} seed={self.seed}\n{text}")
 
 
 class Worker:
@@ -209,8 +213,8 @@ def worker_layout(model):
 
 
 def run_mode(args):
-    rep = Reporter(args.report_dir, args.wid)
-    summary = {"wid": args.wid, "pid": os.getpid(), "ok": False}
+    rep = Reporter(args.report_dir, args.wid, args.seed)
+    summary = {"wid": args.wid, "seed": args.seed, "pid": os.getpid(), "ok": False}
     code = 0
     try:
         with cxlkv.Pool.open(args.pool) as pool:
@@ -235,7 +239,7 @@ def run_mode(args):
 
 
 def zygote_child(args, wid, seed):
-    rep = Reporter(args.report_dir, wid)
+    rep = Reporter(args.report_dir, wid, seed)
     try:
         pool = cxlkv.Pool.open(args.pool)
         layout, salt = worker_layout(args.model)
@@ -287,7 +291,8 @@ def main(argv=None):
     ap.add_argument("--pool", required=True)
     ap.add_argument("--report-dir", required=True)
     ap.add_argument("--wid", type=int, default=0)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=int(os.environ.get(tu.SEED_ENV) or "0", 0),
+                    help=f"random seed of the operations (default ${tu.SEED_ENV}, else 0)")
     ap.add_argument("--duration", type=float, default=0.0)
     ap.add_argument("--ops", type=int, default=None)
     ap.add_argument("--chains", type=int, default=300)

@@ -274,3 +274,17 @@ def here() -> str:
 
 def python_exe() -> str:
     return sys.executable
+
+
+# ------------------------------------------------------------------------------------------------
+# Seeds of the random tests: every one prints its seed and takes a fixed one from the environment.
+SEED_ENV = "CXLKV_TEST_SEED"
+
+
+def random_test_seed(what: str) -> int:
+    """The seed of one random test: ``$CXLKV_TEST_SEED`` when set (to replay a failure), else a
+    fresh one. Printed, so pytest shows it with a failing test's captured output."""
+    text = os.environ.get(SEED_ENV, "").strip()
+    seed = int(text, 0) if text else int.from_bytes(os.urandom(4), "little")
+    print(f"{what}: seed {seed} (replay with {SEED_ENV}={seed})", flush=True)
+    return seed

@@ -33,6 +33,18 @@ N_WORKERS = 4
 TARGET_KILLS = 300
 MIN_KILLS = 200
 CHAOS_BUDGET_S = 35.0
+# How long a worker lives before its kill -9 (seconds, drawn uniformly): a kill within
+# ATTACH_WINDOW_S of the spawn lands while attaching; most workers then die within SHORT_LIFE_S of
+# being ready (inside put/store/acquire), one in ten lives LONG_LIFE_S, long enough to fill the
+# pool and evict.
+KILL_ANYWHERE_P, KILL_SHORT_P = 0.15, 0.9
+ATTACH_WINDOW_S = 0.004
+SHORT_LIFE_S = 0.03
+LONG_LIFE_S = (0.05, 0.25)
+READY_TIMEOUT_S = 20
+# A pool creation of 256 MiB takes a few hundred ms on a small machine: kills spread over this
+# window land before, during and after it.
+CREATE_KILL_WINDOW_S = 0.4
 
 
 class Zygote:
@@ -133,7 +145,8 @@ def test_chaos_kill9(pool_path, tmp_path):
     assert size < (chains * 8 + singles) * 4 * KiB / 2
     with cxlkv.Pool.create(pool_path, size, chunk_size=256 * KiB, max_nodes=16) as pool:
         pool.namespace(tu.shared_layout())
-    rng = random.Random(20240601)
+    seed = tu.random_test_seed("chaos kill -9")
+    rng = random.Random(seed)
     zy = Zygote(pool_path, tmp_path, chains=chains, singles=singles)
     kills = 0
     kills_before_ready = 0
@@ -147,14 +160,15 @@ def test_chaos_kill9(pool_path, tmp_path):
             wid = rng.randrange(N_WORKERS)
             pid = live[wid]
             r = rng.random()
-            if r < 0.15:
+            if r < KILL_ANYWHERE_P:
                 # anywhere, including while attaching to the pool (node slot half claimed)
-                time.sleep(rng.uniform(0, 0.004))
+                time.sleep(rng.uniform(0, ATTACH_WINDOW_S))
             else:
-                if not zy.wait_ready(pid, 20):
+                if not zy.wait_ready(pid, READY_TIMEOUT_S):
                     unexpected.append(f"worker {wid} pid {pid} never became ready")
                 # mostly short lifetimes, sometimes long enough to fill the pool and evict
-                time.sleep(rng.uniform(0, 0.03) if r < 0.9 else rng.uniform(0.05, 0.25))
+                time.sleep(rng.uniform(0, SHORT_LIFE_S) if r < KILL_SHORT_P
+                           else rng.uniform(*LONG_LIFE_S))
             zy.drain()
             if pid not in zy.ready:
                 kills_before_ready += 1
@@ -214,7 +228,7 @@ def test_chaos_kill9(pool_path, tmp_path):
         summary = os.path.join(tmp_path, f"post-{wid}.json")
         procs.append((subprocess.Popen(
             [sys.executable, WORKER, "run", "--pool", pool_path, "--report-dir", str(tmp_path),
-             "--wid", str(100 + wid), "--seed", str(wid), "--duration", "2",
+             "--wid", str(100 + wid), "--seed", str(seed + wid), "--duration", "2",
              "--chains", str(chains), "--singles", str(singles), "--summary", summary],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), summary))
     for p, summary in procs:
@@ -314,11 +328,11 @@ def test_creator_killed_mid_create(pool_path):
         cxlkv.Pool.create({pool_path!r}, 256 << 20, chunk_size=4 << 20).close()
         print("done", flush=True)
     """)
-    rng = random.Random(7)
+    rng = random.Random(tu.random_test_seed("creator kill -9"))
     for i in range(8):
         p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
         assert p.stdout.readline().strip() == "go"
-        time.sleep(rng.uniform(0, 0.4))
+        time.sleep(rng.uniform(0, CREATE_KILL_WINDOW_S))
         p.kill()
         p.wait()
         # temporaries of the dead creator (<path>.init-*) may remain; the pool path itself is

@@ -1,0 +1,266 @@
+"""Smoke tests of every ``cxlkv`` command: each one runs here at least once, as a real subprocess of
+the installed ``cxlkv`` executable, with the tiniest parameters that still exercise its whole path
+(workers spawned, pool created, bytes verified, output rendered). They check exit codes (0 ok,
+1 inconsistency found by ``pool check``, 2 error) and that ``--json`` prints one object with the
+keys its consumers read; never timings. The vLLM commands run only where vLLM is importable.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+import cxlkv
+import cxlkv_testutil as tu
+from conftest import SHM_DIR, MiB, _remove
+
+CXLKV = shutil.which("cxlkv", path=os.path.dirname(sys.executable))
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+NO_VLLM = "vllm is not importable (install it with scripts/setup-vllm.sh)"
+CLI_TIMEOUT_S = 120  # far above any command here: a hang fails the test instead of the run
+
+pytestmark = pytest.mark.skipif(CXLKV is None, reason="the cxlkv executable is not installed")
+
+# Keys that scripts and docs read from each --json output.
+POOL_INFO_KEYS = {"pool_bytes", "chunk_bytes", "chunk_count", "index_slots", "max_nodes", "backend"}
+CHECK_KEYS = {"ok", "errors"}
+BENCH_COPY_KEYS = {"bench", "geometry", "store_gbps", "load_gbps", "memcpy_gbps",
+                   "memcpy_contig_gbps", "memcpy_mt_gbps", "store_vs_memcpy", "load_vs_memcpy",
+                   "copy_threads", "results", "machine", "notes"}
+BENCH_COPY_RESULT_KEYS = {"geometry", "blocks", "block_bytes", "batch_bytes", "iters", "verified",
+                          "store_gbps", "load_gbps", "memcpy_gbps"}
+BENCH_INDEX_KEYS = {"bench", "procs", "lookup_p50_ns", "lookup_p99_ns", "insert_p50_ns",
+                    "insert_p99_ns", "lookups_per_s", "lookups_per_s_1proc", "scaling",
+                    "batch_lookups_per_s", "keys", "block_bytes", "index_slots", "runs", "machine"}
+DEMO_KEYS = {"pool", "pool_size", "pool_existed", "procs", "seconds", "block_bytes", "hit_rate",
+             "consumer_hit_rate", "requests", "blocks_requested", "blocks_hit", "blocks_stored",
+             "blocks_loaded", "verify_errors", "processes", "pool_stats"}
+
+
+def cxlkv_cli(*args: str, timeout: int = CLI_TIMEOUT_S) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", COLUMNS="120")
+    env.pop("CXLKV_DEBUG", None)
+    return subprocess.run([CXLKV, *args], capture_output=True, text=True, timeout=timeout, env=env,
+                          check=False)
+
+
+def ok(r: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert r.returncode == 0, f"exit {r.returncode}\nstdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}"
+    assert "Traceback" not in r.stderr, r.stderr
+    return r
+
+
+def json_of(r: subprocess.CompletedProcess, keys: set[str]) -> dict:
+    """stdout is exactly one JSON object holding ``keys``."""
+    obj = json.loads(r.stdout)
+    assert isinstance(obj, dict), r.stdout[:500]
+    missing = keys - obj.keys()
+    assert not missing, f"--json output lacks {sorted(missing)}; has {sorted(obj)}"
+    return obj
+
+
+@pytest.fixture
+def scratch_pool_dir():
+    """An empty directory under /dev/shm for the pools a benchmark creates and must remove."""
+    d = os.path.join(SHM_DIR, f"cxlkv-test-{uuid.uuid4().hex}.d")
+    os.mkdir(d)
+    yield d
+    _remove(d)
+
+
+# ---------------------------------------------------------------------------------------------
+# top level and pool
+
+
+def test_version_and_help():
+    assert ok(cxlkv_cli("--version")).stdout.startswith("cxlkv ")
+    for argv in ([], ["pool"], ["bench"], ["demo"], ["pool", "create"], ["bench", "copy"],
+                 ["bench", "index"], ["bench", "vllm"], ["pool", "info"]):
+        r = ok(cxlkv_cli(*argv, "--help"))
+        assert "usage: cxlkv" in r.stdout, argv
+    r = cxlkv_cli()  # no command: usage error
+    assert r.returncode == 2 and "error:" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_pool_lifecycle_text_and_json(pool_path):
+    r = ok(cxlkv_cli("pool", "create", pool_path, "--size", "16MiB", "--chunk-size", "1MiB",
+                     "--index-slots", "1024", "--max-nodes", "8", "--pin-slots", "16", "--json"))
+    info = json_of(r, POOL_INFO_KEYS)
+    assert info["pool_bytes"] == 16 * MiB and info["chunk_bytes"] == MiB
+    assert info["max_nodes"] == 8
+    # a namespace with a block, so that info lists it and stats count something
+    with cxlkv.Pool.open(pool_path) as pool:
+        ns = pool.namespace(tu.shared_layout())
+        k = tu.make_key("smoke")
+        assert ns.put(k, tu.key_payload(k, ns.block_bytes))
+
+    assert f"pool {pool_path}" in ok(cxlkv_cli("pool", "info", pool_path)).stdout
+    info = json_of(ok(cxlkv_cli("pool", "info", pool_path, "--json")), POOL_INFO_KEYS | {"namespaces"})
+    assert [n["model_id"] for n in info["namespaces"]] == [tu.SHARED_LAYOUT["model_id"]]
+
+    assert f"stats {pool_path}" in ok(cxlkv_cli("pool", "stats", pool_path)).stdout
+    stats = json.loads(ok(cxlkv_cli("pool", "stats", pool_path, "--json")).stdout)
+    assert isinstance(stats, dict) and stats
+
+    assert "pool is consistent" in ok(cxlkv_cli("pool", "check", pool_path)).stdout
+    report = json_of(ok(cxlkv_cli("pool", "check", pool_path, "--json")), CHECK_KEYS)
+    assert report["ok"] is True and report["errors"] == []
+
+    # create over an existing pool: an error without --force, a fresh pool with it
+    r = cxlkv_cli("pool", "create", pool_path, "--size", "16MiB")
+    assert r.returncode == 2 and r.stderr.startswith("cxlkv: error:"), r.stderr
+    ok(cxlkv_cli("pool", "create", pool_path, "--size", "8MiB", "--chunk-size", "1MiB", "--force",
+                 "--backend", "flush"))
+    info = json_of(ok(cxlkv_cli("pool", "info", pool_path, "--json")), POOL_INFO_KEYS)
+    assert info["pool_bytes"] == 8 * MiB and info["namespaces"] == []
+
+    assert "destroyed" in ok(cxlkv_cli("pool", "destroy", pool_path)).stdout
+    assert not os.path.exists(pool_path)
+
+
+@pytest.mark.parametrize("argv", [
+    ["pool", "info", "{missing}"],
+    ["pool", "stats", "{missing}", "--json"],
+    ["pool", "check", "{missing}"],
+    ["pool", "destroy", "{missing}"],
+    ["pool", "create", "{missing}", "--size", "4XiB"],
+    ["pool", "create", "{missing}", "--size", "1MiB", "--backend", "nonesuch"],
+    ["bench", "index", "--procs", "0"],
+    ["demo", "--seconds", "-1"],
+])
+def test_errors_exit_2_with_one_line(argv, pool_path):
+    r = cxlkv_cli(*[a.replace("{missing}", pool_path) for a in argv])
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr
+    assert "error:" in r.stderr.strip().splitlines()[-1]
+    assert not os.path.exists(pool_path)
+
+
+def test_pool_check_exits_1_on_an_inconsistency(pool_path):
+    with cxlkv.Pool.create(pool_path, 8 * MiB, chunk_size=1 * MiB) as pool:
+        ns = pool.namespace(tu.shared_layout())
+        k = tu.make_key("to-corrupt")
+        assert ns.put(k, tu.key_payload(k, ns.block_bytes))
+    h = tu.read_header(pool_path)
+    with open(pool_path, "r+b") as f:  # point the entry's chunk past the arena
+        for slot in range(h["index_slots"]):
+            off = h["index_off"] + slot * tu.ENTRY_BYTES
+            f.seek(off)
+            if struct.unpack("<Q", f.read(8))[0] >> 56 == tu.ENTRY_READY:
+                f.seek(off + tu.ENTRY_CHUNK_OFF)
+                f.write(struct.pack("<I", h["chunk_count"] + 5))
+                break
+        else:
+            pytest.fail("no READY index entry found")
+    r = cxlkv_cli("pool", "check", pool_path)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert "pool check failed" in r.stdout
+    r = cxlkv_cli("pool", "check", pool_path, "--json")
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    report = json_of(r, CHECK_KEYS)
+    assert report["ok"] is False and report["errors"]
+
+
+# ---------------------------------------------------------------------------------------------
+# bench
+
+
+def test_bench_copy(scratch_pool_dir):
+    # one geometry as JSON, both (the default "all") as tables; 1 MiB batches, one iteration
+    r = ok(cxlkv_cli("bench", "copy", "--json", "--geometry", "smollm2-135m", "--iters", "1",
+                     "--batch-size", "1MiB", "--copy-threads", "1", "--pool-dir", scratch_pool_dir))
+    out = json_of(r, BENCH_COPY_KEYS)
+    assert out["bench"] == "copy" and out["geometry"] == "smollm2-135m" and out["copy_threads"] == 1
+    assert len(out["results"]) == 1
+    res = out["results"][0]
+    assert BENCH_COPY_RESULT_KEYS <= res.keys(), sorted(res)
+    assert res["verified"] and res["blocks"] >= 1
+    r = ok(cxlkv_cli("bench", "copy", "--iters", "1", "--batch-size", "1MiB",
+                     "--pool-dir", scratch_pool_dir))
+    assert "llama3-8b" in r.stdout and "smollm2-135m" in r.stdout
+    assert os.listdir(scratch_pool_dir) == [], "bench copy left its pool behind"
+
+
+def test_bench_index(scratch_pool_dir):
+    # --ops 1000: one batch of the batched-lookup phase (fewer crash it, see below)
+    small = ["--ops", "1000", "--keys", "200", "--samples", "50", "--inserts", "50",
+             "--pool-dir", scratch_pool_dir]
+    out = json_of(ok(cxlkv_cli("bench", "index", "--procs", "2", "--json", *small)), BENCH_INDEX_KEYS)
+    assert out["bench"] == "index" and out["procs"] == 2 and out["keys"] == 200
+    assert [run["procs"] for run in out["runs"]] == [1, 2]  # 1 always runs as the baseline
+    r = ok(cxlkv_cli("bench", "index", "--procs", "1", *small))
+    assert r.stdout.strip()
+    assert os.listdir(scratch_pool_dir) == [], "bench index left its pool behind"
+
+
+@pytest.mark.skipif(HAVE_VLLM, reason="vllm is importable: the commands run below instead")
+@pytest.mark.parametrize("argv", [
+    ["bench", "vllm", "--model", "tiny", "--contexts", "1", "--turns", "1", "--json"],
+    ["demo", "--vllm"],
+])
+def test_vllm_commands_without_vllm_exit_2_with_the_reason(argv):
+    """Not one engine start: the command says at once that it needs vLLM (exit 2, not 1)."""
+    r = cxlkv_cli(*argv)
+    assert r.returncode == 2, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+    assert r.stderr.startswith("cxlkv: error:") and "needs vLLM" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and r.stdout == "", (r.stdout, r.stderr)
+
+
+@pytest.mark.xfail(strict=True, reason="bench index divides by a zero batched-lookup rate when "
+                   "--ops is below its batch of 1000 (a ZeroDivisionError traceback, exit 1); "
+                   "bench.py's index part is being rewritten on branch h2-readpath")
+def test_bench_index_fewer_ops_than_one_batch(scratch_pool_dir):
+    r = cxlkv_cli("bench", "index", "--procs", "1", "--json", "--ops", "200", "--keys", "200",
+                  "--samples", "50", "--inserts", "50", "--pool-dir", scratch_pool_dir)
+    assert "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.returncode in (0, 2), r.returncode
+
+
+@pytest.mark.skipif(not HAVE_VLLM, reason=NO_VLLM)
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_bench_vllm_tiny(tmp_path):
+    """Six engine start-ups even with one one-turn conversation: minutes on 2 cores."""
+    plot = str(tmp_path / "ttft.png") if importlib.util.find_spec("matplotlib") else None
+    argv = ["bench", "vllm", "--model", "tiny", "--contexts", "1", "--turns", "1",
+            "--turn-words", "20", "--json"] + (["--plot", plot] if plot else [])
+    out = json_of(ok(cxlkv_cli(*argv, timeout=1700)),
+                  {"model", "contexts", "turns", "ttft_s", "cxlkv2_cached_tokens", "per_request", "raw"})
+    assert set(out["ttft_s"]) == {"off", "local", "cxlkv-1", "cxlkv-2", "example-1", "example-2"}
+    if plot:
+        assert os.path.getsize(plot) > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# demo
+
+
+def test_demo_json_then_text_on_the_same_pool(pool_path):
+    r = ok(cxlkv_cli("demo", "--procs", "2", "--seconds", "0.5", "--size", "32MiB",
+                     "--pool", pool_path, "--json"))
+    out = json_of(r, DEMO_KEYS)
+    assert out["pool"] == pool_path and out["pool_existed"] is False and out["procs"] == 2
+    assert out["pool_size"] == 32 * MiB
+    assert [p["role"] for p in out["processes"]] == ["prefill", "consumer"]
+    assert out["verify_errors"] == 0 and out["blocks_stored"] > 0
+    # the pool stays in place; a second run reuses it and renders tables
+    r = ok(cxlkv_cli("demo", "--procs", "1", "--seconds", "0.3", "--pool", pool_path))
+    assert "existing pool" in r.stdout and "every loaded block matched" in r.stdout
+    ok(cxlkv_cli("pool", "check", pool_path))
+
+
+@pytest.mark.skipif(not HAVE_VLLM, reason=NO_VLLM)
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_demo_vllm():
+    """Three vLLM servers (SmolLM2) and a five-turn conversation; it has no smaller setting."""
+    r = ok(cxlkv_cli("demo", "--vllm", timeout=1100))
+    assert "server B's first turn" in r.stdout
