@@ -30,14 +30,29 @@ __all__ = [
     "Pool", "KVLayout", "Namespace", "Lease", "CxlkvError", "PoolFormatError", "PoolVersionError",
     "PoolTruncatedError", "PoolNotReadyError", "PoolCorruptError", "LayoutMismatchError",
     "NodeTableFullError", "NamespaceTableFullError", "DEFAULT_POOL_PATH", "parse_size", "format_size",
+    "dtypes", "resolve_dtype", "dtype_bytes",
 ]
 
 DEFAULT_POOL_PATH = os.environ.get("CXLKV_POOL", "/dev/shm/cxlkv")
 
-DTYPE_BYTES = {
-    "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "half": 2, "fp32": 4, "float32": 4, "float": 4,
-    "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1, "uint8": 1, "bytes": 1,
-}
+
+
+def dtypes() -> dict:
+    """Every KV dtype the core knows: ``{canonical name: {"name", "code", "bytes", "aliases"}}``.
+    The table lives in the core (src/core/dtype.h); every alias opens the same namespace."""
+    return {d["name"]: d for d in _core.dtypes()}
+
+
+def resolve_dtype(dtype: object) -> str:
+    """The canonical name of ``dtype``: any alias (``"bfloat16"``, ``"fp8"``...) or an object whose
+    ``str()`` is one (``torch.bfloat16``, ``numpy.dtype("float16")``). ValueError naming the allowed
+    names otherwise; never a silent fallback."""
+    return _core.dtype_info(dtype)["name"]
+
+
+def dtype_bytes(dtype: object) -> int:
+    """Bytes per element of ``dtype`` (any name :func:`resolve_dtype` accepts)."""
+    return _core.dtype_info(dtype)["bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +61,14 @@ class KVLayout:
 
     dense: per layer, K and V of ``num_kv_heads x head_size`` per token.
     mla:   per layer, one latent vector of ``head_size`` per token (DeepSeek MLA).
+    ``dtype`` takes any alias of :func:`dtypes` (or a torch/numpy dtype) and is stored canonical
+    (``KVLayout(dtype="bfloat16").dtype == "bf16"``), so every alias names the same namespace.
     ``block_bytes`` overrides the computed size (for layouts with padding or extra scales).
+    ``source`` says what ``model_id`` was derived from (shown by ``pool info``); it is not part of
+    the identity: layouts that differ only in ``source`` open the same namespace, which keeps the
+    source of its creator.
+    The fields, their ranges and the block size rule are the core's (``_core.layout_fields()``);
+    construction validates through the core exactly as ``Pool.namespace`` does.
     """
 
     model_id: str
@@ -59,28 +81,16 @@ class KVLayout:
     tp_rank: int = 0
     tp_size: int = 1
     block_bytes: Optional[int] = None
+    source: str = dataclasses.field(default="", compare=False)
 
-    def __post_init__(self):
-        if self.dtype not in DTYPE_BYTES:
-            raise ValueError(f"unknown dtype {self.dtype!r}; known: {sorted(DTYPE_BYTES)}")
-        if self.kind not in ("dense", "mla", "opaque"):
-            raise ValueError(f"layout kind must be 'dense', 'mla' or 'opaque', not {self.kind!r}")
-        for f in ("num_layers", "num_kv_heads", "head_size", "tokens_per_block", "tp_size"):
-            if getattr(self, f) < 1:
-                raise ValueError(f"{f} must be >= 1")
-        if not 0 <= self.tp_rank < self.tp_size:
-            raise ValueError("tp_rank must be in [0, tp_size)")
-        if self.block_bytes is None:
-            per_token = self.num_layers * self.head_size * DTYPE_BYTES[self.dtype]
-            if self.kind == "dense":
-                per_token *= 2 * self.num_kv_heads
-            object.__setattr__(self, "block_bytes", per_token * self.tokens_per_block)
-        if self.block_bytes < 1:
-            raise ValueError("block_bytes must be >= 1")
+    def __post_init__(self) -> None:
+        canonical = _core.normalize_layout(self)
+        for f in ("dtype", "kind", "block_bytes"):
+            object.__setattr__(self, f, canonical[f])
 
     @property
     def dtype_bytes(self) -> int:
-        return DTYPE_BYTES[self.dtype]
+        return dtype_bytes(self.dtype)
 
     def default_name(self) -> str:
         return f"{self.model_id}#tp{self.tp_rank}/{self.tp_size}"
@@ -164,11 +174,7 @@ class Pool:
         name = name or layout.default_name()
         ns = self._namespaces.get((name, layout))
         if ns is None:
-            ns = self._core.open_namespace(
-                name=name, model_id=layout.model_id, dtype=layout.dtype, dtype_bytes=layout.dtype_bytes,
-                kind=layout.kind, num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
-                head_size=layout.head_size, tokens_per_block=layout.tokens_per_block, tp_rank=layout.tp_rank,
-                tp_size=layout.tp_size, block_bytes=layout.block_bytes)
+            ns = self._core.open_namespace(name, layout)
             self._namespaces[(name, layout)] = ns
         return ns
 

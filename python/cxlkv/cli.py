@@ -23,6 +23,7 @@ import os
 import sys
 from typing import Any, Callable
 
+from cxlkv import _core
 from cxlkv.sizes import format_size, parse_size
 
 DEFAULT_POOL = "/dev/shm/cxlkv"
@@ -184,7 +185,7 @@ def render_namespaces(console, namespaces: list[dict]) -> None:
 
     t = Table(title="namespaces", title_justify="left", title_style="bold", box=box.SIMPLE_HEAD,
               show_edge=False, collapse_padding=True)
-    for c in ("id", "name", "model", "layout", "tp", "block", "blocks/chunk"):
+    for c in ("id", "name", "model", "layout", "tp", "block", "blocks/chunk", "source"):
         t.add_column(c, justify="right" if c in ("id", "block", "blocks/chunk") else "left",
                      overflow="fold")
     for n in namespaces:
@@ -193,7 +194,8 @@ def render_namespaces(console, namespaces: list[dict]) -> None:
         bb = n.get("block_bytes")
         t.add_row(str(n.get("id", "")), _escape(str(n.get("name", ""))), _escape(str(n.get("model_id", ""))),
                   layout, f"{n.get('tp_rank', 0)}/{n.get('tp_size', 1)}",
-                  format_size(bb) if isinstance(bb, int) else "-", str(n.get("blocks_per_chunk", "-")))
+                  format_size(bb) if isinstance(bb, int) else "-", str(n.get("blocks_per_chunk", "-")),
+                  _escape(str(n.get("source") or "-")))
     console.print(t)
 
 
@@ -440,7 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--index-slots", type=_pos_int, default=None, help="index entries (rounded to a power of two)")
     c.add_argument("--max-nodes", type=_pos_int, default=None, help="max attached processes (default 64)")
     c.add_argument("--pin-slots", type=_pos_int, default=None, help="pin slots per process (default 256)")
-    c.add_argument("--backend", choices=["coherent", "flush"], default="coherent",
+    c.add_argument("--backend", choices=_core.backends(), default="coherent",
                    help="memory backend: coherent (one host) or flush (non-coherent CXL)")
     c.add_argument("--force", action="store_true", help="destroy an existing pool at PATH first")
     c.add_argument("--json", action="store_true", help="print the new pool's info as JSON")

@@ -23,7 +23,7 @@
 namespace cxlkv::format {
 
 constexpr char kMagic[8] = {'C', 'X', 'L', 'K', 'V', 'P', 'L', '\0'};
-constexpr uint16_t kFormatMajor = 1;
+constexpr uint16_t kFormatMajor = 2;  // 2: NamespaceEntry of 512 bytes (source, dtype code)
 constexpr uint16_t kFormatMinor = 0;
 constexpr uint64_t kIncompatSupported = 0;  // no incompat features defined yet
 constexpr size_t kCacheLine = 64;
@@ -36,6 +36,7 @@ constexpr uint32_t kMaxNodes = 254;             // node ids 1..254 fit the 8-bit
 constexpr uint32_t kMaxNamespaces = 4096;
 constexpr uint32_t kModelIdBytes = 96;
 constexpr uint32_t kNameBytes = 96;
+constexpr uint32_t kSourceBytes = 256;  // NamespaceEntry.source: up to 255 bytes + NUL
 
 // ---------------------------------------------------------------------------------------------
 // Header. Written once by the creator before the init word says READY; never written again.
@@ -148,28 +149,58 @@ static_assert(sizeof(NodeAreaFixed) == 192);
 inline uint64_t pin_value(uint64_t slot, uint32_t gen) { return ((slot + 1) << 24) | gen; }
 
 // ---------------------------------------------------------------------------------------------
-// Namespace entry: identifies one model/KV layout. 256 bytes, 4 cache lines.
+// The KV layout fields of a namespace: the ONE list of them. NamespaceEntry embeds them as
+// LayoutFields, and the fingerprint, the mismatch message, pool.namespaces() and the Python
+// binding's KVLayout reader iterate this list (layout.cpp, bindings.cpp): adding a layout field is
+// one line here (and a kFormatMajor bump; a Python layout without the attribute gets the default).
+// X(type, name, codec, default, min, max): codec = how the value is named in text: number
+// (decimal), dtype (dtype.h codes), kind (LayoutKind names, names.h). min/max bound what a caller
+// may ask for; values read from a pool are bounded again before they steer anything.
+#define CXLKV_LAYOUT_FIELDS(X)                                                  \
+  X(uint64_t, block_bytes, number, 0, 1, 0xFFFFFFFFull)                         \
+  X(uint32_t, dtype, dtype, 1 /* bf16 */, 1, 0xFFFFFFFFu)                       \
+  X(uint32_t, kind, kind, 1 /* kLayoutDense */, 1, 0xFFFFFFFFu)                 \
+  X(uint32_t, num_layers, number, 1, 1, 0xFFFFFFFFu)                            \
+  X(uint32_t, num_kv_heads, number, 1, 1, 0xFFFFFFFFu)                          \
+  X(uint32_t, head_size, number, 1, 1, 0xFFFFFFFFu)                             \
+  X(uint32_t, tokens_per_block, number, 16, 1, 0xFFFFFFFFu)                     \
+  X(uint32_t, tp_rank, number, 0, 0, 0xFFFFFFFEu)                               \
+  X(uint32_t, tp_size, number, 1, 1, 0xFFFFFFFFu)
+
+// Plain, fixed-width, no padding between the fields as listed (uint64 first): the entry's bytes
+// are exactly the fields.
+struct LayoutFields {
+#define CXLKV_LAYOUT_MEMBER(type, name, ...) type name;
+  CXLKV_LAYOUT_FIELDS(CXLKV_LAYOUT_MEMBER)
+#undef CXLKV_LAYOUT_MEMBER
+};
+constexpr size_t kLayoutFieldSpace = 48;  // room for LayoutFields in NamespaceEntry's first line
+static_assert(sizeof(LayoutFields) <= kLayoutFieldSpace, "layout fields outgrew their line: grow NamespaceEntry");
+
+// Namespace entry: identifies one model/KV layout. 512 bytes, 8 cache lines.
 // state word = [state:8][node:8][reserved:48]; FREE(0) -> CREATING(node) -> READY. Written under
 // ns_lock only; READY entries are immutable, so readers need no lock.
+// layout.dtype is a DType code (dtype.h), layout.kind a LayoutKind: whatever alias a caller used,
+// the entry holds the canonical code. fingerprint = layout_fingerprint(model_id, layout)
+// (layout.cpp): model_id and every layout field, never name or source.
+// Strings (model_id, name, source) are NUL-padded, at most N-1 bytes, without NUL or control
+// characters when written by this build; readers still treat them as untrusted bytes.
+// `source` is provenance for operators (what the identity was derived from, e.g. "weights
+// sha256-sampled of /models/x (3 files, 269 MB)"); it is display text, NOT part of the fingerprint:
+// two processes that derive the same identity by different routes share the namespace.
 enum NsState : uint8_t { kNsFree = 0, kNsCreating = 1, kNsReady = 2 };
 enum LayoutKind : uint32_t { kLayoutDense = 1, kLayoutMla = 2, kLayoutOpaque = 3 };
 struct alignas(kCacheLine) NamespaceEntry {
   uint64_t state;
-  uint64_t fingerprint;  // XXH3 over the layout fields below
-  uint64_t block_bytes;
-  uint32_t dtype_bytes;
-  uint32_t kind;
-  uint32_t num_layers;
-  uint32_t num_kv_heads;
-  uint32_t head_size;
-  uint32_t tokens_per_block;
-  uint32_t tp_rank;
-  uint32_t tp_size;
-  char dtype[8];
+  uint64_t fingerprint;
+  LayoutFields layout;
+  uint8_t reserved[kLayoutFieldSpace - sizeof(LayoutFields)];  // zero
   char model_id[kModelIdBytes];
   char name[kNameBytes];
+  char source[kSourceBytes];
 };
-static_assert(sizeof(NamespaceEntry) == 256);
+static_assert(sizeof(NamespaceEntry) == 512);
+static_assert(offsetof(NamespaceEntry, model_id) == 64);
 inline uint8_t ns_state(uint64_t w) { return uint8_t(w >> 56); }
 inline uint8_t ns_node(uint64_t w) { return uint8_t(w >> 48); }
 inline uint64_t make_ns_word(uint8_t st, uint8_t node) {

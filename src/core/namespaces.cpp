@@ -13,50 +13,26 @@ namespace cxlkv {
 using namespace format;
 
 namespace {
-uint64_t fingerprint(const Layout& l) {
-  std::string s = l.model_id + '\0' + l.dtype + '\0';
-  uint32_t f[9] = {l.dtype_bytes, l.kind, l.num_layers, l.num_kv_heads, l.head_size,
-                   l.tokens_per_block, l.tp_rank, l.tp_size, 0};
-  s.append(reinterpret_cast<const char*>(f), sizeof f);
-  s.append(reinterpret_cast<const char*>(&l.block_bytes), sizeof l.block_bytes);
-  return xxh3(s.data(), s.size(), 7);
-}
-
 std::string fixed_str(const char* p, size_t n) { return std::string(p, strnlen(p, n)); }
+
+// Display text written into the pool: bounded, and free of NUL (which would cut it short when
+// read back) and of control characters (which a terminal would execute when `pool info` prints).
+void check_text(const char* field, const std::string& s, size_t capacity) {
+  if (s.size() >= capacity)
+    throw ArgumentError(std::string(field) + " must be at most " + std::to_string(capacity - 1) + " bytes, got " +
+                        std::to_string(s.size()));
+  for (unsigned char c : s)
+    if (c < 0x20 || c == 0x7f)
+      throw ArgumentError(std::string(field) + " must not contain NUL or control characters");
+}
 
 Layout layout_of(const NamespaceEntry& e) {
   Layout l;
+  l.fields() = e.layout;
   l.name = fixed_str(e.name, kNameBytes);
   l.model_id = fixed_str(e.model_id, kModelIdBytes);
-  l.dtype = fixed_str(e.dtype, sizeof e.dtype);
-  l.dtype_bytes = e.dtype_bytes;
-  l.kind = e.kind;
-  l.num_layers = e.num_layers;
-  l.num_kv_heads = e.num_kv_heads;
-  l.head_size = e.head_size;
-  l.tokens_per_block = e.tokens_per_block;
-  l.tp_rank = e.tp_rank;
-  l.tp_size = e.tp_size;
-  l.block_bytes = e.block_bytes;
+  l.source = fixed_str(e.source, kSourceBytes);
   return l;
-}
-
-std::string describe_diff(const Layout& a, const Layout& b) {
-  std::string d;
-  auto add = [&](const char* f, const std::string& x, const std::string& y) {
-    if (x != y) d += std::string(d.empty() ? "" : ", ") + f + " " + x + " != " + y;
-  };
-  add("model_id", a.model_id, b.model_id);
-  add("dtype", a.dtype, b.dtype);
-  add("kind", std::to_string(a.kind), std::to_string(b.kind));
-  add("num_layers", std::to_string(a.num_layers), std::to_string(b.num_layers));
-  add("num_kv_heads", std::to_string(a.num_kv_heads), std::to_string(b.num_kv_heads));
-  add("head_size", std::to_string(a.head_size), std::to_string(b.head_size));
-  add("tokens_per_block", std::to_string(a.tokens_per_block), std::to_string(b.tokens_per_block));
-  add("tp_rank", std::to_string(a.tp_rank), std::to_string(b.tp_rank));
-  add("tp_size", std::to_string(a.tp_size), std::to_string(b.tp_size));
-  add("block_bytes", std::to_string(a.block_bytes), std::to_string(b.block_bytes));
-  return d;
 }
 }  // namespace
 
@@ -69,8 +45,8 @@ std::vector<std::pair<NsHandle, Layout>> Pool::list_namespaces() {
     Layout l = layout_of(*e);
     NsHandle h;
     h.id = id;
-    h.block_bytes = e->block_bytes;
-    h.geo = chunk_geometry(hdr_->chunk_bytes, e->block_bytes);
+    h.block_bytes = e->layout.block_bytes;
+    h.geo = chunk_geometry(hdr_->chunk_bytes, e->layout.block_bytes);
     h.name = l.name;
     out.emplace_back(h, l);
   }
@@ -82,22 +58,22 @@ NsHandle Pool::open_namespace(const Layout& want) {
     throw ArgumentError("namespace name must have 1.." + std::to_string(kNameBytes - 1) + " bytes");
   if (want.model_id.size() >= kModelIdBytes)
     throw ArgumentError("model_id must be shorter than " + std::to_string(kModelIdBytes) + " bytes");
-  if (want.dtype.size() >= 8) throw ArgumentError("dtype name too long");
-  if (want.block_bytes == 0 || want.block_bytes > 0xFFFFFFFFull)
-    throw ArgumentError("block_bytes must be in 1..4294967295");
+  check_text("source", want.source, kSourceBytes);
+  check_layout(want.fields());
   auto geo = chunk_geometry(hdr_->chunk_bytes, want.block_bytes);
   if (geo.blocks == 0)
     throw ArgumentError("a block of " + std::to_string(want.block_bytes) + " bytes does not fit in this pool's chunks of " +
                         std::to_string(hdr_->chunk_bytes) + " bytes; create the pool with a larger chunk size");
-  uint64_t fp = fingerprint(want);
+  uint64_t fp = layout_fingerprint(want.model_id, want.fields());
 
   auto lookup = [&](NsHandle* h) -> bool {
     for (auto& [handle, layout] : list_namespaces()) {
       if (layout.name != want.name) continue;
       NamespaceEntry* e = ns_entry(handle.id);
-      if (e->fingerprint != fp || layout.block_bytes != want.block_bytes)
+      std::string diff = layout_diff(want, layout);
+      if (e->fingerprint != fp || !diff.empty())
         throw LayoutMismatchError("namespace '" + want.name + "' exists in pool " + path_ +
-                                  " with another KV layout: " + describe_diff(want, layout));
+                                  " with another KV layout: " + (diff.empty() ? "fingerprint differs" : diff));
       *h = handle;
       return true;
     }
@@ -128,18 +104,10 @@ NsHandle Pool::open_namespace(const Layout& want) {
     if (!coh_.claim(&e->state, w, make_ns_word(kNsCreating, uint8_t(node_id_)))) continue;
     std::memset(reinterpret_cast<char*>(e) + 8, 0, sizeof *e - 8);
     e->fingerprint = fp;
-    e->block_bytes = want.block_bytes;
-    e->dtype_bytes = want.dtype_bytes;
-    e->kind = want.kind;
-    e->num_layers = want.num_layers;
-    e->num_kv_heads = want.num_kv_heads;
-    e->head_size = want.head_size;
-    e->tokens_per_block = want.tokens_per_block;
-    e->tp_rank = want.tp_rank;
-    e->tp_size = want.tp_size;
-    std::memcpy(e->dtype, want.dtype.data(), want.dtype.size());
+    e->layout = want.fields();
     std::memcpy(e->model_id, want.model_id.data(), want.model_id.size());
     std::memcpy(e->name, want.name.data(), want.name.size());
+    std::memcpy(e->source, want.source.data(), want.source.size());
     coh_.flush(e, sizeof *e);
     coh_.publish(&e->state, make_ns_word(kNsReady, 0));
     h.id = id;

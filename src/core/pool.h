@@ -15,6 +15,7 @@
 #include "coherence.h"
 #include "errors.h"
 #include "format.h"
+#include "layout.h"
 #include "mapping.h"
 
 namespace cxlkv {
@@ -27,17 +28,6 @@ struct CreateOptions {
   uint32_t pin_slots = 256;
   uint32_t max_namespaces = 64;
   Backend backend = Backend::coherent;
-};
-
-struct Layout {
-  std::string name;      // namespace identity (unique in a pool)
-  std::string model_id;
-  std::string dtype;     // "bf16", "fp16", "fp32", "fp8", "int8", "uint8", "bytes"
-  uint32_t dtype_bytes = 2;
-  uint32_t kind = format::kLayoutDense;
-  uint32_t num_layers = 0, num_kv_heads = 0, head_size = 0, tokens_per_block = 0;
-  uint32_t tp_rank = 0, tp_size = 1;
-  uint64_t block_bytes = 0;
 };
 
 struct NsHandle {

@@ -12,6 +12,9 @@
 
 #include "bench.h"
 #include "cpu_features.h"
+#include "dtype.h"
+#include "layout.h"
+#include "names.h"
 #include "pool.h"
 
 namespace nb = nanobind;
@@ -48,11 +51,22 @@ struct PyLease {
   std::vector<PinRef> pins;
   std::vector<nb::bytes> keys;
   ~PyLease() { release(); }
+  // Drops the pins, in the process that took them only: a child that inherited this lease through
+  // fork() shares the parent's node area, and unpinning there would free the parent's blocks
+  // (whether the child calls release() or its interpreter finalizes the lease on exit).
   void release() {
     if (pins.empty()) return;
     std::shared_lock<std::shared_mutex> g(owner->mu);
-    if (owner->pool && !owner->pool->closed()) owner->pool->release(pins);
+    if (owner->pool && usable_here(*owner->pool)) owner->pool->release(pins);
     pins.clear();
+  }
+  static bool usable_here(const Pool& p) {
+    try {
+      p.ensure_usable();  // throws when closed or inherited through fork()
+      return true;
+    } catch (const Error&) {
+      return false;
+    }
   }
 };
 
@@ -85,70 +99,192 @@ std::vector<Key> to_keys(nb::handle seq) {
   return out;
 }
 
+std::string py_type_name(nb::handle h) { return nb::str(nb::type_name(h.type())).c_str(); }
+
+// str(obj) as UTF-8, embedded NULs included (a NUL must fail a name lookup, not cut the name).
+std::string str_of(nb::handle obj) {
+  nb::str s = nb::str(obj);
+  Py_ssize_t n = 0;
+  const char* p = PyUnicode_AsUTF8AndSize(s.ptr(), &n);
+  if (!p) throw nb::python_error();
+  return std::string(p, size_t(n));
+}
+
+// An exact integer: a Python int or an object with __index__ (numpy integers); never a bool, a
+// float, None or a str (TypeError naming `what`).
+nb::object exact_int(nb::handle h, const std::string& what) {
+  if (PyBool_Check(h.ptr())) throw nb::type_error((what + " must be an integer, not bool").c_str());
+  PyObject* r = PyNumber_Index(h.ptr());
+  if (!r) {
+    PyErr_Clear();
+    throw nb::type_error((what + " must be an integer, not " + py_type_name(h)).c_str());
+  }
+  return nb::steal(r);
+}
+
+// block_ids, read once: integers in int64 range (the range against the arrays is checked later).
 std::vector<int64_t> to_ids(nb::handle seq) {
   std::vector<int64_t> out;
-  for (nb::handle h : seq) out.push_back(nb::cast<int64_t>(h));
+  size_t i = 0;
+  for (nb::handle h : seq) {
+    nb::object v = exact_int(h, "block_ids[" + std::to_string(i) + "]");
+    int overflow = 0;
+    long long id = PyLong_AsLongLongAndOverflow(v.ptr(), &overflow);
+    if (overflow)
+      throw ArgumentError("block id " + std::string(nb::str(v).c_str()) + " at position " + std::to_string(i) +
+                          " out of range");
+    out.push_back(int64_t(id));
+    ++i;
+  }
   return out;
 }
 
 using AnyArray = nb::ndarray<nb::device::cpu>;      // writable (scatter targets)
 using RoArray = nb::ndarray<nb::ro, nb::device::cpu>;  // read-only allowed (gather sources)
 
-// Expands one array with a block dimension into fragments: every index combination of the dims
-// before block_dim (C order) is one fragment; the dims after block_dim must be contiguous.
+// A block holds at most this many fragments (one per index combination of the dims before
+// block_dim, summed over the arrays): real KV layouts need layers x 2 x heads at most.
+constexpr uint64_t kMaxFragmentsPerBlock = 1u << 20;
+
+// The caller's arrays of one store/load and their fragments. The arrays stay referenced here, so
+// their buffers (DLPack capsule or buffer-protocol export) outlive the GIL-free copy: another
+// thread cannot free, close or unmap them meanwhile (mmap.close() gets BufferError).
 template <class Array>
-void add_fragments(const Array& a, int block_dim, std::vector<Fragment>& out, int64_t* num_blocks) {
+struct ArraySet {
+  std::vector<Array> arrays;
+  std::vector<Fragment> frags;
+};
+
+uint64_t mul_or_throw(uint64_t a, uint64_t b, const char* what) {
+  uint64_t r;
+  if (__builtin_mul_overflow(a, b, &r)) throw ArgumentError(std::string(what) + " overflows 64 bits");
+  return r;
+}
+
+// Geometry of one array with a block dimension: every index combination of the dims before
+// block_dim (C order) is one fragment of `inner` bytes; the dims after block_dim are contiguous.
+struct ArrayGeometry {
+  int block_dim;
+  uint64_t outer;  // fragments contributed (0 if the array holds no bytes per block)
+  uint64_t inner;  // bytes per fragment
+  int64_t blocks;  // extent of the block dimension
+};
+
+template <class Array>
+ArrayGeometry geometry_of(const Array& a, int block_dim) {
   int nd = int(a.ndim());
   if (block_dim < 0) block_dim += nd;
   if (block_dim < 0 || block_dim >= nd) throw ArgumentError("block_dim out of range for an array of " + std::to_string(nd) + " dims");
-  int64_t item = int64_t(a.itemsize());
-  int64_t inner = item;
+  uint64_t item = uint64_t(a.itemsize());
+  uint64_t inner = item;
   for (int d = nd - 1; d > block_dim; --d) {
-    if (a.shape(d) > 1 && a.stride(d) * item != inner)
+    if (a.shape(d) > 1 && (a.stride(d) < 0 || uint64_t(a.stride(d)) * item != inner))
       throw ArgumentError("the dims after block_dim must be contiguous (C order)");
-    inner *= int64_t(a.shape(d));
+    inner = mul_or_throw(inner, uint64_t(a.shape(d)), "the bytes per fragment");
   }
-  *num_blocks = std::min<int64_t>(*num_blocks, int64_t(a.shape(block_dim)));
-  int64_t outer = 1;
-  for (int d = 0; d < block_dim; ++d) outer *= int64_t(a.shape(d));
-  std::vector<int64_t> idx(size_t(block_dim), 0);
+  uint64_t outer = 1;
+  for (int d = 0; d < block_dim; ++d) outer = mul_or_throw(outer, uint64_t(a.shape(d)), "the fragment count");
+  if (inner == 0) outer = 0;
+  return {block_dim, outer, inner, int64_t(a.shape(block_dim))};
+}
+
+template <class Array>
+void add_fragments(const Array& a, const ArrayGeometry& g, std::vector<Fragment>& out) {
+  int64_t item = int64_t(a.itemsize());
+  std::vector<int64_t> idx(size_t(g.block_dim), 0);
   char* base = static_cast<char*>(const_cast<void*>(a.data()));
-  for (int64_t o = 0; o < outer; ++o) {
+  for (uint64_t o = 0; o < g.outer; ++o) {
     int64_t off = 0;
-    for (int d = 0; d < block_dim; ++d) off += idx[size_t(d)] * a.stride(d) * item;
-    out.push_back(Fragment{reinterpret_cast<uintptr_t>(base + off), a.stride(block_dim) * item, uint64_t(inner)});
-    for (int d = block_dim - 1; d >= 0; --d) {
+    for (int d = 0; d < g.block_dim; ++d) off += idx[size_t(d)] * a.stride(d) * item;
+    out.push_back(Fragment{reinterpret_cast<uintptr_t>(base + off), a.stride(g.block_dim) * item, g.inner});
+    for (int d = g.block_dim - 1; d >= 0; --d) {
       if (++idx[size_t(d)] < int64_t(a.shape(d))) break;
       idx[size_t(d)] = 0;
     }
   }
 }
 
-std::vector<Fragment> fragments_of(nb::handle sources, int block_dim, const std::vector<int64_t>& ids, bool writable) {
-  std::vector<Fragment> frags;
-  int64_t nblocks = INT64_MAX;
+// Reads the sources once, checks the sizes (overflow-safe) against the namespace's block size
+// BEFORE any per-row fragment exists, then builds the fragments and checks the block ids.
+template <class Array>
+ArraySet<Array> fragments_of(nb::handle sources, int block_dim, const std::vector<int64_t>& ids, const NsHandle& ns,
+                             const char* role) {
+  ArraySet<Array> set;
   for (nb::handle s : sources) {
-    if (writable) {
-      AnyArray a;
-      if (!nb::try_cast(s, a))
-        throw ArgumentError("load targets must be writable CPU arrays (buffer protocol or DLPack), got " +
-                            std::string(nb::str(nb::type_name(s.type())).c_str()));
-      add_fragments(a, block_dim, frags, &nblocks);
-    } else {
-      RoArray a;
-      if (!nb::try_cast(s, a))
-        throw ArgumentError("store sources must be CPU arrays (buffer protocol or DLPack), got " +
-                            std::string(nb::str(nb::type_name(s.type())).c_str()));
-      add_fragments(a, block_dim, frags, &nblocks);
-    }
+    Array a;
+    if (!nb::try_cast(s, a))
+      throw ArgumentError(std::string(role) + " must be " + (std::is_same_v<Array, AnyArray> ? "writable " : "") +
+                          "CPU arrays (buffer protocol or DLPack), got " + py_type_name(s));
+    set.arrays.push_back(std::move(a));
   }
-  if (frags.empty()) throw ArgumentError("no source arrays given");
+  if (set.arrays.empty()) throw ArgumentError("no source arrays given");
+  std::vector<ArrayGeometry> geo;
+  uint64_t total = 0, count = 0;
+  int64_t nblocks = INT64_MAX;
+  for (const auto& a : set.arrays) {
+    geo.push_back(geometry_of(a, block_dim));
+    const auto& g = geo.back();
+    nblocks = std::min(nblocks, g.blocks);
+    if (__builtin_add_overflow(total, mul_or_throw(g.outer, g.inner, "the bytes per block"), &total) ||
+        __builtin_add_overflow(count, g.outer, &count))
+      throw ArgumentError("the arrays' bytes per block overflow 64 bits");
+  }
+  if (total != ns.block_bytes)
+    throw ArgumentError("fragments add up to " + std::to_string(total) + " bytes per block, the namespace '" + ns.name +
+                        "' stores blocks of " + std::to_string(ns.block_bytes) + " bytes");
+  if (count > kMaxFragmentsPerBlock)
+    throw ArgumentError("the arrays split a block into " + std::to_string(count) + " fragments; at most " +
+                        std::to_string(kMaxFragmentsPerBlock) + " are supported (make the dims after block_dim larger)");
+  set.frags.reserve(size_t(count));
+  for (size_t i = 0; i < set.arrays.size(); ++i) add_fragments(set.arrays[i], geo[i], set.frags);
   for (int64_t id : ids)
     if (id < 0 || id >= nblocks) throw ArgumentError("block id " + std::to_string(id) + " out of range (arrays hold " + std::to_string(nblocks) + " blocks)");
-  return frags;
+  return set;
 }
 
-const char* backend_name(Backend b) { return b == Backend::flush ? "flush" : "coherent"; }
+// Reads a namespace identity from any object with KVLayout's attributes: model_id, source and
+// every field of the core's layout field list (format.h). An attribute the object lacks takes the
+// field's default; block_bytes None is the layout's natural size.
+Layout layout_from(nb::handle obj) {
+  Layout l;
+  auto text = [&](const char* attr, bool required) -> std::string {
+    if (!required && !nb::hasattr(obj, attr)) return "";
+    nb::object v = nb::getattr(obj, attr);
+    if (!nb::isinstance<nb::str>(v))
+      throw nb::type_error((std::string(attr) + " must be a str, not " + py_type_name(v)).c_str());
+    return nb::cast<std::string>(v);
+  };
+  l.model_id = text("model_id", true);
+  l.source = text("source", false);
+  bool natural_size = false;
+  for (const auto& f : layout_field_table()) {
+    if (!nb::hasattr(obj, f.name)) continue;
+    nb::object v = nb::getattr(obj, f.name);
+    if (f.codec != FieldCodec::number) {
+      // a name, or an object whose str() is one (torch.bfloat16 -> "torch.bfloat16")
+      set_layout_field(l, f, f.parse(str_of(v)));
+      continue;
+    }
+    if (v.is_none() && std::string_view(f.name) == "block_bytes") {
+      natural_size = true;
+      continue;
+    }
+    nb::object n = exact_int(v, f.name);
+    int overflow = 0;
+    unsigned long long x = PyLong_AsUnsignedLongLong(n.ptr());
+    if (x == (unsigned long long)-1 && PyErr_Occurred()) {
+      PyErr_Clear();
+      overflow = 1;
+    }
+    if (overflow)
+      throw ArgumentError(std::string(f.name) + " must be in " + std::to_string(f.min) + ".." + std::to_string(f.max) +
+                          ", got " + nb::str(n).c_str());
+    set_layout_field(l, f, x);
+  }
+  if (natural_size) l.block_bytes = natural_block_bytes(l);
+  check_layout(l);
+  return l;
+}
 
 nb::dict info_dict(Pool& p) {
   const auto& h = p.header();
@@ -196,22 +332,38 @@ nb::object pool_str(const std::string& s) {
   return nb::steal(PyUnicode_DecodeUTF8(s.data(), Py_ssize_t(s.size()), "replace"));
 }
 
+// A field's value as Python shows it: a name for the dtype and kind codecs, else an int.
+nb::object field_value(const LayoutFieldDesc& f, uint64_t v) {
+  if (f.codec == FieldCodec::number) return nb::int_(v);
+  return nb::str(f.print(v).c_str());
+}
+
 nb::dict layout_dict(const NsHandle& h, const Layout& l) {
   nb::dict d;
   d["id"] = h.id;
   d["name"] = pool_str(l.name);
   d["model_id"] = pool_str(l.model_id);
-  d["dtype"] = pool_str(l.dtype);
-  d["kind"] = l.kind == format::kLayoutMla ? "mla" : l.kind == format::kLayoutOpaque ? "opaque" : "dense";
-  d["num_layers"] = l.num_layers;
-  d["num_kv_heads"] = l.num_kv_heads;
-  d["head_size"] = l.head_size;
-  d["tokens_per_block"] = l.tokens_per_block;
-  d["tp_rank"] = l.tp_rank;
-  d["tp_size"] = l.tp_size;
-  d["block_bytes"] = l.block_bytes;
+  for (const auto& f : layout_field_table()) d[f.name] = field_value(f, f.get(l));
+  d["source"] = pool_str(l.source);
   d["blocks_per_chunk"] = h.geo.blocks;
   return d;
+}
+
+nb::dict dtype_dict(const DTypeInfo& d) {
+  nb::dict out;
+  out["name"] = d.name();
+  out["code"] = uint32_t(d.code);
+  out["bytes"] = d.bytes;
+  nb::list aliases;
+  for (size_t i = 1; i < d.names.size(); ++i) aliases.append(d.names[i]);
+  out["aliases"] = aliases;
+  return out;
+}
+
+nb::list names_of(std::span<const NamedCode> table) {
+  nb::list out;
+  for (const auto& row : table) out.append(row.name);
+  return out;
 }
 
 }  // namespace
@@ -265,9 +417,7 @@ NB_MODULE(_core, m) {
             CreateOptions o;
             o.size = size, o.chunk_bytes = chunk_bytes, o.index_slots = index_slots;
             o.max_nodes = max_nodes, o.pin_slots = pin_slots, o.max_namespaces = max_namespaces;
-            if (backend == "coherent") o.backend = Backend::coherent;
-            else if (backend == "flush") o.backend = Backend::flush;
-            else throw ArgumentError("backend must be 'coherent' or 'flush'");
+            o.backend = parse_backend(backend);
             auto* pp = new PyPool();
             try {
               nb::gil_scoped_release nogil;
@@ -304,7 +454,7 @@ NB_MODULE(_core, m) {
       .def_prop_ro("path", [](PyPool& pp) { return pp.get().path(); })
       .def_prop_ro("size", [](PyPool& pp) { return pp.get().size(); })
       .def_prop_ro("node_id", [](PyPool& pp) { return pp.get().node_id(); })
-      .def_prop_ro("backend", [](PyPool& pp) { return std::string(backend_name(pp.get().backend())); })
+      .def_prop_ro("backend", [](PyPool& pp) { return backend_name(pp.get().backend()); })
       .def("info", [](PyPool& pp) { OpGuard g(pp); return info_dict(*g.p); })
       .def("counters", [](PyPool& pp) {
         OpGuard g(pp);
@@ -352,16 +502,10 @@ NB_MODULE(_core, m) {
       .def("reap_dead_nodes", [](PyPool& pp) { OpGuard g(pp); nb::gil_scoped_release nogil; return g.p->reap_dead_nodes(); })
       .def(
           "open_namespace",
-          [](PyPool& pp, const std::string& name, const std::string& model_id, const std::string& dtype, uint32_t dtype_bytes,
-             const std::string& kind, uint32_t num_layers, uint32_t num_kv_heads, uint32_t head_size, uint32_t tokens_per_block,
-             uint32_t tp_rank, uint32_t tp_size, uint64_t block_bytes) {
+          [](PyPool& pp, const std::string& name, nb::handle layout) {
             OpGuard g(pp);
-            Layout l;
-            l.name = name, l.model_id = model_id, l.dtype = dtype, l.dtype_bytes = dtype_bytes;
-            l.kind = kind == "mla" ? format::kLayoutMla : kind == "opaque" ? format::kLayoutOpaque : format::kLayoutDense;
-            if (kind != "dense" && kind != "mla" && kind != "opaque") throw ArgumentError("layout kind must be 'dense', 'mla' or 'opaque'");
-            l.num_layers = num_layers, l.num_kv_heads = num_kv_heads, l.head_size = head_size;
-            l.tokens_per_block = tokens_per_block, l.tp_rank = tp_rank, l.tp_size = tp_size, l.block_bytes = block_bytes;
+            Layout l = layout_from(layout);
+            l.name = name;
             auto* ns = new PyNamespace{&pp, {}, l};
             try {
               nb::gil_scoped_release nogil;
@@ -372,8 +516,8 @@ NB_MODULE(_core, m) {
             }
             return ns;
           },
-          "name"_a, "model_id"_a, "dtype"_a, "dtype_bytes"_a, "kind"_a, "num_layers"_a, "num_kv_heads"_a, "head_size"_a,
-          "tokens_per_block"_a, "tp_rank"_a, "tp_size"_a, "block_bytes"_a, nb::keep_alive<0, 1>(), nb::rv_policy::take_ownership)
+          "name"_a, "layout"_a, nb::keep_alive<0, 1>(), nb::rv_policy::take_ownership,
+          "Creates or opens the namespace `name` of `layout` (an object with KVLayout's attributes).")
       .def("namespaces", [](PyPool& pp) {
         OpGuard g(pp);
         nb::list out;
@@ -438,19 +582,19 @@ NB_MODULE(_core, m) {
         auto ks = to_keys(keys);
         auto ids = to_ids(block_ids);
         if (ids.size() != ks.size()) throw ArgumentError("keys and block_ids differ in length");
-        auto frags = fragments_of(sources, block_dim, ids, false);
+        auto src = fragments_of<RoArray>(sources, block_dim, ids, n.h, "store sources");
         OpGuard g(*n.owner);
-        nb::gil_scoped_release nogil;
-        return g.p->store(n.h, ks.data(), ks.size(), frags, ids.data(), start_depth);
+        nb::gil_scoped_release nogil;  // `src` holds the arrays until the copy returns
+        return g.p->store(n.h, ks.data(), ks.size(), src.frags, ids.data(), start_depth);
       }, "keys"_a, "sources"_a, "block_ids"_a, "block_dim"_a = 0, "start_depth"_a = 0)
       .def("load", [](PyNamespace& n, nb::handle keys, nb::handle sources, nb::handle block_ids, int block_dim) {
         auto ks = to_keys(keys);
         auto ids = to_ids(block_ids);
         if (ids.size() != ks.size()) throw ArgumentError("keys and block_ids differ in length");
-        auto frags = fragments_of(sources, block_dim, ids, true);
+        auto dst = fragments_of<AnyArray>(sources, block_dim, ids, n.h, "load targets");
         OpGuard g(*n.owner);
-        nb::gil_scoped_release nogil;
-        return g.p->load(n.h, ks.data(), ks.size(), frags, ids.data());
+        nb::gil_scoped_release nogil;  // `dst` holds the arrays until the copy returns
+        return g.p->load(n.h, ks.data(), ks.size(), dst.frags, ids.data());
       }, "keys"_a, "sources"_a, "block_ids"_a, "block_dim"_a = 0)
       .def("acquire", [](PyNamespace& n, nb::handle keys) {
         auto ks = to_keys(keys);
@@ -460,11 +604,9 @@ NB_MODULE(_core, m) {
           nb::gil_scoped_release nogil;
           lease->pins = g.p->acquire(n.h, ks.data(), ks.size());
         }
-        size_t i = 0;
-        for (nb::handle h : keys) {
-          if (i++ >= lease->pins.size()) break;
-          lease->keys.push_back(nb::borrow<nb::bytes>(nb::bytes(Buffer(h, false).data(), 32)));
-        }
+        // The keys as read and checked above: the iterable is not read a second time.
+        for (size_t i = 0; i < lease->pins.size() && i < ks.size(); ++i)
+          lease->keys.push_back(nb::bytes(reinterpret_cast<const char*>(ks[i].data()), ks[i].size()));
         return lease;
       }, "keys"_a, nb::keep_alive<0, 1>(), nb::rv_policy::take_ownership)
       .def("bench_index", [](PyNamespace& n, uint64_t inserts, uint64_t lookups, uint64_t payload_bytes, uint64_t seed, double seconds) {
@@ -495,6 +637,36 @@ NB_MODULE(_core, m) {
       .def("__enter__", [](nb::handle self) { return self; })
       .def("__exit__", [](PyLease& l, nb::args) { l.release(); });
 
+  // The core's name tables (dtype.h, names.h, format.h's layout field list): the Python package
+  // and the CLI read them from here and write none of their own.
+  m.def("dtypes", [] {
+    nb::list out;
+    for (const auto& d : dtype_table()) out.append(dtype_dict(d));
+    return out;
+  }, "Every KV dtype: canonical name, code, bytes per element, aliases.");
+  m.def("dtype_info", [](nb::handle dtype) { return dtype_dict(parse_dtype(str_of(dtype))); }, "dtype"_a,
+        "The dtype named `dtype` (any alias, or an object whose str() is one, e.g. torch.bfloat16); ValueError otherwise.");
+  m.def("backends", [] { return names_of(backend_names()); });
+  m.def("layout_kinds", [] { return names_of(layout_kind_names()); });
+  m.def("layout_fields", [] {
+    nb::list out;
+    for (const auto& f : layout_field_table()) {
+      nb::dict d;
+      d["name"] = f.name;
+      d["codec"] = f.codec == FieldCodec::number ? "number" : f.codec == FieldCodec::dtype ? "dtype" : "kind";
+      d["default"] = field_value(f, f.default_value);
+      d["min"] = f.min;
+      d["max"] = f.max;
+      out.append(d);
+    }
+    return out;
+  }, "The KV layout fields of a namespace identity, in fingerprint order.");
+  m.def("normalize_layout", [](nb::handle layout) {
+    Layout l = layout_from(layout);
+    nb::dict d;
+    for (const auto& f : layout_field_table()) d[f.name] = field_value(f, f.get(l));
+    return d;
+  }, "layout"_a, "Validates a KVLayout-like object as open_namespace would; returns its fields in canonical form.");
   m.def("nt_copy_kernel", [] { return std::string(nt_copy_kernel_name()); });
   m.def("set_copy_threads", [](unsigned n) { Pool::set_copy_threads(n); }, "n"_a);
   m.def("xxh3_64", [](nb::bytes b) { return xxh3(b.c_str(), b.size(), 0); });

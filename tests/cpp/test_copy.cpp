@@ -114,8 +114,7 @@ class CopyEngineTest : public PoolTest, public ::testing::WithParamInterface<Pag
     pool_ = create(opts(16 * MiB, 1 * MiB));
     Layout l = layout("kv", kLayers * 2 * kFrag);
     l.kind = format::kLayoutDense;
-    l.dtype = "bf16";
-    l.dtype_bytes = 2;
+    l.dtype = uint32_t(DType::bf16);
     l.num_layers = kLayers;
     l.num_kv_heads = 2;
     l.head_size = 64;

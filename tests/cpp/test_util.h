@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "dtype.h"
 #include "format.h"
 #include "pool.h"
 
@@ -48,8 +49,7 @@ inline Layout layout(const std::string& name, uint64_t block_bytes) {
   Layout l;
   l.name = name;
   l.model_id = "gtest-model";
-  l.dtype = "bytes";
-  l.dtype_bytes = 1;
+  l.dtype = uint32_t(DType::bytes);
   l.kind = format::kLayoutOpaque;
   l.block_bytes = block_bytes;
   return l;
