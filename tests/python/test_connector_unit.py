@@ -549,6 +549,30 @@ def test_pool_file_deleted_degrades_to_no_cache(pool_path, model_dir, caplog):
     a.close()
 
 
+def test_f3_pool_file_truncated_no_sigbus(pool_path, model_dir, caplog):
+    """F3: the pool file truncated between two steps: the next hook sees it before touching the
+    mapping (a touch would be SIGBUS and kill this test process), leases and the pool are never
+    released into the truncated mapping, and the engine goes on without the cache."""
+    toks = tokens(14, 6 * BS + 1)
+    a = Engine(pool_path, model_dir)
+    a.add("r", toks)
+    a.step({"r": len(toks)})
+    a.finish("r")
+    b = Engine(pool_path, model_dir)
+    assert b.add("r", toks) == 6 * BS  # holds a lease (pins in the node area)
+    os.truncate(pool_path, 4096)
+    import time
+    time.sleep(0.01)
+    b.step({"r": 1})  # the promised load is reported invalid: vLLM recomputes
+    assert b.reqs["r"]["computed"] == 0
+    b.step({"r": len(toks)})
+    assert b.add("r2", toks) == 0
+    b.finish("r")
+    a.close(), b.close()  # must not touch the mapping
+    msgs = [r.getMessage() for r in caplog.records if "no longer usable" in r.getMessage()]
+    assert len(msgs) == 1 and "truncated to 4096 bytes" in msgs[0] and pool_path in msgs[0]
+
+
 def test_pool_failure_after_lookup_makes_vllm_recompute(pool_path, model_dir):
     """The pool breaks between the lookup and the load: the worker reports every block of the
     load as invalid, so vLLM recomputes instead of using empty KV."""

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import uuid
 
@@ -118,6 +119,8 @@ def test_f3_pool_file_broken_under_a_serving_engine(pool_path, tiny_model, fault
     assert len(out[1]["outputs"][0]["tokens"]) == 8 and len(out[2]["outputs"][0]["tokens"]) == 8
     assert out[2]["outputs"][0]["tokens"] == out[0]["outputs"][0]["tokens"]
     lines = [ln for ln in text.splitlines() if "is no longer usable" in ln]
-    assert len(lines) == 1, text[-3000:]
+    # once per process that has the pool mapped (engine core; a worker process where there is one)
+    pids = {re.search(r"pid=(\d+)", ln).group(1) if "pid=" in ln else "main" for ln in lines}
+    assert 1 <= len(lines) == len(pids) <= 2, "\n".join(lines)
     cause = "truncated" if fault == "truncate_pool" else "replaced"
-    assert pool_path in lines[0] and cause in lines[0]
+    assert all(pool_path in ln and cause in ln for ln in lines), "\n".join(lines)

@@ -49,27 +49,12 @@ PathLike = Union[str, os.PathLike]
 
 
 # -------------------------------------------------------------------------------------------------
-# dtypes: the core's table is the only one (cxlkv.canonical_dtype, h4-dtype); this shim strips the
-# framework prefix and defers to it.
+# dtypes: the core's table is the only one
 def canonical_dtype(dtype: Any) -> str:
     """Canonical name of a KV cache dtype ('bf16', 'fp8_e4m3', ...) from any alias, a torch or
-    numpy dtype included. Unknown dtypes raise ValueError (from the core's table)."""
+    numpy dtype included (the core's table, cxlkv.resolve_dtype). Unknown: ValueError."""
     import cxlkv
-    name = str(dtype)
-    for prefix in ("torch.", "numpy.", "np."):
-        if name.startswith(prefix):
-            name = name[len(prefix):]
-    fn = getattr(cxlkv, "canonical_dtype", None)
-    if fn is not None:
-        return fn(name)
-    # Until the core's canonical table lands (branch h4-dtype): the aliases KVLayout knows.
-    aliases = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32",
-               "float": "fp32", "float8_e4m3fn": "fp8", "fp8_e4m3": "fp8", "float8_e5m2": "fp8_e5m2",
-               "auto": "auto"}
-    name = aliases.get(name, name)
-    if name not in cxlkv.DTYPE_BYTES or name == "bytes":
-        raise ValueError(f"unknown KV cache dtype {dtype!r}; known: {sorted(cxlkv.DTYPE_BYTES)}")
-    return name
+    return cxlkv.resolve_dtype(str(dtype))
 
 
 # -------------------------------------------------------------------------------------------------

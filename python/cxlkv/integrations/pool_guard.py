@@ -30,7 +30,7 @@ T = TypeVar("T")
 
 # (st_dev, st_ino, pool uuid) of a mapped pool -> why it may no longer be used (the uuid: inode
 # numbers are reused once a file is gone)
-_BROKEN: dict[tuple[int, int, str], str] = {}
+_BROKEN: dict[tuple[int, int, str], tuple[str, bool]] = {}  # -> (cause, maybe truncated)
 _LOCK = threading.Lock()
 
 
@@ -81,7 +81,7 @@ class PoolGuard:
             return False
         shared = _BROKEN.get(self._key)
         if shared is not None:
-            self.cause = shared
+            self.cause, self.truncated = shared
             return False
         now = time.monotonic()
         if now >= self._next_check:
@@ -100,8 +100,8 @@ class PoolGuard:
                 self.truncated = True
         with _LOCK:
             first = self._key not in _BROKEN
-            _BROKEN.setdefault(self._key, cause)
-        self.cause = _BROKEN[self._key]
+            _BROKEN.setdefault(self._key, (cause, self.truncated))
+        self.cause, self.truncated = _BROKEN[self._key]
         if first:
             self.log.error("cxlkv: pool %s is no longer usable (%s); this process serves without "
                            "the KV cache from now on (vLLM recomputes)", self.path, cause)
@@ -121,7 +121,9 @@ class PoolGuard:
         while the mapping is still sound, kept alive forever when it may be truncated."""
         if obj is None:
             return
-        if self.usable() or not self.truncated:
+        if not self.usable() and not self.truncated:
+            self._file_problem()  # a file deleted first may have been truncated since
+        if self.cause is None or not self.truncated:
             try:
                 (getattr(obj, "release", None) or obj.close)()
                 return

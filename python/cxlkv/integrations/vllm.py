@@ -152,7 +152,7 @@ def _kv_dtype(vllm_config: Any, spec: Any) -> str:
 
 
 def _kv_scales(vllm_config: Any, dtype: str) -> str:
-    if not dtype.startswith("fp8") and dtype not in ("int8", "uint8"):
+    if not dtype.startswith("fp8") and dtype not in ("int8", "uint8"):  # canonical names
         return "none"
     if getattr(vllm_config.cache_config, "calculate_kv_scales", False):
         # Scales computed from this process's first batch: the bytes depend on it, so no other
@@ -194,9 +194,7 @@ def _layout(identity: ident.KVIdentity) -> "cxlkv.KVLayout":
               num_kv_heads=identity.num_kv_heads, head_size=identity.head_size,
               tokens_per_block=identity.block_size, kind=identity.kind, tp_rank=identity.tp_rank,
               tp_size=identity.tp_size, block_bytes=identity.block_bytes)
-    if "source" in {f.name for f in dataclasses.fields(cxlkv.KVLayout)}:  # KVLayout.source (h4-dtype)
-        kw["source"] = identity.source()
-    return cxlkv.KVLayout(**kw)
+    return cxlkv.KVLayout(**kw, source=identity.source())
 
 
 class CxlKVConnector(KVConnectorBase_V1):
