@@ -549,6 +549,28 @@ def test_pool_file_deleted_degrades_to_no_cache(pool_path, model_dir, caplog):
     a.close()
 
 
+def test_f6_pool_file_replaced_is_noticed(pool_path, model_dir, caplog):
+    """F6: another pool renamed over the path: this process stops using the old (orphaned) one
+    instead of silently splitting from the engines that open the new one."""
+    toks = tokens(15, 4 * BS + 1)
+    a = Engine(pool_path, model_dir)
+    a.add("r", toks)
+    a.step({"r": len(toks)})
+    a.finish("r")
+    cxlkv.Pool.create(pool_path + ".new", "16MiB", chunk_size="1MiB").close()
+    os.rename(pool_path + ".new", pool_path)
+    import time
+    time.sleep(0.01)
+    assert a.add("r2", toks) == 0
+    a.step({"r2": len(toks)})
+    a.finish("r2")
+    msgs = [r.getMessage() for r in caplog.records if "no longer usable" in r.getMessage()]
+    assert len(msgs) == 1 and "replaced" in msgs[0]
+    a.close()
+    with cxlkv.Pool.open(pool_path) as p:
+        assert p.namespaces() == []  # nothing was written into the new pool by the old engine
+
+
 def test_f3_pool_file_truncated_no_sigbus(pool_path, model_dir, caplog):
     """F3: the pool file truncated between two steps: the next hook sees it before touching the
     mapping (a touch would be SIGBUS and kill this test process), leases and the pool are never

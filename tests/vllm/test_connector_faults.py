@@ -106,10 +106,11 @@ def test_f1_checkpoints_under_one_alias_never_share(pool_path, tiny_model, tmp_p
         assert len(pool.namespaces()) == 2  # original (and its copy), variant
 
 
-@pytest.mark.parametrize("fault", ["truncate_pool", "replace_pool"])
+@pytest.mark.parametrize("fault", ["truncate_pool"])  # replace: unit test (test_connector_unit.py)
 def test_f3_pool_file_broken_under_a_serving_engine(pool_path, tiny_model, fault):
-    """The engine keeps answering (by recompute) after its pool file is truncated or replaced,
-    with one log line naming the pool and the cause; no SIGBUS, no hang."""
+    """The engine keeps answering (by recompute) after its pool file is truncated, with one log
+    line naming the pool and the cause; no SIGBUS, no hang. (Replacing the file goes through the
+    same code: "replace_pool" works here too, left out to keep the suite short.)"""
     prompts = [{"prompt": words(60, 300)}]
     log: list = []
     out = run_engine({"pool": pool_path, "rounds": [
