@@ -425,7 +425,7 @@ def test_lease_released_when_request_finishes_before_its_load(pool_path, model_d
 
 
 @pytest.mark.parametrize("fail_at", [0, 2, 4])
-def test_no_save_on_top_of_failed_load_and_resave_after_recompute(pool_path, model_dir, fail_at):
+def test_f2_no_save_on_top_of_failed_load_and_resave_after_recompute(pool_path, model_dir, fail_at):
     """F2: engine B loads 5 blocks of P, the load fails at block `fail_at`, and the same step
     computes Q's blocks on top of the missing KV. Nothing computed on top of it may reach the
     pool; after vLLM recomputes, the blocks are saved again: the pool ends byte-identical to a
@@ -509,7 +509,7 @@ def test_preemption_drops_held_saves_and_resaves(pool_path, model_dir):
     a.close(), b.close()
 
 
-def test_failed_saves_counted(pool_path, model_dir):
+def test_f5_failed_saves_counted_and_logged_once(pool_path, model_dir, caplog):
     a = Engine(pool_path, model_dir)
     toks = tokens(10, 6 * BS + 1)
     a.add("r", toks)
@@ -526,12 +526,48 @@ def test_failed_saves_counted(pool_path, model_dir):
     a.worker._ns = Full()
     a.step({"r": len(toks)})
     assert a.stats.data["save_failed_blocks"] == 4
+    toks2 = tokens(16, 6 * BS + 1)
+    a.add("r2", toks2)
+    a.step({"r2": len(toks2)})
+    assert a.stats.data["save_failed_blocks"] == 8
+    msgs = [r.getMessage() for r in caplog.records if "could not be saved" in r.getMessage()]
+    assert len(msgs) == 1 and pool_path in msgs[0]  # once per cause, not per request
     a.worker._ns = real
-    a.finish("r")
+    a.finish("r"), a.finish("r2")
     a.close()
 
 
-def test_pool_file_deleted_degrades_to_no_cache(pool_path, model_dir, caplog):
+def test_f7_pin_capped_hit_counted_and_logged(pool_path, model_dir, caplog):
+    """A hit that stops because the node's pin slots ran out (the next blocks are in the pool)
+    is counted and said once, not a silent partial hit."""
+    cxlkv.Pool.create(pool_path, "16MiB", chunk_size="1MiB", pin_slots=4).close()
+    toks = tokens(17, 8 * BS + 1)
+    a = Engine(pool_path, model_dir)
+    a.add("r", toks)
+    a.step({"r": len(toks)})
+    a.finish("r")
+    b = Engine(pool_path, model_dir)
+    got = b.add("r", toks)
+    assert got == 4 * BS
+    b.step({"r": len(toks) - got})
+    assert b.stats.data["pin_capped_requests"] == 1 and b.stats.data["pin_capped_blocks"] == 4
+    assert any("pin slots are exhausted" in r.getMessage() for r in caplog.records)
+    b.finish("r")
+    a.close(), b.close()
+
+
+def test_f1_long_model_ids_never_collide(pool_path, model_dir):
+    """ns_name_truncation.py: ids that share their first 90 characters are different namespaces
+    (hashed, not truncated), and neither engine fails to start."""
+    base = "org/" + "x" * 120
+    a = Engine(pool_path, model_dir, model_id=base + "-a")
+    b = Engine(pool_path, model_dir, model_id=base + "-b")
+    assert a.sched._ns_name != b.sched._ns_name
+    assert a.sched.identity.model_id() != b.sched.identity.model_id()
+    a.close(), b.close()
+
+
+def test_f6_pool_file_deleted_degrades_to_no_cache(pool_path, model_dir, caplog):
     toks = tokens(11, 6 * BS + 1)
     a = Engine(pool_path, model_dir)
     a.add("r", toks)
@@ -613,7 +649,7 @@ def test_pool_failure_after_lookup_makes_vllm_recompute(pool_path, model_dir):
     a.close(), b.close()
 
 
-def test_namespace_follows_weights_not_alias(pool_path, tmp_path):
+def test_f1_namespace_follows_weights_not_alias(pool_path, tmp_path):
     a = Engine(pool_path, make_model(tmp_path / "a", 1))
     b = Engine(pool_path, make_model(tmp_path / "b", 2))
     os.system(f"cp -r {tmp_path / 'a'} {tmp_path / 'c'}")
