@@ -631,6 +631,25 @@ def test_f3_pool_file_truncated_no_sigbus(pool_path, model_dir, caplog):
     assert len(msgs) == 1 and "truncated to 4096 bytes" in msgs[0] and pool_path in msgs[0]
 
 
+def test_f3_engine_starts_on_a_damaged_pool_without_cache(pool_path, model_dir, caplog):
+    """pool_truncate_live.sh's engine B: a new engine on a truncated pool file serves without the
+    cache (one log line naming the pool and why) instead of failing to start."""
+    with open(pool_path, "wb") as f:
+        f.write(b"\0" * 4096)
+    e = Engine(pool_path, model_dir)
+    toks = tokens(18, 3 * BS + 1)
+    assert e.add("r", toks) == 0
+    meta = e.step({"r": len(toks)})
+    assert not meta.saves and not meta.loads
+    e.finish("r")
+    e.close()
+    msgs = [r.getMessage() for r in caplog.records if "no longer usable" in r.getMessage()]
+    assert len(msgs) == 1 and pool_path in msgs[0] and "opening it failed" in msgs[0]
+    vc, kc = fake_configs(pool_path, model_dir, on_pool_error="fail")
+    with pytest.raises(cxlkv.CxlkvError):
+        conn.CxlKVConnector(vc, Role.SCHEDULER, kc)
+
+
 def test_pool_failure_after_lookup_makes_vllm_recompute(pool_path, model_dir):
     """The pool breaks between the lookup and the load: the worker reports every block of the
     load as invalid, so vLLM recomputes instead of using empty KV."""

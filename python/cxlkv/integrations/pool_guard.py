@@ -47,15 +47,25 @@ class PoolGuard:
         self.path = path
         self.log = logger
         self.check_interval_s = check_interval_s
+        self._next_check = 0.0
+        self.cause: Optional[str] = None
+        self.truncated = False
+        if pool is None:  # see unusable()
+            self._file, self._key = (0, 0), (0, 0, f"unopened:{path}")
+            return
         info = pool.info()
         st = os.stat(path)
         # The core's own view of the inode it mapped where it has one (no stat race at open).
         self._file = (st.st_dev, int(info.get("file_ino", st.st_ino)))
         self._key = (*self._file, str(info.get("uuid", "")))
         self._size = int(pool.size)
-        self._next_check = 0.0
-        self.cause: Optional[str] = None
-        self.truncated = False
+
+    @classmethod
+    def unusable(cls, path: str, logger: logging.Logger, cause: str, exc: BaseException) -> "PoolGuard":
+        """A guard for a pool that could not even be opened: logs why, once; never usable."""
+        guard = cls(None, path, logger)
+        guard.fail(cause, exc)
+        return guard
 
     # -------------------------------------------------------------------------------------------
     def _file_problem(self) -> Optional[str]:

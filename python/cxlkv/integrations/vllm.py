@@ -35,7 +35,9 @@ process into "no cache" with one log line (pool_guard.py); the engine keeps serv
 Extra config keys: ``pool_path`` (default ``$CXLKV_POOL`` or /dev/shm/cxlkv), ``pool_size``
 (used when the pool does not exist yet, default 4GiB), ``chunk_size``, ``model_id`` (replaces the
 weights' content digest in the identity: for operators who know two checkpoints are the same),
-``namespace`` (overrides the namespace name entirely), ``file_check_interval_s`` (default 0.001).
+``namespace`` (overrides the namespace name entirely), ``file_check_interval_s`` (default 0.001),
+``on_pool_error`` ("degrade": a pool that cannot be opened means serving without the cache, the
+default; "fail": refuse to start).
 """
 from __future__ import annotations
 
@@ -211,15 +213,24 @@ class CxlKVConnector(KVConnectorBase_V1):
         if extra.get("load_failure_policy", "recompute") == "recompute":
             tc.kv_load_failure_policy = "recompute"
         self._pool_path = str(extra.get("pool_path", cxlkv.DEFAULT_POOL_PATH))
-        self._pool = cxlkv.Pool.open_or_create(
-            self._pool_path, extra.get("pool_size", "4GiB"),
-            **({"chunk_size": extra["chunk_size"]} if "chunk_size" in extra else {}))
-        self._guard = PoolGuard(self._pool, self._pool_path, logger,
-                                float(extra.get("file_check_interval_s", 0.001)))
         self.identity = self._describe(vllm_config, kv_cache_config)
+        self._block_bytes = self.identity.block_bytes
         self._ns_name = (ident.short_name(str(extra["namespace"])) if extra.get("namespace")
                          else self.identity.namespace_name())
-        self._ns = self._pool.namespace(_layout(self.identity), name=self._ns_name)
+        self._pool, self._ns = None, None
+        try:
+            self._pool = cxlkv.Pool.open_or_create(
+                self._pool_path, extra.get("pool_size", "4GiB"),
+                **({"chunk_size": extra["chunk_size"]} if "chunk_size" in extra else {}))
+            self._guard = PoolGuard(self._pool, self._pool_path, logger,
+                                    float(extra.get("file_check_interval_s", 0.001)))
+            self._ns = self._pool.namespace(_layout(self.identity), name=self._ns_name)
+        except (cxlkv.CxlkvError, OSError, ValueError) as e:
+            # A damaged or unusable pool must not keep the engine from serving (without the
+            # cache); "on_pool_error": "fail" restores fail-fast start-up.
+            if extra.get("on_pool_error", "degrade") == "fail":
+                raise
+            self._guard = PoolGuard.unusable(self._pool_path, logger, "opening it failed", e)
         self._logged: set[str] = set()
         self._adapters: dict[tuple[str, float], Optional[str]] = {}
         # scheduler side
@@ -235,7 +246,7 @@ class CxlKVConnector(KVConnectorBase_V1):
         self._failed_reqs: set[str] = set()
         self._stats = CxlKVStats()
         logger.info("cxlkv connector (%s) on pool %s, namespace %r (%s), %d-byte blocks", role.name,
-                    self._pool_path, self._ns_name, self.identity.source(), self._ns.block_bytes)
+                    self._pool_path, self._ns_name, self.identity.source(), self._block_bytes)
 
     # ------------------------------------------------------------------------------------------
     # identity and keys
@@ -335,7 +346,7 @@ class CxlKVConnector(KVConnectorBase_V1):
         if max_blocks <= have:
             return 0, False
         keys = st.keys.extend(prompt, upto_blocks=max_blocks)
-        lease = self._guard.call("acquire", self._ns.acquire, keys[:max_blocks])
+        lease = self._guard.call("acquire", lambda: self._ns.acquire(keys[:max_blocks]))
         if lease is None:
             return 0, False
         hit = len(lease)
@@ -352,7 +363,7 @@ class CxlKVConnector(KVConnectorBase_V1):
 
     def _check_pin_cap(self, req_id: str, rest: list, hit: int) -> None:
         """A hit that stopped while the next block is in the pool was capped by pin slots."""
-        more = self._guard.call("match_prefix", self._ns.match_prefix, rest) or 0
+        more = self._guard.call("match_prefix", lambda: self._ns.match_prefix(rest)) or 0
         if more > 0:
             self._count("pin_capped_requests")
             self._count("pin_capped_blocks", more)
@@ -468,7 +479,7 @@ class CxlKVConnector(KVConnectorBase_V1):
         self._release(st)
         # The block that failed (corrupt, or gone) must not be found again by anyone; the core
         # drops a checksum failure itself, this covers a pin that kept it (no-op when absent).
-        self._guard.call("delete", self._ns.delete, op.keys[first_bad])
+        self._guard.call("delete", lambda: self._ns.delete(op.keys[first_bad]))
         logger.info("cxlkv: %s: load failed at block %d; vLLM recomputes from there and the "
                     "connector saves those blocks again", op.req_id, depth)
 
@@ -494,9 +505,9 @@ class CxlKVConnector(KVConnectorBase_V1):
         # CUDA-style layouts put K/V first: [2, num_blocks, ...]; CPU ones lead with blocks.
         self._block_dim = 1 if first.shape[0] == 2 and first.ndim > 1 and first.shape[1] == num_blocks else 0
         per_block = sum(a.element_size() * a[(slice(None),) * self._block_dim + (0,)].numel() for a in arrays)
-        if per_block != self._ns.block_bytes:
+        if per_block != self._block_bytes:
             raise ValueError(f"cxlkv: the KV cache holds {per_block} bytes per block, the namespace "
-                             f"{self._ns_name!r} expects {self._ns.block_bytes}")
+                             f"{self._ns_name!r} expects {self._block_bytes}")
         self._kv_arrays = [a.detach() for a in arrays]
         logger.info("cxlkv: %d KV layers registered, %s, block_dim=%d", len(arrays),
                     tuple(first.shape), self._block_dim)
@@ -509,11 +520,11 @@ class CxlKVConnector(KVConnectorBase_V1):
                 self._stats.data[k] = self._stats.data.get(k, 0) + v
         for op in meta.loads:
             t0 = time.perf_counter()
-            n = self._guard.call("load", self._ns.load, op.keys, self._kv_arrays, op.block_ids,
-                                 block_dim=self._block_dim) or 0
+            n = self._guard.call("load", lambda: self._ns.load(
+                op.keys, self._kv_arrays, op.block_ids, block_dim=self._block_dim)) or 0
             self._stats.data["load_s"] += time.perf_counter() - t0
             self._stats.data["load_blocks"] += n
-            self._stats.data["load_bytes"] += n * self._ns.block_bytes
+            self._stats.data["load_bytes"] += n * self._block_bytes
             if n < len(op.keys):
                 self._stats.data["load_failed_blocks"] += len(op.keys) - n
                 self._load_errors.update(op.block_ids[n:])
@@ -536,13 +547,14 @@ class CxlKVConnector(KVConnectorBase_V1):
                 self._stats.data["saves_dropped_after_failed_load"] += len(op.keys)
                 continue
             t0 = time.perf_counter()
-            n = self._guard.call("store", self._ns.store, op.keys, self._kv_arrays, op.block_ids,
-                                 block_dim=self._block_dim, start_depth=op.start_depth)
+            n = self._guard.call("store", lambda: self._ns.store(
+                op.keys, self._kv_arrays, op.block_ids, block_dim=self._block_dim,
+                start_depth=op.start_depth))
             if n is None:
                 continue
             self._stats.data["save_s"] += time.perf_counter() - t0
             self._stats.data["save_blocks"] += n
-            self._stats.data["save_bytes"] += n * self._ns.block_bytes
+            self._stats.data["save_bytes"] += n * self._block_bytes
             if n < len(op.keys):
                 self._stats.data["save_failed_blocks"] += len(op.keys) - n
                 self._once("save_failed", "cxlkv: %s: %d of %d blocks could not be saved to pool %s "
