@@ -404,6 +404,9 @@ class CxlKVConnector(KVConnectorBase_V1):
                 continue
             st.block_ids = list(new.block_ids[0])
             st.saved_blocks = 0
+            # (Re)scheduled from scratch (a preempted request may come back as new): the KV of
+            # held saves lived in blocks it no longer owns.
+            self._drop_held(st, "rescheduled as new")
             self._plan(st, new.req_id, new.num_computed_tokens + sched.get(new.req_id, 0), meta)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
