@@ -22,13 +22,16 @@ def words(seed: int, n: int) -> str:
     return " ".join(rng.choice(vocab) for _ in range(n))
 
 
-def run_engine(spec: dict, timeout: int = 600) -> list:
-    """Runs one vLLM engine process; returns its RESULT records (one per round)."""
+def run_engine(spec: dict, timeout: int = 600, log: list | None = None) -> list:
+    """Runs one vLLM engine process; returns its RESULT records (one per round). `log`, when
+    given, receives the process's whole output."""
     env = dict(os.environ)
     env.pop("PYTHONHASHSEED", None)  # keys must match across processes with default settings
     p = subprocess.run([sys.executable, os.path.join(HERE, "llm_driver.py"), json.dumps(spec)],
                        capture_output=True, text=True, timeout=timeout, env=env)
     results = [json.loads(line[7:]) for line in p.stdout.splitlines() if line.startswith("RESULT ")]
+    if log is not None:
+        log.append(p.stdout + p.stderr)
     if p.returncode != 0 or len(results) != len(spec["rounds"]):
         tail = "\n".join((p.stdout + p.stderr).splitlines()[-60:])
         raise AssertionError(f"engine failed (rc={p.returncode}):\n{tail}")

@@ -3,9 +3,11 @@ prints one `RESULT <json>` line per round. Driven by tests/vllm/test_connector.p
 
     python llm_driver.py '<json spec>'
 
-spec: model ("tiny" | "smollm2"), pool (path), connector (bool), role ("kv_both" ...),
-max_num_batched_tokens (optional), max_tokens, rounds: [{"prompts": [{"prompt": str,
-"cache_salt": str?}], "before": "corrupt_pool" | "unlink_pool" | null}].
+spec: model ("tiny" | "smollm2" | a model directory), served_model_name (optional), pool (path),
+connector (bool), role ("kv_both" ...), max_num_batched_tokens (optional), prefix_caching (bool,
+default true), ids (bool: report prompt token ids), max_tokens, rounds: [{"prompts": [{"prompt":
+str, "cache_salt": str?}], "before": "corrupt_pool" | "corrupt_depth:D" | "unlink_pool" |
+"truncate_pool" | "replace_pool" | null}].
 """
 import json
 import mmap
@@ -17,8 +19,9 @@ import time
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
 
-def corrupt_pool(path: str) -> int:
-    """Flips one payload byte of every READY block in the pool (the layout of src/core/format.h)."""
+def corrupt_pool(path: str, depth: int = -1) -> int:
+    """Flips one payload byte of every READY block in the pool (the layout of src/core/format.h),
+    or only of the blocks at chain depth `depth`."""
     import cxlkv
     with cxlkv.Pool.open(path) as pool:
         info = pool.info()
@@ -32,7 +35,9 @@ def corrupt_pool(path: str) -> int:
             state = struct.unpack_from("<Q", m, off)[0]
             if state >> 56 != 2:  # READY
                 continue
-            ns_id, c, b = struct.unpack_from("<IIH", m, off + 40)
+            ns_id, c, b, d = struct.unpack_from("<IIHH", m, off + 40)
+            if depth >= 0 and d != depth:
+                continue
             stride = (blocks[ns_id] + 63) // 64 * 64
             p = info["arena_off"] + c * (desc + chunk) + desc + b * stride + 100
             m[p] ^= 0xFF
@@ -45,9 +50,14 @@ def main() -> None:
     from cxlkv.integrations import models
     from vllm import LLM, SamplingParams
 
-    model = models.tiny_llama() if spec.get("model", "tiny") == "tiny" else models.smollm2()
+    name = spec.get("model", "tiny")
+    model = models.tiny_llama() if name == "tiny" else models.smollm2() if name == "smollm2" else name
     kw = dict(model=model, enforce_eager=True, kv_cache_memory_bytes=spec.get("kv_bytes", 1 << 30),
               max_model_len=spec.get("max_model_len", 4096), seed=0)
+    if spec.get("served_model_name"):
+        kw["served_model_name"] = spec["served_model_name"]
+    if spec.get("prefix_caching") is False:
+        kw["enable_prefix_caching"] = False
     if spec.get("stats"):
         kw["disable_log_stats"] = False  # enables llm.get_metrics(): preemption counts
     if spec.get("max_num_batched_tokens"):
@@ -66,16 +76,26 @@ def main() -> None:
     sp = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), logprobs=1)
     for i, rnd in enumerate(spec["rounds"]):
         extra = {}
-        if rnd.get("before") == "corrupt_pool":
+        before = rnd.get("before") or ""
+        if before == "corrupt_pool":
             extra["corrupted"] = corrupt_pool(spec["pool"])
-        elif rnd.get("before") == "unlink_pool":
+        elif before.startswith("corrupt_depth:"):
+            extra["corrupted"] = corrupt_pool(spec["pool"], int(before.split(":")[1]))
+        elif before == "unlink_pool":
             os.unlink(spec["pool"])
+        elif before == "truncate_pool":
+            os.truncate(spec["pool"], 4096)
+        elif before == "replace_pool":  # another pool file renamed over the path
+            import cxlkv
+            cxlkv.Pool.create(spec["pool"] + ".new", "64MiB").close()
+            os.rename(spec["pool"] + ".new", spec["pool"])
         inputs = [{"prompt": p["prompt"], **({"cache_salt": p["cache_salt"]} if p.get("cache_salt") else {})}
                   for p in rnd["prompts"]]
         t0 = time.time()
         outs = llm.generate(inputs, sp)
         res = [{"len": len(o.prompt_token_ids), "cached": o.num_cached_tokens or 0,
                 "tokens": list(o.outputs[0].token_ids),
+                **({"ids": list(o.prompt_token_ids)} if spec.get("ids") else {}),
                 "logprobs": [next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs]}
                for o in outs]
         if spec.get("stats"):

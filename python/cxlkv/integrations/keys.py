@@ -5,17 +5,21 @@ reason for zero cross-instance hits in shared KV caches). cxlkv keys are chained
 with a fixed root, so any process computing the keys of the same tokens gets the same 32 bytes:
 
     root   = sha256("cxlkv/keys/v1" | namespace | lora | cache_salt)
-    key[i] = sha256(key[i-1] | token ids of block i (int32 LE) | ids of multimodal inputs in block i)
+    key[i] = sha256(key[i-1] | token ids of block i (int32 LE) | ids of multimodal inputs in block i
+                    | extra(i))
 
-Everything that changes the KV of a block is in its key: the namespace (model, dtype, layout, TP
-rank), the LoRA adapter, the tenant's cache_salt (tenants never share blocks), the tokens of the
-whole prefix (chaining) and the multimodal inputs placed in the block.
+Everything that changes the KV of a block is in its key: the namespace (the weights' content,
+dtype, layout, TP rank: see identity.py), the LoRA adapter by content (its digest, never its
+name), the tenant's cache_salt (tenants never share blocks), the tokens of the whole prefix
+(chaining), the multimodal inputs placed in the block, and ``extra(i)``: per-block bytes the
+token ids do not show (the digest of a block's prompt embeddings, whose token ids are
+placeholders).
 """
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -46,6 +50,7 @@ class ChainedKeys:
     block_size: int
     mm: Sequence[MMSpan] = ()
     keys: list = field(default_factory=list)
+    extra: Optional[Callable[[int], bytes]] = None  # block index -> bytes hashed into its key
 
     def extend(self, token_ids: Sequence[int], upto_blocks: Optional[int] = None) -> list:
         """Computes keys of every full block of token_ids (or of the first upto_blocks)."""
@@ -65,6 +70,8 @@ class ChainedKeys:
             for span in self.mm:
                 if span.offset < (b + 1) * bs and span.offset + span.length > b * bs:
                     h.update(span.identifier.encode())
+            if self.extra is not None:
+                h.update(self.extra(b))
             prev = h.digest()
             self.keys.append(prev)
         return self.keys

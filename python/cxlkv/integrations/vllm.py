@@ -12,23 +12,40 @@ Use it with unmodified vLLM::
 Roles: ``kv_both`` (shared prefix cache), ``kv_producer`` (a prefill instance: saves, never
 loads) and ``kv_consumer`` (a decode instance: loads, never saves).
 
+Identity: the namespace is derived from what determines the KV bytes (the weights by content,
+the KV layout, dtype and scales, quantization, block size, TP rank, device layout: see
+identity.py and docs/IDENTITY.md), never from the served alias. LoRA adapters enter the keys by
+content; prompt embeddings by their digest.
+
 Scheduler side: ``get_num_new_matched_tokens`` asks the in-pool index directly (``acquire``: a
 lookup that also pins the matched blocks, so they cannot be evicted before the worker loads
 them); the lease is released once the step that loads them has completed, or when the request
 ends. Worker side: ``start_load_kv`` scatters the matched blocks into vLLM's paged KV buffers
-before the forward pass; ``wait_for_save`` gathers every block that became full in this step into
-the pool (blocks the pool already holds are skipped by the index). A block that fails to load
-(evicted meanwhile, checksum mismatch) is reported through ``get_block_ids_with_load_errors`` and
-vLLM recomputes it: the output stays correct.
+before the forward pass; ``wait_for_save`` gathers blocks that became full into the pool.
+
+A block that fails to load (evicted meanwhile, checksum mismatch) is reported through
+``get_block_ids_with_load_errors`` and vLLM recomputes it. Saves never publish KV computed on top
+of a load that has not been confirmed: while a request has a load in flight, the saves planned
+for it are held; they go out once the load's step completed without errors, and are dropped when
+it failed (the blocks from the first failed one on are saved again after vLLM recomputes them).
+
+A pool that fails (truncated, deleted or replaced file, any error from the core) turns the
+process into "no cache" with one log line (pool_guard.py); the engine keeps serving.
 
 Extra config keys: ``pool_path`` (default ``$CXLKV_POOL`` or /dev/shm/cxlkv), ``pool_size``
-(used when the pool does not exist yet, default 4GiB), ``chunk_size``, ``namespace`` (overrides
-the namespace name derived from the model and KV layout).
+(used when the pool does not exist yet, default 4GiB), ``chunk_size``, ``model_id`` (replaces the
+weights' content digest in the identity: for operators who know two checkpoints are the same),
+``namespace`` (overrides the namespace name entirely), ``file_check_interval_s`` (default 0.001),
+``on_pool_error`` ("degrade": a pool that cannot be opened means serving without the cache, the
+default; "fail": refuse to start).
 """
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 import time
+import uuid
 from typing import TYPE_CHECKING, Any, Optional
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -40,7 +57,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.logger import init_logger
 
 import cxlkv
+from cxlkv.integrations import identity as ident
 from cxlkv.integrations.keys import ChainedKeys, MMSpan, root_key
+from cxlkv.integrations.pool_guard import PoolGuard
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -52,6 +71,10 @@ if TYPE_CHECKING:
 
 # Under the "vllm" logger, so that vLLM's logging configuration (level, format) applies.
 logger = init_logger("vllm.cxlkv")
+
+STAT_KEYS = ("load_blocks", "load_failed_blocks", "load_bytes", "load_s", "save_blocks",
+             "save_failed_blocks", "save_bytes", "save_s", "saves_dropped_after_failed_load",
+             "pin_capped_requests", "pin_capped_blocks", "uncacheable_requests", "pool_disabled")
 
 
 @dataclasses.dataclass
@@ -66,15 +89,16 @@ class BlockOp:
 class CxlKVConnectorMetadata(KVConnectorMetadata):
     loads: list = dataclasses.field(default_factory=list)
     saves: list = dataclasses.field(default_factory=list)
+    # Scheduler-side counters of this step, reported by the worker (vLLM collects stats there).
+    counters: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
 class CxlKVStats(KVConnectorStats):
-    """Per-interval counters of the worker side, aggregated by vLLM's stats logger."""
+    """Per-interval counters of the connector, aggregated by vLLM's stats logger."""
 
     def __post_init__(self):
-        for k in ("load_blocks", "load_failed_blocks", "load_bytes", "load_s", "save_blocks",
-                  "save_bytes", "save_s"):
+        for k in STAT_KEYS:
             self.data.setdefault(k, 0)
 
     def reset(self):
@@ -99,12 +123,80 @@ class CxlKVStats(KVConnectorStats):
 @dataclasses.dataclass
 class _ReqState:
     request: Any
-    keys: ChainedKeys
+    keys: Optional[ChainedKeys]  # None: the request is not cached (see _keys_for)
     block_ids: list = dataclasses.field(default_factory=list)
-    saved_blocks: int = 0        # blocks [0, saved_blocks) are known to be in the pool
-    load: Optional[BlockOp] = None
+    saved_blocks: int = 0        # blocks [0, saved_blocks) are in the pool or planned/held
+    load: Optional[BlockOp] = None        # matched, not yet sent to the worker
+    inflight: Optional[BlockOp] = None    # sent with step `lease_step`, outcome unknown
+    held: list = dataclasses.field(default_factory=list)  # saves waiting for `inflight`'s outcome
     lease: Any = None
     lease_step: Optional[int] = None  # step whose metadata carries the load of this lease
+
+
+# -------------------------------------------------------------------------------------------------
+# identity of the KV bytes (the vLLM side of identity.py)
+def _model_path(mc: Any) -> Optional[str]:
+    for cand in (getattr(mc, "model_weights", None), mc.model):
+        if cand and os.path.exists(str(cand)):
+            return str(cand)
+    try:  # a hub id: the local snapshot vLLM loaded
+        from huggingface_hub import snapshot_download
+        return snapshot_download(mc.model, revision=getattr(mc, "revision", None), local_files_only=True)
+    except Exception:  # noqa: BLE001 - not resolvable: the caller says what to do
+        return None
+
+
+def _kv_dtype(vllm_config: Any, spec: Any) -> str:
+    cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto")
+    if cache_dtype != "auto":  # fp8 caches may be stored as uint8: the configured type is the truth
+        return ident.canonical_dtype(cache_dtype)
+    return ident.canonical_dtype(getattr(spec, "dtype", vllm_config.model_config.dtype))
+
+
+def _kv_scales(vllm_config: Any, dtype: str) -> str:
+    if not dtype.startswith("fp8") and dtype not in ("int8", "uint8"):  # canonical names
+        return "none"
+    if getattr(vllm_config.cache_config, "calculate_kv_scales", False):
+        # Scales computed from this process's first batch: the bytes depend on it, so no other
+        # process can share them.
+        return f"dynamic-{uuid.uuid4().hex}"
+    return "checkpoint-or-unit"  # scales from the checkpoint (in the weights digest) or 1.0
+
+
+def derive_identity(vllm_config: Any, spec: Any, layers: int, block_bytes: int, kind: str,
+                    tp_rank: int, tp_size: int, extra: dict) -> ident.KVIdentity:
+    mc = vllm_config.model_config
+    if extra.get("model_id"):
+        override = str(extra["model_id"])
+        weights, source = "model_id:" + override, f"operator model_id {override!r}"
+    else:
+        path = _model_path(mc)
+        if path is None:
+            raise ValueError(f"cxlkv: cannot read the weights of model {mc.model!r} to derive the KV "
+                             "namespace from them; set kv_connector_extra_config.model_id")
+        w = ident.weights_digest(path)
+        weights, source = w.digest, w.describe()
+    dtype = _kv_dtype(vllm_config, spec)
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    device = vllm_config.device_config.device_type
+    overrides = getattr(mc, "hf_overrides", None)
+    return ident.KVIdentity(
+        weights=weights, weights_source=source, dtype=dtype, kind=kind, num_layers=layers,
+        num_kv_heads=int(getattr(spec, "num_kv_heads", 1)), head_size=int(getattr(spec, "head_size", 1)),
+        block_size=vllm_config.cache_config.block_size, tp_rank=tp_rank, tp_size=tp_size,
+        kv_scales=_kv_scales(vllm_config, dtype), quantization=str(mc.quantization or "none"),
+        compute_dtype=str(mc.dtype).replace("torch.", ""),
+        overrides=repr(overrides) if overrides and not callable(overrides) else "",
+        device_layout=f"{device}|{backend or 'auto'}|{type(spec).__name__}|{sys.byteorder}",
+        block_bytes=block_bytes)
+
+
+def _layout(identity: ident.KVIdentity) -> "cxlkv.KVLayout":
+    kw = dict(model_id=identity.model_id(), dtype=identity.dtype, num_layers=identity.num_layers,
+              num_kv_heads=identity.num_kv_heads, head_size=identity.head_size,
+              tokens_per_block=identity.block_size, kind=identity.kind, tp_rank=identity.tp_rank,
+              tp_size=identity.tp_size, block_bytes=identity.block_bytes)
+    return cxlkv.KVLayout(**kw, source=identity.source())
 
 
 class CxlKVConnector(KVConnectorBase_V1):
@@ -121,66 +213,121 @@ class CxlKVConnector(KVConnectorBase_V1):
         if extra.get("load_failure_policy", "recompute") == "recompute":
             tc.kv_load_failure_policy = "recompute"
         self._pool_path = str(extra.get("pool_path", cxlkv.DEFAULT_POOL_PATH))
-        self._pool = cxlkv.Pool.open_or_create(
-            self._pool_path, extra.get("pool_size", "4GiB"),
-            **({"chunk_size": extra["chunk_size"]} if "chunk_size" in extra else {}))
-        self._layout, self._ns_name = self._describe_layout(vllm_config, kv_cache_config, extra)
-        self._ns = self._pool.namespace(self._layout, name=self._ns_name)
+        self.identity = self._describe(vllm_config, kv_cache_config)
+        self._block_bytes = self.identity.block_bytes
+        self._ns_name = (ident.short_name(str(extra["namespace"])) if extra.get("namespace")
+                         else self.identity.namespace_name())
+        self._pool, self._ns = None, None
+        try:
+            self._pool = cxlkv.Pool.open_or_create(
+                self._pool_path, extra.get("pool_size", "4GiB"),
+                **({"chunk_size": extra["chunk_size"]} if "chunk_size" in extra else {}))
+            self._guard = PoolGuard(self._pool, self._pool_path, logger,
+                                    float(extra.get("file_check_interval_s", 0.001)))
+            self._ns = self._pool.namespace(_layout(self.identity), name=self._ns_name)
+        except (cxlkv.CxlkvError, OSError, ValueError) as e:
+            # A damaged or unusable pool must not keep the engine from serving (without the
+            # cache); "on_pool_error": "fail" restores fail-fast start-up.
+            if extra.get("on_pool_error", "degrade") == "fail":
+                raise
+            self._guard = PoolGuard.unusable(self._pool_path, logger, "opening it failed", e)
+        self._logged: set[str] = set()
+        self._adapters: dict[tuple[str, float], Optional[str]] = {}
         # scheduler side
         self._reqs: dict[str, _ReqState] = {}
         self._step = 0
         self._completed_steps = 0
+        self._counters: dict[str, int] = {}
+        self._disabled_reported = False
         # worker side
         self._kv_arrays: list = []
         self._block_dim = 0
         self._load_errors: set[int] = set()
+        self._failed_reqs: set[str] = set()
         self._stats = CxlKVStats()
-        logger.info("cxlkv connector (%s) on pool %s, namespace %r, %d-byte blocks", role.name,
-                    self._pool_path, self._ns_name, self._ns.block_bytes)
+        logger.info("cxlkv connector (%s) on pool %s, namespace %r (%s), %d-byte blocks", role.name,
+                    self._pool_path, self._ns_name, self.identity.source(), self._block_bytes)
 
     # ------------------------------------------------------------------------------------------
-    # layout and keys
-    def _describe_layout(self, vllm_config, kv_cache_config, extra):
-        """The namespace: model, dtype, KV layout and TP rank. The raw bytes of a vLLM block
-        depend on the attention backend's layout, so the device type is part of the name."""
-        mc = vllm_config.model_config
+    # identity and keys
+    def _describe(self, vllm_config, kv_cache_config) -> ident.KVIdentity:
         groups = kv_cache_config.kv_cache_groups
         if len(groups) != 1:
             raise ValueError("cxlkv supports models with one KV cache group (uniform attention); "
                              f"this model has {len(groups)}")
         spec = groups[0].kv_cache_spec
         layers = len(groups[0].layer_names)
-        block_bytes = spec.page_size_bytes * layers
         kind = "mla" if "MLA" in type(spec).__name__ else "dense"
-        dtype = str(getattr(spec, "dtype", mc.dtype)).replace("torch.", "")
-        dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "uint8": "uint8",
-                 "float8_e4m3fn": "fp8", "float8_e5m2": "fp8_e5m2", "int8": "int8"}.get(dtype, "bytes")
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         tp_rank = 0
         if self.role == KVConnectorRole.WORKER and tp_size > 1:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
             tp_rank = get_tensor_model_parallel_rank()
-        device = vllm_config.device_config.device_type
-        model_id = str(extra.get("model_id") or mc.served_model_name or mc.model)
-        layout = cxlkv.KVLayout(model_id=model_id[:90], dtype=dtype, num_layers=layers,
-                                num_kv_heads=int(getattr(spec, "num_kv_heads", 1)),
-                                head_size=int(getattr(spec, "head_size", 1)),
-                                tokens_per_block=self._block_size, kind=kind, tp_rank=tp_rank,
-                                tp_size=tp_size, block_bytes=block_bytes)
-        name = extra.get("namespace") or f"{model_id[:60]}|{dtype}|bs{self._block_size}|{device}|tp{tp_rank}/{tp_size}"
-        return layout, name
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        return derive_identity(vllm_config, spec, layers, spec.page_size_bytes * layers, kind,
+                               tp_rank, tp_size, extra)
 
-    def _keys_for(self, request: "Request") -> ChainedKeys:
-        lora = request.lora_request.lora_name if getattr(request, "lora_request", None) else None
+    def _once(self, cause: str, msg: str, *args: Any) -> None:
+        if cause not in self._logged:
+            self._logged.add(cause)
+            logger.warning(msg + " (logged once; counted in the connector's metrics)", *args)
+
+    def _count(self, key: str, n: int = 1) -> None:
+        self._counters[key] = self._counters.get(key, 0) + n
+
+    def _adapter_id(self, lora: Any) -> Optional[str]:
+        """The adapter's content digest (cached by path and mtime); None if unreadable."""
+        path = str(getattr(lora, "lora_path", "") or "")
+        try:
+            stamp = os.stat(path).st_mtime
+        except OSError:
+            stamp = -1.0
+        key = (path, stamp)
+        if key not in self._adapters:
+            try:
+                self._adapters[key] = "lora:" + ident.adapter_digest(path)
+            except (OSError, ValueError) as e:
+                self._once(f"lora:{path}", "cxlkv: LoRA adapter %r at %r cannot be hashed (%s); its "
+                           "requests are not cached", getattr(lora, "lora_name", "?"), path, e)
+                self._adapters[key] = None
+        return self._adapters[key]
+
+    def _keys_for(self, request: "Request") -> Optional[ChainedKeys]:
+        lora_id = None
+        if getattr(request, "lora_request", None) is not None:
+            lora_id = self._adapter_id(request.lora_request)
+            if lora_id is None:
+                return None
+        extra = None
+        embeds = getattr(request, "prompt_embeds", None)
+        if embeds is not None:
+            extra = self._embeds_extra(request, embeds)
         mm = [MMSpan(f.identifier, f.mm_position.offset, f.mm_position.length)
               for f in (getattr(request, "mm_features", None) or [])]
-        return ChainedKeys(root_key(self._ns_name, lora, getattr(request, "cache_salt", None)),
-                           self._block_size, mm)
+        return ChainedKeys(root_key(self._ns_name, lora_id, getattr(request, "cache_salt", None)),
+                           self._block_size, mm, extra=extra)
+
+    def _embeds_extra(self, request: "Request", embeds: Any):
+        """Per-block digest of the prompt embeddings (their token ids are placeholders)."""
+        bs, n_prompt = self._block_size, int(request.num_prompt_tokens)
+        mask = getattr(request, "prompt_is_token_ids", None)
+
+        def extra(b: int) -> bytes:
+            lo, hi = b * bs, min((b + 1) * bs, n_prompt)
+            if lo >= hi:
+                return b""
+            part = ident.tensor_digest(embeds[lo:hi])
+            if mask is not None:
+                part += "|" + "".join("1" if m else "0" for m in list(mask)[lo:hi])
+            return ("embeds:" + part).encode()
+        return extra
 
     def _state(self, request: "Request") -> _ReqState:
         st = self._reqs.get(request.request_id)
         if st is None:
             st = _ReqState(request, self._keys_for(request))
+            if st.keys is None:
+                self._count("uncacheable_requests")
             self._reqs[request.request_id] = st
         return st
 
@@ -189,25 +336,40 @@ class CxlKVConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int):
         st = self._state(request)
         self._release(st)
-        if not self._can_load:
+        if not self._can_load or st.keys is None or not self._guard.usable():
             return 0, False
-        prompt = request.prompt_token_ids or []
+        prompt = (request.prompt_token_ids if request.prompt_token_ids is not None
+                  else list(request.all_token_ids)[:request.num_prompt_tokens])
         # Leave at least one prompt token to compute: vLLM needs it to sample.
         max_blocks = (len(prompt) - 1) // self._block_size
         have = num_computed_tokens // self._block_size
         if max_blocks <= have:
             return 0, False
         keys = st.keys.extend(prompt, upto_blocks=max_blocks)
-        lease = self._ns.acquire(keys[:max_blocks])
+        lease = self._guard.call("acquire", lambda: self._ns.acquire(keys[:max_blocks]))
+        if lease is None:
+            return 0, False
         hit = len(lease)
+        if hit < max_blocks:
+            self._check_pin_cap(request.request_id, keys[hit:max_blocks], hit)
         if hit <= have:
-            lease.release()
+            self._guard.retire(lease)
             return 0, False
         st.lease = lease
         st.load = BlockOp(request.request_id, keys[have:hit], [], start_depth=have)
         logger.debug("cxlkv: %s: %d of %d prompt blocks in the pool (%d computed locally)",
                      request.request_id, hit, max_blocks, have)
         return (hit - have) * self._block_size, False
+
+    def _check_pin_cap(self, req_id: str, rest: list, hit: int) -> None:
+        """A hit that stopped while the next block is in the pool was capped by pin slots."""
+        more = self._guard.call("match_prefix", lambda: self._ns.match_prefix(rest)) or 0
+        if more > 0:
+            self._count("pin_capped_requests")
+            self._count("pin_capped_blocks", more)
+            self._once("pin_cap", "cxlkv: %s: the prefix hit stopped at %d blocks although %d more "
+                       "are in pool %s: the pool's pin slots are exhausted (create it with more "
+                       "pin_slots)", req_id, hit, more, self._pool_path)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int):
@@ -232,6 +394,9 @@ class CxlKVConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         self._step += 1
         meta = CxlKVConnectorMetadata()
+        if not self._guard.usable() and not self._disabled_reported:
+            self._disabled_reported = True
+            self._count("pool_disabled")
         sched = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
@@ -239,6 +404,9 @@ class CxlKVConnector(KVConnectorBase_V1):
                 continue
             st.block_ids = list(new.block_ids[0])
             st.saved_blocks = 0
+            # (Re)scheduled from scratch (a preempted request may come back as new): the KV of
+            # held saves lived in blocks it no longer owns.
+            self._drop_held(st, "rescheduled as new")
             self._plan(st, new.req_id, new.num_computed_tokens + sched.get(new.req_id, 0), meta)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -247,20 +415,28 @@ class CxlKVConnector(KVConnectorBase_V1):
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
+                # Preempted and resumed: the KV of held saves is gone; recompute re-saves them.
                 st.block_ids = list(new_ids[0]) if new_ids else []
+                self._drop_held(st, "preempted")
             elif new_ids:
                 st.block_ids.extend(new_ids[0])
             self._plan(st, req_id, cached.num_computed_tokens[i] + sched.get(req_id, 0), meta)
+        meta.counters, self._counters = {k: v for k, v in self._counters.items() if v}, {}
         return meta
 
     def _plan(self, st: _ReqState, req_id: str, computed_after_step: int, meta) -> None:
+        # A load planned for this step is sent even when the pool has failed since: the worker
+        # then reports its blocks as load errors, and vLLM recomputes them.
         if st.load is not None and st.load.block_ids:
             meta.loads.append(st.load)
             st.saved_blocks = max(st.saved_blocks, st.load.start_depth + len(st.load.keys))
-            st.lease_step = self._step
+            st.inflight, st.lease_step = st.load, self._step
             st.load = None
-        if not self._can_save:
+        if not self._can_save or st.keys is None or not self._guard.usable():
             return
+        if st.held and st.inflight is None:  # their load was confirmed
+            meta.saves.extend(st.held)
+            st.held = []
         tokens = st.request.all_token_ids
         full = min(computed_after_step, len(tokens)) // self._block_size
         full = min(full, len(st.block_ids))
@@ -268,15 +444,47 @@ class CxlKVConnector(KVConnectorBase_V1):
             return
         keys = st.keys.extend(tokens, upto_blocks=full)
         first = st.saved_blocks
-        meta.saves.append(BlockOp(req_id, keys[first:full], st.block_ids[first:full], first))
+        op = BlockOp(req_id, keys[first:full], st.block_ids[first:full], first)
         st.saved_blocks = full
+        # KV computed while a load is unconfirmed may sit on top of blocks that never arrived.
+        (st.held if st.inflight is not None else meta.saves).append(op)
+
+    def _drop_held(self, st: _ReqState, why: str) -> None:
+        if st.held:
+            st.saved_blocks = min(st.saved_blocks, st.held[0].start_depth)
+            logger.debug("cxlkv: %s: %d held saves dropped (%s)", st.held[0].req_id, len(st.held), why)
+            st.held = []
 
     def update_connector_output(self, connector_output) -> None:
-        # One call per completed step, in order: loads of steps <= completed are done.
+        # One call per completed step, in order: loads of steps <= completed are done. Failures
+        # are matched by block id, so a late report is still attributed to its request.
         self._completed_steps += 1
+        invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
         for st in self._reqs.values():
+            op = st.inflight
+            if op is not None:
+                bad = [i for i, b in enumerate(op.block_ids) if b in invalid]
+                if bad:
+                    self._load_failed(st, op, bad[0])
+                elif st.lease_step is not None and st.lease_step <= self._completed_steps:
+                    st.inflight = None  # confirmed: held saves go out with the next step
             if st.lease is not None and st.lease_step is not None and st.lease_step <= self._completed_steps:
                 self._release(st)
+
+    def _load_failed(self, st: _ReqState, op: BlockOp, first_bad: int) -> None:
+        """vLLM recomputes from the first failed block: nothing computed on top of it is saved,
+        and those blocks are saved again once recomputed."""
+        depth = op.start_depth + first_bad
+        self._count("saves_dropped_after_failed_load", sum(len(h.keys) for h in st.held))
+        st.held = []
+        st.inflight = None
+        st.saved_blocks = min(st.saved_blocks, depth)
+        self._release(st)
+        # The block that failed (corrupt, or gone) must not be found again by anyone; the core
+        # drops a checksum failure itself, this covers a pin that kept it (no-op when absent).
+        self._guard.call("delete", lambda: self._ns.delete(op.keys[first_bad]))
+        logger.info("cxlkv: %s: load failed at block %d; vLLM recomputes from there and the "
+                    "connector saves those blocks again", op.req_id, depth)
 
     def request_finished(self, request: "Request", block_ids: list[int]):
         st = self._reqs.pop(request.request_id, None)
@@ -284,10 +492,9 @@ class CxlKVConnector(KVConnectorBase_V1):
             self._release(st)
         return False, None
 
-    @staticmethod
-    def _release(st: _ReqState) -> None:
+    def _release(self, st: _ReqState) -> None:
         if st.lease is not None:
-            st.lease.release()
+            self._guard.retire(st.lease)
             st.lease = None
             st.lease_step = None
 
@@ -301,24 +508,30 @@ class CxlKVConnector(KVConnectorBase_V1):
         # CUDA-style layouts put K/V first: [2, num_blocks, ...]; CPU ones lead with blocks.
         self._block_dim = 1 if first.shape[0] == 2 and first.ndim > 1 and first.shape[1] == num_blocks else 0
         per_block = sum(a.element_size() * a[(slice(None),) * self._block_dim + (0,)].numel() for a in arrays)
-        if per_block != self._ns.block_bytes:
+        if per_block != self._block_bytes:
             raise ValueError(f"cxlkv: the KV cache holds {per_block} bytes per block, the namespace "
-                             f"{self._ns_name!r} expects {self._ns.block_bytes}")
+                             f"{self._ns_name!r} expects {self._block_bytes}")
         self._kv_arrays = [a.detach() for a in arrays]
         logger.info("cxlkv: %d KV layers registered, %s, block_dim=%d", len(arrays),
                     tuple(first.shape), self._block_dim)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
+        self._failed_reqs = set()
+        if self.identity.tp_rank == 0:
+            for k, v in meta.counters.items():
+                self._stats.data[k] = self._stats.data.get(k, 0) + v
         for op in meta.loads:
             t0 = time.perf_counter()
-            n = self._ns.load(op.keys, self._kv_arrays, op.block_ids, block_dim=self._block_dim)
+            n = self._guard.call("load", lambda: self._ns.load(
+                op.keys, self._kv_arrays, op.block_ids, block_dim=self._block_dim)) or 0
             self._stats.data["load_s"] += time.perf_counter() - t0
             self._stats.data["load_blocks"] += n
-            self._stats.data["load_bytes"] += n * self._ns.block_bytes
+            self._stats.data["load_bytes"] += n * self._block_bytes
             if n < len(op.keys):
                 self._stats.data["load_failed_blocks"] += len(op.keys) - n
                 self._load_errors.update(op.block_ids[n:])
+                self._failed_reqs.add(op.req_id)
                 logger.warning("cxlkv: %s: %d of %d blocks failed to load; vLLM recomputes them",
                                op.req_id, len(op.keys) - n, len(op.keys))
 
@@ -331,12 +544,26 @@ class CxlKVConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         for op in meta.saves:
+            if op.req_id in self._failed_reqs:
+                # Defence in depth (the scheduler holds such saves): this rank's load failed in
+                # this very step, so this step's KV of the request sits on missing blocks.
+                self._stats.data["saves_dropped_after_failed_load"] += len(op.keys)
+                continue
             t0 = time.perf_counter()
-            n = self._ns.store(op.keys, self._kv_arrays, op.block_ids, block_dim=self._block_dim,
-                               start_depth=op.start_depth)
+            n = self._guard.call("store", lambda: self._ns.store(
+                op.keys, self._kv_arrays, op.block_ids, block_dim=self._block_dim,
+                start_depth=op.start_depth))
+            if n is None:
+                continue
             self._stats.data["save_s"] += time.perf_counter() - t0
             self._stats.data["save_blocks"] += n
-            self._stats.data["save_bytes"] += n * self._ns.block_bytes
+            self._stats.data["save_bytes"] += n * self._block_bytes
+            if n < len(op.keys):
+                self._stats.data["save_failed_blocks"] += len(op.keys) - n
+                self._once("save_failed", "cxlkv: %s: %d of %d blocks could not be saved to pool %s "
+                           "(no free block: the pool is full of pinned or in-flight blocks); "
+                           "see `cxlkv pool stats` puts_failed", op.req_id, len(op.keys) - n,
+                           len(op.keys), self._pool_path)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -353,7 +580,6 @@ class CxlKVConnector(KVConnectorBase_V1):
         return CxlKVStats(data=dict(data)) if data is not None else CxlKVStats()
 
     def shutdown(self):
-        try:
-            self._pool.close()
-        except Exception:  # noqa: BLE001 - shutdown must not raise
-            pass
+        for st in self._reqs.values():
+            self._release(st)
+        self._guard.retire(self._pool)

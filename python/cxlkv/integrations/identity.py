@@ -1,0 +1,385 @@
+"""Identity follows the bytes: the name of a KV namespace is derived from what determines the KV
+bytes, never from a display name (served alias, model path, LoRA name).
+
+Recipe (docs/IDENTITY.md explains the why and the limits):
+
+* the weights, by content: :func:`weights_digest` hashes every weight file's size, its tensor
+  table (safetensors header / GGUF tensor infos: names, dtypes, shapes, offsets) and fixed-size
+  samples of every tensor's bytes at deterministic offsets (start, middle, end);
+* the KV layout (kind, layers, KV heads, head size), the KV cache dtype through the core's
+  canonical dtype table, the KV scales, the quantization method, the block size, the TP rank/size
+  and the device's byte layout: :class:`KVIdentity`.
+
+Per-file digests are cached by (path, size, mtime) beside the model (``.cxlkv-identity.json``)
+or, where that directory is read-only, under ``~/.cache/cxlkv/identity/``: a 100 GB checkpoint
+costs a few thousand small reads once, then a stat per file.
+
+Usable without vLLM (the connector in :mod:`cxlkv.integrations.vllm` is one user).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import struct
+from pathlib import Path
+from typing import Any, Iterable, Optional, Union
+
+__all__ = ["IDENTITY_VERSION", "SAMPLE_BYTES", "WeightsDigest", "KVIdentity", "weights_digest",
+           "file_digest", "adapter_digest", "short_name", "canonical_dtype", "tensor_digest"]
+
+IDENTITY_VERSION = "cxlkv/identity/v1"  # bump when the recipe changes: old namespaces stay apart
+SAMPLE_BYTES = 4096                   # one sample window
+SAMPLES_PER_TENSOR = 3                # start, middle, end of every tensor
+WHOLE_TENSOR_BYTES = 3 * SAMPLE_BYTES  # smaller tensors (norms, biases) are hashed whole
+BLOB_WINDOW_STRIDE = 64 << 20         # unparsed weight files: one window per 64 MiB, at least 64
+BLOB_MIN_WINDOWS = 64
+CACHE_FILE = ".cxlkv-identity.json"
+WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth", ".ckpt", ".npz", ".msgpack",
+                   ".h5")
+# Files beside the weights that change the model's computation (config, quantization, generation
+# is not one of them): hashed whole, they are small.
+CONFIG_FILES = ("config.json", "quantize_config.json", "quant_config.json", "quantization_config.json",
+                "hf_quant_config.json", "adapter_config.json", "params.json")
+MAX_NAME = 95  # the core's kNameBytes - 1
+
+PathLike = Union[str, os.PathLike]
+
+
+# -------------------------------------------------------------------------------------------------
+# dtypes: the core's table is the only one
+def canonical_dtype(dtype: Any) -> str:
+    """Canonical name of a KV cache dtype ('bf16', 'fp8_e4m3', ...) from any alias, a torch or
+    numpy dtype included (the core's table, cxlkv.resolve_dtype). Unknown: ValueError."""
+    import cxlkv
+    return cxlkv.resolve_dtype(str(dtype))
+
+
+# -------------------------------------------------------------------------------------------------
+# names
+def short_name(name: str, limit: int = MAX_NAME) -> str:
+    """``name`` if it fits ``limit`` bytes of printable ASCII; else a readable head plus a hash of
+    the whole name, so two long names never collide by truncation."""
+    if len(name.encode()) <= limit and name.isprintable() and name.isascii():
+        return name
+    digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    head = "".join(c if c.isascii() and c.isprintable() else "_" for c in name)
+    return f"{head[:limit - len(digest) - 1]}~{digest}"
+
+
+# -------------------------------------------------------------------------------------------------
+# content sampling
+def _windows(start: int, length: int, count: int) -> list[tuple[int, int]]:
+    """``count`` windows of SAMPLE_BYTES evenly spread over [start, start + length)."""
+    if length <= max(WHOLE_TENSOR_BYTES, count * SAMPLE_BYTES):
+        return [(start, length)]
+    span = length - SAMPLE_BYTES
+    return [(start + span * i // (count - 1), SAMPLE_BYTES) for i in range(count)]
+
+
+def _hash_windows(h: "hashlib._Hash", f, windows: Iterable[tuple[int, int]]) -> None:
+    for off, n in windows:
+        f.seek(off)
+        data = f.read(n)
+        h.update(struct.pack("<QQ", off, len(data)))
+        h.update(data)
+
+
+def _safetensors_digest(h, f, size: int) -> bool:
+    """Header (tensor table) + samples of every tensor. False when it is not a safetensors file."""
+    head = f.read(8)
+    if len(head) < 8:
+        return False
+    n = struct.unpack("<Q", head)[0]
+    if not 2 <= n <= min(size - 8, 1 << 30):
+        return False
+    try:
+        table = json.loads(f.read(n))
+    except (ValueError, UnicodeDecodeError):
+        return False
+    if not isinstance(table, dict):
+        return False
+    h.update(b"safetensors")
+    h.update(json.dumps(table, sort_keys=True).encode())
+    base = 8 + n
+    for name in sorted(k for k in table if k != "__metadata__"):
+        t = table[name]
+        try:
+            begin, end = (int(x) for x in t["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            return False
+        if not 0 <= begin <= end or base + end > size:
+            return False
+        _hash_windows(h, f, _windows(base + begin, end - begin, SAMPLES_PER_TENSOR))
+    return True
+
+
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
+                 11: "<q", 12: "<d"}
+
+
+def _gguf_tensor_ranges(f, size: int) -> Optional[tuple[bytes, list[tuple[int, int]]]]:
+    """(tensor table bytes, [(offset, length)] of every tensor's data) of a GGUF file, or None."""
+    def read(fmt: str):
+        n = struct.calcsize(fmt)
+        b = f.read(n)
+        if len(b) != n:
+            raise ValueError("short read")
+        return struct.unpack(fmt, b)[0]
+
+    def string() -> bytes:
+        n = read("<Q")
+        if n > 1 << 24:
+            raise ValueError("string too long")
+        return f.read(n)
+
+    def skip_value(t: int, depth: int = 0) -> None:
+        if t in _GGUF_SCALARS:
+            read(_GGUF_SCALARS[t])
+        elif t == 8:
+            string()
+        elif t == 9 and depth < 4:
+            et, count = read("<I"), read("<Q")
+            if count > 1 << 28:
+                raise ValueError("array too long")
+            for _ in range(count):
+                skip_value(et, depth + 1)
+        else:
+            raise ValueError(f"bad GGUF value type {t}")
+
+    try:
+        if f.read(4) != b"GGUF":
+            return None
+        version = read("<I")
+        if version < 2:
+            return None
+        n_tensors, n_kv = read("<Q"), read("<Q")
+        if n_tensors > 1 << 20 or n_kv > 1 << 20:
+            return None
+        alignment = 32
+        for _ in range(n_kv):
+            key, t = string(), read("<I")
+            if key == b"general.alignment" and t == 4:
+                alignment = read("<I") or 32
+            else:
+                skip_value(t)
+        table_start = f.tell()
+        infos = []
+        for _ in range(n_tensors):
+            string()
+            dims = read("<I")
+            if dims > 8:
+                return None
+            for _ in range(dims):
+                read("<Q")
+            read("<I")
+            infos.append(read("<Q"))
+        table = (table_start, f.tell())
+    except (ValueError, struct.error):
+        return None
+    data = (table[1] + alignment - 1) // alignment * alignment
+    offsets = sorted(set(infos))
+    ranges = []
+    for i, off in enumerate(offsets):
+        end = offsets[i + 1] if i + 1 < len(offsets) else size - data
+        if data + end > size or end < off:
+            return None
+        ranges.append((data + off, end - off))
+    f.seek(table[0])
+    return f.read(table[1] - table[0]), ranges
+
+
+def file_digest(path: PathLike) -> str:
+    """Sampled content digest of one weight file (see the module docstring); sha256 hex."""
+    path = Path(path)
+    size = path.stat().st_size
+    h = hashlib.sha256(IDENTITY_VERSION.encode())
+    h.update(struct.pack("<Q", size))
+    with open(path, "rb") as f:
+        if path.suffix == ".safetensors" and _safetensors_digest(h, f, size):
+            return h.hexdigest()
+        f.seek(0)
+        gguf = _gguf_tensor_ranges(f, size) if path.suffix == ".gguf" else None
+        if gguf is not None:
+            h.update(b"gguf")
+            h.update(gguf[0])
+            for off, n in gguf[1]:
+                _hash_windows(h, f, _windows(off, n, SAMPLES_PER_TENSOR))
+            return h.hexdigest()
+        # Unparsed format (pickled .bin, ...): windows spread over the whole file, the start
+        # (headers, tensor tables) included.
+        h.update(b"blob")
+        count = max(BLOB_MIN_WINDOWS, size // BLOB_WINDOW_STRIDE)
+        _hash_windows(h, f, _windows(0, size, count))
+    return h.hexdigest()
+
+
+def tensor_digest(data: Any) -> str:
+    """sha256 of a tensor's (or buffer's) raw bytes: the key material of prompt embeddings."""
+    if hasattr(data, "detach"):  # torch: a byte view of the CPU copy, no dtype conversion
+        t = data.detach().cpu().contiguous()
+        h = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(-1).view(__import__("torch").uint8).numpy().tobytes())
+        return h.hexdigest()
+    return hashlib.sha256(memoryview(data).cast("B")).hexdigest()
+
+
+# -------------------------------------------------------------------------------------------------
+# the cache
+def _cache_path(root: Path) -> Path:
+    d = root if root.is_dir() else root.parent
+    if os.access(d, os.W_OK):
+        return d / (CACHE_FILE if root.is_dir() else f".{root.name}{CACHE_FILE}")
+    tag = hashlib.sha256(str(root).encode()).hexdigest()[:24]
+    return Path.home() / ".cache" / "cxlkv" / "identity" / f"{tag}.json"
+
+
+def _load_cache(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        return data if data.get("version") == IDENTITY_VERSION else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _save_cache(path: Path, data: dict) -> None:
+    """Best effort (a read-only tree, a full disk just mean recomputing next time); atomic."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, sort_keys=True, indent=0))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightsDigest:
+    digest: str        # sha256 hex over every weight/config file's digest
+    files: int
+    total_bytes: int
+    commit: str = ""   # a Hugging Face snapshot's commit, shown in `source` only
+    path: str = ""
+
+    def describe(self) -> str:
+        gb = self.total_bytes / 1e9
+        commit = f" hf-commit {self.commit[:12]}" if self.commit else ""
+        return f"weights sha256~{self.digest[:16]} ({self.files} files, {gb:.2f} GB){commit} at {self.path}"
+
+
+def _weight_files(root: Path) -> list[Path]:
+    if root.is_file():
+        return [root]
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for fn in filenames:
+            if fn.endswith(WEIGHT_SUFFIXES) or fn in CONFIG_FILES:
+                out.append(Path(dirpath) / fn)
+    return sorted(out)
+
+
+def _hf_commit(root: Path) -> str:
+    parts = root.resolve().parts
+    if len(parts) >= 3 and parts[-2] == "snapshots" and re.fullmatch(r"[0-9a-f]{40}", parts[-1]):
+        return parts[-1]
+    return ""
+
+
+def weights_digest(path: PathLike) -> WeightsDigest:
+    """Content identity of a model directory (or a single weight file such as a .gguf).
+
+    The same bytes at another path give the same digest (file names relative to the directory
+    are hashed, absolute paths are not); any change to a sampled window, a tensor table, a file
+    size or a config file gives another."""
+    root = Path(path).expanduser().absolute()
+    files = _weight_files(root)
+    if not any(f.suffix in WEIGHT_SUFFIXES for f in files):
+        raise FileNotFoundError(f"no weight files ({', '.join(WEIGHT_SUFFIXES)}) under {root}")
+    cache_file = _cache_path(root)
+    cache = _load_cache(cache_file)
+    entries = cache.get("files", {})
+    fresh = {}
+    h = hashlib.sha256(IDENTITY_VERSION.encode())
+    total = 0
+    for f in files:
+        # Names inside a directory (shards) are content; the name of a lone file (a .gguf) is not.
+        rel = "" if root.is_file() else f.relative_to(root).as_posix()
+        st = f.stat()
+        stamp = [st.st_size, st.st_mtime_ns]
+        hit = entries.get(rel)
+        if hit and hit.get("stamp") == stamp:
+            digest = hit["digest"]
+        elif f.name in CONFIG_FILES:
+            digest = hashlib.sha256(f.read_bytes()).hexdigest()
+        else:
+            digest = file_digest(f)
+        fresh[rel] = {"stamp": stamp, "digest": digest}
+        total += st.st_size
+        name = rel.encode()
+        h.update(struct.pack("<I", len(name)) + name + bytes.fromhex(digest))
+    if fresh != entries:
+        _save_cache(cache_file, {"version": IDENTITY_VERSION, "files": fresh})
+    return WeightsDigest(h.hexdigest(), len(files), total, _hf_commit(root), str(root))
+
+
+def adapter_digest(path: PathLike) -> str:
+    """Content identity of a LoRA adapter directory (same recipe as the weights)."""
+    return weights_digest(path).digest
+
+
+# -------------------------------------------------------------------------------------------------
+# the namespace
+@dataclasses.dataclass(frozen=True)
+class KVIdentity:
+    """Everything that determines the bytes of one KV block; two identities that differ in any
+    field never share a namespace. ``weights`` is a :func:`weights_digest` or an operator's
+    ``model_id`` override (then ``weights_source`` says so)."""
+
+    weights: str
+    dtype: str                 # canonical KV cache dtype (canonical_dtype)
+    kind: str                  # 'dense' | 'mla' | 'opaque'
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int            # tokens per block
+    tp_rank: int = 0
+    tp_size: int = 1
+    kv_scales: str = "none"    # how K/V are scaled into dtype (fp8: the scales or their method)
+    quantization: str = "none"  # weight quantization method (changes the computed KV)
+    compute_dtype: str = ""     # the model's activation dtype (K/V are computed in it)
+    overrides: str = ""         # runtime changes to the model's config (vLLM hf_overrides)
+    device_layout: str = "cpu"  # device type + attention backend + block byte layout
+    block_bytes: int = 0
+    weights_source: str = dataclasses.field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+
+    def fields(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop("weights_source")
+        return d
+
+    def digest(self) -> str:
+        blob = json.dumps({"v": IDENTITY_VERSION, **self.fields()}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+    def namespace_name(self) -> str:
+        """What the namespace is called in the pool: the identity's digest (no display name: the
+        same bytes under two aliases must share it), 192 bits."""
+        return f"kv1-{self.digest()[:48]}"
+
+    def model_id(self) -> str:
+        """The layout's model_id field (96 bytes): the weights identity, hashed if too long."""
+        return short_name(self.weights)
+
+    def source(self, limit: int = 255) -> str:
+        """Human-readable provenance for ``cxlkv pool info`` (display only, never identity)."""
+        s = (f"{self.weights_source or self.weights}; kv {self.dtype} scales={self.kv_scales} "
+             f"quant={self.quantization} bs{self.block_size} tp{self.tp_rank}/{self.tp_size} "
+             f"{self.device_layout}")
+        s = "".join(c if c.isprintable() and c.isascii() else "?" for c in s)
+        return s if len(s) <= limit else s[:limit - 3] + "..."

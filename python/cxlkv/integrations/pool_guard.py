@@ -1,0 +1,142 @@
+"""A pool that goes bad under a serving engine degrades the engine to "no cache", never kills it.
+
+The pool file can be truncated, deleted or replaced while an engine has it mapped, and any call
+into the pool can raise (a corrupt header, a full table, a bug). The connector asks
+:meth:`PoolGuard.usable` at the entry of every hook and runs pool calls through
+:meth:`PoolGuard.call`; the first problem is logged once (naming the pool and the cause) and from
+then on the process serves without the cache: vLLM recomputes everything.
+
+Truncation is the dangerous one: touching a page past the new end of the file raises SIGBUS.
+:meth:`usable` compares the path's inode and size with what was mapped (a ``stat``, rate-limited
+to ``check_interval_s``) before the hook touches the pool, so a truncation between two steps is
+seen before any access. A truncation during a copy is the core's to convert into
+``PoolTruncatedError`` (caught here like any error). Once the file is known to be truncated,
+nothing may touch the mapping again, not even a lease's or the pool's destructor: those objects
+are kept alive for the rest of the process (:meth:`PoolGuard.retire`).
+
+The verdict is process-wide (keyed by the mapped file's device, inode and pool uuid), so the scheduler-side
+and worker-side connectors of one process stop together.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+import time
+from typing import Any, Callable, Optional, TypeVar
+
+T = TypeVar("T")
+
+# (st_dev, st_ino, pool uuid) of a mapped pool -> why it may no longer be used (the uuid: inode
+# numbers are reused once a file is gone)
+_BROKEN: dict[tuple[int, int, str], tuple[str, bool]] = {}  # -> (cause, maybe truncated)
+_LOCK = threading.Lock()
+
+
+def _keep_forever(obj: Any) -> None:
+    """One reference that is never dropped, not even at interpreter shutdown: the object's
+    destructor (which would touch a truncated mapping) never runs."""
+    if obj is not None:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+
+
+class PoolGuard:
+    def __init__(self, pool: Any, path: str, logger: logging.Logger, check_interval_s: float = 0.001):
+        self.pool = pool
+        self.path = path
+        self.log = logger
+        self.check_interval_s = check_interval_s
+        self._next_check = 0.0
+        self.cause: Optional[str] = None
+        self.truncated = False
+        if pool is None:  # see unusable()
+            self._file, self._key = (0, 0), (0, 0, f"unopened:{path}")
+            return
+        info = pool.info()
+        st = os.stat(path)
+        # The core's own view of the inode it mapped where it has one (no stat race at open).
+        self._file = (st.st_dev, int(info.get("file_ino", st.st_ino)))
+        self._key = (*self._file, str(info.get("uuid", "")))
+        self._size = int(pool.size)
+
+    @classmethod
+    def unusable(cls, path: str, logger: logging.Logger, cause: str, exc: BaseException) -> "PoolGuard":
+        """A guard for a pool that could not even be opened: logs why, once; never usable."""
+        guard = cls(None, path, logger)
+        guard.fail(cause, exc)
+        return guard
+
+    # -------------------------------------------------------------------------------------------
+    def _file_problem(self) -> Optional[str]:
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return "the pool file was deleted"
+        except OSError as e:
+            return f"the pool file cannot be stat'ed ({e.strerror})"
+        if (st.st_dev, st.st_ino) != self._file:
+            return "the pool file was replaced by another file"
+        if st.st_size < self._size:
+            self.truncated = True
+            return f"the pool file was truncated to {st.st_size} bytes (mapped {self._size})"
+        replaced = getattr(self.pool, "file_replaced", None)
+        if replaced is not None and replaced():
+            return "the pool file was replaced (core check)"
+        return None
+
+    def usable(self) -> bool:
+        """False once the pool is known bad (here or in another connector of this process)."""
+        if self.cause is not None:
+            return False
+        shared = _BROKEN.get(self._key)
+        if shared is not None:
+            self.cause, self.truncated = shared
+            return False
+        now = time.monotonic()
+        if now >= self._next_check:
+            self._next_check = now + self.check_interval_s
+            problem = self._file_problem()
+            if problem is not None:
+                self.fail(problem)
+                return False
+        return True
+
+    def fail(self, cause: str, exc: Optional[BaseException] = None) -> None:
+        """Marks the pool unusable for this process; logs once per process and pool."""
+        if exc is not None:
+            cause = f"{cause}: {type(exc).__name__}: {exc}"
+            if type(exc).__name__ == "PoolTruncatedError":
+                self.truncated = True
+        with _LOCK:
+            first = self._key not in _BROKEN
+            _BROKEN.setdefault(self._key, (cause, self.truncated))
+        self.cause, self.truncated = _BROKEN[self._key]
+        if first:
+            self.log.error("cxlkv: pool %s is no longer usable (%s); this process serves without "
+                           "the KV cache from now on (vLLM recomputes)", self.path, cause)
+
+    def call(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Optional[T]:
+        """fn(*args) if the pool is usable and the call succeeds; None otherwise."""
+        if not self.usable():
+            return None
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - any pool failure degrades to "no cache"
+            self.fail(f"{what} failed", e)
+            return None
+
+    def retire(self, obj: Any) -> None:
+        """Drops obj (a lease, the pool) in a way that is safe for a bad pool: released or closed
+        while the mapping is still sound, kept alive forever when it may be truncated."""
+        if obj is None:
+            return
+        if not self.usable() and not self.truncated:
+            self._file_problem()  # a file deleted first may have been truncated since
+        if self.cause is None or not self.truncated:
+            try:
+                (getattr(obj, "release", None) or obj.close)()
+                return
+            except Exception as e:  # noqa: BLE001
+                self.fail("release failed", e)
+        _keep_forever(obj)
