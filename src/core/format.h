@@ -143,12 +143,29 @@ inline uint64_t make_node_word(uint8_t st, uint32_t pid, uint32_t epoch) {
 // not be freed (hazard-pointer style; validated by generation, no shared counters).
 // Counters are monotonic over the pool's life: an attaching node keeps the slot's counters, so
 // stats() (the sum over all slots) still counts processes that have exited.
+// The ONE list of counters: X(enum name, name shown by `pool stats`, meaning). Append only: a
+// counter's position is its index in NodeAreaFixed.counters of existing pools.
+#define CXLKV_COUNTERS(X)                                                                        \
+  X(kHits, hits, "lookups that delivered a block")                                               \
+  X(kMisses, misses, "lookups that found nothing usable")                                        \
+  X(kPuts, puts, "blocks stored")                                                                \
+  X(kPutsPresent, puts_present, "puts of a key already stored")                                  \
+  X(kPutsFailed, puts_failed, "puts that found no block to allocate or evict")                   \
+  X(kEvictions, evictions, "blocks evicted to make room")                                        \
+  X(kChecksumFailures, checksum_failures, "reads whose delivered bytes failed the checksum")     \
+  X(kBytesStored, bytes_stored, "payload bytes stored")                                          \
+  X(kBytesLoaded, bytes_loaded, "payload bytes delivered")                                       \
+  X(kDeletes, deletes, "entries deleted")                                                        \
+  X(kReclaimedNodes, reclaimed_nodes, "dead nodes reclaimed")                                    \
+  X(kEvictSkippedPinned, evict_skipped_pinned, "eviction candidates skipped: pinned")            \
+  X(kCorruptEntries, corrupt_entries, "entries dropped as corrupt")                              \
+  X(kCondemnedEntries, condemned, "entries taken out after a checksum failure (kCondemned)")     \
+  X(kPinsExhausted, pins_exhausted, "gets/acquires that found no free pin slot")                 \
+  X(kPutsInFlight, puts_in_flight, "puts that found the key being written by a live node")
 enum Counter : uint32_t {
-  kHits, kMisses, kPuts, kPutsPresent, kPutsFailed, kEvictions, kChecksumFailures,
-  kBytesStored, kBytesLoaded, kDeletes, kReclaimedNodes, kEvictSkippedPinned, kCorruptEntries,
-  kCondemnedEntries, // entries taken out of the index after a checksum failure (see kCondemned state)
-  kPinsExhausted, // a get or acquire found no free pin slot in this node's pin array
-  kPutsInFlight,  // put found the key being written by a live node: not stored (yet)
+#define CXLKV_COUNTER_ENUM(id, name, what) id,
+  CXLKV_COUNTERS(CXLKV_COUNTER_ENUM)
+#undef CXLKV_COUNTER_ENUM
   kCounterCount
 };
 struct alignas(kCacheLine) NodeAreaFixed {

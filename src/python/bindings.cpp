@@ -323,11 +323,11 @@ nb::dict info_dict(Pool& p) {
   return d;
 }
 
-const char* kCounterNames[] = {"hits", "misses", "puts", "puts_present", "puts_failed", "evictions",
-                               "checksum_failures", "bytes_stored", "bytes_loaded", "deletes",
-                               "reclaimed_nodes", "evict_skipped_pinned", "corrupt_entries", "condemned",
-                               "pins_exhausted", "puts_in_flight"};
-static_assert(sizeof(kCounterNames) / sizeof(kCounterNames[0]) == format::kCounterCount);
+const char* kCounterNames[] = {
+#define CXLKV_COUNTER_NAME(id, name, what) #name,
+    CXLKV_COUNTERS(CXLKV_COUNTER_NAME)
+#undef CXLKV_COUNTER_NAME
+};
 
 // Strings read from the pool are untrusted bytes: decode them without ever failing.
 nb::object pool_str(const std::string& s) {
