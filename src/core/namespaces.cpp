@@ -78,6 +78,7 @@ std::vector<std::pair<NsHandle, Layout>> Pool::list_namespaces() {
 }
 
 NsHandle Pool::open_namespace(const Layout& want) {
+  if (!node_id_) throw Error("pool " + path_ + " was opened as an observer (attach=false): it cannot open namespaces");
   if (want.name.empty() || want.name.size() >= kNameBytes)
     throw ArgumentError("namespace name must have 1.." + std::to_string(kNameBytes - 1) + " bytes");
   if (want.model_id.size() >= kModelIdBytes)
