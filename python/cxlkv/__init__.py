@@ -100,18 +100,23 @@ class Pool:
     @classmethod
     def create(cls, path: str = DEFAULT_POOL_PATH, size: SizeLike = "1GiB", *, chunk_size: Optional[SizeLike] = None,
                index_slots: Optional[int] = None, max_nodes: int = 64, pin_slots: int = 256,
-               max_namespaces: int = 64, backend: str = "coherent", exist_ok: bool = False) -> "Pool":
+               max_namespaces: int = 64, backend: str = "coherent", exist_ok: bool = False,
+               lease_ms: int = 10000) -> "Pool":
+        """lease_ms: how long a node of another kernel may stay silent before it is judged dead
+        (nodes of this kernel are judged by a kernel lock, at once)."""
         core = _core.Pool.create(
             os.fspath(path), parse_size(size), chunk_bytes=parse_size(chunk_size) if chunk_size else 0,
             index_slots=index_slots or 0, max_nodes=max_nodes, pin_slots=pin_slots,
-            max_namespaces=max_namespaces, backend=backend, exist_ok=exist_ok)
+            max_namespaces=max_namespaces, backend=backend, exist_ok=exist_ok, lease_ms=lease_ms)
         return cls(core)
 
     @classmethod
-    def open(cls, path: str = DEFAULT_POOL_PATH, *, populate: bool = False) -> "Pool":
+    def open(cls, path: str = DEFAULT_POOL_PATH, *, populate: bool = False, attach: bool = True) -> "Pool":
         """Attach to an existing pool. populate=True maps every page now (long-lived servers),
-        instead of faulting pages in during the first copies."""
-        return cls(_core.Pool.open(os.fspath(path), populate=populate))
+        instead of faulting pages in during the first copies. attach=False opens an observer that
+        takes no node slot (works on a full node table; may still reclaim dead nodes) and
+        cannot open namespaces: for info, stats, check and reap."""
+        return cls(_core.Pool.open(os.fspath(path), populate=populate, attach=attach))
 
     @classmethod
     def open_or_create(cls, path: str = DEFAULT_POOL_PATH, size: SizeLike = "1GiB", **kwargs) -> "Pool":
@@ -189,7 +194,19 @@ class Pool:
         return self._core.check()
 
     def reap_dead_nodes(self) -> int:
+        """Reclaims every node judged dead now; returns how many."""
         return self._core.reap_dead_nodes()
+
+    def nodes(self) -> list:
+        """Every attached node slot with its liveness verdict and evidence (see ARCHITECTURE.md,
+        Liveness): judged by the kernel lock on this kernel, by the heartbeat lease otherwise."""
+        return self._core.nodes()
+
+    def reap_node(self, node: int, *, force: bool = False) -> dict:
+        """Reclaims one node if it is dead (waiting up to a lease to judge a node of another
+        kernel). force=True reclaims it even if alive: its process is fenced and its next
+        operation fails. Returns the judgment, with ``reclaimed``."""
+        return self._core.reap_node(node, force)
 
     def __repr__(self) -> str:
         if self.closed:

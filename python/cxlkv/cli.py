@@ -1,10 +1,11 @@
 """The ``cxlkv`` command line: pool administration, benchmarks and the demo.
 
     cxlkv pool create PATH --size 4GiB [--chunk-size 8MiB] [--index-slots N] [--max-nodes N]
-                           [--pin-slots N] [--backend coherent|flush] [--force]
-    cxlkv pool info    [PATH] [--json]
+                           [--pin-slots N] [--backend coherent|flush] [--lease-ms MS] [--force]
+    cxlkv pool info    [PATH] [--json]      header, geometry, namespaces, nodes and their liveness
     cxlkv pool stats   [PATH] [--json]
     cxlkv pool check   [PATH] [--json]      exit 1 when an inconsistency is found
+    cxlkv pool reap    NODE [PATH] [--force] [--json]   reclaim one dead node (--force: even a live one)
     cxlkv pool destroy PATH
     cxlkv bench copy   [--json] [--geometry llama3-8b|smollm2-135m|all] [--iters N]
     cxlkv bench index  [--procs N[,N...]] [--json] [--ops N]
@@ -258,7 +259,7 @@ def cmd_pool_create(args) -> int:
     import cxlkv
 
     kwargs: dict[str, Any] = {"backend": args.backend}
-    for name in ("chunk_size", "index_slots", "max_nodes", "pin_slots"):
+    for name in ("chunk_size", "index_slots", "max_nodes", "pin_slots", "lease_ms"):
         v = getattr(args, name)
         if v is not None:
             kwargs[name] = v
@@ -275,15 +276,31 @@ def cmd_pool_create(args) -> int:
     return 0
 
 
-def cmd_pool_info(args) -> int:
+_NODE_COLUMNS = ("node", "state", "verdict", "judged_by", "evidence", "pid", "pid_ns", "heartbeat",
+                 "attach_unix_ns")
+
+
+def _node_rows(nodes: list[dict]) -> list[dict]:
+    """The node table as shown to a person: the pid is the owner's, in ITS pid namespace."""
+    return [{c: n.get(c) for c in _NODE_COLUMNS} for n in nodes]
+
+
+def _observer(path: str):
+    """Opens PATH without taking a node slot: works when the node table is full."""
     import cxlkv
 
-    with cxlkv.Pool.open(args.path) as pool:
+    return cxlkv.Pool.open(path, attach=False)
+
+
+def cmd_pool_info(args) -> int:
+    with _observer(args.path) as pool:
         info = _pool_info_dict(pool)
         namespaces = list(pool.namespaces())
+        nodes = list(pool.nodes())
     if args.json:
         out = dict(info)
         out.setdefault("namespaces", namespaces)
+        out["nodes"] = nodes
         print_json(out)
     else:
         con = _console()
@@ -291,25 +308,50 @@ def cmd_pool_info(args) -> int:
         info.pop("namespaces", None)
         render_mapping(con, f"pool {args.path}", info)
         render_namespaces(con, namespaces)
+        render_rows(con, "nodes", _node_rows(nodes))
     return 0
 
 
 def cmd_pool_stats(args) -> int:
-    import cxlkv
-
-    with cxlkv.Pool.open(args.path) as pool:
+    with _observer(args.path) as pool:
         stats = dict(pool.stats())
+        nodes = list(pool.nodes())
     if args.json:
+        stats["nodes"] = nodes
         print_json(stats)
     else:
-        render_mapping(_console(), f"stats {args.path}", stats)
+        con = _console()
+        render_mapping(con, f"stats {args.path}", stats)
+        render_rows(con, "nodes", _node_rows(nodes))
     return 0
 
 
-def cmd_pool_check(args) -> int:
-    import cxlkv
+def cmd_pool_reap(args) -> int:
+    with _observer(args.path) as pool:
+        if args.force:
+            print(f"cxlkv: warning: --force reclaims node {args.node} even if its process is alive; that "
+                  "process is fenced (its next operation fails) and blocks it was writing are lost",
+                  file=sys.stderr)
+        res = dict(pool.reap_node(args.node, force=args.force))
+    if args.json:
+        print_json(res)
+    else:
+        con = _console()
+        if res["state"] == "free":
+            con.print(f"node {res['node']}: not attached (free slot); nothing to reclaim")
+        else:
+            what = "reclaimed" if res["reclaimed"] else "not reclaimed"
+            con.print(f"node {res['node']}: {what} ({res['verdict']}: {_escape(str(res['evidence']))})")
+    if res["reclaimed"] or res["state"] == "free":
+        return 0
+    if not args.json:
+        print(f"cxlkv: error: node {args.node} is {res['verdict']}; use --force to reclaim it anyway",
+              file=sys.stderr)
+    return 1
 
-    with cxlkv.Pool.open(args.path) as pool:
+
+def cmd_pool_check(args) -> int:
+    with _observer(args.path) as pool:
         report = dict(pool.check())
     errors = list(report.get("errors") or [])
     ok = bool(report.get("ok", not errors)) and not errors
@@ -442,6 +484,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--pin-slots", type=_pos_int, default=None, help="pin slots per process (default 256)")
     c.add_argument("--backend", choices=["coherent", "flush"], default="coherent",
                    help="memory backend: coherent (one host) or flush (non-coherent CXL)")
+    c.add_argument("--lease-ms", type=_pos_int, default=None,
+                   help="heartbeat lease for nodes of another kernel, ms (default 10000)")
     c.add_argument("--force", action="store_true", help="destroy an existing pool at PATH first")
     c.add_argument("--json", action="store_true", help="print the new pool's info as JSON")
     c.set_defaults(func=cmd_pool_create)
@@ -455,6 +499,14 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("path", nargs="?", default=DEFAULT_POOL, help=f"pool path (default {DEFAULT_POOL})")
         s.add_argument("--json", action="store_true", help="print one JSON object")
         s.set_defaults(func=func)
+
+    r = psub.add_parser("reap", help="reclaim one dead node (what it held: pins, half-written blocks)")
+    r.add_argument("node", type=_pos_int, help="node id, as listed by 'pool info'")
+    r.add_argument("path", nargs="?", default=DEFAULT_POOL, help=f"pool path (default {DEFAULT_POOL})")
+    r.add_argument("--force", action="store_true",
+                   help="reclaim even a node judged alive (its process is fenced); exit 1 without it")
+    r.add_argument("--json", action="store_true", help="print one JSON object")
+    r.set_defaults(func=cmd_pool_reap)
 
     d = psub.add_parser("destroy", help="unlink a file pool / wipe a devdax pool header")
     d.add_argument("path", help="pool path, e.g. /dev/shm/cxlkv")

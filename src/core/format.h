@@ -118,7 +118,7 @@ struct SharedWords {
 //   reclaimer wrote. `beat` advances every lease_ms/4 while the owner's state word is unchanged.
 //
 // Liveness invariants (who may be judged dead, and how):
-//   L1 Same kernel: the owner holds an OFD write lock on byte lock_offset(slot) of the pool file
+//   L1 Same kernel: the owner holds an OFD write lock on byte Pool::lock_offset(slot) of the pool file
 //      from before its claim until after its FREE publish; a reclaimer takes that lock before it
 //      claims the slot RECLAIMING and keeps it until FREE. A judge whose (host_id, lock_id) equal
 //      the slot's (domain tag for CLAIMED/RECLAIMING, the fields for ALIVE) judges by the lock

@@ -178,6 +178,7 @@ uint64_t Pool::reap_pass(uint64_t* undecided) {
     if (n.verdict == NodeInfo::kUndecided && undecided) ++*undecided;
     if (reclaim_judged(i, w, n, false)) ++reaped;
   }
+  reaped_unreported_.fetch_add(reaped, std::memory_order_relaxed);
   return reaped;
 }
 
@@ -208,6 +209,7 @@ NodeInfo Pool::reap_node(uint32_t id, bool force, bool* reclaimed) {
       NodeInfo n = judge(idx, w);
       if (n.verdict != NodeInfo::kUndecided || force || liveness::mono_ns() > deadline) {
         *reclaimed = reclaim_judged(idx, w, n, force);
+        if (*reclaimed) reaped_unreported_.fetch_add(1, std::memory_order_relaxed);
         return n;
       }
     }

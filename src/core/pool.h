@@ -178,7 +178,12 @@ class Pool {
   bool reclaim_judged(uint32_t idx, uint64_t word, const NodeInfo& n, bool force);
   uint64_t reap_pass(uint64_t* undecided);
   void reclaim_node(uint32_t idx, uint64_t word);
-  uint64_t lock_offset(uint32_t idx) const { return hdr_->node_table_off + uint64_t(idx) * sizeof(format::NodeSlot); }
+  // The byte of the pool file locked for slot idx (L1). Locks live beyond any data (locks need
+  // no bytes) in a 256-byte range per host id, so simulated hosts (CXLKV_HOST_ID) on one kernel
+  // do not see each other's locks, exactly as separate kernels would not.
+  uint64_t lock_offset(uint32_t idx) const {
+    return (1ull << 48) + (host_id_ & 0xFFFFF) * 256 + idx;
+  }
 
   // bounds-checked accessors: throw CorruptError on an out-of-range value read from the pool
   format::NodeSlot* node_slot(uint32_t idx) const;
@@ -254,6 +259,7 @@ class Pool {
     bool valid = false;
   };
   std::vector<Watch> watch_;
+  std::atomic<uint64_t> reaped_unreported_{0};  // reclaims since open or the last check (F20)
 
   std::mutex pin_mu_;
   std::vector<uint32_t> free_pins_;
