@@ -276,13 +276,21 @@ def cmd_pool_create(args) -> int:
     return 0
 
 
-_NODE_COLUMNS = ("node", "state", "verdict", "judged_by", "evidence", "pid", "pid_ns", "heartbeat",
-                 "attach_unix_ns")
+_NODE_COLUMNS = ("node", "state", "verdict", "judged_by", "pid", "evidence")
 
 
 def _node_rows(nodes: list[dict]) -> list[dict]:
-    """The node table as shown to a person: the pid is the owner's, in ITS pid namespace."""
-    return [{c: n.get(c) for c in _NODE_COLUMNS} for n in nodes]
+    """The node table as shown to a person (all fields are in --json). The pid is the owner's in
+    ITS pid namespace; the last beat's age is by wall clock, shown but never used to judge."""
+    import time
+
+    rows = []
+    for n in nodes:
+        row = {c: n.get(c) for c in _NODE_COLUMNS}
+        beat = n.get("last_beat_unix_ns") or 0
+        row["last_beat"] = f"{max(0.0, time.time() - beat / 1e9):.1f}s ago" if beat else "-"
+        rows.append(row)
+    return rows
 
 
 def _observer(path: str):
