@@ -120,8 +120,8 @@ def test_wrong_magic(pool_path):
 
 def test_future_major_version(pool_path):
     make_file_pool(pool_path)
-    tu.patch_header_field(pool_path, "major", 2)
-    with pytest.raises(cxlkv.PoolVersionError, match="2") as ei:
+    tu.patch_header_field(pool_path, "major", 3)
+    with pytest.raises(cxlkv.PoolVersionError, match="3") as ei:
         cxlkv.Pool.open(pool_path)
     assert "newer" in str(ei.value) or "version" in str(ei.value).lower() or "format" in str(ei.value)
     assert_cli_rejects(pool_path)
