@@ -151,6 +151,8 @@ LockFile open_lock_file(const std::string& path) {
   struct flock fl{};
   fl.l_type = F_WRLCK, fl.l_whence = SEEK_SET, fl.l_start = 0, fl.l_len = 1;
   if (::fcntl(fd, F_OFD_GETLK, &fl) != 0) f.lock_id = 0;
+  // A read-only descriptor cannot take write locks: such a process neither holds nor tests locks.
+  if (!f.writable) f.lock_id = 0;
   s.lock_fds.push_back(fd);
   return f;
 }

@@ -13,7 +13,6 @@
 
 #include <chrono>
 #include <cstring>
-#include <fstream>
 #include <thread>
 
 #include "pool.h"
