@@ -122,22 +122,24 @@ class Pool:
     def create(cls, path: str = DEFAULT_POOL_PATH, size: SizeLike = "1GiB", *, chunk_size: Optional[SizeLike] = None,
                index_slots: Optional[int] = None, max_nodes: int = 64, pin_slots: Optional[int] = None,
                max_namespaces: int = 64, backend: str = "coherent", exist_ok: bool = False,
-               allow_foreign_owner: bool = False, allow_group: bool = False) -> "Pool":
+               lease_ms: int = 10000, allow_foreign_owner: bool = False, allow_group: bool = False) -> "Pool":
         """Create a pool (mode 0600). With exist_ok, an existing pool is opened instead, under
-        the same owner checks as :meth:`open`."""
+        the same owner checks as :meth:`open`. lease_ms: how long a node of another kernel may
+        stay silent before it is judged dead (nodes of this kernel are judged by a kernel lock,
+        at once)."""
         path = os.fspath(path)
         ensure_private_dir(path)
         core = _core.Pool.create(
             path, parse_size(size), chunk_bytes=parse_size(chunk_size) if chunk_size else 0,
             index_slots=index_slots or 0, max_nodes=max_nodes,
-            max_namespaces=max_namespaces, backend=backend, exist_ok=exist_ok,
+            max_namespaces=max_namespaces, backend=backend, exist_ok=exist_ok, lease_ms=lease_ms,
             allow_foreign_owner=allow_foreign_owner, allow_group=allow_group,
             **({} if pin_slots is None else {"pin_slots": pin_slots}))  # None: the core's default
         return cls(core)
 
     @classmethod
     def open(cls, path: str = DEFAULT_POOL_PATH, *, populate: bool = False, read_only: bool = False,
-             allow_foreign_owner: bool = False, allow_group: bool = False) -> "Pool":
+             attach: bool = True, allow_foreign_owner: bool = False, allow_group: bool = False) -> "Pool":
         """Attach to an existing pool. populate=True maps every page now (long-lived servers),
         instead of faulting pages in during the first copies.
 
@@ -145,11 +147,13 @@ class Pool:
         not writable by others: another user who can write it can read and corrupt every block.
         allow_foreign_owner=True accepts such a pool anyway. A symlink is never followed.
         read_only=True inspects without attaching (info, namespaces(), stats()): works without
-        write access, no node slot is taken, namespaces cannot be opened."""
+        write access, no node slot is taken, namespaces cannot be opened. attach=False opens an
+        observer that takes no node slot (works on a full node table; may still reclaim dead
+        nodes) and cannot open namespaces: for stats, check and reap."""
         path = os.fspath(path)
         if not read_only:
             ensure_private_dir(path)
-        return cls(_core.Pool.open(path, populate=populate, read_only=read_only,
+        return cls(_core.Pool.open(path, populate=populate, read_only=read_only, attach=attach,
                                    allow_foreign_owner=allow_foreign_owner, allow_group=allow_group))
 
     @classmethod
@@ -233,7 +237,19 @@ class Pool:
         return self._core.check()
 
     def reap_dead_nodes(self) -> int:
+        """Reclaims every node judged dead now; returns how many."""
         return self._core.reap_dead_nodes()
+
+    def nodes(self) -> list:
+        """Every attached node slot with its liveness verdict and evidence (see ARCHITECTURE.md,
+        Liveness): judged by the kernel lock on this kernel, by the heartbeat lease otherwise."""
+        return self._core.nodes()
+
+    def reap_node(self, node: int, *, force: bool = False) -> dict:
+        """Reclaims one node if it is dead (waiting up to a lease to judge a node of another
+        kernel). force=True reclaims it even if alive: its process is fenced and its next
+        operation fails. Returns the judgment, with ``reclaimed``."""
+        return self._core.reap_node(node, force)
 
     def __repr__(self) -> str:
         if self.closed:

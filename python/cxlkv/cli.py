@@ -1,10 +1,13 @@
 """The ``cxlkv`` command line: pool administration, benchmarks and the demo.
 
     cxlkv pool create PATH --size 4GiB [--chunk-size 8MiB] [--index-slots N] [--max-nodes N]
-                           [--pin-slots N] [--backend coherent|flush] [--force [--ignore-attached]]
-    cxlkv pool info    [PATH] [--json]      read-only: needs no write access, takes no node slot
+                           [--pin-slots N] [--backend coherent|flush] [--lease-ms MS]
+                           [--force [--ignore-attached]]
+    cxlkv pool info    [PATH] [--json]      read-only: needs no write access, takes no node slot;
+                                            header, geometry, namespaces, nodes and their liveness
     cxlkv pool stats   [PATH] [--json]
     cxlkv pool check   [PATH] [--json]      exit 1 when an inconsistency is found
+    cxlkv pool reap    NODE [PATH] [--force] [--json]   reclaim one dead node (--force: even a live one)
     cxlkv pool destroy PATH [--ignore-attached] [--force]
     (pool commands refuse a pool owned or writable by another user unless --allow-foreign-owner)
     cxlkv bench copy   [--json] [--geometry llama3-8b|smollm2-135m|all] [--iters N]
@@ -266,7 +269,7 @@ def cmd_pool_create(args) -> int:
     import cxlkv
 
     kwargs: dict[str, Any] = {"backend": args.backend}
-    for name in ("chunk_size", "index_slots", "max_nodes", "pin_slots"):
+    for name in ("chunk_size", "index_slots", "max_nodes", "pin_slots", "lease_ms"):
         v = getattr(args, name)
         if v is not None:
             kwargs[name] = v
@@ -287,15 +290,41 @@ def cmd_pool_create(args) -> int:
     return 0
 
 
+_NODE_COLUMNS = ("node", "state", "verdict", "judged_by", "pid", "evidence")
+
+
+def _node_rows(nodes: list[dict]) -> list[dict]:
+    """The node table as shown to a person (all fields are in --json). The pid is the owner's in
+    ITS pid namespace; the last beat's age is by wall clock, shown but never used to judge."""
+    import time
+
+    rows = []
+    for n in nodes:
+        row = {c: n.get(c) for c in _NODE_COLUMNS}
+        beat = n.get("last_beat_unix_ns") or 0
+        row["last_beat"] = f"{max(0.0, time.time() - beat / 1e9):.1f}s ago" if beat else "-"
+        rows.append(row)
+    return rows
+
+
+def _observer(path: str, allow_foreign_owner: bool = False):
+    """Opens PATH without taking a node slot: works when the node table is full."""
+    import cxlkv
+
+    return cxlkv.Pool.open(path, attach=False, allow_foreign_owner=allow_foreign_owner)
+
+
 def cmd_pool_info(args) -> int:
     import cxlkv
 
     with cxlkv.Pool.open(args.path, read_only=True) as pool:
         info = _pool_info_dict(pool)
         namespaces = list(pool.namespaces())
+        nodes = list(pool.nodes())
     if args.json:
         out = dict(info)
         out.setdefault("namespaces", namespaces)
+        out["nodes"] = nodes
         print_json(out)
     else:
         con = _console()
@@ -303,25 +332,50 @@ def cmd_pool_info(args) -> int:
         info.pop("namespaces", None)
         render_mapping(con, f"pool {args.path}", info)
         render_namespaces(con, namespaces)
+        render_rows(con, "nodes", _node_rows(nodes))
     return 0
 
 
 def cmd_pool_stats(args) -> int:
-    import cxlkv
-
-    with cxlkv.Pool.open(args.path, allow_foreign_owner=args.allow_foreign_owner) as pool:
+    with _observer(args.path, args.allow_foreign_owner) as pool:
         stats = dict(pool.stats())
+        nodes = list(pool.nodes())
     if args.json:
+        stats["nodes"] = nodes
         print_json(stats)
     else:
-        render_mapping(_console(), f"stats {args.path}", stats)
+        con = _console()
+        render_mapping(con, f"stats {args.path}", stats)
+        render_rows(con, "nodes", _node_rows(nodes))
     return 0
 
 
-def cmd_pool_check(args) -> int:
-    import cxlkv
+def cmd_pool_reap(args) -> int:
+    with _observer(args.path) as pool:
+        if args.force:
+            print(f"cxlkv: warning: --force reclaims node {args.node} even if its process is alive; that "
+                  "process is fenced (its next operation fails) and blocks it was writing are lost",
+                  file=sys.stderr)
+        res = dict(pool.reap_node(args.node, force=args.force))
+    if args.json:
+        print_json(res)
+    else:
+        con = _console()
+        if res["state"] == "free":
+            con.print(f"node {res['node']}: not attached (free slot); nothing to reclaim")
+        else:
+            what = "reclaimed" if res["reclaimed"] else "not reclaimed"
+            con.print(f"node {res['node']}: {what} ({res['verdict']}: {_escape(str(res['evidence']))})")
+    if res["reclaimed"] or res["state"] == "free":
+        return 0
+    if not args.json:
+        print(f"cxlkv: error: node {args.node} is {res['verdict']}; use --force to reclaim it anyway",
+              file=sys.stderr)
+    return 1
 
-    with cxlkv.Pool.open(args.path, allow_foreign_owner=args.allow_foreign_owner) as pool:
+
+def cmd_pool_check(args) -> int:
+    with _observer(args.path, args.allow_foreign_owner) as pool:
         report = dict(pool.check())
     errors = list(report.get("errors") or [])
     ok = bool(report.get("ok", not errors)) and not errors
@@ -469,6 +523,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--pin-slots", type=_pos_int, default=None, help="pin slots per process (default 256)")
     c.add_argument("--backend", choices=_core.backends(), default="coherent",
                    help="memory backend: coherent (one host) or flush (non-coherent CXL)")
+    c.add_argument("--lease-ms", type=_pos_int, default=None,
+                   help="heartbeat lease for nodes of another kernel, ms (default 10000)")
     c.add_argument("--force", action="store_true",
                    help="destroy an existing pool (or a bad, half-made pool file) at PATH first; "
                         "refused while processes are attached")
@@ -488,6 +544,14 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--json", action="store_true", help="print one JSON object")
         s.add_argument("--allow-foreign-owner", action="store_true", help=_FOREIGN_HELP)
         s.set_defaults(func=func)
+
+    r = psub.add_parser("reap", help="reclaim one dead node (what it held: pins, half-written blocks)")
+    r.add_argument("node", type=_pos_int, help="node id, as listed by 'pool info'")
+    r.add_argument("path", nargs="?", default=DEFAULT_POOL, help=f"pool path (default {DEFAULT_POOL})")
+    r.add_argument("--force", action="store_true",
+                   help="reclaim even a node judged alive (its process is fenced); exit 1 without it")
+    r.add_argument("--json", action="store_true", help="print one JSON object")
+    r.set_defaults(func=cmd_pool_reap)
 
     d = psub.add_parser("destroy", help="unlink a file pool / wipe a devdax pool header")
     d.add_argument("path", help=f"pool path, e.g. {DEFAULT_POOL}")

@@ -16,7 +16,10 @@ using namespace format;
 
 CheckReport Pool::check() {
   CheckReport r;
-  r.reclaimed_nodes = reap_dead_nodes();
+  // Reclaims of this attachment since it opened the pool (the reap at open included) or since
+  // its last check: an observer `pool check` reports what its own open reclaimed (F20).
+  reap_dead_nodes();
+  r.reclaimed_nodes = reaped_unreported_.exchange(0, std::memory_order_relaxed);
   auto err = [&](const std::string& s) {
     r.ok = false;
     if (r.errors.size() < 100) r.errors.push_back(s);

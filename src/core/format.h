@@ -6,7 +6,7 @@
 //
 //   [0, 4096)            PoolHeader: immutable after creation, checksummed
 //   [4096, 8192)         SharedWords: the few pool-wide mutable words, one cache line each
-//   node_table_off       NodeSlot[max_nodes]          one line per attached process
+//   node_table_off       NodeSlot[max_nodes]          two lines per attached process
 //   node_area_off        NodeArea[max_nodes]          owner-written: pins, counters
 //   ns_table_off         NamespaceEntry[max_namespaces]
 //   index_off            IndexEntry[index_slots]      open addressing, one line per entry
@@ -23,7 +23,7 @@
 namespace cxlkv::format {
 
 constexpr char kMagic[8] = {'C', 'X', 'L', 'K', 'V', 'P', 'L', '\0'};
-constexpr uint16_t kFormatMajor = 2;  // 2: NamespaceEntry of 512 bytes (source, dtype code), CONDEMNED entry state
+constexpr uint16_t kFormatMajor = 2;  // 2: NamespaceEntry of 512 bytes (source, dtype code), CONDEMNED entry state, node liveness by OFD lock + heartbeat lease
 constexpr uint16_t kFormatMinor = 0;
 constexpr uint64_t kIncompatSupported = 0;  // no incompat features defined yet
 constexpr size_t kCacheLine = 64;
@@ -62,7 +62,7 @@ struct PoolHeader {
   uint64_t created_unix_ns;
   uint64_t pool_bytes;
   uint32_t backend;  // Backend
-  uint32_t reserved0;
+  uint32_t lease_ms;  // heartbeat lease of nodes judged across kernels (see NodeSlot), kLeaseMs..
   // geometry
   uint64_t node_table_off;
   uint64_t node_area_off;
@@ -111,31 +111,62 @@ struct SharedWords {
 };
 
 // ---------------------------------------------------------------------------------------------
-// Node slot: one per attached process, one cache line, written only by its owner (or, once the
-// owner is dead, by the one reclaimer that claimed it). node id = slot index + 1.
+// Node slot: one per attachment, two cache lines. node id = slot index + 1. See
+// docs/ARCHITECTURE.md "Liveness".
 //
-// state word = [state:8][pid:32][epoch:24]   (pid in the word so a CLAIMED slot can be judged)
-//   FREE(0) -> CLAIMED (claim; start/host not yet valid) -> ALIVE (fields valid, published)
-//   ALIVE -> FREE (clean close)
-//   CLAIMED|ALIVE|RECLAIMING(dead pid) -> RECLAIMING(reclaimer pid) (claim) -> FREE (publish)
-// Invariant: a node's pins, WRITING/EVICTING entries and CARVING chunks exist only while its slot
-// is CLAIMED, ALIVE or RECLAIMING.
+// Line 0 (claim line): `state` is changed by claim only (the attacher, the owner at detach, a
+// reclaimer); the other fields are written only by the attacher while the slot is CLAIMED, before
+// it publishes ALIVE, and are immutable while ALIVE.
+//   state word = [state:8][domain:32][epoch:24]
+//   FREE(0) -> CLAIMED(domain) (claim; fields not yet valid) -> ALIVE (fields valid, published)
+//   ALIVE -> FREE (clean close: the owner publishes FREE, then drops its lock)
+//   CLAIMED|ALIVE|RECLAIMING judged dead -> RECLAIMING(reclaimer's domain) (claim) -> FREE
+//   domain = liveness::domain_tag(host_id, lock_id) of whoever wrote the word; in the word so a
+//   CLAIMED slot can be judged before its fields are published.
+// Line 1 (heartbeat line): written only by the slot's owner (its attach, then its process's
+//   heartbeat thread); never by a reclaimer, so a paused owner that resumes cannot tear a line a
+//   reclaimer wrote. `beat` advances every lease_ms/4 while the owner's state word is unchanged.
+//
+// Liveness invariants (who may be judged dead, and how):
+//   L1 Same kernel: the owner holds an OFD write lock on byte Pool::lock_offset(slot) of the pool file
+//      from before its claim until after its FREE publish; a reclaimer takes that lock before it
+//      claims the slot RECLAIMING and keeps it until FREE. A judge whose (host_id, lock_id) equal
+//      the slot's (domain tag for CLAIMED/RECLAIMING, the fields for ALIVE) judges by the lock
+//      alone: held by another open file description = alive (a SIGSTOPped owner stays alive),
+//      free = dead. Pids are never used: they mean nothing outside the owner's PID namespace.
+//   L2 Other kernel (another host_id or lock_id, or no working lock): dead only once the pair
+//      (state word, beat) has not changed for lease_ms on the judge's own monotonic clock; a judge
+//      with no history observes for a full lease first. Wall-clock fields are display only.
+//   L3 A node whose state word no longer equals its own is fenced: it stops beating and every
+//      later operation fails (ensure_usable); it never writes its slot again.
+//   L4 A node's pins, WRITING/EVICTING entries and CARVING/DRAINING chunks exist only while its
+//      slot is CLAIMED, ALIVE or RECLAIMING.
+//   L5 Every reclaim adds 1 to the reclaimed slot's counters[kReclaimedNodes] (the reclaimer owns
+//      the dead node's area while RECLAIMING), so observers and reaps at open are counted too.
 enum NodeState : uint8_t { kNodeFree = 0, kNodeClaimed = 1, kNodeAlive = 2, kNodeReclaiming = 3 };
+constexpr uint32_t kLeaseMsDefault = 10000;
+constexpr uint32_t kLeaseMsMin = 50;
+constexpr uint32_t kLeaseMsMax = 3600 * 1000;
 struct alignas(kCacheLine) NodeSlot {
+  // line 0: claim line
   uint64_t state;
-  uint64_t pid;
-  uint64_t start_time;  // /proc/<pid>/stat field 22: tells a reused pid apart
-  uint64_t host_id;     // hash of the boot id: liveness is only judged on the same host
-  uint64_t heartbeat_ns;
-  uint64_t attach_unix_ns;
-  uint64_t pad[2];
+  uint64_t pid;             // in the owner's PID namespace: display only, never judged
+  uint64_t pid_ns;          // inode of the owner's /proc/self/ns/pid: display only
+  uint64_t host_id;         // liveness::host_id(): boot id hash (or CXLKV_HOST_ID)
+  uint64_t lock_id;         // liveness::LockFile::lock_id: (st_dev, st_ino) hash; 0 = lease only
+  uint64_t attach_unix_ns;  // display only
+  uint64_t pad0[2];
+  // line 1: heartbeat line (owner only)
+  alignas(kCacheLine) uint64_t beat;
+  uint64_t beat_unix_ns;    // display only (wall clocks jump and differ between hosts)
+  uint64_t pad1[6];
 };
-static_assert(sizeof(NodeSlot) == 64);
+static_assert(sizeof(NodeSlot) == 128);
 inline uint8_t node_state(uint64_t w) { return uint8_t(w >> 56); }
-inline uint32_t node_pid(uint64_t w) { return uint32_t(w >> 24); }
+inline uint32_t node_domain(uint64_t w) { return uint32_t(w >> 24); }
 inline uint32_t node_epoch(uint64_t w) { return uint32_t(w) & 0xFFFFFF; }
-inline uint64_t make_node_word(uint8_t st, uint32_t pid, uint32_t epoch) {
-  return (uint64_t(st) << 56) | (uint64_t(pid) << 24) | (epoch & 0xFFFFFF);
+inline uint64_t make_node_word(uint8_t st, uint32_t domain, uint32_t epoch) {
+  return (uint64_t(st) << 56) | (uint64_t(domain) << 24) | (epoch & 0xFFFFFF);
 }
 
 // Node area: written only by the owning node. Readers of other nodes scan pins[0, pin_hw).

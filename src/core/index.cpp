@@ -284,7 +284,7 @@ bool Pool::put(const NsHandle& ns, const Key& key, const Piece* src, size_t n, u
 bool Pool::writing_same_key(const NsHandle& ns, const Key& key, uint64_t slot, uint64_t w) {
   uint8_t node = entry_node(w);
   if (node == 0 || node > hdr_->max_nodes) return false;
-  if (node != node_id_ && node_is_dead(node - 1, coh_.read(&node_slot(node - 1)->state))) {
+  if (writer_gone(node)) {
     if (now_unix_ns() - last_reap_ns_.load(std::memory_order_relaxed) > 100'000'000) reap_dead_nodes();
     return false;
   }

@@ -1,16 +1,19 @@
 // Node table: attaching, detaching, telling dead peers apart, and reclaiming what they held.
 //
+// Liveness (who is dead) is judged by liveness.h's primitives, never by pids or hostnames: see the
+// invariants L1-L5 beside NodeSlot in format.h.
+//
 // A process that dies without close() leaves: its node slot, pins in its area, index entries in
 // WRITING/EVICTING owned by it, block descs it claimed, a CARVING chunk, maybe the ns_lock or a
 // CREATING namespace. Whoever notices first (attach, a failed allocation, `pool check`) claims the
 // dead slot (ALIVE -> RECLAIMING, one winner), undoes each of those, and frees the slot. Every
 // step is idempotent, so a reclaimer that dies half-way is itself reclaimed and the work redone.
-#include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
-#include <cerrno>
+#include <chrono>
 #include <cstring>
-#include <fstream>
+#include <thread>
 
 #include "pool.h"
 
@@ -19,30 +22,30 @@ namespace cxlkv {
 using namespace format;
 
 namespace {
-uint64_t proc_start_time(uint32_t pid) {
-  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
-  std::string s;
-  if (!std::getline(f, s)) return 0;
-  size_t p = s.rfind(')');
-  if (p == std::string::npos) return 0;
-  const char* c = s.c_str() + p + 2;
-  for (int field = 3; field < 22 && *c; ++field) {
-    c = std::strchr(c, ' ');
-    if (!c) return 0;
-    ++c;
-  }
-  return std::strtoull(c, nullptr, 10);
+uint64_t pid_ns_inode() {
+  struct stat st;
+  return ::stat("/proc/self/ns/pid", &st) == 0 ? uint64_t(st.st_ino) : 0;
 }
 }  // namespace
 
 void Pool::attach_node() {
-  for (int round = 0; round < 2; ++round) {
+  const uint64_t lease_ns = uint64_t(hdr_->lease_ms) * 1'000'000;
+  const uint64_t deadline = liveness::mono_ns() + lease_ns + lease_ns / 4;
+  for (;;) {
     for (uint32_t i = 0; i < hdr_->max_nodes; ++i) {
       NodeSlot* s = node_slot(i);
       uint64_t w = coh_.read(&s->state);
       if (node_state(w) != kNodeFree) continue;
-      uint64_t claimed = make_node_word(kNodeClaimed, pid_, node_epoch(w) + 1);
-      if (!coh_.claim(&s->state, w, claimed)) continue;
+      // L1: the lock before the claim, so no judge of this kernel ever sees our CLAIMED slot
+      // without it. A FREE slot whose lock is held is being reclaimed, or its fenced owner has
+      // not closed yet: skip it.
+      const bool locked = liveness::try_lock(lock_, lock_offset(i));
+      if (lock_.lock_id && !locked) continue;
+      uint64_t claimed = make_node_word(kNodeClaimed, domain_, node_epoch(w) + 1);
+      if (!coh_.claim(&s->state, w, claimed)) {
+        if (locked) liveness::unlock(lock_, lock_offset(i));
+        continue;
+      }
       // We own the slot: its area is ours to reset.
       auto* fx = node_fixed(i);
       uint64_t hw = coh_.read(&fx->pin_hw);
@@ -52,49 +55,176 @@ void Pool::attach_node() {
       // so `pool stats` still counts the work of processes that have exited.
       coh_.publish(&fx->pin_hw, 0);
       coh_.flush(node_area(i), sizeof(NodeAreaFixed) + hw * 8);
+      coh_.invalidate(s, sizeof *s);
       s->pid = pid_;
-      s->start_time = proc_start_time(pid_);
+      s->pid_ns = pid_ns_inode();
       s->host_id = host_id_;
-      s->heartbeat_ns = now_unix_ns();
-      s->attach_unix_ns = s->heartbeat_ns;
+      s->lock_id = lock_.lock_id;
+      s->attach_unix_ns = now_unix_ns();
+      s->beat_unix_ns = s->attach_unix_ns;
       coh_.flush(s, sizeof *s);
-      node_word_ = make_node_word(kNodeAlive, pid_, node_epoch(claimed));
+      coh_.publish(&s->beat, s->beat + 1);
+      node_word_ = make_node_word(kNodeAlive, domain_, node_epoch(claimed));
       coh_.publish(&s->state, node_word_);
       node_id_ = i + 1;
+      heartbeat_ = liveness::start_heartbeat(s, node_word_, std::max<uint64_t>(lease_ns / 4, 1'000'000), coh_, &fenced_);
       return;
     }
-    if (round == 0 && reap_dead_nodes() == 0) break;
+    uint64_t undecided = 0;
+    uint64_t reaped = reap_pass(&undecided);
+    if (reaped) continue;
+    // Slots held by nodes of another kernel can only be judged after a lease of silence.
+    if (!undecided || liveness::mono_ns() > deadline) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(std::min<uint64_t>(50, hdr_->lease_ms / 4 + 1)));
   }
   throw NodeTableFullError("pool " + path_ + ": all " + std::to_string(hdr_->max_nodes) +
-                           " node slots are taken by live processes");
+                           " node slots are taken by live processes (see `cxlkv pool info`; "
+                           "`cxlkv pool reap NODE` reclaims one)");
 }
 
 void Pool::detach_node() {
   if (!node_id_) return;
   uint32_t i = node_id_ - 1;
-  // Pins of a clean close are already released by their leases; clear any left behind.
-  uint64_t hw = std::min<uint64_t>(pin_hw_, hdr_->pin_slots);
-  for (uint64_t p = 0; p < hw; ++p) coh_.publish(&pins(i)[p], 0);
-  coh_.publish(&node_fixed(i)->pin_hw, 0);
-  uint64_t w = node_word_;
-  coh_.claim(&node_slot(i)->state, w, make_node_word(kNodeFree, 0, node_epoch(node_word_)));
+  liveness::stop_heartbeat(heartbeat_);
+  heartbeat_ = 0;
+  if (!fenced_.load(std::memory_order_acquire) && coh_.read(&node_slot(i)->state) == node_word_) {
+    // Pins of a clean close are already released by their leases; clear any left behind.
+    uint64_t hw = std::min<uint64_t>(pin_hw_, hdr_->pin_slots);
+    for (uint64_t p = 0; p < hw; ++p) coh_.publish(&pins(i)[p], 0);
+    coh_.publish(&node_fixed(i)->pin_hw, 0);
+    uint64_t w = node_word_;
+    coh_.claim(&node_slot(i)->state, w, make_node_word(kNodeFree, 0, node_epoch(node_word_)));
+  }
+  liveness::unlock(lock_, lock_offset(i));  // after FREE (L1)
   node_id_ = 0;
 }
 
-bool Pool::node_is_dead(uint32_t idx, uint64_t w) {
-  uint8_t st = node_state(w);
-  if (st == kNodeFree) return false;
-  uint32_t pid = node_pid(w);
+// Judges slot idx, whose state word was read as w. Caller holds reap_mu_ (watch_).
+NodeInfo Pool::judge(uint32_t idx, uint64_t w) {
+  NodeInfo n;
+  n.id = idx + 1;
+  n.state = node_state(w);
+  n.epoch = node_epoch(w);
+  n.lease_ms = hdr_->lease_ms;
+  if (n.state == kNodeFree) return n;
   NodeSlot* s = node_slot(idx);
   coh_.invalidate(s, sizeof *s);
-  if (st == kNodeAlive && s->host_id != host_id_) return false;  // another host: not judged here
-  if (pid == 0) return true;
-  if (::kill(pid_t(pid), 0) != 0 && errno == ESRCH) return true;
-  if (st == kNodeAlive && s->start_time != 0) {
-    uint64_t t = proc_start_time(pid);
-    if (t != 0 && t != s->start_time) return true;  // pid reused by another process
+  n.pid = s->pid, n.pid_ns = s->pid_ns, n.attach_unix_ns = s->attach_unix_ns;
+  n.beat = coh_.read(&s->beat);
+  n.beat_unix_ns = s->beat_unix_ns;
+  if (node_id_ == idx + 1 && w == node_word_) {
+    n.self = n.same_kernel = n.lock_held = true;
+    n.verdict = NodeInfo::kAlive;
+    n.evidence = "this attachment";
+    return n;
   }
-  return false;
+  // L1 applies only if we can see its lock: same kernel and same inode (and a working lock).
+  n.same_kernel = lock_.lock_id != 0 && node_domain(w) == domain_ &&
+                  (n.state != kNodeAlive || (s->host_id == host_id_ && s->lock_id == lock_.lock_id));
+  if (n.same_kernel) {
+    n.lock_held = liveness::lock_held_by_other(lock_, lock_offset(idx));
+    n.verdict = n.lock_held ? NodeInfo::kAlive : NodeInfo::kDead;
+    n.evidence = n.lock_held ? "lock held (same kernel)" : "lock free: its process is gone (same kernel)";
+    return n;
+  }
+  // L2: lease, on this judge's monotonic clock.
+  Watch& wt = watch_[idx];
+  uint64_t now = liveness::mono_ns();
+  bool moved = wt.valid && (wt.word != w || wt.beat != n.beat);
+  if (!wt.valid || moved) wt = Watch{w, n.beat, now, true};
+  n.silent_ms = (now - wt.since_ns) / 1'000'000;
+  if (n.silent_ms >= hdr_->lease_ms) {
+    n.verdict = NodeInfo::kDead;
+    n.evidence = "heartbeat silent for " + std::to_string(n.silent_ms) + " ms >= lease (another kernel)";
+  } else if (moved) {
+    n.verdict = NodeInfo::kAlive;
+    n.evidence = "heartbeat advancing (another kernel)";
+  } else {
+    n.verdict = NodeInfo::kUndecided;
+    n.evidence = "another kernel: heartbeat observed for " + std::to_string(n.silent_ms) + " of " +
+                 std::to_string(hdr_->lease_ms) + " ms";
+  }
+  return n;
+}
+
+// Claims slot idx (judged as n from word w) RECLAIMING and reclaims it. Caller holds reap_mu_.
+bool Pool::reclaim_judged(uint32_t idx, uint64_t w, const NodeInfo& n, bool force) {
+  if (n.state == kNodeFree || n.self) return false;
+  if (n.verdict != NodeInfo::kDead && !force) return false;
+  // The reclaimer holds the slot's lock while RECLAIMING (L1), so its own death is seen too.
+  const bool locked = liveness::try_lock(lock_, lock_offset(idx));
+  if (lock_.lock_id && !locked && !force) return false;  // someone of this kernel holds it
+  uint64_t mine = make_node_word(kNodeReclaiming, domain_, node_epoch(w));
+  if (!coh_.claim(&node_slot(idx)->state, w, mine)) {
+    if (locked) liveness::unlock(lock_, lock_offset(idx));
+    return false;
+  }
+  reclaim_node(idx, mine);
+  if (locked) liveness::unlock(lock_, lock_offset(idx));
+  watch_[idx].valid = false;
+  return true;
+}
+
+uint64_t Pool::reap_pass(uint64_t* undecided) {
+  std::lock_guard<std::mutex> g(reap_mu_);
+  uint64_t reaped = 0;
+  last_reap_ns_.store(now_unix_ns(), std::memory_order_relaxed);
+  for (uint32_t i = 0; i < hdr_->max_nodes; ++i) {
+    if (node_id_ == i + 1) continue;
+    uint64_t w = coh_.read(&node_slot(i)->state);
+    if (node_state(w) == kNodeFree) continue;
+    NodeInfo n = judge(i, w);
+    if (n.verdict == NodeInfo::kUndecided && undecided) ++*undecided;
+    if (reclaim_judged(i, w, n, false)) ++reaped;
+  }
+  reaped_unreported_.fetch_add(reaped, std::memory_order_relaxed);
+  return reaped;
+}
+
+uint64_t Pool::reap_dead_nodes() { return reap_pass(nullptr); }
+
+std::vector<NodeInfo> Pool::nodes() {
+  std::lock_guard<std::mutex> g(reap_mu_);
+  std::vector<NodeInfo> out;
+  for (uint32_t i = 0; i < hdr_->max_nodes; ++i) {
+    uint64_t w = coh_.read(&node_slot(i)->state);
+    if (node_state(w) != kNodeFree) out.push_back(judge(i, w));
+  }
+  return out;
+}
+
+NodeInfo Pool::reap_node(uint32_t id, bool force, bool* reclaimed) {
+  if (id == 0 || id > hdr_->max_nodes)
+    throw ArgumentError("node id must be in 1.." + std::to_string(hdr_->max_nodes));
+  if (id == node_id_) throw ArgumentError("node " + std::to_string(id) + " is this attachment itself");
+  *reclaimed = false;
+  const uint32_t idx = id - 1;
+  const uint64_t lease_ns = uint64_t(hdr_->lease_ms) * 1'000'000;
+  const uint64_t deadline = liveness::mono_ns() + lease_ns + lease_ns / 4 + 100'000'000;
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> g(reap_mu_);
+      uint64_t w = coh_.read(&node_slot(idx)->state);
+      NodeInfo n = judge(idx, w);
+      if (n.verdict != NodeInfo::kUndecided || force || liveness::mono_ns() > deadline) {
+        *reclaimed = reclaim_judged(idx, w, n, force);
+        if (*reclaimed) reaped_unreported_.fetch_add(1, std::memory_order_relaxed);
+        return n;
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
+// True when node `node` (1-based) can no longer finish what it started: its slot is free, or the
+// judge finds it dead. Serialized with the reaper: judge() updates this process's lease watches.
+bool Pool::writer_gone(uint8_t node) {
+  if (node == 0 || node > hdr_->max_nodes) return true;
+  if (node == node_id_) return false;
+  std::lock_guard<std::mutex> g(reap_mu_);
+  uint64_t w = coh_.read(&node_slot(node - 1)->state);
+  if (node_state(w) == kNodeFree) return true;
+  return judge(node - 1, w).verdict == NodeInfo::kDead;
 }
 
 bool Pool::incarnation_alive(uint8_t node, uint8_t epoch8) {
@@ -102,22 +232,6 @@ bool Pool::incarnation_alive(uint8_t node, uint8_t epoch8) {
   uint64_t w = coh_.read(&node_slot(node - 1)->state);
   uint8_t st = node_state(w);
   return (st == kNodeAlive || st == kNodeClaimed) && uint8_t(node_epoch(w)) == epoch8;
-}
-
-uint64_t Pool::reap_dead_nodes() {
-  uint64_t reaped = 0;
-  last_reap_ns_.store(now_unix_ns(), std::memory_order_relaxed);
-  for (uint32_t i = 0; i < hdr_->max_nodes; ++i) {
-    if (node_id_ == i + 1) continue;
-    uint64_t w = coh_.read(&node_slot(i)->state);
-    if (!node_is_dead(i, w)) continue;
-    uint64_t mine = make_node_word(kNodeReclaiming, pid_, node_epoch(w));
-    if (!coh_.claim(&node_slot(i)->state, w, mine)) continue;
-    reclaim_node(i, mine);
-    ++reaped;
-  }
-  if (reaped) count(kReclaimedNodes, reaped);
-  return reaped;
 }
 
 void Pool::reclaim_node(uint32_t idx, uint64_t reclaiming_word) {
@@ -187,7 +301,8 @@ void Pool::reclaim_node(uint32_t idx, uint64_t reclaiming_word) {
     uint64_t w = coh_.read(&ne->state);
     if (ns_state(w) == kNsCreating && ns_node(w) == dead) coh_.claim(&ne->state, w, 0);
   }
-  // 5. The slot itself.
+  // 5. Count it in the dead slot's own counters (L5: we own its area until FREE), then free it.
+  coh_.bump_owned(&node_fixed(idx)->counters[kReclaimedNodes], 1);
   uint64_t w = reclaiming_word;
   coh_.claim(&node_slot(idx)->state, w, make_node_word(kNodeFree, 0, node_epoch(reclaiming_word)));
 }

@@ -13,7 +13,6 @@
 #include <chrono>
 #include <cstddef>
 #include <cstring>
-#include <fstream>
 
 
 namespace cxlkv {
@@ -107,17 +106,6 @@ void fill_stamp(PoolHeader& h) {
   h.stamp_index_entry = sizeof(IndexEntry);
 }
 
-uint64_t compute_host_id() {
-  if (const char* h = std::getenv("CXLKV_HOST_ID")) return xxh3(h, std::strlen(h), 1) | 1;
-  std::ifstream f("/proc/sys/kernel/random/boot_id");
-  std::string id;
-  std::getline(f, id);
-  char host[256] = {};
-  ::gethostname(host, sizeof host - 1);
-  id += host;
-  return xxh3(id.data(), id.size(), 1) | 1;
-}
-
 }  // namespace
 
 namespace {
@@ -167,6 +155,9 @@ std::unique_ptr<Pool> Pool::create(const std::string& path, const CreateOptions&
     throw ArgumentError("unknown backend");
   if (::getrandom(h.uuid, sizeof h.uuid, 0) != sizeof h.uuid) throw OsError(errno, "getrandom failed");
   h.created_unix_ns = now_unix_ns();
+  if (opt.lease_ms < kLeaseMsMin || opt.lease_ms > kLeaseMsMax)
+    throw ArgumentError("lease_ms must be in " + std::to_string(kLeaseMsMin) + ".." + std::to_string(kLeaseMsMax));
+  h.lease_ms = opt.lease_ms;
   fill_stamp(h);
 
   bool devdax = Mapping::is_devdax_path(path);
@@ -227,9 +218,10 @@ std::unique_ptr<Pool> Pool::create(const std::string& path, const CreateOptions&
   return p;
 }
 
-std::unique_ptr<Pool> Pool::open(const std::string& path, bool populate) {
+std::unique_ptr<Pool> Pool::open(const std::string& path, bool populate, bool attach) {
   OpenOptions o;
   o.populate = populate;
+  o.attach = attach;
   return open(path, o);
 }
 
@@ -257,7 +249,7 @@ std::vector<std::pair<uint32_t, uint32_t>> Pool::attached_nodes() {
   for (uint32_t i = 0; i < hdr_->max_nodes; ++i) {
     if (node_id_ == i + 1) continue;
     uint64_t w = coh_.read(&node_slot(i)->state);
-    if (node_state(w) != kNodeFree) out.emplace_back(i + 1, node_pid(w));
+    if (node_state(w) != kNodeFree) out.emplace_back(i + 1, uint32_t(coh_.read(&node_slot(i)->pid)));
   }
   return out;
 }
@@ -368,6 +360,7 @@ void Pool::validate_and_attach(bool fresh, bool attach) {
   auto bad = [&](const char* what) { throw FormatError("pool " + P + " has an impossible geometry (" + what + ")"); };
   if (h.backend != uint32_t(Backend::coherent) && h.backend != uint32_t(Backend::flush)) bad("backend");
   if (h.max_nodes == 0 || h.max_nodes > kMaxNodes) bad("max_nodes");
+  if (h.lease_ms < kLeaseMsMin || h.lease_ms > kLeaseMsMax) bad("lease_ms");
   if (h.pin_slots == 0 || h.pin_slots > (1u << 20)) bad("pin_slots");
   if (h.max_namespaces == 0 || h.max_namespaces > kMaxNamespaces) bad("max_namespaces");
   if (h.index_slots < 64 || (h.index_slots & (h.index_slots - 1)) || h.index_slots > (1ull << 36)) bad("index_slots");
@@ -404,11 +397,17 @@ void Pool::validate_and_attach(bool fresh, bool attach) {
   desc_bytes_ = chunk_desc_bytes(h.chunk_bytes);
   chunk_stride_ = desc_bytes_ + h.chunk_bytes;
   pid_ = uint32_t(::getpid());
-  host_id_ = compute_host_id();
   fork_generation_ = fork_generation();
-  if (!attach) return;
+  // Liveness identity (nodes.cpp, liveness.h): this kernel, and the lock descriptor by which the
+  // nodes of this kernel judge each other. An observer (attach=false) judges but takes no slot; a
+  // read-only inspection judges for display only and reclaims nothing.
+  host_id_ = liveness::host_id();
+  lock_ = liveness::open_lock_file(path_, map_.file_dev(), map_.file_ino());
+  domain_ = liveness::domain_tag(host_id_, lock_.lock_id);
+  watch_.assign(h.max_nodes, Watch{});
+  if (read_only_) return;
   reap_dead_nodes();
-  attach_node();
+  if (attach) attach_node();
   check_truncated();
 }
 
@@ -418,6 +417,9 @@ Pool::~Pool() {
 
 void Pool::ensure_usable() const {
   if (!base_) throw Error("pool " + path_ + " is closed");
+  if (fenced_.load(std::memory_order_acquire))
+    throw Error("pool " + path_ + ": node " + std::to_string(node_id_) +
+                " of this process was reclaimed by another process (judged dead, or reaped with --force); open the pool again");
   if (fork_generation_ != fork_generation())
     throw Error("pool " + path_ + ": this attachment was inherited through fork(); open the pool again in the child process");
   check_truncated();
@@ -425,8 +427,14 @@ void Pool::ensure_usable() const {
 
 void Pool::close() {
   if (!base_) return;
-  // A forked child unmaps only: the node slot belongs to the parent.
-  if (fork_generation_ == fork_generation()) detach_node();
+  // A forked child unmaps only: the node slot and its lock belong to the parent (the child's
+  // copy of the lock descriptor was closed at fork; the number may name another file now).
+  if (fork_generation_ == fork_generation()) {
+    detach_node();
+    liveness::close_lock_file(lock_);
+  }
+  lock_ = liveness::LockFile{};
+  heartbeat_ = 0;
   base_ = nullptr;
   hdr_ = nullptr;
   map_ = Mapping();

@@ -16,6 +16,7 @@
 #include "errors.h"
 #include "format.h"
 #include "layout.h"
+#include "liveness.h"
 #include "mapping.h"
 
 namespace cxlkv {
@@ -28,8 +29,24 @@ struct CreateOptions {
   uint32_t pin_slots = format::kDefaultPinSlots;
   uint32_t max_namespaces = 64;
   Backend backend = Backend::coherent;
+  uint32_t lease_ms = format::kLeaseMsDefault;  // heartbeat lease for nodes of another kernel
   bool allow_foreign_owner = false;  // with exist_ok: see OpenOptions
   bool allow_group = false;
+};
+
+// One node slot as a judge sees it (`pool info`, `pool reap`): the verdict and its evidence.
+struct NodeInfo {
+  uint32_t id = 0;            // node id (slot + 1)
+  uint8_t state = 0;          // format::NodeState
+  uint32_t epoch = 0;
+  uint64_t pid = 0, pid_ns = 0, attach_unix_ns = 0, beat = 0, beat_unix_ns = 0;
+  bool self = false;          // this attachment
+  bool same_kernel = false;   // judged by the kernel lock (same host_id and lock file)
+  bool lock_held = false;     // same_kernel only: someone holds the slot's lock
+  uint64_t silent_ms = 0;     // lease only: how long this judge has seen (state, beat) unchanged
+  uint64_t lease_ms = 0;
+  enum Verdict { kFree, kAlive, kDead, kUndecided } verdict = kFree;
+  std::string evidence;       // one line, e.g. "lock held (same kernel)"
 };
 
 // How Pool::open maps and trusts an existing pool (F11, F23).
@@ -44,7 +61,9 @@ struct OpenOptions {
   bool allow_foreign_owner = false;
   // Accept a pool whose group is one of ours (owner check by group instead of by user).
   bool allow_group = false;
-  bool attach = true;                // false: validate and map only (destroy, maintenance)
+  // false: an observer (check, info, stats, reap, destroy): no node slot, so it works on a full
+  // node table; it may still reclaim dead nodes; it cannot open namespaces.
+  bool attach = true;
 };
 
 struct DestroyOptions {
@@ -111,7 +130,9 @@ class AccessStamp {
 class Pool {
  public:
   static std::unique_ptr<Pool> create(const std::string& path, const CreateOptions& opt, bool exist_ok);
-  static std::unique_ptr<Pool> open(const std::string& path, bool populate = false);
+  // attach=false: an observer (check, info, stats, reap) that takes no node slot, so it works on a
+  // full node table; it may still reclaim dead nodes. It cannot open namespaces.
+  static std::unique_ptr<Pool> open(const std::string& path, bool populate = false, bool attach = true);
   static std::unique_ptr<Pool> open(const std::string& path, const OpenOptions& opt);
   static void destroy(const std::string& path, const DestroyOptions& opt = {});
   // Node ids (1-based) whose slot is not FREE after reaping the dead ones, with their pids.
@@ -121,6 +142,7 @@ class Pool {
   bool closed() const { return !base_; }
   // Throws if the pool is closed, or if this attachment was inherited through fork(): the child
   // does not own the parent's node slot and must open the pool itself.
+  // Also throws once this node was reclaimed while alive (fenced: liveness invariant L3).
   void ensure_usable() const;
 
   // --- identity ---------------------------------------------------------------------------
@@ -174,6 +196,11 @@ class Pool {
 
   // --- maintenance (nodes.cpp, check.cpp) ----------------------------------------------------
   uint64_t reap_dead_nodes();  // returns nodes reclaimed
+  // Reclaims node `id` if it is judged dead (waiting up to one lease to judge a node of another
+  // kernel), or, with force, even if alive (its process is fenced: L3). Returns the judgment made
+  // before acting; verdict kDead means it was reclaimed (or kAlive + force: reclaimed anyway).
+  NodeInfo reap_node(uint32_t id, bool force, bool* reclaimed);
+  std::vector<NodeInfo> nodes();  // every non-FREE slot, judged now
   CheckReport check();
   std::vector<uint64_t> counters();  // summed over attached nodes
   struct Occupancy { uint64_t capacity, free, used, free_chunks, active_chunks; };
@@ -187,8 +214,16 @@ class Pool {
   uint64_t break_stale_ns_lock();
   void attach_node();
   void detach_node();
-  bool node_is_dead(uint32_t idx, uint64_t word);
+  NodeInfo judge(uint32_t idx, uint64_t word);
+  bool reclaim_judged(uint32_t idx, uint64_t word, const NodeInfo& n, bool force);
+  uint64_t reap_pass(uint64_t* undecided);
   void reclaim_node(uint32_t idx, uint64_t word);
+  // The byte of the pool file locked for slot idx (L1). Locks live beyond any data (locks need
+  // no bytes) in a 256-byte range per host id, so simulated hosts (CXLKV_HOST_ID) on one kernel
+  // do not see each other's locks, exactly as separate kernels would not.
+  uint64_t lock_offset(uint32_t idx) const {
+    return (1ull << 48) + (host_id_ & 0xFFFFF) * 256 + idx;
+  }
 
   // bounds-checked accessors: throw CorruptError on an out-of-range value read from the pool
   format::NodeSlot* node_slot(uint32_t idx) const;
@@ -241,6 +276,7 @@ class Pool {
   uint8_t my_epoch8() const { return uint8_t(format::node_epoch(node_word_)); }
   // True if node `node` is attached now in the incarnation whose epoch ends in `epoch8`.
   bool incarnation_alive(uint8_t node, uint8_t epoch8);
+  bool writer_gone(uint8_t node);  // see nodes.cpp
 
   std::string path_;
   Mapping map_;
@@ -261,6 +297,18 @@ class Pool {
   uint64_t host_id_ = 0;
   uint64_t node_word_ = 0;
   uint64_t fork_generation_ = 0;
+  // liveness (nodes.cpp)
+  liveness::LockFile lock_;
+  uint32_t domain_ = 0;
+  uint64_t heartbeat_ = 0;          // handle with the process heartbeat thread
+  std::atomic<bool> fenced_{false};  // this node was reclaimed while alive (L3)
+  std::mutex reap_mu_;               // one reclaim at a time per lock descriptor
+  struct Watch {                     // lease observations of this judge, per slot
+    uint64_t word = 0, beat = 0, since_ns = 0;
+    bool valid = false;
+  };
+  std::vector<Watch> watch_;
+  std::atomic<uint64_t> reaped_unreported_{0};  // reclaims since open or the last check (F20)
 
   std::mutex pin_mu_;
   std::vector<uint32_t> free_pins_;

@@ -319,7 +319,30 @@ nb::dict info_dict(Pool& p) {
   d["file_dev"] = p.file_dev();  // identity of the mapped file (fstat of the mapped fd)
   d["file_ino"] = p.file_ino();
   d["read_only"] = p.read_only();
+  d["lease_ms"] = h.lease_ms;
   d["nt_copy_kernel"] = nt_copy_kernel_name();
+  return d;
+}
+
+// One judged node slot (liveness evidence for `pool info` / `pool reap`).
+nb::dict node_dict(const NodeInfo& n) {
+  static const char* states[] = {"free", "claimed", "alive", "reclaiming"};
+  static const char* verdicts[] = {"free", "alive", "dead", "undecided"};
+  nb::dict d;
+  d["node"] = n.id;
+  d["state"] = n.state < 4 ? states[n.state] : "invalid";
+  d["verdict"] = verdicts[n.verdict];
+  d["evidence"] = n.evidence;
+  d["judged_by"] = n.self ? "self" : n.same_kernel ? "lock" : "lease";
+  d["self"] = n.self;
+  d["pid"] = n.pid;
+  d["pid_ns"] = n.pid_ns;
+  d["epoch"] = n.epoch;
+  d["heartbeat"] = n.beat;
+  d["silent_ms"] = n.silent_ms;
+  d["lease_ms"] = n.lease_ms;
+  d["last_beat_unix_ns"] = n.beat_unix_ns;
+  d["attach_unix_ns"] = n.attach_unix_ns;
   return d;
 }
 
@@ -416,8 +439,9 @@ NB_MODULE(_core, m) {
           "create",
           [](const std::string& path, uint64_t size, uint64_t chunk_bytes, uint64_t index_slots, uint32_t max_nodes,
              uint32_t pin_slots, uint32_t max_namespaces, const std::string& backend, bool exist_ok,
-             bool allow_foreign_owner, bool allow_group) {
+             uint32_t lease_ms, bool allow_foreign_owner, bool allow_group) {
             CreateOptions o;
+            o.lease_ms = lease_ms;
             o.allow_foreign_owner = allow_foreign_owner, o.allow_group = allow_group;
             o.size = size, o.chunk_bytes = chunk_bytes, o.index_slots = index_slots;
             o.max_nodes = max_nodes, o.pin_slots = pin_slots, o.max_namespaces = max_namespaces;
@@ -433,13 +457,15 @@ NB_MODULE(_core, m) {
             return pp;
           },
           "path"_a, "size"_a, "chunk_bytes"_a = 0, "index_slots"_a = 0, "max_nodes"_a = 64, "pin_slots"_a = format::kDefaultPinSlots,
-          "max_namespaces"_a = 64, "backend"_a = "coherent", "exist_ok"_a = false, "allow_foreign_owner"_a = false,
+          "max_namespaces"_a = 64, "backend"_a = "coherent", "exist_ok"_a = false,
+          "lease_ms"_a = format::kLeaseMsDefault, "allow_foreign_owner"_a = false,
           "allow_group"_a = false, nb::rv_policy::take_ownership)
       .def_static(
           "open",
-          [](const std::string& path, bool populate, bool read_only, bool allow_foreign_owner, bool allow_group) {
+          [](const std::string& path, bool populate, bool read_only, bool attach, bool allow_foreign_owner,
+             bool allow_group) {
             OpenOptions o;
-            o.populate = populate, o.read_only = read_only;
+            o.populate = populate, o.read_only = read_only, o.attach = attach;
             o.allow_foreign_owner = allow_foreign_owner, o.allow_group = allow_group;
             auto* pp = new PyPool();
             try {
@@ -451,7 +477,7 @@ NB_MODULE(_core, m) {
             }
             return pp;
           },
-          "path"_a, "populate"_a = false, "read_only"_a = false, "allow_foreign_owner"_a = false,
+          "path"_a, "populate"_a = false, "read_only"_a = false, "attach"_a = true, "allow_foreign_owner"_a = false,
           "allow_group"_a = false, nb::rv_policy::take_ownership)
       .def_static("destroy", [](const std::string& path, bool ignore_attached, bool remove_invalid) {
             DestroyOptions o;
@@ -519,6 +545,29 @@ NB_MODULE(_core, m) {
         return d;
       })
       .def("reap_dead_nodes", [](PyPool& pp) { OpGuard g(pp); nb::gil_scoped_release nogil; return g.p->reap_dead_nodes(); })
+      .def("nodes", [](PyPool& pp) {
+        OpGuard g(pp);
+        std::vector<NodeInfo> v;
+        {
+          nb::gil_scoped_release nogil;
+          v = g.p->nodes();
+        }
+        nb::list out;
+        for (const auto& n : v) out.append(node_dict(n));
+        return out;
+      })
+      .def("reap_node", [](PyPool& pp, uint32_t node, bool force) {
+        OpGuard g(pp);
+        NodeInfo n;
+        bool reclaimed = false;
+        {
+          nb::gil_scoped_release nogil;
+          n = g.p->reap_node(node, force, &reclaimed);
+        }
+        nb::dict d = node_dict(n);
+        d["reclaimed"] = reclaimed;
+        return d;
+      }, "node"_a, "force"_a = false)
       .def(
           "open_namespace",
           [](PyPool& pp, const std::string& name, nb::handle layout) {

@@ -39,7 +39,7 @@ HEADER_FIELDS = {
     "created_unix_ns": (56, "<Q"),
     "pool_bytes": (64, "<Q"),
     "backend": (72, "<I"),
-    "reserved0": (76, "<I"),
+    "lease_ms": (76, "<I"),
     "node_table_off": (80, "<Q"),
     "node_area_off": (88, "<Q"),
     "node_area_bytes": (96, "<Q"),

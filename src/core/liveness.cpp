@@ -1,0 +1,226 @@
+// Kernel-released node locks, the process heartbeat thread, and their fork discipline.
+#include "liveness.h"
+
+#include <fcntl.h>
+#include <pthread.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "checksum.h"
+#include "errors.h"
+
+namespace cxlkv::liveness {
+
+using namespace format;
+
+uint64_t mono_ns() {
+  return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                      std::chrono::steady_clock::now().time_since_epoch()).count());
+}
+
+uint64_t host_id() {
+  std::string id;
+  if (const char* h = std::getenv("CXLKV_HOST_ID")) {
+    id = std::string("host:") + h;
+  } else {
+    std::ifstream f("/proc/sys/kernel/random/boot_id");
+    std::getline(f, id);
+    id = "boot:" + id;
+  }
+  return xxh3(id.data(), id.size(), 1) | 1;
+}
+
+uint32_t domain_tag(uint64_t host_id, uint64_t lock_id) {
+  uint64_t v[2] = {host_id, lock_id};
+  return uint32_t(xxh3(v, sizeof v, 2) >> 32) | 1;
+}
+
+namespace {
+
+// Process-wide state, never destroyed: the heartbeat thread may outlive static destructors.
+struct Beat {
+  uint64_t handle;
+  NodeSlot* slot;
+  uint64_t expected;
+  uint64_t interval_ns;
+  uint64_t due_ns;
+  Coherence coh;
+  std::atomic<bool>* fenced;
+};
+struct State {
+  std::mutex mu;  // guards everything below; held across fork() by the atfork handlers
+  std::condition_variable cv;
+  std::vector<int> lock_fds;
+  std::vector<Beat> beats;
+  uint64_t next_handle = 1;
+  bool thread_running = false;
+};
+
+void fork_prepare();
+void fork_parent();
+void fork_child();
+
+State& state() {
+  static State* s = [] {
+    auto* st = new State();
+    ::pthread_atfork(fork_prepare, fork_parent, fork_child);
+    return st;
+  }();
+  return *s;
+}
+
+void fork_prepare() { state().mu.lock(); }
+void fork_parent() { state().mu.unlock(); }
+// The child owns no node: drop its copies of the lock descriptors (the parent's locks live on
+// through the parent's own descriptors) and forget the heartbeats (the thread is not here).
+void fork_child() {
+  State& s = state();
+  for (int fd : s.lock_fds) ::close(fd);
+  s.lock_fds.clear();
+  s.beats.clear();
+  s.thread_running = false;
+  s.mu.unlock();
+}
+
+void beat_once(Beat& b) {
+  uint64_t w = b.coh.read(&b.slot->state);
+  if (w != b.expected) {  // reclaimed while alive (paused past the lease, or a forced reap)
+    b.fenced->store(true, std::memory_order_release);
+    return;
+  }
+  b.coh.invalidate(&b.slot->beat, sizeof(uint64_t) * 2);
+  b.slot->beat_unix_ns = uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                      std::chrono::system_clock::now().time_since_epoch()).count());
+  b.coh.publish(&b.slot->beat, b.slot->beat + 1);
+  b.coh.flush(&b.slot->beat_unix_ns, sizeof(uint64_t));
+}
+
+void heartbeat_loop() {
+  State& s = state();
+  std::unique_lock<std::mutex> g(s.mu);
+  while (!s.beats.empty()) {
+    uint64_t now = mono_ns(), next = now + 1'000'000'000ull;
+    for (size_t i = 0; i < s.beats.size();) {
+      Beat& b = s.beats[i];
+      if (now >= b.due_ns) {
+        beat_once(b);
+        b.due_ns = now + b.interval_ns;
+        if (b.fenced->load(std::memory_order_acquire)) {
+          s.beats.erase(s.beats.begin() + long(i));
+          continue;
+        }
+      }
+      next = std::min(next, b.due_ns);
+      ++i;
+    }
+    s.cv.wait_for(g, std::chrono::nanoseconds(next > now ? next - now : 0));
+  }
+  s.thread_running = false;
+}
+
+}  // namespace
+
+LockFile open_lock_file(const std::string& path, uint64_t want_dev, uint64_t want_ino) {
+  LockFile f;
+  State& s = state();
+  // Under the state mutex: a fork() sees the descriptor either not yet open or registered.
+  std::lock_guard<std::mutex> g(s.mu);
+  int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC | O_NOCTTY | O_NOFOLLOW);
+  f.writable = fd >= 0;
+  if (fd < 0) fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NOFOLLOW);
+  if (fd < 0) return f;  // no lock: this process judges and is judged by leases only
+  struct stat st;
+  // The path must still name the file we mapped: a lock on a file put in its place would make
+  // this node invisible to the others (they test the mapped file's locks).
+  if (::fstat(fd, &st) != 0 || uint64_t(st.st_dev) != want_dev || uint64_t(st.st_ino) != want_ino) {
+    ::close(fd);
+    return LockFile{};
+  }
+  f.fd = fd;
+  uint64_t v[2] = {uint64_t(st.st_dev), uint64_t(st.st_ino)};
+  f.lock_id = xxh3(v, sizeof v, 3) | 1;
+  // Probe once that OFD locks work on this file (old kernels, odd file systems): else lease only.
+  struct flock fl{};
+  fl.l_type = F_WRLCK, fl.l_whence = SEEK_SET, fl.l_start = 0, fl.l_len = 1;
+  if (::fcntl(fd, F_OFD_GETLK, &fl) != 0) f.lock_id = 0;
+  // A read-only descriptor cannot take write locks: such a process neither holds nor tests locks.
+  if (!f.writable) f.lock_id = 0;
+  s.lock_fds.push_back(fd);
+  return f;
+}
+
+void close_lock_file(LockFile& f) {
+  if (f.fd < 0) return;
+  State& s = state();
+  std::lock_guard<std::mutex> g(s.mu);
+  for (size_t i = 0; i < s.lock_fds.size(); ++i)
+    if (s.lock_fds[i] == f.fd) {
+      s.lock_fds.erase(s.lock_fds.begin() + long(i));
+      ::close(f.fd);
+      break;
+    }
+  f = LockFile{};
+}
+
+bool try_lock(const LockFile& f, uint64_t off) {
+  if (f.fd < 0 || !f.lock_id || !f.writable) return false;
+  struct flock fl{};
+  fl.l_type = F_WRLCK, fl.l_whence = SEEK_SET, fl.l_start = off_t(off), fl.l_len = 1;
+  if (::fcntl(f.fd, F_OFD_SETLK, &fl) == 0) return true;
+  if (errno == EAGAIN || errno == EACCES) return false;
+  throw OsError(errno, std::string("cannot take a node lock on the pool file: ") + std::strerror(errno));
+}
+
+void unlock(const LockFile& f, uint64_t off) {
+  if (f.fd < 0 || !f.lock_id) return;
+  struct flock fl{};
+  fl.l_type = F_UNLCK, fl.l_whence = SEEK_SET, fl.l_start = off_t(off), fl.l_len = 1;
+  (void)::fcntl(f.fd, F_OFD_SETLK, &fl);
+}
+
+bool lock_held_by_other(const LockFile& f, uint64_t off) {
+  if (f.fd < 0 || !f.lock_id) return false;
+  struct flock fl{};
+  fl.l_type = F_WRLCK, fl.l_whence = SEEK_SET, fl.l_start = off_t(off), fl.l_len = 1;
+  if (::fcntl(f.fd, F_OFD_GETLK, &fl) != 0) return true;  // cannot tell: never call it dead
+  return fl.l_type != F_UNLCK;
+}
+
+uint64_t start_heartbeat(NodeSlot* slot, uint64_t expected, uint64_t interval_ns, Coherence coh,
+                         std::atomic<bool>* fenced) {
+  State& s = state();
+  std::lock_guard<std::mutex> g(s.mu);
+  uint64_t h = s.next_handle++;
+  s.beats.push_back(Beat{h, slot, expected, interval_ns, mono_ns() + interval_ns, coh, fenced});
+  if (!s.thread_running) {
+    s.thread_running = true;
+    std::thread(heartbeat_loop).detach();
+  } else {
+    s.cv.notify_all();
+  }
+  return h;
+}
+
+void stop_heartbeat(uint64_t handle) {
+  if (!handle) return;
+  State& s = state();
+  std::lock_guard<std::mutex> g(s.mu);
+  for (size_t i = 0; i < s.beats.size(); ++i)
+    if (s.beats[i].handle == handle) {
+      s.beats.erase(s.beats.begin() + long(i));
+      break;
+    }
+  s.cv.notify_all();
+}
+
+}  // namespace cxlkv::liveness
