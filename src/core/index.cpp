@@ -489,6 +489,7 @@ void Pool::condemn(uint64_t slot, uint64_t ready_word) {
 // CONDEMNED -> EVICTING -> TOMBSTONE if no pin names the entry; otherwise it stays CONDEMNED
 // for the next evictor or `pool check`. True if the slot was freed.
 bool Pool::reclaim_condemned(uint64_t slot) {
+  if (node_id_ == 0) return false;  // a detached process (check without a node slot) cannot own EVICTING
   uint64_t w = coh_.read(&entry(slot)->state);
   if (entry_state(w) != kCondemned || is_pinned(slot, entry_gen(w))) return false;
   uint64_t ev = make_entry_word(kEvicting, uint8_t(node_id_), entry_gen(w), entry_tag(w));

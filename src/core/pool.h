@@ -185,7 +185,8 @@ class Pool {
 
   // --- batched gather/scatter (copy_engine.cpp) ---------------------------------------------
   // Gathers, for key i, the fragments at block id block_ids[i] into one pool block (depth of key
-  // i in its chain = start_depth + i). Returns the number of leading keys present afterwards.
+  // i in its chain = start_depth + i). Returns the number of leading keys readable afterwards
+  // (stored now or already READY; a key only in flight by another writer is not counted).
   size_t store(const NsHandle& ns, const Key* keys, size_t n, const std::vector<Fragment>& frags,
                const int64_t* block_ids, uint32_t start_depth = 0);
   // Scatters blocks back; returns the number of leading keys loaded (a miss or checksum failure
