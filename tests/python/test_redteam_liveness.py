@@ -263,9 +263,11 @@ def test_forked_child_does_not_keep_its_parents_node_alive(pool_path):
     _fill(pool_path)
     c = Child("""
         p = cxlkv.Pool.open(os.environ["POOL"])
+        r, w = os.pipe()
         kid = os.fork()
-        if kid == 0:
-            time.sleep(120); os._exit(0)
+        if kid == 0:  # fork() has returned here, so the atfork handler has run in this child
+            os.write(w, b"x"); time.sleep(120); os._exit(0)
+        os.read(r, 1)
         say(node=p.node_id, kid=kid)
         os.kill(os.getpid(), signal.SIGKILL)
     """, env={"POOL": pool_path})
