@@ -12,7 +12,8 @@ re-runs one saved case that way. Every failing case is written to --out as a JSO
 replay command. The seed is printed first; CXLKV_FUZZ_SEED or --seed replays a run.
 
   python tests/fuzz/fuzz_format.py [--cases N] [--minutes M] [--seed S] [--workers W] [--out DIR]
-  python tests/fuzz/fuzz_format.py --replay DIR/case-....json
+  python tests/fuzz/fuzz_format.py --replay DIR/case-....json [--write-pool /dev/shm/x]
+Known crashers live in tests/fuzz/corpus/ and are replayed by every CI run.
 Exit status: 0 when no case failed, 1 otherwise.
 """
 from __future__ import annotations
@@ -277,12 +278,15 @@ def fuzz(seed: int, cases: int, minutes: float, workers: int, timeout: float, ou
         os.rmdir(workdir)
 
 
-def replay(path: str, timeout: float) -> dict:
+def replay(path: str, timeout: float, write_pool: str | None = None) -> dict:
     with open(path) as f:
         case = json.load(f)["case"]
     workdir = tempfile.mkdtemp(prefix="cxlkv-fuzz-", dir=SHM)
     try:
         seeds = Seeds(workdir)
+        if write_pool:  # the mutated pool itself, to run a tool under gdb
+            with open(write_pool, "wb") as f:
+                f.write(M.apply_case(seeds.bytes[case["variant"]], case))
         res = run_case(case, seeds, os.path.join(workdir, "replay"), timeout, exec_mode=True)
         return {"where": M.describe_case(case, seeds.maps[case["variant"]]), "outcome": res["outcome"],
                 "tools": res["tools"]}
@@ -301,9 +305,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=30.0, help="seconds per tool run before it is a hang")
     ap.add_argument("--out", default="fuzz-failures", help="folder for failing cases and summary.json")
     ap.add_argument("--replay", help="re-run one saved case with the real executables")
+    ap.add_argument("--write-pool", help="with --replay: also write the mutated pool file here")
     args = ap.parse_args(argv)
     if args.replay:
-        r = replay(args.replay, args.timeout)
+        r = replay(args.replay, args.timeout, args.write_pool)
         print(json.dumps(r, indent=1))
         return 1 if r["outcome"] in FAILURES else 0
     seed = args.seed if args.seed is not None else int(os.environ.get("CXLKV_FUZZ_SEED") or random.randrange(1 << 31))

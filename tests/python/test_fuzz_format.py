@@ -5,12 +5,15 @@ the number of cases (default 300), CXLKV_FUZZ_OUT keeps the failing cases, and s
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import random
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FUZZ = os.path.join(HERE, "..", "fuzz")
@@ -33,6 +36,24 @@ def test_harness_counts_a_signal_as_crash(tmp_path):
     r = {"rc": -8, "timed_out": False, "stdout": "", "stderr": "@ns_a\n"}
     assert F.classify("py", r) == ("crash", "SIGFPE@ns_a")
     assert F.classify("info", {"rc": None, "timed_out": True, "stdout": "", "stderr": ""})[0] == "hang"
+
+
+CORPUS = sorted(glob.glob(os.path.join(FUZZ, "corpus", "*.json")))
+
+
+@pytest.fixture(scope="module")
+def seeds(tmp_path_factory):
+    return F.Seeds(str(tmp_path_factory.mktemp("seeds")))
+
+
+@pytest.mark.parametrize("case_file", CORPUS, ids=[os.path.basename(p)[:-5] for p in CORPUS])
+def test_corpus_case(case_file, seeds, tmp_path):
+    """Every mutation that once crashed, hung or read wrong bytes stays fixed."""
+    with open(case_file) as f:
+        case = json.load(f)["case"]
+    res = F.run_case(case, seeds, str(tmp_path / "pool"), timeout=30)
+    bad = {t: (v["outcome"], v["detail"]) for t, v in res["tools"].items() if v["outcome"] in F.FAILURES}
+    assert not bad, f"{os.path.basename(case_file)}: {bad}"
 
 
 def test_format_fuzz(tmp_path):
