@@ -24,6 +24,7 @@ from ._core import (  # noqa: F401  (re-exported)
     Lease,
     Namespace,
 )
+from .paths import DEFAULT_POOL_PATH, ensure_private_dir
 from .sizes import format_size, parse_size  # noqa: F401
 
 __all__ = [
@@ -31,8 +32,6 @@ __all__ = [
     "PoolTruncatedError", "PoolNotReadyError", "PoolCorruptError", "LayoutMismatchError",
     "NodeTableFullError", "NamespaceTableFullError", "DEFAULT_POOL_PATH", "parse_size", "format_size",
 ]
-
-DEFAULT_POOL_PATH = os.environ.get("CXLKV_POOL", "/dev/shm/cxlkv")
 
 DTYPE_BYTES = {
     "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "half": 2, "fp32": 4, "float32": 4, "float": 4,
@@ -61,6 +60,7 @@ class KVLayout:
     block_bytes: Optional[int] = None
 
     def __post_init__(self):
+        _check_text("model_id", self.model_id)
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"unknown dtype {self.dtype!r}; known: {sorted(DTYPE_BYTES)}")
         if self.kind not in ("dense", "mla", "opaque"):
@@ -89,6 +89,14 @@ class KVLayout:
 SizeLike = Union[int, str]
 
 
+def _check_text(what: str, text: str) -> None:
+    """F12: NUL would be cut when stored (every open then creates another namespace) and control
+    characters reach operators' terminals. The core checks the bytes too; this names the field."""
+    bad = next((c for c in text if ord(c) < 0x20 or ord(c) == 0x7F), None)
+    if bad is not None:
+        raise ValueError(f"{what} must not contain NUL or control characters (found {bad!r} in {text!r})")
+
+
 class Pool:
     """One process's attachment to a pool. Use as a context manager, or call :meth:`close`."""
 
@@ -100,26 +108,46 @@ class Pool:
     @classmethod
     def create(cls, path: str = DEFAULT_POOL_PATH, size: SizeLike = "1GiB", *, chunk_size: Optional[SizeLike] = None,
                index_slots: Optional[int] = None, max_nodes: int = 64, pin_slots: int = 256,
-               max_namespaces: int = 64, backend: str = "coherent", exist_ok: bool = False) -> "Pool":
+               max_namespaces: int = 64, backend: str = "coherent", exist_ok: bool = False,
+               allow_foreign_owner: bool = False, allow_group: bool = False) -> "Pool":
+        """Create a pool (mode 0600). With exist_ok, an existing pool is opened instead, under
+        the same owner checks as :meth:`open`."""
+        path = os.fspath(path)
+        ensure_private_dir(path)
         core = _core.Pool.create(
-            os.fspath(path), parse_size(size), chunk_bytes=parse_size(chunk_size) if chunk_size else 0,
+            path, parse_size(size), chunk_bytes=parse_size(chunk_size) if chunk_size else 0,
             index_slots=index_slots or 0, max_nodes=max_nodes, pin_slots=pin_slots,
-            max_namespaces=max_namespaces, backend=backend, exist_ok=exist_ok)
+            max_namespaces=max_namespaces, backend=backend, exist_ok=exist_ok,
+            allow_foreign_owner=allow_foreign_owner, allow_group=allow_group)
         return cls(core)
 
     @classmethod
-    def open(cls, path: str = DEFAULT_POOL_PATH, *, populate: bool = False) -> "Pool":
+    def open(cls, path: str = DEFAULT_POOL_PATH, *, populate: bool = False, read_only: bool = False,
+             allow_foreign_owner: bool = False, allow_group: bool = False) -> "Pool":
         """Attach to an existing pool. populate=True maps every page now (long-lived servers),
-        instead of faulting pages in during the first copies."""
-        return cls(_core.Pool.open(os.fspath(path), populate=populate))
+        instead of faulting pages in during the first copies.
+
+        The pool must be owned by this user (or root; with allow_group, by one of our groups) and
+        not writable by others: another user who can write it can read and corrupt every block.
+        allow_foreign_owner=True accepts such a pool anyway. A symlink is never followed.
+        read_only=True inspects without attaching (info, namespaces(), stats()): works without
+        write access, no node slot is taken, namespaces cannot be opened."""
+        path = os.fspath(path)
+        if not read_only:
+            ensure_private_dir(path)
+        return cls(_core.Pool.open(path, populate=populate, read_only=read_only,
+                                   allow_foreign_owner=allow_foreign_owner, allow_group=allow_group))
 
     @classmethod
     def open_or_create(cls, path: str = DEFAULT_POOL_PATH, size: SizeLike = "1GiB", **kwargs) -> "Pool":
         return cls.create(path, size, exist_ok=True, **kwargs)
 
     @staticmethod
-    def destroy(path: str = DEFAULT_POOL_PATH) -> None:
-        _core.Pool.destroy(os.fspath(path))
+    def destroy(path: str = DEFAULT_POOL_PATH, *, ignore_attached: bool = False, remove_invalid: bool = False) -> None:
+        """Delete a file pool (wipe a devdax pool's header). Refuses while live processes are
+        attached (the error lists them) unless ignore_attached. remove_invalid=True also removes a
+        regular file that is not a complete pool (0 bytes, bad magic, half-initialized)."""
+        _core.Pool.destroy(os.fspath(path), ignore_attached=ignore_attached, remove_invalid=remove_invalid)
 
     def close(self) -> None:
         self._namespaces.clear()
@@ -157,11 +185,17 @@ class Pool:
         return self._core.info()["uuid"]
 
     def info(self) -> dict:
+        """Header fields, plus file_dev/file_ino: the identity of the mapped file."""
         return self._core.info()
+
+    def file_replaced(self) -> bool:
+        """True when the pool's path no longer names the mapped file (deleted or replaced)."""
+        return self._core.file_replaced()
 
     # -- namespaces -----------------------------------------------------------------------
     def namespace(self, layout: KVLayout, name: Optional[str] = None) -> Namespace:
         name = name or layout.default_name()
+        _check_text("namespace name", name)
         ns = self._namespaces.get((name, layout))
         if ns is None:
             ns = self._core.open_namespace(

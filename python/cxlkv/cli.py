@@ -1,11 +1,12 @@
 """The ``cxlkv`` command line: pool administration, benchmarks and the demo.
 
     cxlkv pool create PATH --size 4GiB [--chunk-size 8MiB] [--index-slots N] [--max-nodes N]
-                           [--pin-slots N] [--backend coherent|flush] [--force]
-    cxlkv pool info    [PATH] [--json]
+                           [--pin-slots N] [--backend coherent|flush] [--force [--ignore-attached]]
+    cxlkv pool info    [PATH] [--json]      read-only: needs no write access, takes no node slot
     cxlkv pool stats   [PATH] [--json]
     cxlkv pool check   [PATH] [--json]      exit 1 when an inconsistency is found
-    cxlkv pool destroy PATH
+    cxlkv pool destroy PATH [--ignore-attached] [--force]
+    (pool commands refuse a pool owned or writable by another user unless --allow-foreign-owner)
     cxlkv bench copy   [--json] [--geometry llama3-8b|smollm2-135m|all] [--iters N]
     cxlkv bench index  [--procs N[,N...]] [--json] [--ops N]
     cxlkv demo         [--procs N] [--seconds S] [--pool PATH]
@@ -23,9 +24,8 @@ import os
 import sys
 from typing import Any, Callable
 
+from cxlkv.paths import DEFAULT_POOL_PATH as DEFAULT_POOL
 from cxlkv.sizes import format_size, parse_size
-
-DEFAULT_POOL = "/dev/shm/cxlkv"
 
 __all__ = ["main", "build_parser", "DEFAULT_POOL", "CommandError"]
 
@@ -103,14 +103,20 @@ def _fmt_value(key: str, value: Any) -> str:
     if value is None:
         return "-"
     if isinstance(value, (list, tuple)):
-        return ", ".join(str(v) for v in value) if value else "-"
+        return _escape(", ".join(str(v) for v in value)) if value else "-"
     return _escape(str(value))
+
+
+def _no_controls(text: str) -> str:
+    """F18: strings read from a pool are written by any attached process; a control character
+    (ESC sequences, CR, C1 controls) would drive the operator's terminal. Show them as \\xNN."""
+    return "".join(f"\\x{ord(c):02x}" if ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F else c for c in text)
 
 
 def _escape(text: str) -> str:
     from rich.markup import escape
 
-    return escape(text)
+    return escape(_no_controls(text))
 
 
 def _is_scalar(v: Any) -> bool:
@@ -262,9 +268,13 @@ def cmd_pool_create(args) -> int:
         v = getattr(args, name)
         if v is not None:
             kwargs[name] = v
+    if args.ignore_attached and not args.force:
+        raise CommandError("--ignore-attached only goes with --force")
     if args.force and os.path.lexists(args.path):
-        cxlkv.Pool.destroy(args.path)
-    with cxlkv.Pool.create(args.path, args.size, **kwargs) as pool:
+        # Replaces a pool, or a bad / half-made pool file; never one that live processes use
+        # unless --ignore-attached (they would keep serving the unlinked pool: split brain).
+        cxlkv.Pool.destroy(args.path, ignore_attached=args.ignore_attached, remove_invalid=True)
+    with cxlkv.Pool.create(args.path, args.size, allow_foreign_owner=args.allow_foreign_owner, **kwargs) as pool:
         info = _pool_info_dict(pool)
     if args.json:
         print_json(info)
@@ -278,7 +288,7 @@ def cmd_pool_create(args) -> int:
 def cmd_pool_info(args) -> int:
     import cxlkv
 
-    with cxlkv.Pool.open(args.path) as pool:
+    with cxlkv.Pool.open(args.path, read_only=True) as pool:
         info = _pool_info_dict(pool)
         namespaces = list(pool.namespaces())
     if args.json:
@@ -297,7 +307,7 @@ def cmd_pool_info(args) -> int:
 def cmd_pool_stats(args) -> int:
     import cxlkv
 
-    with cxlkv.Pool.open(args.path) as pool:
+    with cxlkv.Pool.open(args.path, allow_foreign_owner=args.allow_foreign_owner) as pool:
         stats = dict(pool.stats())
     if args.json:
         print_json(stats)
@@ -309,7 +319,7 @@ def cmd_pool_stats(args) -> int:
 def cmd_pool_check(args) -> int:
     import cxlkv
 
-    with cxlkv.Pool.open(args.path) as pool:
+    with cxlkv.Pool.open(args.path, allow_foreign_owner=args.allow_foreign_owner) as pool:
         report = dict(pool.check())
     errors = list(report.get("errors") or [])
     ok = bool(report.get("ok", not errors)) and not errors
@@ -320,9 +330,9 @@ def cmd_pool_check(args) -> int:
         rest = {k: v for k, v in report.items() if k not in ("ok", "errors", "warnings")}
         render_mapping(con, f"check {args.path}", rest)
         for w in report.get("warnings") or []:
-            con.print(f"[yellow]warning:[/yellow] {w}")
+            con.print(f"[yellow]warning:[/yellow] {_escape(str(w))}")
         for e in errors:
-            con.print(f"[red]error:[/red] {e}")
+            con.print(f"[red]error:[/red] {_escape(str(e))}")
         if ok:
             con.print("[bold green]pool is consistent[/bold green]")
         else:
@@ -333,8 +343,8 @@ def cmd_pool_check(args) -> int:
 def cmd_pool_destroy(args) -> int:
     import cxlkv
 
-    cxlkv.Pool.destroy(args.path)
-    _console().print(f"destroyed pool {args.path}")
+    cxlkv.Pool.destroy(args.path, ignore_attached=args.ignore_attached or args.force, remove_invalid=args.force)
+    _console().print(f"destroyed pool {_escape(args.path)}")
     return 0
 
 
@@ -412,6 +422,10 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+_FOREIGN_HELP = ("accept a pool owned by another user or writable by others "
+                 "(that user can read and corrupt every block)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="cxlkv",
@@ -433,7 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
     psub = pool.add_subparsers(dest="pool_command", metavar="ACTION", parser_class=_Parser)
     psub.required = True
 
-    c = psub.add_parser("create", help="create a pool (a file, default /dev/shm/cxlkv, or a devdax device)")
+    c = psub.add_parser("create", help=f"create a pool (a file, default {DEFAULT_POOL}, or a devdax device)")
     c.add_argument("path", nargs="?", default=DEFAULT_POOL, help=f"pool file or /dev/daxX.Y (default {DEFAULT_POOL})")
     c.add_argument("--size", type=_size_arg, required=True, help="pool size, e.g. 4GiB, 512MiB, 1G")
     c.add_argument("--chunk-size", type=_size_arg, default=None, help="allocator chunk size, e.g. 8MiB")
@@ -442,7 +456,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--pin-slots", type=_pos_int, default=None, help="pin slots per process (default 256)")
     c.add_argument("--backend", choices=["coherent", "flush"], default="coherent",
                    help="memory backend: coherent (one host) or flush (non-coherent CXL)")
-    c.add_argument("--force", action="store_true", help="destroy an existing pool at PATH first")
+    c.add_argument("--force", action="store_true",
+                   help="destroy an existing pool (or a bad, half-made pool file) at PATH first; "
+                        "refused while processes are attached")
+    c.add_argument("--ignore-attached", action="store_true",
+                   help="with --force: replace the pool even while processes are attached to it")
+    c.add_argument("--allow-foreign-owner", action="store_true", help=_FOREIGN_HELP)
     c.add_argument("--json", action="store_true", help="print the new pool's info as JSON")
     c.set_defaults(func=cmd_pool_create)
 
@@ -454,10 +473,15 @@ def build_parser() -> argparse.ArgumentParser:
         s = psub.add_parser(name, help=helptext)
         s.add_argument("path", nargs="?", default=DEFAULT_POOL, help=f"pool path (default {DEFAULT_POOL})")
         s.add_argument("--json", action="store_true", help="print one JSON object")
+        s.add_argument("--allow-foreign-owner", action="store_true", help=_FOREIGN_HELP)
         s.set_defaults(func=func)
 
     d = psub.add_parser("destroy", help="unlink a file pool / wipe a devdax pool header")
-    d.add_argument("path", help="pool path, e.g. /dev/shm/cxlkv")
+    d.add_argument("path", help=f"pool path, e.g. {DEFAULT_POOL}")
+    d.add_argument("--ignore-attached", action="store_true",
+                   help="destroy even while processes are attached (refused otherwise; they are listed)")
+    d.add_argument("--force", action="store_true",
+                   help="also remove a bad or half-made pool file (0 bytes, bad magic), and ignore attached processes")
     d.set_defaults(func=cmd_pool_destroy)
 
     # bench ------------------------------------------------------------------------------------
@@ -536,7 +560,7 @@ def format_error(e: BaseException) -> str:
         if not msg:
             msg = type(e).__name__
     msg = " ".join(line.strip() for line in msg.splitlines() if line.strip())
-    return msg
+    return _no_controls(msg)
 
 
 def _handled_errors() -> tuple[type[BaseException], ...]:

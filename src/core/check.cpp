@@ -27,6 +27,11 @@ CheckReport Pool::check() {
     return st == kNodeAlive || st == kNodeClaimed;
   };
 
+  // Namespace-table lock (F13): a holder that is out of range or not attached never releases it.
+  if (uint64_t stale = break_stale_ns_lock())
+    err("namespace-table lock was held by node " + std::to_string(stale) +
+        ", which is not attached (stale lock, now broken)");
+
   // Namespaces.
   std::map<uint32_t, NsHandle> ns;
   for (auto& [h, l] : list_namespaces()) ns[h.id] = h;
@@ -34,6 +39,9 @@ CheckReport Pool::check() {
     uint64_t w = coh_.read(&ns_entry(id)->state);
     if (ns_state(w) == kNsCreating && !node_alive(ns_node(w))) err("namespace " + std::to_string(id) + " stuck in CREATING");
     if (ns_state(w) > kNsReady) err("namespace " + std::to_string(id) + " has an invalid state");
+    uint64_t bb = ns_entry(id)->block_bytes;
+    if (ns_state(w) == kNsReady && (bb == 0 || bb > kMaxBlockBytes))
+      err("namespace " + std::to_string(id) + " has an impossible block size (ignored)");
   }
 
   // Index entries: states, references, probe distance, duplicates. A finding about a READY entry

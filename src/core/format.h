@@ -36,10 +36,14 @@ constexpr uint32_t kMaxNodes = 254;             // node ids 1..254 fit the 8-bit
 constexpr uint32_t kMaxNamespaces = 4096;
 constexpr uint32_t kModelIdBytes = 96;
 constexpr uint32_t kNameBytes = 96;
+constexpr uint64_t kMaxBlockBytes = 0xFFFFFFFFull;  // NamespaceEntry.block_bytes in 1..this
 
 // ---------------------------------------------------------------------------------------------
 // Header. Written once by the creator before the init word says READY; never written again.
-// checksum = XXH3_64(header bytes [0, offsetof(checksum))).
+// checksum = XXH3_64(header bytes [0, offsetof(checksum))). The checksum is not authentication:
+// anyone who can write the file can re-seal a forged header, so open validates every field with
+// overflow-safe arithmetic (each area inside the pool, node_area_bytes <= pool_bytes / max_nodes)
+// and then works from a private copy; the shared header is never read again after open.
 struct PoolHeader {
   char magic[8];
   uint16_t major;
@@ -156,7 +160,7 @@ enum LayoutKind : uint32_t { kLayoutDense = 1, kLayoutMla = 2, kLayoutOpaque = 3
 struct alignas(kCacheLine) NamespaceEntry {
   uint64_t state;
   uint64_t fingerprint;  // XXH3 over the layout fields below
-  uint64_t block_bytes;
+  uint64_t block_bytes;  // 1..2^32-1; readers skip an entry outside that range (corrupt)
   uint32_t dtype_bytes;
   uint32_t kind;
   uint32_t num_layers;
@@ -257,7 +261,16 @@ inline uint64_t make_block_word(uint8_t st, uint8_t node, uint8_t epoch, uint64_
 // kDescGranule bytes, so large blocks pack the payload exactly (8 x 2 MiB blocks in 16 MiB) and
 // blocks smaller than the granule are limited by the desc count instead.
 constexpr uint64_t kDescGranule = 1024;
-inline uint64_t round_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+// Overflow-safe: a value whose rounding would pass 2^64 (possible only for values read from a
+// corrupt pool) saturates to 0, which every caller treats as "impossible size".
+inline uint64_t round_up(uint64_t v, uint64_t a) {
+  if (a == 0) return 0;
+  uint64_t r = v % a;
+  if (r == 0) return v;
+  uint64_t out;
+  if (__builtin_add_overflow(v, a - r, &out)) return 0;
+  return out;
+}
 inline uint64_t chunk_desc_bytes(uint64_t chunk_bytes) {
   return round_up(chunk_bytes / kDescGranule * 8, kMetaAlign);
 }
@@ -265,10 +278,12 @@ struct ChunkGeometry {
   uint32_t blocks;        // blocks in the chunk
   uint64_t block_stride;  // block_bytes rounded up to a cache line
 };
-// blocks = min(chunk_bytes / stride, desc_bytes / 8, kMaxBlocksPerChunk)
+// blocks = min(chunk_bytes / stride, desc_bytes / 8, kMaxBlocksPerChunk); a block_bytes of 0 or
+// one whose stride overflows gives blocks = 0 (callers refuse such a namespace).
 inline ChunkGeometry chunk_geometry(uint64_t chunk_bytes, uint64_t block_bytes) {
   ChunkGeometry g{};
-  g.block_stride = round_up(block_bytes ? block_bytes : 1, kCacheLine);
+  g.block_stride = round_up(block_bytes, kCacheLine);
+  if (g.block_stride == 0) return g;
   uint64_t n = chunk_bytes / g.block_stride;
   uint64_t by_desc = chunk_desc_bytes(chunk_bytes) / 8;
   if (n > by_desc) n = by_desc;

@@ -1,14 +1,19 @@
 #include "mapping.h"
 
 #include <fcntl.h>
+#include <grp.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <mutex>
+#include <vector>
 
 #include "errors.h"
 #include "format.h"
@@ -56,18 +61,111 @@ char* map_aligned(int fd, uint64_t len, uint64_t align, uint64_t* map_len, const
 }
 }  // namespace
 
+// ---------------------------------------------------------------------------------------------
+// SIGBUS guard (F14). Shrinking a mapped file turns every access past its new end into SIGBUS,
+// which would kill every attached process. A process-wide handler looks the fault address up in a
+// fixed table of pool mappings (async-signal-safe: atomics only), maps anonymous zero pages over
+// the rest of that mapping with MAP_FIXED and marks it truncated; the faulting access is restarted
+// and reads zeros (EMPTY entries, FREE words, checksum mismatches: misses, never wrong bytes). The
+// Pool turns the flag into PoolTruncatedError on its next operation. Faults outside pool mappings
+// go to the handler that was installed before ours (or the default action: the process dies).
+// Residual risk: an operation that was running when the file shrank completes on zero pages (a
+// put may report success into memory that no other process sees); only the next call reports it.
+namespace {
+constexpr int kGuardSlots = 1024;
+struct GuardSlot {
+  std::atomic<uintptr_t> base{0};
+  std::atomic<uintptr_t> len{0};
+  std::atomic<int> truncated{0};
+};
+GuardSlot g_guard[kGuardSlots];
+std::mutex g_guard_mu;  // registration only; never taken in the handler
+struct sigaction g_prev_bus {};
+uintptr_t g_page = 4096;
+
+void on_sigbus(int sig, siginfo_t* si, void* uc) {
+  uintptr_t a = reinterpret_cast<uintptr_t>(si->si_addr);
+  if (si->si_code > 0) {  // a real fault (not kill/raise)
+    for (auto& s : g_guard) {
+      uintptr_t b = s.base.load(std::memory_order_acquire);
+      if (!b) continue;
+      uintptr_t l = s.len.load(std::memory_order_acquire);
+      if (a < b || a >= b + l) continue;
+      uintptr_t page = a & ~(g_page - 1);
+      void* r = ::mmap(reinterpret_cast<void*>(page), b + l - page, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+      if (r == MAP_FAILED) break;
+      s.truncated.store(1, std::memory_order_release);
+      return;  // the faulting instruction is restarted on the zero page
+    }
+  }
+  if (g_prev_bus.sa_flags & SA_SIGINFO) {
+    if (g_prev_bus.sa_sigaction) return g_prev_bus.sa_sigaction(sig, si, uc);
+  } else if (g_prev_bus.sa_handler != SIG_DFL && g_prev_bus.sa_handler != SIG_IGN) {
+    return g_prev_bus.sa_handler(sig);
+  }
+  // Default action: restore it and return; the fault repeats and the process dies with SIGBUS.
+  struct sigaction dfl {};
+  dfl.sa_handler = SIG_DFL;
+  ::sigemptyset(&dfl.sa_mask);
+  ::sigaction(SIGBUS, &dfl, nullptr);
+  if (si->si_code <= 0) ::raise(sig);
+}
+
+// Installs on_sigbus unless it is the current handler (again after someone replaced it).
+void install_sigbus_handler() {
+  struct sigaction cur {};
+  ::sigaction(SIGBUS, nullptr, &cur);
+  if ((cur.sa_flags & SA_SIGINFO) && cur.sa_sigaction == on_sigbus) return;
+  g_page = uintptr_t(::sysconf(_SC_PAGESIZE));
+  g_prev_bus = cur;
+  struct sigaction sa {};
+  sa.sa_sigaction = on_sigbus;
+  sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
+  ::sigemptyset(&sa.sa_mask);
+  ::sigaction(SIGBUS, &sa, nullptr);
+}
+}  // namespace
+
+void Mapping::guard() {
+  std::lock_guard<std::mutex> g(g_guard_mu);
+  install_sigbus_handler();
+  for (int i = 0; i < kGuardSlots; ++i) {
+    if (g_guard[i].base.load(std::memory_order_relaxed)) continue;
+    g_guard[i].truncated.store(0, std::memory_order_relaxed);
+    g_guard[i].len.store(map_len_, std::memory_order_relaxed);
+    g_guard[i].base.store(reinterpret_cast<uintptr_t>(base_), std::memory_order_release);
+    guard_ = i;
+    return;
+  }
+  // More than kGuardSlots pools mapped at once: this one goes unguarded (SIGBUS kills).
+}
+
+bool Mapping::truncated() const {
+  return guard_ >= 0 && g_guard[guard_].truncated.load(std::memory_order_acquire) != 0;
+}
+
+void Mapping::release() {
+  if (guard_ >= 0) {
+    std::lock_guard<std::mutex> g(g_guard_mu);
+    g_guard[guard_].base.store(0, std::memory_order_release);
+    guard_ = -1;
+  }
+  if (base_) ::munmap(base_, map_len_);
+  base_ = nullptr;
+}
+
 Mapping& Mapping::operator=(Mapping&& o) noexcept {
   if (this != &o) {
-    if (base_) ::munmap(base_, map_len_);
+    release();
     base_ = o.base_, size_ = o.size_, map_len_ = o.map_len_, devdax_ = o.devdax_;
-    o.base_ = nullptr, o.size_ = o.map_len_ = 0;
+    dev_ = o.dev_, ino_ = o.ino_, guard_ = o.guard_;
+    o.base_ = nullptr, o.size_ = o.map_len_ = 0, o.guard_ = -1;
   }
   return *this;
 }
 
-Mapping::~Mapping() {
-  if (base_) ::munmap(base_, map_len_);
-}
+Mapping::~Mapping() { release(); }
 
 bool Mapping::is_devdax_path(const std::string& path) {
   return path.rfind("/dev/dax", 0) == 0;
@@ -89,20 +187,56 @@ uint64_t devdax_size(const std::string& path) {
   return size;
 }
 
-Mapping Mapping::open_existing(const std::string& path, bool populate) {
+namespace {
+bool in_my_groups(gid_t g) {
+  if (g == ::getegid()) return true;
+  int n = ::getgroups(0, nullptr);
+  if (n <= 0) return false;
+  std::vector<gid_t> gs(static_cast<size_t>(n));
+  n = ::getgroups(n, gs.data());
+  for (int i = 0; i < n; ++i)
+    if (gs[size_t(i)] == g) return true;
+  return false;
+}
+
+// F11: a pool that another user owns or may write can be read and corrupted by that user.
+void check_owner(const struct stat& st, const std::string& path, bool allow_group) {
+  uid_t me = ::geteuid();
+  bool group_ok = allow_group && in_my_groups(st.st_gid);
+  const std::string hint = "; pass allow_foreign_owner=True (CLI: --allow-foreign-owner) if this is intended";
+  if (st.st_uid != me && st.st_uid != 0 && !group_ok)
+    throw OsError(EPERM, "pool " + path + " is owned by uid " + std::to_string(st.st_uid) + ", not by this user (uid " +
+                             std::to_string(me) + "): that user can read and corrupt its KV; refusing it" + hint);
+  if (st.st_mode & S_IWOTH) {
+    char mode[8];
+    std::snprintf(mode, sizeof mode, "%04o", unsigned(st.st_mode & 07777));
+    throw OsError(EPERM, "pool " + path + " is writable by every user (mode " + mode + "); refusing it" + hint);
+  }
+  if ((st.st_mode & S_IWGRP) && st.st_uid != me && !group_ok)
+    throw OsError(EPERM, "pool " + path + " is writable by group " + std::to_string(st.st_gid) +
+                             ", which is not one of ours; refusing it" + hint);
+}
+}  // namespace
+
+Mapping Mapping::open_existing(const std::string& path, bool populate, bool read_only, bool allow_foreign_owner,
+                               bool allow_group) {
   Mapping m;
   Fd fd;
-  fd.fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  fd.fd = ::open(path.c_str(), (read_only ? O_RDONLY : O_RDWR) | O_CLOEXEC | O_NOFOLLOW);
   if (fd.fd < 0) {
     int e = errno;
     if (e == ENOENT && is_devdax_path(path)) throw OsError(e, "devdax device " + path + " does not exist");
     if (e == ENOENT) throw OsError(e, "pool " + path + " does not exist");
     if (e == EISDIR) throw OsError(e, path + " is a directory, not a pool");
+    if (e == ELOOP) throw OsError(e, "pool " + path + " is a symbolic link; refusing to follow it (open its target)");
     throw_os(e, "cannot open pool", path);
   }
   struct stat st;
   if (::fstat(fd.fd, &st) != 0) throw_os(errno, "cannot stat", path);
   if (S_ISDIR(st.st_mode)) throw OsError(EISDIR, path + " is a directory, not a pool");
+  if (!allow_foreign_owner) check_owner(st, path, allow_group);
+  m.dev_ = uint64_t(st.st_dev);
+  m.ino_ = uint64_t(st.st_ino);
   uint64_t size;
   if (S_ISCHR(st.st_mode)) {
     size = devdax_size(path);
@@ -115,8 +249,25 @@ Mapping Mapping::open_existing(const std::string& path, bool populate) {
   if (size < format::kSharedWordsOff + 4096)
     throw TruncatedError("pool " + path + " is truncated: " + std::to_string(size) +
                          " bytes, smaller than a pool header");
-  m.base_ = map_aligned(fd.fd, size, m.devdax_ ? kDevdaxAlign : 0, &m.map_len_, path, populate);
+  // A sparse pool file (e.g. `cp --sparse`) faults its holes in at first touch, and a full tmpfs
+  // answers that with SIGBUS. Allocate the holes now, so a full filesystem is a clear error here.
+  if (!m.devdax_ && !read_only && uint64_t(st.st_blocks) * 512 < size) {
+    int e = ::posix_fallocate(fd.fd, 0, off_t(size));
+    if (e != 0)
+      throw OsError(e, "pool " + path + " is a sparse file (" + std::to_string(uint64_t(st.st_blocks) * 512) + " of " +
+                           std::to_string(size) + " bytes allocated) and its holes cannot be allocated: " + std::strerror(e));
+  }
+  if (read_only) {
+    // Private copy-on-write: an inspecting process never writes the pool, even by mistake.
+    void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd.fd, 0);
+    if (p == MAP_FAILED) throw_os(errno, "cannot map", path);
+    m.base_ = static_cast<char*>(p);
+    m.map_len_ = size;
+  } else {
+    m.base_ = map_aligned(fd.fd, size, m.devdax_ ? kDevdaxAlign : 0, &m.map_len_, path, populate);
+  }
   m.size_ = size;
+  m.guard();
   return m;
 }
 
@@ -132,8 +283,16 @@ Mapping Mapping::create_file(const std::string& tmp_path, uint64_t size) {
     ::unlink(tmp_path.c_str());
     throw_os(e, "cannot allocate " + std::to_string(size) + " bytes for", tmp_path);
   }
-  m.base_ = map_aligned(fd.fd, size, 0, &m.map_len_, tmp_path, true);
+  try {
+    m.base_ = map_aligned(fd.fd, size, 0, &m.map_len_, tmp_path, true);
+  } catch (...) {
+    ::unlink(tmp_path.c_str());  // F22: no temporary file left behind
+    throw;
+  }
+  struct stat st;
+  if (::fstat(fd.fd, &st) == 0) m.dev_ = uint64_t(st.st_dev), m.ino_ = uint64_t(st.st_ino);
   m.size_ = size;
+  m.guard();
   return m;
 }
 
@@ -145,6 +304,10 @@ Mapping Mapping::open_devdax_for_create(const std::string& path, uint64_t size) 
   Fd fd;
   fd.fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
   if (fd.fd < 0) throw_os(errno, "cannot open devdax device", path);
+  struct stat st;
+  if (::fstat(fd.fd, &st) != 0) throw_os(errno, "cannot stat", path);
+  if (!S_ISCHR(st.st_mode)) throw OsError(ENODEV, path + " is not a devdax character device");
+  m.dev_ = uint64_t(st.st_dev), m.ino_ = uint64_t(st.st_ino);
   m.base_ = map_aligned(fd.fd, size, kDevdaxAlign, &m.map_len_, path);
   m.size_ = size;
   m.devdax_ = true;

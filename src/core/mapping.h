@@ -20,7 +20,11 @@ class Mapping {
 
   // Maps an existing pool store. Throws OsError (errno kept) or TruncatedError. populate: fault
   // the whole mapping in now (MAP_POPULATE) instead of page by page in the copy path.
-  static Mapping open_existing(const std::string& path, bool populate = false);
+  // Owner policy (F11): the file must be owned by the effective uid or root (or, with allow_group,
+  // by one of our groups) and not writable by others, unless allow_foreign_owner. Never follows a
+  // symlink (O_NOFOLLOW). read_only: O_RDONLY and a private mapping (writes stay in this process).
+  static Mapping open_existing(const std::string& path, bool populate = false, bool read_only = false,
+                               bool allow_foreign_owner = true, bool allow_group = false);
   // Creates a new file of `size` bytes at `tmp_path`, mode 0600 (exclusive create). Its pages are
   // allocated and zeroed here (on tmpfs, zeroing otherwise happens at first touch, inside the
   // first store to each block: measured 4-30x slower stores on a fresh pool).
@@ -32,12 +36,21 @@ class Mapping {
   char* base() const { return base_; }
   uint64_t size() const { return size_; }
   bool devdax() const { return devdax_; }
+  uint64_t file_dev() const { return dev_; }
+  uint64_t file_ino() const { return ino_; }
+  // F14: a SIGBUS inside a registered mapping (the file shrank under us) is answered by mapping
+  // zero pages over the rest of the mapping and setting this flag; the access then reads zeros.
+  bool truncated() const;
 
  private:
   char* base_ = nullptr;
   uint64_t size_ = 0;
   uint64_t map_len_ = 0;
   bool devdax_ = false;
+  uint64_t dev_ = 0, ino_ = 0;
+  int guard_ = -1;  // slot in the process-wide SIGBUS registry, -1 if none
+  void guard();     // registers [base_, base_ + map_len_) with the SIGBUS handler
+  void release();   // unregisters and unmaps
 };
 
 // Size of a devdax device from sysfs (/sys/dev/char/MAJ:MIN/size). Throws OsError.

@@ -24,6 +24,15 @@ uint64_t fingerprint(const Layout& l) {
 
 std::string fixed_str(const char* p, size_t n) { return std::string(p, strnlen(p, n)); }
 
+// F12: a NUL would be cut by fixed_str (the stored name differs from the one compared, so each
+// open creates another entry) and control characters reach operators' terminals.
+void check_text(const std::string& s, const char* what) {
+  for (unsigned char c : s)
+    if (c < 0x20 || c == 0x7f)
+      throw ArgumentError(std::string(what) + " must not contain NUL or control characters (found 0x" +
+                          "0123456789abcdef"[c >> 4] + "0123456789abcdef"[c & 15] + ")");
+}
+
 Layout layout_of(const NamespaceEntry& e) {
   Layout l;
   l.name = fixed_str(e.name, kNameBytes);
@@ -67,24 +76,41 @@ std::vector<std::pair<NsHandle, Layout>> Pool::list_namespaces() {
     if (ns_state(coh_.read(&e->state)) != kNsReady) continue;
     coh_.invalidate(e, sizeof *e);
     Layout l = layout_of(*e);
+    // F5: a READY entry is immutable by contract, but the bytes are untrusted: read once, and skip
+    // an entry whose block size no writer could have stored (`pool check` reports it).
+    if (l.block_bytes == 0 || l.block_bytes > kMaxBlockBytes) continue;
     NsHandle h;
     h.id = id;
-    h.block_bytes = e->block_bytes;
-    h.geo = chunk_geometry(hdr_->chunk_bytes, e->block_bytes);
+    h.block_bytes = l.block_bytes;
+    h.geo = chunk_geometry(hdr_->chunk_bytes, l.block_bytes);
     h.name = l.name;
     out.emplace_back(h, l);
   }
   return out;
 }
 
+uint64_t Pool::break_stale_ns_lock() {
+  uint64_t* lock = &shared()->ns_lock.word;
+  uint64_t holder = coh_.read(lock);
+  if (holder == 0) return 0;
+  bool stale = holder > hdr_->max_nodes;
+  if (!stale) stale = node_state(coh_.read(&node_slot(uint32_t(holder - 1))->state)) == kNodeFree;
+  if (!stale) return 0;
+  uint64_t expected = holder;
+  return coh_.claim(lock, expected, 0) ? holder : 0;
+}
+
 NsHandle Pool::open_namespace(const Layout& want) {
+  if (read_only_) throw Error("pool " + path_ + " was opened read-only; namespaces cannot be opened");
+  check_text(want.name, "namespace name");
+  check_text(want.model_id, "model_id");
   if (want.name.empty() || want.name.size() >= kNameBytes)
     throw ArgumentError("namespace name must have 1.." + std::to_string(kNameBytes - 1) + " bytes");
   if (want.model_id.size() >= kModelIdBytes)
     throw ArgumentError("model_id must be shorter than " + std::to_string(kModelIdBytes) + " bytes");
   if (want.dtype.size() >= 8) throw ArgumentError("dtype name too long");
-  if (want.block_bytes == 0 || want.block_bytes > 0xFFFFFFFFull)
-    throw ArgumentError("block_bytes must be in 1..4294967295");
+  if (want.block_bytes == 0 || want.block_bytes > kMaxBlockBytes)
+    throw ArgumentError("block_bytes must be in 1.." + std::to_string(kMaxBlockBytes));
   auto geo = chunk_geometry(hdr_->chunk_bytes, want.block_bytes);
   if (geo.blocks == 0)
     throw ArgumentError("a block of " + std::to_string(want.block_bytes) + " bytes does not fit in this pool's chunks of " +
@@ -111,6 +137,7 @@ NsHandle Pool::open_namespace(const Layout& want) {
   for (int spins = 0;; ++spins) {
     uint64_t expected = 0;
     if (coh_.claim(lock, expected, node_id_)) break;
+    if (spins % 100 == 0) break_stale_ns_lock();  // F13: a holder that can never release it
     if (spins % 100 == 99) reap_dead_nodes();
     if (spins > 100000) throw Error("pool " + path_ + ": namespace table lock held too long by node " + std::to_string(expected));
     std::this_thread::sleep_for(std::chrono::microseconds(100));

@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <pthread.h>
 #include <sys/random.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -145,6 +146,13 @@ void remove_stale_init_files(const std::string& path) {
   ::closedir(d);
 }
 
+OpenOptions open_options_of(const CreateOptions& c) {
+  OpenOptions o;
+  o.allow_foreign_owner = c.allow_foreign_owner;
+  o.allow_group = c.allow_group;
+  return o;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -171,7 +179,7 @@ std::unique_ptr<Pool> Pool::create(const std::string& path, const CreateOptions&
     if (std::memcmp(existing->magic, kMagic, 8) == 0 && sw->init.word == kInitReady) {
       if (!exist_ok) throw OsError(EEXIST, "devdax device " + path + " already holds a cxlkv pool");
       m = Mapping();
-      return open(path);
+      return open(path, open_options_of(opt));
     }
     CreateOptions o = opt;
     o.size = m.size();
@@ -182,7 +190,7 @@ std::unique_ptr<Pool> Pool::create(const std::string& path, const CreateOptions&
     std::memset(m.base() + kSharedWordsOff + kCacheLine, 0, h.arena_off - kSharedWordsOff - kCacheLine);
   } else {
     if (::access(path.c_str(), F_OK) == 0) {
-      if (exist_ok) return open(path);
+      if (exist_ok) return open(path, open_options_of(opt));
       throw OsError(EEXIST, "pool " + path + " already exists");
     }
     plan_geometry(h, opt);
@@ -206,7 +214,7 @@ std::unique_ptr<Pool> Pool::create(const std::string& path, const CreateOptions&
     if (::link(tmp.c_str(), path.c_str()) != 0) {
       int e = errno;
       ::unlink(tmp.c_str());
-      if (e == EEXIST && exist_ok) return open(path);
+      if (e == EEXIST && exist_ok) return open(path, open_options_of(opt));
       if (e == EEXIST) throw OsError(e, "pool " + path + " already exists");
       throw OsError(e, "cannot create pool " + path + ": " + std::strerror(e));
     }
@@ -220,41 +228,119 @@ std::unique_ptr<Pool> Pool::create(const std::string& path, const CreateOptions&
 }
 
 std::unique_ptr<Pool> Pool::open(const std::string& path, bool populate) {
+  OpenOptions o;
+  o.populate = populate;
+  return open(path, o);
+}
+
+std::unique_ptr<Pool> Pool::open(const std::string& path, const OpenOptions& opt) {
   std::unique_ptr<Pool> p(new Pool());
   p->path_ = path;
-  p->map_ = Mapping::open_existing(path, populate);
-  p->validate_and_attach(false);
+  p->read_only_ = opt.read_only;
+  p->map_ = Mapping::open_existing(path, opt.populate, opt.read_only, opt.allow_foreign_owner || opt.read_only,
+                                   opt.allow_group);
+  p->validate_and_attach(false, opt.attach && !opt.read_only);
   return p;
 }
 
-void Pool::destroy(const std::string& path) {
+namespace {
+std::string describe_nodes(const std::vector<std::pair<uint32_t, uint32_t>>& nodes) {
+  std::string s;
+  for (auto [id, pid] : nodes) s += (s.empty() ? "" : ", ") + ("node " + std::to_string(id) + " (pid " + std::to_string(pid) + ")");
+  return s;
+}
+}  // namespace
+
+std::vector<std::pair<uint32_t, uint32_t>> Pool::attached_nodes() {
+  reap_dead_nodes();
+  std::vector<std::pair<uint32_t, uint32_t>> out;
+  for (uint32_t i = 0; i < hdr_->max_nodes; ++i) {
+    if (node_id_ == i + 1) continue;
+    uint64_t w = coh_.read(&node_slot(i)->state);
+    if (node_state(w) != kNodeFree) out.emplace_back(i + 1, node_pid(w));
+  }
+  return out;
+}
+
+void Pool::destroy(const std::string& path, const DestroyOptions& opt) {
+  // Refuse to wipe or delete something that is not a pool, and a pool that live processes use
+  // (they would keep serving an unlinked pool while new ones use a new one: split brain, F15).
+  std::unique_ptr<Pool> p;
+  try {
+    OpenOptions o;
+    o.attach = false;
+    o.allow_foreign_owner = true;  // deleting is governed by the directory's permissions
+    p = open(path, o);
+  } catch (const NotReadyError&) {
+    if (!opt.remove_invalid) throw;
+  } catch (const FormatError&) {
+    if (!opt.remove_invalid) throw;
+  } catch (const VersionError&) {
+    if (!opt.remove_invalid) throw;
+  } catch (const TruncatedError&) {
+    if (!opt.remove_invalid) throw;
+  }
   if (Mapping::is_devdax_path(path)) {
-    Mapping m = Mapping::open_existing(path);
+    struct stat st;
+    if (::stat(path.c_str(), &st) != 0) throw OsError(errno, "cannot stat " + path + ": " + std::strerror(errno));
+    if (!S_ISCHR(st.st_mode))
+      throw FormatError(path + " is not a devdax character device; not wiping it (remove a regular file with rm)");
+    if (!p) throw FormatError(path + " does not hold a valid cxlkv pool; not wiping it");
+  }
+  if (p && !opt.ignore_attached) {
+    auto live = p->attached_nodes();
+    if (!live.empty())
+      throw Error("pool " + path + " is in use by " + std::to_string(live.size()) + " attached process(es): " +
+                  describe_nodes(live) + "; stop them first, or force it (CLI: --ignore-attached)");
+  }
+  if (Mapping::is_devdax_path(path)) {
+    char* b = p->base_;
+    p->base_ = nullptr;  // no detach: never attached
     Coherence c;
-    auto* sw = reinterpret_cast<SharedWords*>(m.base() + kSharedWordsOff);
+    auto* sw = reinterpret_cast<SharedWords*>(b + kSharedWordsOff);
     c.publish(&sw->init.word, 0);
-    std::memset(m.base(), 0, sizeof(PoolHeader));
-    kernels::writeback_lines(m.base(), kHeaderBytes);
+    std::memset(b, 0, sizeof(PoolHeader));
+    kernels::writeback_lines(b, kHeaderBytes);
     return;
   }
-  // Refuse to delete something that is not a pool.
-  { Mapping m = Mapping::open_existing(path);
-    if (std::memcmp(m.base(), kMagic, 8) != 0)
-      throw FormatError(path + " is not a cxlkv pool (bad magic); not deleting it"); }
+  if (!p) {
+    // remove_invalid: the file must at least be a regular file (never a device or a directory).
+    struct stat st;
+    if (::lstat(path.c_str(), &st) != 0) throw OsError(errno, "cannot stat " + path + ": " + std::strerror(errno));
+    if (!S_ISREG(st.st_mode)) throw FormatError(path + " is not a regular file; not deleting it");
+  }
+  p.reset();
   if (::unlink(path.c_str()) != 0) throw OsError(errno, "cannot delete " + path + ": " + std::strerror(errno));
 }
 
-void Pool::validate_and_attach(bool fresh) {
+bool Pool::file_replaced() const {
+  struct stat st;
+  if (::lstat(path_.c_str(), &st) != 0) return errno == ENOENT || errno == ENOTDIR;
+  return uint64_t(st.st_dev) != map_.file_dev() || uint64_t(st.st_ino) != map_.file_ino();
+}
+
+void Pool::check_truncated() const {
+  if (!map_.truncated()) return;
+  struct stat st;
+  std::string now = ::stat(path_.c_str(), &st) == 0 ? std::to_string(uint64_t(st.st_size)) + " bytes" : "missing";
+  throw TruncatedError("pool " + path_ + " was truncated while mapped (now " + now + ", mapped " +
+                       std::to_string(map_.size()) + " bytes); close it and re-open or re-create the pool");
+}
+
+void Pool::validate_and_attach(bool fresh, bool attach) {
   (void)fresh;
   char* b = map_.base();
-  const auto& h = *reinterpret_cast<const PoolHeader*>(b);
+  // Validate a private copy: the shared header can change under us (F1), so every check below and
+  // every later use reads the same bytes.
+  std::memcpy(&hdr_copy_, b, sizeof hdr_copy_);
+  const PoolHeader& h = hdr_copy_;
   auto* sw = reinterpret_cast<SharedWords*>(b + kSharedWordsOff);
   const std::string& P = path_;
   if (std::memcmp(h.magic, kMagic, 8) != 0) {
     static const char zero[8] = {};
     uint64_t init = Coherence(Backend::flush).read(&sw->init.word);
     if (std::memcmp(h.magic, zero, 8) == 0 && init == kInitBusy)
-      throw NotReadyError("pool " + P + " was never completely initialized (its creator died or is still running); destroy and re-create it");
+      throw NotReadyError("pool " + P + " was never completely initialized (its creator died or is still running); remove it (cxlkv pool destroy --force) and re-create it");
     throw FormatError(P + " is not a cxlkv pool (bad magic)");
   }
   if (h.major > kFormatMajor)
@@ -288,26 +374,29 @@ void Pool::validate_and_attach(bool fresh) {
   if (h.chunk_bytes < 65536 || h.chunk_bytes % kMetaAlign || h.chunk_bytes > (1ull << 40)) bad("chunk_bytes");
   if (h.node_area_bytes < sizeof(NodeAreaFixed) + uint64_t(h.pin_slots) * 8 || h.node_area_bytes % kMetaAlign) bad("node_area_bytes");
   if (h.chunk_count == 0 || h.chunk_count > (1ull << 32)) bad("chunk_count");
+  if (h.node_area_bytes > h.pool_bytes / h.max_nodes) bad("node_area_bytes");  // F6: no wrap below
+  // Overflow-safe: a forged header (the checksum is no authentication) must not wrap a product.
   uint64_t end = kSharedWordsOff + kMetaAlign;
-  auto area = [&](uint64_t off, uint64_t len, const char* what) {
-    if (off < end || off % 64 || len > h.pool_bytes || off > h.pool_bytes - len) bad(what);
-    end = off + len;
+  auto area = [&](uint64_t off, uint64_t count, uint64_t each, const char* what) {
+    uint64_t len, stop;
+    if (__builtin_mul_overflow(count, each, &len) || __builtin_add_overflow(off, len, &stop)) bad(what);
+    if (off < end || off % 64 || stop > h.pool_bytes) bad(what);
+    end = stop;
   };
-  area(h.node_table_off, uint64_t(h.max_nodes) * sizeof(NodeSlot), "node table");
-  area(h.node_area_off, uint64_t(h.max_nodes) * h.node_area_bytes, "node areas");
-  area(h.ns_table_off, uint64_t(h.max_namespaces) * sizeof(NamespaceEntry), "namespace table");
-  area(h.index_off, h.index_slots * sizeof(IndexEntry), "index");
-  area(h.access_off, h.index_slots * 8, "access hints");
-  area(h.chunk_map_off, h.chunk_count * 8, "chunk map");
+  area(h.node_table_off, h.max_nodes, sizeof(NodeSlot), "node table");
+  area(h.node_area_off, h.max_nodes, h.node_area_bytes, "node areas");
+  area(h.ns_table_off, h.max_namespaces, sizeof(NamespaceEntry), "namespace table");
+  area(h.index_off, h.index_slots, sizeof(IndexEntry), "index");
+  area(h.access_off, h.index_slots, 8, "access hints");
+  area(h.chunk_map_off, h.chunk_count, 8, "chunk map");
   uint64_t stride = chunk_desc_bytes(h.chunk_bytes) + h.chunk_bytes;
-  if (h.chunk_count > (h.pool_bytes / stride)) bad("arena");
-  area(h.arena_off, h.chunk_count * stride, "arena");
+  area(h.arena_off, h.chunk_count, stride, "arena");
   uint64_t init = Coherence(Backend::flush).read(&sw->init.word);  // valid for any backend
   if (init != kInitReady)
-    throw NotReadyError("pool " + P + " was never completely initialized (its creator died or is still running); destroy and re-create it");
+    throw NotReadyError("pool " + P + " was never completely initialized (its creator died or is still running); remove it (cxlkv pool destroy --force) and re-create it");
 
   base_ = b;
-  hdr_ = &h;
+  hdr_ = &hdr_copy_;
   coh_ = Coherence(Backend(h.backend));
   entries_ = reinterpret_cast<IndexEntry*>(b + h.index_off);
   access_ = reinterpret_cast<uint64_t*>(b + h.access_off);
@@ -317,8 +406,10 @@ void Pool::validate_and_attach(bool fresh) {
   pid_ = uint32_t(::getpid());
   host_id_ = compute_host_id();
   fork_generation_ = fork_generation();
+  if (!attach) return;
   reap_dead_nodes();
   attach_node();
+  check_truncated();
 }
 
 Pool::~Pool() {
@@ -329,6 +420,7 @@ void Pool::ensure_usable() const {
   if (!base_) throw Error("pool " + path_ + " is closed");
   if (fork_generation_ != fork_generation())
     throw Error("pool " + path_ + ": this attachment was inherited through fork(); open the pool again in the child process");
+  check_truncated();
 }
 
 void Pool::close() {

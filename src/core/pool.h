@@ -27,6 +27,8 @@ struct CreateOptions {
   uint32_t pin_slots = 256;
   uint32_t max_namespaces = 64;
   Backend backend = Backend::coherent;
+  bool allow_foreign_owner = false;  // with exist_ok: see OpenOptions
+  bool allow_group = false;
 };
 
 struct Layout {
@@ -38,6 +40,26 @@ struct Layout {
   uint32_t num_layers = 0, num_kv_heads = 0, head_size = 0, tokens_per_block = 0;
   uint32_t tp_rank = 0, tp_size = 1;
   uint64_t block_bytes = 0;
+};
+
+// How Pool::open maps and trusts an existing pool (F11, F23).
+struct OpenOptions {
+  bool populate = false;             // fault the whole mapping in now
+  // Inspect only (pool info): O_RDONLY, a private copy-on-write mapping, no node slot, no reap;
+  // works for a reader without write access. Namespaces cannot be opened. The owner check is
+  // skipped: nothing of ours is put into the pool.
+  bool read_only = false;
+  // Accept a pool owned by another user (not root), or one that others can write. Such a user can
+  // read every block and corrupt the pool at will; the default refuses it.
+  bool allow_foreign_owner = false;
+  // Accept a pool whose group is one of ours (owner check by group instead of by user).
+  bool allow_group = false;
+  bool attach = true;                // false: validate and map only (destroy, maintenance)
+};
+
+struct DestroyOptions {
+  bool ignore_attached = false;  // destroy even while live nodes are attached
+  bool remove_invalid = false;   // also remove a file that is not a (complete) pool: 0 bytes, bad magic
 };
 
 struct NsHandle {
@@ -95,7 +117,10 @@ class Pool {
  public:
   static std::unique_ptr<Pool> create(const std::string& path, const CreateOptions& opt, bool exist_ok);
   static std::unique_ptr<Pool> open(const std::string& path, bool populate = false);
-  static void destroy(const std::string& path);
+  static std::unique_ptr<Pool> open(const std::string& path, const OpenOptions& opt);
+  static void destroy(const std::string& path, const DestroyOptions& opt = {});
+  // Node ids (1-based) whose slot is not FREE after reaping the dead ones, with their pids.
+  std::vector<std::pair<uint32_t, uint32_t>> attached_nodes();
   ~Pool();
   void close();
   bool closed() const { return !base_; }
@@ -107,7 +132,16 @@ class Pool {
   const std::string& path() const { return path_; }
   uint64_t size() const { return map_.size(); }
   uint32_t node_id() const { return node_id_; }
-  const format::PoolHeader& header() const { return *hdr_; }
+  const format::PoolHeader& header() const { return *hdr_; }  // the private validated copy
+  bool read_only() const { return read_only_; }
+  // The mapped file's identity (fstat of the fd that was mapped) and whether `path` still names it.
+  uint64_t file_dev() const { return map_.file_dev(); }
+  uint64_t file_ino() const { return map_.file_ino(); }
+  bool file_replaced() const;
+  // True once a SIGBUS in this pool's mapping was turned into zero pages (file shrunk under us).
+  bool truncated() const { return map_.truncated(); }
+  // Throws TruncatedError (naming the path and its current size) if truncated().
+  void check_truncated() const;
   Backend backend() const { return coh_.backend(); }
 
   // --- namespaces (namespaces.cpp) ----------------------------------------------------------
@@ -146,7 +180,10 @@ class Pool {
 
  private:
   Pool() = default;
-  void validate_and_attach(bool fresh);
+  void validate_and_attach(bool fresh, bool attach = true);
+  // Breaks the namespace-table lock when its holder id is out of range or names a FREE node slot
+  // (a holder that can never release it). Returns the stale holder id, 0 if nothing was broken.
+  uint64_t break_stale_ns_lock();
   void attach_node();
   void detach_node();
   bool node_is_dead(uint32_t idx, uint64_t word);
@@ -203,7 +240,11 @@ class Pool {
   std::string path_;
   Mapping map_;
   char* base_ = nullptr;
+  // Points at hdr_copy_: the header validated at open, copied out of shared memory so that a
+  // later scribble over the shared header cannot steer an address, divisor or loop bound (F1).
   const format::PoolHeader* hdr_ = nullptr;
+  format::PoolHeader hdr_copy_{};
+  bool read_only_ = false;
   Coherence coh_;
   format::IndexEntry* entries_ = nullptr;
   uint64_t* access_ = nullptr;

@@ -182,6 +182,9 @@ nb::dict info_dict(Pool& p) {
   d["arena_off"] = h.arena_off;
   d["header_checksum_off"] = uint64_t(offsetof(format::PoolHeader, checksum));
   d["node_id"] = p.node_id();
+  d["file_dev"] = p.file_dev();  // identity of the mapped file (fstat of the mapped fd)
+  d["file_ino"] = p.file_ino();
+  d["read_only"] = p.read_only();
   d["nt_copy_kernel"] = nt_copy_kernel_name();
   return d;
 }
@@ -261,8 +264,10 @@ NB_MODULE(_core, m) {
       .def_static(
           "create",
           [](const std::string& path, uint64_t size, uint64_t chunk_bytes, uint64_t index_slots, uint32_t max_nodes,
-             uint32_t pin_slots, uint32_t max_namespaces, const std::string& backend, bool exist_ok) {
+             uint32_t pin_slots, uint32_t max_namespaces, const std::string& backend, bool exist_ok,
+             bool allow_foreign_owner, bool allow_group) {
             CreateOptions o;
+            o.allow_foreign_owner = allow_foreign_owner, o.allow_group = allow_group;
             o.size = size, o.chunk_bytes = chunk_bytes, o.index_slots = index_slots;
             o.max_nodes = max_nodes, o.pin_slots = pin_slots, o.max_namespaces = max_namespaces;
             if (backend == "coherent") o.backend = Backend::coherent;
@@ -279,22 +284,36 @@ NB_MODULE(_core, m) {
             return pp;
           },
           "path"_a, "size"_a, "chunk_bytes"_a = 0, "index_slots"_a = 0, "max_nodes"_a = 64, "pin_slots"_a = 256,
-          "max_namespaces"_a = 64, "backend"_a = "coherent", "exist_ok"_a = false, nb::rv_policy::take_ownership)
+          "max_namespaces"_a = 64, "backend"_a = "coherent", "exist_ok"_a = false, "allow_foreign_owner"_a = false,
+          "allow_group"_a = false, nb::rv_policy::take_ownership)
       .def_static(
           "open",
-          [](const std::string& path, bool populate) {
+          [](const std::string& path, bool populate, bool read_only, bool allow_foreign_owner, bool allow_group) {
+            OpenOptions o;
+            o.populate = populate, o.read_only = read_only;
+            o.allow_foreign_owner = allow_foreign_owner, o.allow_group = allow_group;
             auto* pp = new PyPool();
             try {
               nb::gil_scoped_release nogil;
-              pp->pool = Pool::open(path, populate);
+              pp->pool = Pool::open(path, o);
             } catch (...) {
               delete pp;
               throw;
             }
             return pp;
           },
-          "path"_a, "populate"_a = false, nb::rv_policy::take_ownership)
-      .def_static("destroy", [](const std::string& path) { Pool::destroy(path); }, "path"_a)
+          "path"_a, "populate"_a = false, "read_only"_a = false, "allow_foreign_owner"_a = false,
+          "allow_group"_a = false, nb::rv_policy::take_ownership)
+      .def_static("destroy", [](const std::string& path, bool ignore_attached, bool remove_invalid) {
+            DestroyOptions o;
+            o.ignore_attached = ignore_attached, o.remove_invalid = remove_invalid;
+            Pool::destroy(path, o);
+          }, "path"_a, "ignore_attached"_a = false, "remove_invalid"_a = false)
+      .def("file_replaced", [](PyPool& pp) {  // usable on a truncated pool too: no ensure_usable
+        std::shared_lock<std::shared_mutex> g(pp.mu);
+        if (!pp.pool || pp.pool->closed()) throw Error("pool is closed");
+        return pp.pool->file_replaced();
+      })
       .def("close", [](PyPool& pp) {
         nb::gil_scoped_release nogil;
         std::unique_lock<std::shared_mutex> g(pp.mu);

@@ -146,6 +146,18 @@ TEST(ChunkGeometry, Invariants) {
   EXPECT_EQ(format::chunk_geometry(16 * MiB, 16 * MiB + 1).blocks, 0u);
 }
 
+// F5: round_up of a value read from a corrupt pool must not wrap to 0 (a divisor downstream).
+TEST(ChunkGeometry, F5RoundUpAndGeometryOverflowSafe) {
+  EXPECT_EQ(format::round_up(~0ull, 64), 0u);
+  EXPECT_EQ(format::round_up(~0ull - 62, 64), 0u);
+  EXPECT_EQ(format::round_up(~0ull - 63, 64), ~0ull - 63);
+  EXPECT_EQ(format::round_up(65, 64), 128u);
+  for (uint64_t bb : {0ull, ~0ull, ~0ull - 62, 1ull << 63}) {
+    auto g = format::chunk_geometry(16 * MiB, bb);  // pre-fix: SIGFPE (division by 0)
+    EXPECT_EQ(g.blocks, 0u) << bb;
+  }
+}
+
 template <class E>
 void expect_open_throws(const std::string& path) {
   try {
@@ -214,6 +226,59 @@ TEST_F(FormatTest, ImpossibleGeometryIsFormatError) {
   make_pool();
   patch_header([](PoolHeader& h) { h.chunk_count = h.chunk_count * 4; }, true);  // arena past the end
   expect_open_throws<FormatError>(path_);
+}
+
+// F6: a forged header (checksum re-sealed) whose max_nodes * node_area_bytes wraps to 0.
+TEST_F(FormatTest, F6ForgedNodeAreaBytesIsFormatError) {
+  for (uint64_t nab : {1ull << 58, 1ull << 63, ~0ull & ~4095ull}) {
+    make_pool();
+    patch_header([&](PoolHeader& h) {
+      h.max_nodes = 64;
+      h.node_area_bytes = nab;
+    }, true);
+    expect_open_throws<FormatError>(path_);
+    ::unlink(path_.c_str());
+  }
+}
+
+// F1: the header is copied at open; a later scribble over the shared header changes nothing.
+TEST_F(FormatTest, F1HeaderScribbleAfterOpenIsIgnored) {
+  auto p = create(opts(4 * MiB, 64 * KiB));
+  auto ns = p->open_namespace(layout("ns", 4096));
+  for (size_t off : {offsetof(PoolHeader, arena_off), offsetof(PoolHeader, chunk_count),
+                     offsetof(PoolHeader, node_area_off), offsetof(PoolHeader, max_nodes)}) {
+    uint64_t bad = 1ull << 62;
+    write_at(&bad, off == offsetof(PoolHeader, max_nodes) ? 4 : 8, off);
+    Key k{};
+    k[0] = uint8_t(off);
+    std::vector<char> buf(4096, 'x');
+    Piece src{buf.data(), buf.size()};
+    EXPECT_TRUE(p->put(ns, k, &src, 1, 0));
+    uint64_t len = 0;
+    std::vector<char> out(4096);
+    Piece dst{out.data(), out.size()};
+    EXPECT_TRUE(p->get(ns, k, &dst, 1, &len));
+    EXPECT_EQ(out, buf);
+    EXPECT_EQ(p->header().arena_off % 65536, 0u);
+  }
+  EXPECT_TRUE(p->check().ok);
+}
+
+TEST_F(FormatTest, F11SymlinkIsRefused) {
+  make_pool();
+  std::string link = path_ + ".link";
+  ASSERT_EQ(::symlink(path_.c_str(), link.c_str()), 0);
+  EXPECT_EQ(open_errno(link), ELOOP);
+  ::unlink(link.c_str());
+}
+
+TEST_F(FormatTest, F11WorldWritablePoolIsRefusedUnlessAllowed) {
+  make_pool();
+  ASSERT_EQ(::chmod(path_.c_str(), 0666), 0);
+  EXPECT_EQ(open_errno(path_), EPERM);
+  OpenOptions o;
+  o.allow_foreign_owner = true;
+  EXPECT_NO_THROW(Pool::open(path_, o));
 }
 
 TEST_F(FormatTest, TruncatedFileIsTruncatedError) {

@@ -1,0 +1,38 @@
+"""Where the default pool lives (F11).
+
+/dev/shm is world-writable: a pool at a fixed name there can be pre-created by any user, who then
+reads (and can corrupt) the KV of every process that attaches to it. The default pool therefore
+lives in a per-user directory, ``/dev/shm/cxlkv-<euid>/``, created with mode 0700; before using it
+we check that it is a real directory (not a symlink), owned by us and closed to others, so another
+user cannot pre-create it silently. ``$CXLKV_POOL`` overrides the whole path. Imports nothing
+heavy: the CLI reads the default without loading the core.
+"""
+from __future__ import annotations
+
+import os
+import stat
+
+DEFAULT_POOL_DIR = f"/dev/shm/cxlkv-{os.geteuid()}"
+DEFAULT_POOL_PATH = os.environ.get("CXLKV_POOL") or os.path.join(DEFAULT_POOL_DIR, "pool")
+
+
+def ensure_private_dir(path: str) -> None:
+    """If ``path`` lies in the default per-user directory, create that directory (0700) when
+    missing, and refuse it (PermissionError) when it is not ours alone."""
+    d = os.path.dirname(os.path.abspath(path))
+    if d != DEFAULT_POOL_DIR:
+        return
+    try:
+        os.mkdir(d, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(d)
+    if not stat.S_ISDIR(st.st_mode):
+        raise PermissionError(f"{d} is not a directory (a symlink or a file put there by someone else); "
+                              f"remove it or set CXLKV_POOL")
+    if st.st_uid != os.geteuid():
+        raise PermissionError(f"{d} is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}): "
+                              f"someone else created it; remove it or set CXLKV_POOL")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        raise PermissionError(f"{d} is open to other users (mode {stat.S_IMODE(st.st_mode):04o}); "
+                              f"chmod 700 it or set CXLKV_POOL")
