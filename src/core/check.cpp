@@ -58,7 +58,9 @@ CheckReport Pool::check() {
     uint64_t w = coh_.read(&entry(slot)->state);
     uint8_t st = entry_state(w);
     if (st == kEmpty || st == kTombstone) continue;
-    if (st > kTombstone) { err("index slot " + std::to_string(slot) + " has invalid state " + std::to_string(st)); continue; }
+    if (st == kCondemned && reclaim_condemned(slot)) continue;  // freed now that nothing pins it
+    if (st == kCondemned) continue;  // still pinned by a reader: counted with the blocks below
+    if (st > kCondemned) { err("index slot " + std::to_string(slot) + " has invalid state " + std::to_string(st)); continue; }
     if (st == kWriting || st == kEvicting) {
       if (!node_alive(entry_node(w))) suspects.push_back(slot);
       continue;
@@ -105,6 +107,7 @@ CheckReport Pool::check() {
       bool back = snap && e.chunk == c && e.block == b;
       uint8_t est = entry_state(ew);
       if (back && est == kReady) ++r.ready_blocks;
+      else if (back && est == kCondemned) ++r.condemned_blocks;
       else if (back && (est == kWriting || est == kEvicting)) ++r.inflight_blocks;
       else if (incarnation_alive(block_node(dw), block_epoch(dw))) ++r.inflight_blocks;  // owner is between two steps
       else leak_suspects.emplace_back(c, b);
@@ -134,12 +137,19 @@ CheckReport Pool::check() {
       (entry_state(ew) == kReady ? r.ready_blocks : r.inflight_blocks)++;
       continue;
     }
+    if (snapshot(slot, ew, &e) && e.chunk == c && e.block == b && entry_state(ew) == kCondemned) {
+      ++r.condemned_blocks;
+      continue;
+    }
     ++r.leaked_blocks;
     err("block " + std::to_string(c) + ":" + std::to_string(b) + " is leaked (used, but no index entry points to it)");
   }
-  if (r.capacity_blocks != r.free_blocks + r.ready_blocks + r.inflight_blocks + r.leaked_blocks)
+  if (r.capacity_blocks != r.free_blocks + r.ready_blocks + r.inflight_blocks + r.condemned_blocks + r.leaked_blocks)
     err("accounting: capacity " + std::to_string(r.capacity_blocks) + " != free " + std::to_string(r.free_blocks) +
-        " + ready " + std::to_string(r.ready_blocks) + " + in flight " + std::to_string(r.inflight_blocks));
+        " + ready " + std::to_string(r.ready_blocks) + " + in flight " + std::to_string(r.inflight_blocks) +
+        " + condemned " + std::to_string(r.condemned_blocks));
+  if (r.condemned_blocks)
+    r.warnings.push_back(std::to_string(r.condemned_blocks) + " blocks failed their checksum and wait for their readers' pins to be released");
 
   // Pins: only attached nodes may hold pins.
   for (uint32_t i = 0; i < hdr_->max_nodes; ++i) {

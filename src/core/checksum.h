@@ -17,6 +17,12 @@ class Checksum {
   Checksum(const Checksum&) = delete;
   Checksum& operator=(const Checksum&) = delete;
   void update(const void* p, size_t n);
+  // Copies n bytes src -> dst and hashes exactly the bytes that reach dst: each step of the
+  // source is read once into a small L1-resident bounce buffer, hashed there, and streamed out
+  // of it (non-temporal stores). So a concurrent writer of src can make the digest wrong, but
+  // never make it match bytes other than the delivered ones (F2). No fence inside: call
+  // kernels::store_fence() before publishing dst.
+  void update_copy(void* dst, const void* src, size_t n);
   uint64_t digest() const;
 
  private:

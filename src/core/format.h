@@ -23,7 +23,7 @@
 namespace cxlkv::format {
 
 constexpr char kMagic[8] = {'C', 'X', 'L', 'K', 'V', 'P', 'L', '\0'};
-constexpr uint16_t kFormatMajor = 1;
+constexpr uint16_t kFormatMajor = 2;  // 2: CONDEMNED entry state, counters 13..15
 constexpr uint16_t kFormatMinor = 0;
 constexpr uint64_t kIncompatSupported = 0;  // no incompat features defined yet
 constexpr size_t kCacheLine = 64;
@@ -140,6 +140,9 @@ inline uint64_t make_node_word(uint8_t st, uint32_t pid, uint32_t epoch) {
 enum Counter : uint32_t {
   kHits, kMisses, kPuts, kPutsPresent, kPutsFailed, kEvictions, kChecksumFailures,
   kBytesStored, kBytesLoaded, kDeletes, kReclaimedNodes, kEvictSkippedPinned, kCorruptEntries,
+  kCondemnedEntries, // entries taken out of the index after a checksum failure (see kCondemned state)
+  kPinsExhausted, // a get or acquire found no free pin slot in this node's pin array
+  kPutsInFlight,  // put found the key being written by a live node: not stored (yet)
   kCounterCount
 };
 struct alignas(kCacheLine) NodeAreaFixed {
@@ -182,19 +185,26 @@ inline uint64_t make_ns_word(uint8_t st, uint8_t node) {
 
 // ---------------------------------------------------------------------------------------------
 // Index entry: one cache line. All fields except `state` are written only while the writer owns
-// the entry in WRITING state; they are immutable while READY.
+// the entry in WRITING state; they are immutable while READY or CONDEMNED. The writer writes
+// key and ns_id right after its claim (before the payload), so a put of the same key can tell
+// an in-flight copy of its key from a 24-bit tag collision.
 //
 // state word = [state:8][node:8][gen:24][tag:24]
 //   EMPTY(0)      never used: ends a probe
 //   WRITING(n)    node n claimed the slot and is filling it        (from EMPTY or TOMBSTONE)
 //   READY         visible: payload complete and checksummed         (from WRITING, published last)
-//   EVICTING(n)   node n is freeing it; readers treat it as absent (from READY)
+//   EVICTING(n)   node n is freeing it; readers treat it as absent (from READY or CONDEMNED)
 //   TOMBSTONE     free for reuse, does not end a probe              (from WRITING or EVICTING)
+//   CONDEMNED     failed its checksum: invisible to lookups and puts, does not end a probe, its
+//                 block stays USED (readers that pinned it may still be copying); any node
+//                 moves it CONDEMNED -> EVICTING(n) -> TOMBSTONE once no pin names it (the
+//                 reader that condemned it after unpinning, an evictor, `pool check`)
+//                                                                    (from READY, by claim)
 // gen increments on every WRITING claim: a pin (slot, gen) cannot match a later reuse.
 // tag = 24 bits of the key hash, so probes skip most foreign slots without reading the key.
 // Readers: read state, read fields, re-read state; equal words => consistent snapshot (seqlock).
 enum EntryState : uint8_t {
-  kEmpty = 0, kWriting = 1, kReady = 2, kEvicting = 3, kTombstone = 4
+  kEmpty = 0, kWriting = 1, kReady = 2, kEvicting = 3, kTombstone = 4, kCondemned = 5
 };
 struct alignas(kCacheLine) IndexEntry {
   uint64_t state;
@@ -245,9 +255,10 @@ inline uint64_t make_chunk_word(uint8_t st, uint8_t node, uint32_t ns) {
 //   USED -> FREE (publish by the evictor/deleter, or by the reclaimer of a dead writer)
 //   FREE -> FENCED(node), USED -> FENCED(node): only by the drainer of a DRAINING chunk
 // Accounting invariant, per namespace, checked by `pool check`:
-//   capacity (sum of blocks of its ACTIVE chunks) == free + ready + in_flight
+//   capacity (sum of blocks of its ACTIVE chunks) == free + ready + in_flight + condemned
 //   where ready = USED blocks whose entry is READY and points back to the block,
-//         in_flight = USED blocks whose entry is WRITING or EVICTING.
+//         in_flight = USED blocks whose entry is WRITING or EVICTING,
+//         condemned = USED blocks whose entry is CONDEMNED and points back to the block.
 enum BlockState : uint8_t { kBlockFree = 0, kBlockUsed = 1, kBlockFenced = 2 };
 inline uint8_t block_state(uint64_t w) { return uint8_t(w >> 56); }
 inline uint8_t block_node(uint64_t w) { return uint8_t(w >> 48); }

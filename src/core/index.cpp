@@ -24,7 +24,6 @@ inline void cpu_relax() {
   __builtin_ia32_pause();
 #endif
 }
-constexpr size_t kCopyStep = 64 * 1024;     // copy then hash in L2-sized steps
 constexpr uint32_t kEvictSample = 32;
 
 struct KeyHash {
@@ -46,8 +45,8 @@ bool Pool::snapshot(uint64_t slot, uint64_t word, IndexEntry* out) {
   return coh_.read(&e->state) == word;
 }
 
-bool Pool::find(const NsHandle& ns, const Key& key, uint64_t /*unused*/, Found* out) {
-  KeyHash kh = key_hash(key, ns.id, slot_mask_);
+bool Pool::find(const NsHandle& ns, const Key& key, const uint64_t* hash, Found* out) {
+  KeyHash kh = hash ? KeyHash{*hash & slot_mask_, uint32_t(*hash >> 40) & 0xFFFFFF} : key_hash(key, ns.id, slot_mask_);
   for (uint32_t i = 0; i < kMaxProbe; ++i) {
     uint64_t slot = (kh.home + i) & slot_mask_;
     uint64_t w = coh_.read(&entry(slot)->state);
@@ -83,15 +82,29 @@ bool Pool::find(const NsHandle& ns, const Key& key, uint64_t /*unused*/, Found* 
   return false;
 }
 
-bool Pool::pin(uint64_t slot, uint64_t word, PinRef* out) {
+// for_lease: the pin outlives the call (acquire); lease pins together stay below lease_cap(),
+// so gets keep get_pin_reserve() slots of headroom. Sets *exhausted when no slot is left.
+bool Pool::pin(uint64_t slot, uint64_t word, PinRef* out, bool* exhausted, bool for_lease) {
   uint32_t idx;
-  if (!alloc_pin(&idx)) return false;
+  if (for_lease && lease_pins_.fetch_add(1, std::memory_order_relaxed) >= lease_cap()) {
+    lease_pins_.fetch_sub(1, std::memory_order_relaxed);
+    *exhausted = true;
+    count(kPinsExhausted);
+    return false;
+  }
+  if (!alloc_pin(&idx)) {
+    if (for_lease) lease_pins_.fetch_sub(1, std::memory_order_relaxed);
+    *exhausted = true;
+    count(kPinsExhausted);
+    return false;
+  }
   uint64_t* p = &pins(node_id_ - 1)[idx];
   coh_.publish(p, pin_value(slot, entry_gen(word)));
   coh_.fence();  // the pin store must be visible before we re-check the state
   if (coh_.read(&entry(slot)->state) != word) {
     coh_.publish(p, 0);
     free_pin(idx);
+    if (for_lease) lease_pins_.fetch_sub(1, std::memory_order_relaxed);
     return false;
   }
   *out = PinRef{slot, entry_gen(word), idx};
@@ -155,7 +168,7 @@ void Pool::finish_evict(uint64_t slot, uint64_t evicting_word) {
                make_entry_word(kTombstone, 0, entry_gen(evicting_word), entry_tag(evicting_word)));
 }
 
-// Evicts one candidate if it is still READY in the same generation and not pinned. With
+// Evicts one candidate if it is still READY (or CONDEMNED) in the same generation and not pinned. With
 // new_owner_slot != ~0 its block is handed straight to that slot (no FREE window in which
 // another node could take it); otherwise the block is freed.
 bool Pool::evict_victim(const Victim& c, const NsHandle* ns, uint64_t* out_chunk, uint32_t* out_block,
@@ -214,6 +227,7 @@ bool Pool::evict_in_window(uint64_t home) {
     uint64_t slot = (home + i) & slot_mask_;
     uint64_t w = coh_.read(&entry(slot)->state);
     if (entry_state(w) == kReady) cands.push_back({coh_.read_hint(access(slot)), slot, w});
+    if (entry_state(w) == kCondemned) cands.push_back({0, slot, w});  // goes first
   }
   std::sort(cands.begin(), cands.end(), [](const Victim& a, const Victim& b) { return a.access < b.access; });
   for (const Victim& c : cands)
@@ -239,10 +253,10 @@ bool Pool::evict_from_queue(const NsHandle& ns, uint64_t* out_chunk, uint32_t* o
       for (; i <= slot_mask_ && q.v.size() < kVictimSample; ++i) {
         uint64_t slot = (from + i) & slot_mask_;
         uint64_t w = coh_.read(&entry(slot)->state);
-        if (entry_state(w) != kReady) continue;
+        if (entry_state(w) != kReady && entry_state(w) != kCondemned) continue;
         IndexEntry e;
         if (!snapshot(slot, w, &e) || e.ns_id != ns.id) continue;
-        q.v.push_back({coh_.read_hint(access(slot)), slot, w});
+        q.v.push_back({entry_state(w) == kCondemned ? 0 : coh_.read_hint(access(slot)), slot, w});
       }
       evict_hand_.store(from + i, std::memory_order_relaxed);
       std::sort(q.v.begin(), q.v.end(), [](const Victim& a, const Victim& b) { return a.access > b.access; });
@@ -251,7 +265,8 @@ bool Pool::evict_from_queue(const NsHandle& ns, uint64_t* out_chunk, uint32_t* o
     while (!q.v.empty()) {
       Victim c = q.v.back();
       q.v.pop_back();
-      if (coh_.read(&entry(c.slot)->state) != c.word || coh_.read_hint(access(c.slot)) != c.access) continue;
+      if (coh_.read(&entry(c.slot)->state) != c.word) continue;
+      if (entry_state(c.word) == kReady && coh_.read_hint(access(c.slot)) != c.access) continue;
       if (evict_victim(c, &ns, out_chunk, out_block, new_owner_slot)) return true;
     }
   }
@@ -259,8 +274,30 @@ bool Pool::evict_from_queue(const NsHandle& ns, uint64_t* out_chunk, uint32_t* o
 }
 
 bool Pool::put(const NsHandle& ns, const Key& key, const Piece* src, size_t n, uint16_t depth) {
+  PutResult r = put_ex(ns, key, src, n, depth);
+  return r == PutResult::stored || r == PutResult::present;
+}
+
+// A WRITING entry holds a stored block of nobody: it is this key in flight only if its writer
+// is alive and it names this key (key and ns_id are written right after the claim). A dead
+// writer's entry is skipped and, at most every 100 ms, reaped (F10).
+bool Pool::writing_same_key(const NsHandle& ns, const Key& key, uint64_t slot, uint64_t w) {
+  uint8_t node = entry_node(w);
+  if (node == 0 || node > hdr_->max_nodes) return false;
+  if (node != node_id_ && node_is_dead(node - 1, coh_.read(&node_slot(node - 1)->state))) {
+    if (now_unix_ns() - last_reap_ns_.load(std::memory_order_relaxed) > 100'000'000) reap_dead_nodes();
+    return false;
+  }
+  IndexEntry e;
+  snapshot(slot, w, &e);  // fields of a WRITING entry: only key and ns_id matter, written once
+  return e.ns_id == ns.id && std::memcmp(e.key, key.data(), 32) == 0;
+}
+
+PutResult Pool::put_ex(const NsHandle& ns, const Key& key, const Piece* src, size_t n, uint16_t depth) {
   uint64_t total = 0;
-  for (size_t i = 0; i < n; ++i) total += src[i].bytes;
+  for (size_t i = 0; i < n; ++i) {
+    if (__builtin_add_overflow(total, src[i].bytes, &total)) total = ~0ull;
+  }
   if (total > ns.block_bytes)
     throw ArgumentError("payload of " + std::to_string(total) + " bytes exceeds the namespace block size " +
                         std::to_string(ns.block_bytes));
@@ -277,35 +314,42 @@ bool Pool::put(const NsHandle& ns, const Key& key, const Piece* src, size_t n, u
         continue;
       }
       if (entry_tag(w) != kh.tag) continue;
-      if (st == kWriting) {  // another node is storing (almost surely) this key right now
-        count(kPutsPresent);
-        return true;
+      if (st == kWriting && writing_same_key(ns, key, slot, w)) {
+        count(kPutsInFlight);
+        return PutResult::in_flight;
       }
       IndexEntry e;
       if (st == kReady && snapshot(slot, w, &e) && e.ns_id == ns.id && !std::memcmp(e.key, key.data(), 32)) {
         touch(slot, depth);
         count(kPutsPresent);
-        return true;
+        return PutResult::present;
       }
     }
     if (reuse == ~0ull) {
       // The whole probe window is occupied: evict its best victim (any namespace).
       if (!evict_in_window(kh.home)) {
         count(kPutsFailed);
-        return false;
+        return PutResult::failed;
       }
       continue;
     }
     const uint32_t gen = (entry_gen(reuse_word) + 1) & 0xFFFFFF;
     const uint64_t writing = make_entry_word(kWriting, uint8_t(node_id_), gen, kh.tag);
     if (!coh_.claim(&entry(reuse)->state, reuse_word, writing)) continue;
+    {  // name the key at once, so that other puts of it see it in flight (format.h)
+      IndexEntry* e = entry(reuse);
+      std::memcpy(e->key, key.data(), 32);
+      e->ns_id = ns.id;
+      coh_.flush(e, sizeof *e);
+      coh_.fence();
+    }
     auto abandon = [&] {
       IndexEntry* e = entry(reuse);
       coh_.publish(&e->state, make_entry_word(kTombstone, 0, gen, kh.tag));
     };
     // Two nodes may have claimed slots for the same key at once: the earlier probe position wins.
-    bool lost = false;
-    for (uint32_t i = 0; i < kMaxProbe && !lost; ++i) {
+    PutResult lost = PutResult::stored;
+    for (uint32_t i = 0; i < kMaxProbe && lost == PutResult::stored; ++i) {
       uint64_t slot = (kh.home + i) & slot_mask_;
       if (slot == reuse) continue;
       uint64_t w = coh_.read(&entry(slot)->state);
@@ -314,23 +358,24 @@ bool Pool::put(const NsHandle& ns, const Key& key, const Piece* src, size_t n, u
       if (entry_tag(w) != kh.tag) continue;
       bool before = ((slot - kh.home) & slot_mask_) < ((reuse - kh.home) & slot_mask_);
       IndexEntry o;
-      if (st == kWriting && before) lost = true;
-      if (st == kReady && snapshot(slot, w, &o) && o.ns_id == ns.id && !std::memcmp(o.key, key.data(), 32)) lost = true;
+      if (st == kWriting && before && writing_same_key(ns, key, slot, w)) lost = PutResult::in_flight;
+      if (st == kReady && snapshot(slot, w, &o) && o.ns_id == ns.id && !std::memcmp(o.key, key.data(), 32))
+        lost = PutResult::present;
     }
-    if (lost) {
+    if (lost != PutResult::stored) {
       abandon();
-      count(kPutsPresent);
-      return true;
+      count(lost == PutResult::present ? kPutsPresent : kPutsInFlight);
+      return lost;
     }
     try {
-      return fill_claimed(ns, key, src, n, depth, total, reuse, gen, kh.tag);
+      return fill_claimed(ns, key, src, n, depth, total, reuse, gen, kh.tag) ? PutResult::stored : PutResult::failed;
     } catch (...) {
       finish_evict(reuse, writing);  // never leave a WRITING entry or its block behind
       throw;
     }
   }
   count(kPutsFailed);
-  return false;
+  return PutResult::failed;
 }
 
 // Second half of put(): this node owns `slot` in WRITING. Allocates a block (evicting if
@@ -358,18 +403,12 @@ bool Pool::fill_claimed(const NsHandle& ns, const Key& key, const Piece* src, si
     e->block = uint16_t(block);
     coh_.flush(e, sizeof *e);
     char* dst = block_payload(ns, chunk, block);
-    Checksum hs;
+    Checksum hs;  // over the bytes written to the pool, not a second read of the caller's buffer
     for (size_t i = 0; i < n; ++i) {
-      for (uint64_t off = 0; off < src[i].bytes; off += kCopyStep) {
-        uint64_t len = std::min<uint64_t>(kCopyStep, src[i].bytes - off);
-        coh_.stream_copy(dst, src[i].ptr + off, len);
-        hs.update(src[i].ptr + off, len);
-        dst += len;
-      }
+      hs.update_copy(dst, src[i].ptr, src[i].bytes);
+      dst += src[i].bytes;
     }
     coh_.stream_fence();  // payload reaches memory before the entry can say READY
-    std::memcpy(e->key, key.data(), 32);
-    e->ns_id = ns.id;
     e->depth = depth;
     e->length = uint32_t(total);
     e->checksum = hs.digest();
@@ -386,18 +425,15 @@ bool Pool::copy_out(const NsHandle& ns, const Found& f, const Piece* dst, size_t
   const char* src = block_payload(ns, f.e.chunk, f.e.block);
   uint64_t left = f.e.length;
   coh_.invalidate(src, left);
-  // Streaming stores into the caller's buffer (no read-for-ownership of its lines: measured
-  // 3.5 -> 6+ GB/s on 2 MiB blocks), and the checksum over the pool bytes just read, which are
-  // in cache. The block is pinned and write-once, so those are the bytes the caller received.
+  // Each pool line is read once into an L1 bounce buffer, hashed there and streamed from there
+  // into the caller's buffer (no read-for-ownership of its lines), so the checksum covers the
+  // very bytes delivered: a concurrent writer of the pool block yields a mismatch, never wrong
+  // bytes that pass (F2).
   Checksum hs;
   for (size_t i = 0; i < n && left; ++i) {
     uint64_t take = std::min<uint64_t>(dst[i].bytes, left);
-    for (uint64_t off = 0; off < take; off += kCopyStep) {
-      uint64_t len = std::min<uint64_t>(kCopyStep, take - off);
-      coh_.stream_copy(dst[i].ptr + off, src, len);
-      hs.update(src, len);
-      src += len;
-    }
+    hs.update_copy(dst[i].ptr, src, take);
+    src += take;
     left -= take;
   }
   coh_.stream_fence();
@@ -407,7 +443,7 @@ bool Pool::copy_out(const NsHandle& ns, const Found& f, const Piece* dst, size_t
 bool Pool::get(const NsHandle& ns, const Key& key, const Piece* dst, size_t n, uint64_t* length) {
   for (int attempt = 0; attempt < 3; ++attempt) {
     Found f;
-    if (!find(ns, key, 0, &f)) break;
+    if (!find(ns, key, nullptr, &f)) break;
     if (!validate_ref(ns, f.e)) {
       count(kCorruptEntries);
       break;
@@ -418,12 +454,19 @@ bool Pool::get(const NsHandle& ns, const Key& key, const Piece* dst, size_t n, u
       throw ArgumentError("output buffer of " + std::to_string(cap) + " bytes is smaller than the block (" +
                           std::to_string(f.e.length) + " bytes)");
     PinRef p;
-    if (!pin(f.slot, f.word, &p)) continue;  // being evicted right now, or no pin slot
+    bool exhausted = false;
+    if (!pin(f.slot, f.word, &p, &exhausted, /*for_lease=*/false)) {
+      if (exhausted) break;  // counted in pin(); retrying cannot free a slot
+      continue;              // being evicted right now
+    }
     bool ok = copy_out(ns, f, dst, n);
-    unpin(p);
     if (!ok) {
       count(kChecksumFailures);
-      remove(ns, key);  // drop it so the next writer stores good bytes
+      condemn(f.slot, f.word);  // while pinned: readers of other nodes may hold pins too
+    }
+    unpin(p);
+    if (!ok) {
+      reclaim_condemned(f.slot);
       break;
     }
     touch(f.slot, f.e.depth);
@@ -436,26 +479,55 @@ bool Pool::get(const NsHandle& ns, const Key& key, const Piece* dst, size_t n, u
   return false;
 }
 
+// READY -> CONDEMNED: the entry leaves the index at once (no later lookup, on any node, finds
+// it), whoever holds pins on it; its block stays USED until reclaim_condemned() sees no pin.
+void Pool::condemn(uint64_t slot, uint64_t ready_word) {
+  uint64_t cw = make_entry_word(kCondemned, 0, entry_gen(ready_word), entry_tag(ready_word));
+  if (coh_.claim(&entry(slot)->state, ready_word, cw)) count(kCondemnedEntries);
+}
+
+// CONDEMNED -> EVICTING -> TOMBSTONE if no pin names the entry; otherwise it stays CONDEMNED
+// for the next evictor or `pool check`. True if the slot was freed.
+bool Pool::reclaim_condemned(uint64_t slot) {
+  uint64_t w = coh_.read(&entry(slot)->state);
+  if (entry_state(w) != kCondemned || is_pinned(slot, entry_gen(w))) return false;
+  uint64_t ev = make_entry_word(kEvicting, uint8_t(node_id_), entry_gen(w), entry_tag(w));
+  if (!coh_.claim(&entry(slot)->state, w, ev)) return false;
+  if (is_pinned(slot, entry_gen(ev))) {
+    coh_.publish(&entry(slot)->state, w);
+    return false;
+  }
+  finish_evict(slot, ev);
+  return true;
+}
+
 bool Pool::contains(const NsHandle& ns, const Key& key) {
   Found f;
-  return find(ns, key, 0, &f);
+  return find(ns, key, nullptr, &f);
+}
+
+// Batched lookups (match_prefix, acquire): hash every key and prefetch every home line first,
+// so the misses of a long prefix overlap (one memory latency per batch, not per key); the
+// probes that follow mostly hit the cache. Each home's next line is prefetched too, since a
+// probe that starts near the end of a line runs into it.
+void Pool::prefetch_homes(const NsHandle& ns, const Key* keys, size_t n, std::vector<uint64_t>& hashes) {
+  hashes.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    hashes[i] = xxh3(keys[i].data(), 32, ns.id);
+    __builtin_prefetch(entry(hashes[i] & slot_mask_), 0, 3);
+  }
 }
 
 size_t Pool::match_prefix(const NsHandle& ns, const Key* keys, size_t n) {
   AccessStamp stamp;
-  // Prefetch the home lines of the next keys, so a long prefix costs about one memory latency
-  // per batch of keys instead of one per key.
-  constexpr size_t kAhead = 16;
-  auto prefetch = [&](size_t i) {
-    if (i < n) __builtin_prefetch(entry(key_hash(keys[i], ns.id, slot_mask_).home), 0, 3);
-  };
-  for (size_t i = 0; i < kAhead; ++i) prefetch(i);
-  std::vector<uint64_t> slots;
-  slots.reserve(n);
-  for (size_t i = 0; i < n; ++i) {
-    prefetch(i + kAhead);
+  thread_local std::vector<uint64_t> hashes;
+  prefetch_homes(ns, keys, n, hashes);
+  size_t m = 0;
+  thread_local std::vector<uint64_t> slots;
+  slots.clear();
+  for (; m < n; ++m) {
     Found f;
-    if (!find(ns, keys[i], 0, &f)) break;
+    if (!find(ns, keys[m], &hashes[m], &f)) break;
     slots.push_back(f.slot);
   }
   for (size_t i = 0; i < slots.size(); ++i) touch(slots[i], uint16_t(std::min<size_t>(i, 0xFFFF)));
@@ -464,7 +536,7 @@ size_t Pool::match_prefix(const NsHandle& ns, const Key* keys, size_t n) {
 
 bool Pool::remove(const NsHandle& ns, const Key& key) {
   Found f;
-  if (!find(ns, key, 0, &f)) return false;
+  if (!find(ns, key, nullptr, &f)) return false;
   uint64_t w = f.word;
   if (is_pinned(f.slot, entry_gen(w))) return false;
   uint64_t ev = make_entry_word(kEvicting, uint8_t(node_id_), entry_gen(w), entry_tag(w));
@@ -478,16 +550,25 @@ bool Pool::remove(const NsHandle& ns, const Key& key) {
   return true;
 }
 
+uint32_t Pool::lease_cap() const { return hdr_->pin_slots - get_pin_reserve(); }
+uint32_t Pool::get_pin_reserve() const {
+  // Single gets (and load's per-key gets on up to copy_threads threads) must always find a pin
+  // slot, whatever leases hold: keep 1/8 of the slots, at least 1 and at most 64, for them.
+  return std::clamp<uint32_t>(hdr_->pin_slots / 8, 1, 64);
+}
+
 std::vector<PinRef> Pool::acquire(const NsHandle& ns, const Key* keys, size_t n) {
   AccessStamp stamp;
   std::vector<PinRef> out;
+  thread_local std::vector<uint64_t> hashes;
+  prefetch_homes(ns, keys, n, hashes);
   for (size_t i = 0; i < n; ++i) {
     Found f;
     PinRef p;
-    bool ok = false;
-    for (int attempt = 0; attempt < 3 && !ok; ++attempt) {
-      if (!find(ns, keys[i], 0, &f)) break;
-      ok = pin(f.slot, f.word, &p);
+    bool ok = false, exhausted = false;
+    for (int attempt = 0; attempt < 3 && !ok && !exhausted; ++attempt) {
+      if (!find(ns, keys[i], &hashes[i], &f)) break;
+      ok = pin(f.slot, f.word, &p, &exhausted, /*for_lease=*/true);
     }
     if (!ok) break;
     touch(f.slot, uint16_t(std::min<size_t>(i, 0xFFFF)));
@@ -498,6 +579,7 @@ std::vector<PinRef> Pool::acquire(const NsHandle& ns, const Key* keys, size_t n)
 
 void Pool::release(const std::vector<PinRef>& pins) {
   for (const PinRef& p : pins) unpin(p);
+  lease_pins_.fetch_sub(pins.size(), std::memory_order_relaxed);
 }
 
 }  // namespace cxlkv

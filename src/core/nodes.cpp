@@ -174,7 +174,7 @@ void Pool::reclaim_node(uint32_t idx, uint64_t reclaiming_word) {
         uint64_t ew = coh_.read(&e->state);
         uint8_t st = entry_state(ew);
         coh_.invalidate(e, sizeof *e);
-        if ((st == kReady || st == kWriting || st == kEvicting) && e->chunk == c && e->block == b) continue;
+        if ((st == kReady || st == kWriting || st == kEvicting || st == kCondemned) && e->chunk == c && e->block == b) continue;
       }
       coh_.claim(d, dw, 0);
     }

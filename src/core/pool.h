@@ -71,6 +71,10 @@ struct NsHandle {
 
 using Key = std::array<uint8_t, 32>;
 
+// What put() did: stored now; already present (READY); being stored right now by a live writer
+// (not readable yet: not counted as stored); failed (no block could be allocated or evicted).
+enum class PutResult { stored, present, in_flight, failed };
+
 // A contiguous piece of a block's payload in caller memory (gather source / scatter target).
 struct Piece {
   char* ptr;
@@ -95,6 +99,7 @@ struct CheckReport {
   std::vector<std::string> errors, warnings;
   uint64_t reclaimed_nodes = 0;
   uint64_t capacity_blocks = 0, free_blocks = 0, ready_blocks = 0, inflight_blocks = 0;
+  uint64_t condemned_blocks = 0;  // CONDEMNED entries whose block a pin still holds
   uint64_t leaked_blocks = 0, stuck_entries = 0, orphan_pins = 0, duplicate_keys = 0;
   uint64_t free_chunks = 0, active_chunks = 0;
 };
@@ -149,15 +154,21 @@ class Pool {
   std::vector<std::pair<NsHandle, Layout>> list_namespaces();
 
   // --- block operations (index.cpp) ---------------------------------------------------------
-  // put: true if the key is present afterwards (stored now, already there, or being stored by
-  // another node); false if no block could be allocated or evicted.
+  // put: true if the key is readable afterwards (stored now or already there); false if it is
+  // only in flight by another live writer, or no block could be allocated or evicted.
+  PutResult put_ex(const NsHandle& ns, const Key& key, const Piece* src, size_t n, uint16_t depth);
   bool put(const NsHandle& ns, const Key& key, const Piece* src, size_t n, uint16_t depth);
   // get: scatter the payload into dst pieces (total >= length); false on miss or checksum failure.
   bool get(const NsHandle& ns, const Key& key, const Piece* dst, size_t n, uint64_t* length);
   bool contains(const NsHandle& ns, const Key& key);
   size_t match_prefix(const NsHandle& ns, const Key* keys, size_t n);
   bool remove(const NsHandle& ns, const Key& key);
+  // acquire: pins the leading present keys. All leases of this process together hold at most
+  // lease_cap() = pin_slots - get_pin_reserve() pins, so single gets always find a slot; a lease
+  // cut short by that cap (or by a full pin array) counts `pins_exhausted`.
   std::vector<PinRef> acquire(const NsHandle& ns, const Key* keys, size_t n);
+  uint32_t lease_cap() const;
+  uint32_t get_pin_reserve() const;
   void release(const std::vector<PinRef>& pins);
 
   // --- batched gather/scatter (copy_engine.cpp) ---------------------------------------------
@@ -209,9 +220,13 @@ class Pool {
     uint64_t word;
     format::IndexEntry e;
   };
-  bool find(const NsHandle& ns, const Key& key, uint64_t hash, Found* out);
+  bool find(const NsHandle& ns, const Key& key, const uint64_t* hash, Found* out);  // hash: xxh3(key, ns) or null
+  void prefetch_homes(const NsHandle& ns, const Key* keys, size_t n, std::vector<uint64_t>& hashes);
+  void condemn(uint64_t slot, uint64_t ready_word);
+  bool reclaim_condemned(uint64_t slot);
+  bool writing_same_key(const NsHandle& ns, const Key& key, uint64_t slot, uint64_t writing_word);
   bool snapshot(uint64_t slot, uint64_t word, format::IndexEntry* out);
-  bool pin(uint64_t slot, uint64_t word, PinRef* out);
+  bool pin(uint64_t slot, uint64_t word, PinRef* out, bool* exhausted, bool for_lease);
   void unpin(const PinRef& p);
   bool is_pinned(uint64_t slot, uint32_t gen);
   void touch(uint64_t slot, uint16_t depth);
@@ -260,6 +275,7 @@ class Pool {
   std::mutex pin_mu_;
   std::vector<uint32_t> free_pins_;
   uint64_t pin_hw_ = 0;
+  std::atomic<uint64_t> lease_pins_{0};  // pins held by this process's leases (see lease_cap)
   std::mutex alloc_mu_;
   struct NsAlloc {
     uint64_t home = ~0ull;       // chunk this node allocates from first

@@ -191,7 +191,8 @@ nb::dict info_dict(Pool& p) {
 
 const char* kCounterNames[] = {"hits", "misses", "puts", "puts_present", "puts_failed", "evictions",
                                "checksum_failures", "bytes_stored", "bytes_loaded", "deletes",
-                               "reclaimed_nodes", "evict_skipped_pinned", "corrupt_entries"};
+                               "reclaimed_nodes", "evict_skipped_pinned", "corrupt_entries", "condemned",
+                               "pins_exhausted", "puts_in_flight"};
 static_assert(sizeof(kCounterNames) / sizeof(kCounterNames[0]) == format::kCounterCount);
 
 // Strings read from the pool are untrusted bytes: decode them without ever failing.
@@ -360,6 +361,7 @@ NB_MODULE(_core, m) {
         blocks["ready"] = r.ready_blocks;
         blocks["in_flight"] = r.inflight_blocks;
         blocks["leaked"] = r.leaked_blocks;
+        blocks["condemned"] = r.condemned_blocks;
         d["blocks"] = blocks;
         d["stuck_entries"] = r.stuck_entries;
         d["orphan_pins"] = r.orphan_pins;

@@ -74,7 +74,7 @@ def test_header_layout_matches_format_h(pool_path):
     make_file_pool(pool_path)
     h = tu.read_header(pool_path)
     assert h["magic"] == tu.MAGIC
-    assert h["major"] == 1
+    assert h["major"] == 2
     assert h["header_bytes"] == tu.HEADER_STRUCT_BYTES
     assert h["pool_bytes"] == 32 * MiB
     with open(pool_path, "rb") as f:
@@ -120,8 +120,8 @@ def test_wrong_magic(pool_path):
 
 def test_future_major_version(pool_path):
     make_file_pool(pool_path)
-    tu.patch_header_field(pool_path, "major", 2)
-    with pytest.raises(cxlkv.PoolVersionError, match="2") as ei:
+    tu.patch_header_field(pool_path, "major", 3)
+    with pytest.raises(cxlkv.PoolVersionError, match="3") as ei:
         cxlkv.Pool.open(pool_path)
     assert "newer" in str(ei.value) or "version" in str(ei.value).lower() or "format" in str(ei.value)
     assert_cli_rejects(pool_path)
