@@ -99,20 +99,23 @@ void on_sigbus(int sig, siginfo_t* si, void* uc) {
       return;  // the faulting instruction is restarted on the zero page
     }
   }
-  if (g_prev_bus.sa_flags & SA_SIGINFO) {
-    if (g_prev_bus.sa_sigaction) return g_prev_bus.sa_sigaction(sig, si, uc);
-  } else if (g_prev_bus.sa_handler != SIG_DFL && g_prev_bus.sa_handler != SIG_IGN) {
-    return g_prev_bus.sa_handler(sig);
+  // Not ours. A fault: hand the signal back to the previous handler and let the access fault
+  // again, now delivered to it directly (no nested call, so a handler that re-raises cannot loop
+  // through us). A raised SIGBUS (si_code <= 0: kill/raise, e.g. a handler re-raising): default.
+  if (si->si_code > 0) {
+    ::sigaction(SIGBUS, &g_prev_bus, nullptr);
+    return;
   }
-  // Default action: restore it and return; the fault repeats and the process dies with SIGBUS.
+  (void)uc;
   struct sigaction dfl {};
   dfl.sa_handler = SIG_DFL;
   ::sigemptyset(&dfl.sa_mask);
   ::sigaction(SIGBUS, &dfl, nullptr);
-  if (si->si_code <= 0) ::raise(sig);
+  ::raise(sig);
 }
 
-// Installs on_sigbus unless it is the current handler (again after someone replaced it).
+// Installs on_sigbus unless it is the current handler: again at every pool mapping, so that a
+// handler installed later (e.g. Python's faulthandler) does not see pool faults first.
 void install_sigbus_handler() {
   struct sigaction cur {};
   ::sigaction(SIGBUS, nullptr, &cur);

@@ -272,6 +272,37 @@ def test_f14_truncated_error_names_pool(pool_path):
     assert "replaced False" in r.stdout
 
 
+@pytest.mark.parametrize("faulthandler_at", ["none", "before_open", "after_open"])
+def test_f14_sigbus_outside_pools_still_kills(pool_path, faulthandler_at):
+    """The SIGBUS handler only answers faults inside pool mappings: any other SIGBUS still ends
+    the process (through the handler installed before ours, e.g. faulthandler), never a hang."""
+    make(pool_path)
+    other = pool_path + ".other"
+    r = run_py(f"""
+        import faulthandler, mmap, os, sys, cxlkv
+        sys.path.insert(0, {tu.here()!r}); from conftest import small_layout
+        import cxlkv_testutil as tu
+        if {faulthandler_at!r} == 'before_open': faulthandler.enable()
+        p = cxlkv.Pool.open({pool_path!r}); ns = p.namespace(small_layout())
+        if {faulthandler_at!r} == 'after_open': faulthandler.enable()
+        os.truncate({pool_path!r}, 8192)
+        ns.get_bytes(tu.make_key('a', 0))
+        try:
+            ns.get_bytes(tu.make_key('a', 0)); print('no error')
+        except cxlkv.PoolTruncatedError:
+            print('truncated', flush=True)
+        with open({other!r}, 'w+b') as f:
+            f.truncate(1 << 20); m = mmap.mmap(f.fileno(), 1 << 20); f.truncate(0)
+            print('unreachable', m[4096], flush=True)
+    """, timeout=60)
+    if os.path.exists(other):
+        os.unlink(other)
+    assert r.returncode == -signal.SIGBUS, (r.returncode, r.stdout, r.stderr[-500:])
+    assert "unreachable" not in r.stdout
+    if faulthandler_at != "after_open":
+        assert "truncated" in r.stdout, (r.stdout, r.stderr[-500:])
+
+
 @pytest.mark.skipif(not IS_ROOT, reason="needs root to mount a small tmpfs")
 def test_f14_sparse_pool_on_full_tmpfs(pool_path, tmp_path):
     """faults.py c: a sparse copy of a pool on a full tmpfs died with SIGBUS at first touch."""
