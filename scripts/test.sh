@@ -35,4 +35,6 @@ if [ "${CXLKV_SKIP_VLLM:-0}" = "1" ]; then
 fi
 echo "== vLLM integration tests (real vLLM CPU engines, one process each)"
 bash "$ROOT/scripts/setup-vllm.sh" "$VENV"
+# The connector's unit tests (fake scheduler, no engine) need vLLM importable: run them here.
+python -m pytest tests/python/test_connector_unit.py -q -p no:cacheprovider "$@"
 python -m pytest tests/vllm -q -p no:cacheprovider "$@"
