@@ -50,6 +50,15 @@ def make_model(d, seed=0, size=200_000) -> str:
     return d
 
 
+
+def published(pool_path: str, model_dir: str, req_id: str, toks: list) -> "Engine":
+    """An engine that has computed and saved the prompt `toks` (request `req_id`, finished)."""
+    e = Engine(pool_path, model_dir)
+    e.add(req_id, toks)
+    e.step({req_id: len(toks)})
+    e.finish(req_id)
+    return e
+
 def test_identity_same_bytes_other_path_same_id(tmp_path):
     a = make_model(tmp_path / "a")
     b = tmp_path / "elsewhere" / "b"
@@ -382,10 +391,7 @@ def test_saves_and_loads_roundtrip(pool_path, model_dir):
 
 def test_lease_lifetime_alloc_meta_output_finish(pool_path, model_dir):
     toks = tokens(2, 6 * BS + 1)
-    a = Engine(pool_path, model_dir)
-    a.add("r", toks)
-    a.step({"r": len(toks)})
-    a.finish("r")
+    a = published(pool_path, model_dir, "r", toks)
     b = Engine(pool_path, model_dir)
     ns = b.sched._ns
     key0 = b.sched._keys_for(make_req("x", toks)).extend(toks)[0]
@@ -409,10 +415,7 @@ def test_lease_lifetime_alloc_meta_output_finish(pool_path, model_dir):
 
 def test_lease_released_when_request_finishes_before_its_load(pool_path, model_dir):
     toks = tokens(3, 5 * BS + 1)
-    a = Engine(pool_path, model_dir)
-    a.add("r", toks)
-    a.step({"r": len(toks)})
-    a.finish("r")
+    a = published(pool_path, model_dir, "r", toks)
     b = Engine(pool_path, model_dir)
     b.add("r", toks)
     st = b.sched._reqs["r"]
@@ -432,10 +435,7 @@ def test_f2_no_save_on_top_of_failed_load_and_resave_after_recompute(pool_path, 
     clean run (every block equals the clean computation)."""
     p = tokens(4, 5 * BS + 2)
     pq = p + tokens(5, 4 * BS)
-    a = Engine(pool_path, model_dir)
-    a.add("a", p)
-    a.step({"a": len(p)})
-    a.finish("a")
+    a = published(pool_path, model_dir, "a", p)
     b = Engine(pool_path, model_dir)
     assert b.add("b", pq) == 5 * BS
     b.fail_next_load = ("b", fail_at)
@@ -457,10 +457,7 @@ def test_f2_no_save_on_top_of_failed_load_and_resave_after_recompute(pool_path, 
 def test_held_saves_go_out_after_a_successful_load(pool_path, model_dir):
     p = tokens(6, 3 * BS + 2)
     pq = p + tokens(7, 3 * BS)
-    a = Engine(pool_path, model_dir)
-    a.add("a", p)
-    a.step({"a": len(p)})
-    a.finish("a")
+    a = published(pool_path, model_dir, "a", p)
     b = Engine(pool_path, model_dir)
     b.add("b", pq)
     meta = b.step({"b": len(pq) - 3 * BS})
@@ -476,10 +473,7 @@ def test_held_saves_go_out_after_a_successful_load(pool_path, model_dir):
 def test_preemption_drops_held_saves_and_resaves(pool_path, model_dir):
     p = tokens(8, 3 * BS + 2)
     pq = p + tokens(9, 3 * BS)
-    a = Engine(pool_path, model_dir)
-    a.add("a", p)
-    a.step({"a": len(p)})
-    a.finish("a")
+    a = published(pool_path, model_dir, "a", p)
     b = Engine(pool_path, model_dir)
     b.add("b", pq)
     b.step({"b": len(pq) - 3 * BS})
@@ -542,10 +536,7 @@ def test_f7_pin_capped_hit_counted_and_logged(pool_path, model_dir, caplog):
     is counted and said once, not a silent partial hit."""
     cxlkv.Pool.create(pool_path, "16MiB", chunk_size="1MiB", pin_slots=4).close()
     toks = tokens(17, 8 * BS + 1)
-    a = Engine(pool_path, model_dir)
-    a.add("r", toks)
-    a.step({"r": len(toks)})
-    a.finish("r")
+    a = published(pool_path, model_dir, "r", toks)
     b = Engine(pool_path, model_dir)
     got = b.add("r", toks)
     # The lease stops at the pool's lease cap (pin_slots less the gets' reserve, set by the core).
@@ -571,10 +562,7 @@ def test_f1_long_model_ids_never_collide(pool_path, model_dir):
 
 def test_f6_pool_file_deleted_degrades_to_no_cache(pool_path, model_dir, caplog):
     toks = tokens(11, 6 * BS + 1)
-    a = Engine(pool_path, model_dir)
-    a.add("r", toks)
-    a.step({"r": len(toks)})
-    a.finish("r")
+    a = published(pool_path, model_dir, "r", toks)
     os.unlink(pool_path)
     import time
     time.sleep(0.01)  # the guard's stat interval (1 ms)
@@ -591,10 +579,7 @@ def test_f6_pool_file_replaced_is_noticed(pool_path, model_dir, caplog):
     """F6: another pool renamed over the path: this process stops using the old (orphaned) one
     instead of silently splitting from the engines that open the new one."""
     toks = tokens(15, 4 * BS + 1)
-    a = Engine(pool_path, model_dir)
-    a.add("r", toks)
-    a.step({"r": len(toks)})
-    a.finish("r")
+    a = published(pool_path, model_dir, "r", toks)
     cxlkv.Pool.create(pool_path + ".new", "16MiB", chunk_size="1MiB").close()
     os.rename(pool_path + ".new", pool_path)
     import time
@@ -614,10 +599,7 @@ def test_f3_pool_file_truncated_no_sigbus(pool_path, model_dir, caplog):
     mapping (a touch would be SIGBUS and kill this test process), leases and the pool are never
     released into the truncated mapping, and the engine goes on without the cache."""
     toks = tokens(14, 6 * BS + 1)
-    a = Engine(pool_path, model_dir)
-    a.add("r", toks)
-    a.step({"r": len(toks)})
-    a.finish("r")
+    a = published(pool_path, model_dir, "r", toks)
     b = Engine(pool_path, model_dir)
     assert b.add("r", toks) == 6 * BS  # holds a lease (pins in the node area)
     os.truncate(pool_path, 4096)
@@ -656,10 +638,7 @@ def test_pool_failure_after_lookup_makes_vllm_recompute(pool_path, model_dir):
     """The pool breaks between the lookup and the load: the worker reports every block of the
     load as invalid, so vLLM recomputes instead of using empty KV."""
     toks = tokens(12, 6 * BS + 1)
-    a = Engine(pool_path, model_dir)
-    a.add("r", toks)
-    a.step({"r": len(toks)})
-    a.finish("r")
+    a = published(pool_path, model_dir, "r", toks)
     b = Engine(pool_path, model_dir)
     assert b.add("r", toks) == 6 * BS
     b.worker._guard.fail("test: pool broken")
