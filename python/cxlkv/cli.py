@@ -520,7 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--chunk-size", type=_size_arg, default=None, help="allocator chunk size, e.g. 8MiB")
     c.add_argument("--index-slots", type=_pos_int, default=None, help="index entries (rounded to a power of two)")
     c.add_argument("--max-nodes", type=_pos_int, default=None, help="max attached processes (default 64)")
-    c.add_argument("--pin-slots", type=_pos_int, default=None, help="pin slots per process (default 256)")
+    c.add_argument("--pin-slots", type=_pos_int, default=None, help="pin slots per process (default: derived from the size, at most 4096)")
     c.add_argument("--backend", choices=_core.backends(), default="coherent",
                    help="memory backend: coherent (one host) or flush (non-coherent CXL)")
     c.add_argument("--lease-ms", type=_pos_int, default=None,

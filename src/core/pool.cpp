@@ -9,6 +9,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstddef>
@@ -40,7 +41,13 @@ uint64_t pow2_ceil(uint64_t v) { return v <= 1 ? 1 : 1ull << (64 - __builtin_clz
 void plan_geometry(PoolHeader& h, const CreateOptions& opt) {
   if (opt.max_nodes == 0 || opt.max_nodes > kMaxNodes)
     throw ArgumentError("max_nodes must be in 1.." + std::to_string(kMaxNodes));
-  if (opt.pin_slots == 0 || opt.pin_slots > (1u << 20)) throw ArgumentError("pin_slots must be in 1..1048576");
+  if (opt.pin_slots > (1u << 20)) throw ArgumentError("pin_slots must be in 1..1048576");
+  // 0: derived. The pin arrays of all nodes take at most 1/32 of the pool, between 256 and
+  // kDefaultPinSlots per node: a 4 MiB test pool keeps its room for blocks, a pool of 64 MiB or
+  // more gets the full default (a small pool cannot hold enough blocks to need more pins anyway).
+  uint32_t pin_slots = opt.pin_slots;
+  if (pin_slots == 0)
+    pin_slots = uint32_t(std::clamp<uint64_t>(opt.size / 32 / opt.max_nodes / 8, 256, kDefaultPinSlots));
   if (opt.max_namespaces == 0 || opt.max_namespaces > kMaxNamespaces)
     throw ArgumentError("max_namespaces must be in 1.." + std::to_string(kMaxNamespaces));
   uint64_t size = opt.size;
@@ -63,7 +70,7 @@ void plan_geometry(PoolHeader& h, const CreateOptions& opt) {
   uint64_t off = kSharedWordsOff + kMetaAlign;
   h.node_table_off = off;
   off = round_up(off + uint64_t(opt.max_nodes) * sizeof(NodeSlot), kMetaAlign);
-  h.node_area_bytes = round_up(sizeof(NodeAreaFixed) + uint64_t(opt.pin_slots) * 8, kMetaAlign);
+  h.node_area_bytes = round_up(sizeof(NodeAreaFixed) + uint64_t(pin_slots) * 8, kMetaAlign);
   h.node_area_off = off;
   off += uint64_t(opt.max_nodes) * h.node_area_bytes;
   h.ns_table_off = off;
@@ -92,7 +99,7 @@ void plan_geometry(PoolHeader& h, const CreateOptions& opt) {
   h.arena_off = round_up(off + count * 8, 65536);
   h.index_slots = slots;
   h.max_nodes = opt.max_nodes;
-  h.pin_slots = opt.pin_slots;
+  h.pin_slots = pin_slots;
   h.max_namespaces = opt.max_namespaces;
   h.pool_bytes = size;
 }

@@ -26,7 +26,7 @@ struct CreateOptions {
   uint64_t chunk_bytes = 0;   // 0: derived from size
   uint64_t index_slots = 0;   // 0: derived from size
   uint32_t max_nodes = 64;
-  uint32_t pin_slots = format::kDefaultPinSlots;
+  uint32_t pin_slots = 0;     // 0: derived from size, at most format::kDefaultPinSlots
   uint32_t max_namespaces = 64;
   Backend backend = Backend::coherent;
   uint32_t lease_ms = format::kLeaseMsDefault;  // heartbeat lease for nodes of another kernel

@@ -413,24 +413,34 @@ NB_MODULE(_core, m) {
   static nb::object nsfull_error = make("NamespaceTableFullError", "cxlkv.NamespaceTableFullError", base_error);
 
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
-    auto raise = [](const nb::object& type, const char* what) { PyErr_SetString(type.ptr(), what); };
+    // Messages may quote bytes read from the pool (names, model ids): decode them without failing,
+    // so a corrupt pool gives its own error, never a UnicodeDecodeError.
+    auto text = [](const char* what) {
+      return PyUnicode_DecodeUTF8(what, Py_ssize_t(std::strlen(what)), "backslashreplace");
+    };
+    auto raise = [&](PyObject* type, const char* what) {
+      PyObject* msg = text(what);
+      if (msg) PyErr_SetObject(type, msg);
+      Py_XDECREF(msg);
+    };
     try {
       std::rethrow_exception(p);
-    } catch (const FormatError& e) { raise(format_error, e.what());
-    } catch (const VersionError& e) { raise(version_error, e.what());
-    } catch (const TruncatedError& e) { raise(truncated_error, e.what());
-    } catch (const NotReadyError& e) { raise(notready_error, e.what());
-    } catch (const CorruptError& e) { raise(corrupt_error, e.what());
-    } catch (const LayoutMismatchError& e) { raise(layout_error, e.what());
-    } catch (const NodeTableFullError& e) { raise(nodefull_error, e.what());
-    } catch (const NamespaceTableFullError& e) { raise(nsfull_error, e.what());
-    } catch (const ArgumentError& e) { PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const FormatError& e) { raise(format_error.ptr(), e.what());
+    } catch (const VersionError& e) { raise(version_error.ptr(), e.what());
+    } catch (const TruncatedError& e) { raise(truncated_error.ptr(), e.what());
+    } catch (const NotReadyError& e) { raise(notready_error.ptr(), e.what());
+    } catch (const CorruptError& e) { raise(corrupt_error.ptr(), e.what());
+    } catch (const LayoutMismatchError& e) { raise(layout_error.ptr(), e.what());
+    } catch (const NodeTableFullError& e) { raise(nodefull_error.ptr(), e.what());
+    } catch (const NamespaceTableFullError& e) { raise(nsfull_error.ptr(), e.what());
+    } catch (const ArgumentError& e) { raise(PyExc_ValueError, e.what());
     } catch (const OsError& e) {
       // OSError(errno, msg) becomes FileNotFoundError, PermissionError... by errno.
-      PyObject* args = Py_BuildValue("(is)", e.err, e.what());
-      PyErr_SetObject(PyExc_OSError, args);
+      PyObject* msg = text(e.what());
+      PyObject* args = msg ? Py_BuildValue("(iN)", e.err, msg) : nullptr;
+      if (args) PyErr_SetObject(PyExc_OSError, args);
       Py_XDECREF(args);
-    } catch (const Error& e) { raise(base_error, e.what());
+    } catch (const Error& e) { raise(base_error.ptr(), e.what());
     }
   });
 
@@ -456,7 +466,7 @@ NB_MODULE(_core, m) {
             }
             return pp;
           },
-          "path"_a, "size"_a, "chunk_bytes"_a = 0, "index_slots"_a = 0, "max_nodes"_a = 64, "pin_slots"_a = format::kDefaultPinSlots,
+          "path"_a, "size"_a, "chunk_bytes"_a = 0, "index_slots"_a = 0, "max_nodes"_a = 64, "pin_slots"_a = 0,
           "max_namespaces"_a = 64, "backend"_a = "coherent", "exist_ok"_a = false,
           "lease_ms"_a = format::kLeaseMsDefault, "allow_foreign_owner"_a = false,
           "allow_group"_a = false, nb::rv_policy::take_ownership)
