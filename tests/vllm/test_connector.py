@@ -150,11 +150,12 @@ def test_preemption_and_many_requests_leak_no_pins(pool_path, tiny_model):
     assert tight[-1]["preemptions"] > 0, "the test did not cause preemptions"
     # A preempted request is recomputed from its tokens, and bf16 KV recomputed in another batch
     # shape differs in low-order bits from KV written while decoding, so greedy outputs may part
-    # after many tokens (seen: at token 148 of 160). Wrong KV from the pool would change the
-    # first tokens; the first 64 must match exactly.
+    # after some tokens; where depends on the CPU's bf16 kernels (seen: token 148 of 160 on an AMD
+    # EPYC, token 55 on an Intel Xeon, with the code of b57353c as with this one). Wrong KV from
+    # the pool changes the first tokens; the first 32 must match exactly.
     for rnd in tight:
         for r, o in zip(ref, rnd["outputs"]):
-            assert o["tokens"][:64] == r["tokens"][:64]
+            assert o["tokens"][:32] == r["tokens"][:32]
     with cxlkv.Pool.open(pool_path) as pool:
         report = pool.check()
     assert report["ok"], report["errors"]
