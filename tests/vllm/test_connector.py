@@ -138,24 +138,24 @@ def test_smollm2_cross_process_exact(pool_path):
 
 def test_preemption_and_many_requests_leak_no_pins(pool_path, tiny_model):
     """A KV cache far too small for the batch forces vLLM to preempt and resume requests while
-    the connector loads and saves; answers match an engine without that pressure, and the pool
-    is left with no pins and nothing half-written."""
+    the connector loads and saves; answers match plain vLLM under the same pressure token for
+    token, and the pool is left with no pins and nothing half-written."""
     import cxlkv
     prompts = plain([words(40 + i, 500) for i in range(8)])
-    ref = run_engine({"pool": pool_path, "max_tokens": 160, "rounds": [{"prompts": prompts}]})[0]["outputs"]
     # 12 blocks of 128 tokens for 8 requests that grow from 5 to 6 blocks while decoding.
-    tight = run_engine({"pool": pool_path, "max_tokens": 160, "kv_bytes": 12 * 128 * 1024,
-                        "max_model_len": 1024, "stats": True,
-                        "rounds": [{"prompts": prompts}, {"prompts": prompts}]})
+    tight_kw = {"pool": pool_path, "max_tokens": 160, "kv_bytes": 12 * 128 * 1024, "max_model_len": 1024,
+                "stats": True}
+    # The reference is plain vLLM under the same pressure: a preempted request is recomputed from
+    # its tokens, and bf16 KV recomputed in another batch shape differs in low-order bits from KV
+    # written while decoding, so greedy outputs part from an unpressured run at CPU-dependent
+    # points (token 9 on this Intel Xeon); plain vLLM and the connector part identically.
+    ref = run_engine({**tight_kw, "connector": False, "rounds": [{"prompts": prompts}]})[0]["outputs"]
+    tight = run_engine({**tight_kw, "rounds": [{"prompts": prompts}, {"prompts": prompts}]})
     assert tight[-1]["preemptions"] > 0, "the test did not cause preemptions"
-    # A preempted request is recomputed from its tokens, and bf16 KV recomputed in another batch
-    # shape differs in low-order bits from KV written while decoding, so greedy outputs may part
-    # after some tokens; where depends on the CPU's bf16 kernels (seen: token 148 of 160 on an AMD
-    # EPYC, token 55 on an Intel Xeon, with the code of b57353c as with this one). Wrong KV from
-    # the pool changes the first tokens; the first 32 must match exactly.
+    assert sum(o["cached"] for o in tight[1]["outputs"]) > 0, "the second round loaded nothing"
     for rnd in tight:
         for r, o in zip(ref, rnd["outputs"]):
-            assert o["tokens"][:32] == r["tokens"][:32]
+            assert o["tokens"] == r["tokens"]
     with cxlkv.Pool.open(pool_path) as pool:
         report = pool.check()
     assert report["ok"], report["errors"]
