@@ -580,7 +580,10 @@ std::vector<PinRef> Pool::acquire(const NsHandle& ns, const Key* keys, size_t n)
 }
 
 void Pool::release(const std::vector<PinRef>& pins) {
-  for (const PinRef& p : pins) unpin(p);
+  // On a shrunk file the pins' pages are gone (a store would be a SIGBUS once no handler of ours
+  // is installed, e.g. at interpreter exit); the pins died with them.
+  if (mapping_intact())
+    for (const PinRef& p : pins) unpin(p);
   lease_pins_.fetch_sub(pins.size(), std::memory_order_relaxed);
 }
 

@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -56,6 +57,7 @@ struct Beat {
   uint64_t due_ns;
   Coherence coh;
   std::atomic<bool>* fenced;
+  const std::function<bool()>* intact;  // false once the pool file shrank: stop touching it
 };
 struct State {
   std::mutex mu;  // guards everything below; held across fork() by the atfork handlers
@@ -92,17 +94,21 @@ void fork_child() {
   s.mu.unlock();
 }
 
-void beat_once(Beat& b) {
+// Returns false when this beat must stop: fenced, or the pool file shrank under us (a store
+// into the lost pages would be a SIGBUS, and nothing of ours there matters any more).
+bool beat_once(Beat& b) {
+  if (b.intact && !(*b.intact)()) return false;
   uint64_t w = b.coh.read(&b.slot->state);
   if (w != b.expected) {  // reclaimed while alive (paused past the lease, or a forced reap)
     b.fenced->store(true, std::memory_order_release);
-    return;
+    return false;
   }
   b.coh.invalidate(&b.slot->beat, sizeof(uint64_t) * 2);
   b.slot->beat_unix_ns = uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
                                       std::chrono::system_clock::now().time_since_epoch()).count());
   b.coh.publish(&b.slot->beat, b.slot->beat + 1);
   b.coh.flush(&b.slot->beat_unix_ns, sizeof(uint64_t));
+  return true;
 }
 
 void heartbeat_loop() {
@@ -113,9 +119,9 @@ void heartbeat_loop() {
     for (size_t i = 0; i < s.beats.size();) {
       Beat& b = s.beats[i];
       if (now >= b.due_ns) {
-        beat_once(b);
+        bool keep = beat_once(b);
         b.due_ns = now + b.interval_ns;
-        if (b.fenced->load(std::memory_order_acquire)) {
+        if (!keep) {
           s.beats.erase(s.beats.begin() + long(i));
           continue;
         }
@@ -197,11 +203,11 @@ bool lock_held_by_other(const LockFile& f, uint64_t off) {
 }
 
 uint64_t start_heartbeat(NodeSlot* slot, uint64_t expected, uint64_t interval_ns, Coherence coh,
-                         std::atomic<bool>* fenced) {
+                         std::atomic<bool>* fenced, const std::function<bool()>* intact) {
   State& s = state();
   std::lock_guard<std::mutex> g(s.mu);
   uint64_t h = s.next_handle++;
-  s.beats.push_back(Beat{h, slot, expected, interval_ns, mono_ns() + interval_ns, coh, fenced});
+  s.beats.push_back(Beat{h, slot, expected, interval_ns, mono_ns() + interval_ns, coh, fenced, intact});
   if (!s.thread_running) {
     s.thread_running = true;
     std::thread(heartbeat_loop).detach();

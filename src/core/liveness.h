@@ -14,6 +14,7 @@
 // not exist in the child, so a child never keeps its parent's node alive.
 #pragma once
 #include <atomic>
+#include <functional>
 #include <cstdint>
 #include <string>
 
@@ -54,7 +55,7 @@ uint32_t domain_tag(uint64_t host_id, uint64_t lock_id);
 // it checks that the slot's state word still equals `expected` (else the node was reclaimed:
 // *fenced is set and beating stops) and advances slot->beat. Unregister before unmapping.
 uint64_t start_heartbeat(format::NodeSlot* slot, uint64_t expected, uint64_t interval_ns, Coherence coh,
-                         std::atomic<bool>* fenced);
+                         std::atomic<bool>* fenced, const std::function<bool()>* intact = nullptr);
 void stop_heartbeat(uint64_t handle);
 
 uint64_t mono_ns();

@@ -67,7 +67,7 @@ void Pool::attach_node() {
       node_word_ = make_node_word(kNodeAlive, domain_, node_epoch(claimed));
       coh_.publish(&s->state, node_word_);
       node_id_ = i + 1;
-      heartbeat_ = liveness::start_heartbeat(s, node_word_, std::max<uint64_t>(lease_ns / 4, 1'000'000), coh_, &fenced_);
+      heartbeat_ = liveness::start_heartbeat(s, node_word_, std::max<uint64_t>(lease_ns / 4, 1'000'000), coh_, &fenced_, &intact_);
       return;
     }
     uint64_t undecided = 0;
@@ -87,6 +87,7 @@ void Pool::detach_node() {
   uint32_t i = node_id_ - 1;
   liveness::stop_heartbeat(heartbeat_);
   heartbeat_ = 0;
+  if (!mapping_intact()) return;  // the file shrank: its pages are gone, nothing to clean there
   if (!fenced_.load(std::memory_order_acquire) && coh_.read(&node_slot(i)->state) == node_word_) {
     // Pins of a clean close are already released by their leases; clear any left behind.
     uint64_t hw = std::min<uint64_t>(pin_hw_, hdr_->pin_slots);

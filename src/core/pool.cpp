@@ -432,6 +432,13 @@ void Pool::ensure_usable() const {
   check_truncated();
 }
 
+bool Pool::mapping_intact() const {
+  if (!base_ || map_.truncated()) return false;
+  if (map_.devdax() || lock_.fd < 0) return true;  // a device does not shrink; no fd to ask
+  struct stat st;  // lock_.fd names the mapped inode (checked when it was opened)
+  return ::fstat(lock_.fd, &st) != 0 || uint64_t(st.st_size) >= map_.size();
+}
+
 void Pool::close() {
   if (!base_) return;
   // A forked child unmaps only: the node slot and its lock belong to the parent (the child's

@@ -5,6 +5,7 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -144,6 +145,9 @@ class Pool {
   // does not own the parent's node slot and must open the pool itself.
   // Also throws once this node was reclaimed while alive (fenced: liveness invariant L3).
   void ensure_usable() const;
+  // False once the mapped file shrank below the mapping (or a SIGBUS was answered): the pool's
+  // pages are gone; close and lease release then skip their stores. One fstat.
+  bool mapping_intact() const;
 
   // --- identity ---------------------------------------------------------------------------
   const std::string& path() const { return path_; }
@@ -338,6 +342,7 @@ class Pool {
   bool evict_victim(const Victim& c, const NsHandle* ns, uint64_t* out_chunk, uint32_t* out_block,
                     uint64_t new_owner_slot);
   std::atomic<uint64_t> last_reap_ns_{0};
+  std::function<bool()> intact_ = [this] { return mapping_intact(); };  // for the heartbeat
 };
 
 uint64_t now_unix_ns();

@@ -475,3 +475,24 @@ def test_file_identity_and_file_replaced(pool_path):
         os.unlink(pool_path)
         os.rename(pool_path + ".old", pool_path)
         assert p.file_replaced() is False
+
+
+# F14, second half: with no SIGBUS handler of ours installed (as at interpreter exit, after
+# pytest's faulthandler.disable() restored the default), the heartbeat thread, lease release and
+# close must not store into the lost pages of a shrunk pool file (they were a Bus error).
+def test_f14_shrunk_pool_heartbeat_release_close_touch_nothing(pool_path):
+    code = f"""
+import cxlkv, os, signal, time
+pool = cxlkv.Pool.create({pool_path!r}, "16MiB", chunk_size="1MiB", lease_ms=200)
+ns = pool.namespace(cxlkv.KVLayout(model_id="m", block_bytes=4096))
+ns.put(bytes(32), b"x" * 4096)
+lease = ns.acquire([bytes(32)])
+os.truncate({pool_path!r}, 4096)
+signal.signal(signal.SIGBUS, signal.SIG_DFL)
+time.sleep(1.0)  # several heartbeats (lease 200 ms: one beat every 50 ms)
+lease.release()
+pool.close()
+print("survived")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "survived" in r.stdout, no_signal(r) if r.returncode < 0 else r.stderr[-500:]
