@@ -532,7 +532,7 @@ def _index_worker(path: str, run: int, rank: int, nkeys: int, ops: int, samples:
             lat_keys = [keys[j] for j in rng.choices(range(nkeys), k=samples)]
             ins_keys = [_key("bench-index-insert", run, rank, i) for i in range(inserts)]
             bins_keys = [_key("bench-index-binsert", run, rank, i) for i in range(inserts)]
-            lookup_batches = [order[i:i + _BATCH] for i in range(0, len(order) - _BATCH + 1, _BATCH)]
+            lookup_batches = [order[i:i + _BATCH] for i in range(0, len(order), _BATCH)]
             insert_batches = [bins_keys[i:i + _BATCH] for i in range(0, len(bins_keys), _BATCH)]
             payload = bytes(range(256)) * (_INDEX_BLOCK // 256)
             payloads = np.frombuffer(payload * _BATCH, dtype=np.uint8).reshape(_BATCH, _INDEX_BLOCK).copy()

@@ -214,9 +214,6 @@ def test_vllm_commands_without_vllm_exit_2_with_the_reason(argv):
     assert len(r.stderr.strip().splitlines()) == 1 and r.stdout == "", (r.stdout, r.stderr)
 
 
-@pytest.mark.xfail(strict=True, reason="bench index divides by a zero batched-lookup rate when "
-                   "--ops is below its batch of 1000 (a ZeroDivisionError traceback, exit 1); "
-                   "bench.py's index part is being rewritten on branch h2-readpath")
 def test_bench_index_fewer_ops_than_one_batch(scratch_pool_dir):
     r = cxlkv_cli("bench", "index", "--procs", "1", "--json", "--ops", "200", "--keys", "200",
                   "--samples", "50", "--inserts", "50", "--pool-dir", scratch_pool_dir)
