@@ -218,7 +218,7 @@ inline uint64_t pin_value(uint64_t slot, uint32_t gen) { return ((slot + 1) << 2
 // (decimal), dtype (dtype.h codes), kind (LayoutKind names, names.h). min/max bound what a caller
 // may ask for; values read from a pool are bounded again before they steer anything.
 #define CXLKV_LAYOUT_FIELDS(X)                                                  \
-  X(uint64_t, block_bytes, number, 0, 1, 0xFFFFFFFFull)                         \
+  X(uint64_t, block_bytes, number, 0, 1, format::kMaxBlockBytes)                \
   X(uint32_t, dtype, dtype, 1 /* bf16 */, 1, 0xFFFFFFFFu)                       \
   X(uint32_t, kind, kind, 1 /* kLayoutDense */, 1, 0xFFFFFFFFu)                 \
   X(uint32_t, num_layers, number, 1, 1, 0xFFFFFFFFu)                            \
