@@ -17,15 +17,21 @@
 // Format changes: bump kFormatMajor for anything an old reader would misread; add an incompat
 // feature bit for optional layouts an old reader must refuse; compat bits may be ignored.
 #pragma once
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 
 namespace cxlkv::format {
 
+// Every multi-byte field is little-endian, as the x86-64 and AArch64 hosts of a CXL pod write it.
+// A big-endian build would read a byte-swapped major and misjudge the pool: it does not compile.
+static_assert(std::endian::native == std::endian::little, "the pool format is little-endian");
+
 constexpr char kMagic[8] = {'C', 'X', 'L', 'K', 'V', 'P', 'L', '\0'};
 constexpr uint16_t kFormatMajor = 2;  // 2: NamespaceEntry of 512 bytes (source, dtype code), CONDEMNED entry state, node liveness by OFD lock + heartbeat lease
 constexpr uint16_t kFormatMinor = 0;
 constexpr uint64_t kIncompatSupported = 0;  // no incompat features defined yet
+constexpr uint64_t kRoCompatSupported = 0;  // no ro_compat features defined yet
 constexpr size_t kCacheLine = 64;
 constexpr size_t kHeaderBytes = 4096;
 constexpr size_t kSharedWordsOff = 4096;
@@ -58,7 +64,8 @@ struct PoolHeader {
   uint32_t header_bytes;  // sizeof(PoolHeader)
   uint64_t compat;        // features an older reader may ignore
   uint64_t incompat;      // features an older reader must refuse
-  uint64_t ro_compat;     // features an older reader may only read
+  uint64_t ro_compat;     // features an older reader may only read: it opens read-only (inspect)
+                          // and refuses to attach
   uint8_t uuid[16];
   uint64_t created_unix_ns;
   uint64_t pool_bytes;
@@ -72,7 +79,7 @@ struct PoolHeader {
   uint32_t pin_slots;
   uint64_t ns_table_off;
   uint32_t max_namespaces;
-  uint32_t reserved1;
+  uint32_t reserved1;  // must be zero (a later format may give it a meaning)
   uint64_t index_off;
   uint64_t index_slots;  // power of two
   uint64_t access_off;
@@ -170,7 +177,11 @@ inline uint64_t make_node_word(uint8_t st, uint32_t domain, uint32_t epoch) {
   return (uint64_t(st) << 56) | (uint64_t(domain) << 24) | (epoch & 0xFFFFFF);
 }
 
-// Node area: written only by the owning node. Readers of other nodes scan pins[0, pin_hw).
+// Node area: written by the owning node while its slot is ALIVE; before that by the attacher
+// (which resets pins and pin_hw while its slot is CLAIMED), and by the one reclaimer of a dead
+// owner (which clears its pins and pin_hw while the slot is RECLAIMING, and adds to
+// counters[kReclaimedNodes]). Never two writers at once: the slot's state word says which one.
+// Readers of other nodes scan pins[0, pin_hw).
 // pin value: 0 = empty, else pin_value(slot, gen): the entry at `slot` in generation `gen` must
 // not be freed (hazard-pointer style; validated by generation, no shared counters).
 // Counters are monotonic over the pool's life: an attaching node keeps the slot's counters, so
@@ -311,9 +322,10 @@ inline uint64_t make_entry_word(uint8_t st, uint8_t node, uint32_t gen, uint32_t
          (tag & 0xFFFFFF);
 }
 
-// Access hints: access[slot] = microsecond timestamp of the last use, minus a depth penalty so
-// deeper blocks of a chain look older and go first (tail-first eviction). Any node may write it;
-// a lost or stale update only changes which victim is chosen, never correctness.
+// Access hints: access[slot] = [ms:48][0xFFFF - depth:16]: the millisecond of the last use, then
+// the inverted chain depth, so among blocks used in the same millisecond the deeper ones compare
+// older and go first (tail-first eviction). Any node may write it; a lost or stale update only
+// changes which victim is chosen, never correctness.
 
 // ---------------------------------------------------------------------------------------------
 // Chunk map word = [state:8][node:8][ns:16][reserved:32]

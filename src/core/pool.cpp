@@ -356,6 +356,12 @@ void Pool::validate_and_attach(bool fresh, bool attach) {
     std::snprintf(buf, sizeof buf, "0x%llx", (unsigned long long)(h.incompat & ~kIncompatSupported));
     throw VersionError("pool " + P + " uses incompatible features unknown to this build (" + buf + ")");
   }
+  if ((h.ro_compat & ~kRoCompatSupported) && !read_only_) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "0x%llx", (unsigned long long)(h.ro_compat & ~kRoCompatSupported));
+    throw VersionError("pool " + P + " uses features this build may only read (ro_compat " + buf +
+                       "): inspect it read-only (cxlkv pool info) or attach with a newer cxlkv");
+  }
   if (h.stamp_cache_line != kCacheLine || h.stamp_header != sizeof(PoolHeader) ||
       h.stamp_node_slot != sizeof(NodeSlot) || h.stamp_node_area_fixed != sizeof(NodeAreaFixed) ||
       h.stamp_namespace != sizeof(NamespaceEntry) || h.stamp_index_entry != sizeof(IndexEntry))
@@ -366,6 +372,7 @@ void Pool::validate_and_attach(bool fresh, bool attach) {
   // Geometry: every area inside the pool, in order, without overlap.
   auto bad = [&](const char* what) { throw FormatError("pool " + P + " has an impossible geometry (" + what + ")"); };
   if (h.backend != uint32_t(Backend::coherent) && h.backend != uint32_t(Backend::flush)) bad("backend");
+  if (h.reserved1 != 0) bad("reserved1 is not zero");
   if (h.max_nodes == 0 || h.max_nodes > kMaxNodes) bad("max_nodes");
   if (h.lease_ms < kLeaseMsMin || h.lease_ms > kLeaseMsMax) bad("lease_ms");
   if (h.pin_slots == 0 || h.pin_slots > (1u << 20)) bad("pin_slots");

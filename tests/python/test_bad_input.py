@@ -146,6 +146,26 @@ def test_unknown_incompat_feature(pool_path):
     assert_cli_rejects(pool_path)
 
 
+def test_unknown_ro_compat_feature_opens_read_only_only(pool_path):
+    # ro_compat: an older reader may read but must not write (format.h PoolHeader).
+    make_file_pool(pool_path)
+    tu.patch_header_field(pool_path, "ro_compat", 1 << 5)
+    with pytest.raises(cxlkv.PoolVersionError, match="ro_compat"):
+        cxlkv.Pool.open(pool_path)
+    with cxlkv.Pool.open(pool_path, read_only=True) as pool:
+        assert pool.info()["ro_compat"] == 1 << 5
+    r = run_cli("pool", "info", pool_path)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+
+
+def test_reserved_header_field_must_be_zero(pool_path):
+    make_file_pool(pool_path)
+    tu.patch_header_field(pool_path, "reserved1", 7)
+    with pytest.raises(cxlkv.PoolFormatError, match="reserved1"):
+        cxlkv.Pool.open(pool_path)
+    assert_cli_rejects(pool_path)
+
+
 def test_other_build_stamp(pool_path):
     make_file_pool(pool_path)
     tu.patch_header_field(pool_path, "stamp_index_entry", 128)
