@@ -8,6 +8,7 @@
 #include <set>
 #include <thread>
 
+#include "key_hash.h"
 #include "pool.h"
 
 namespace cxlkv {
@@ -77,8 +78,8 @@ CheckReport Pool::check() {
     uint64_t dw = coh_.read(block_desc(e.chunk, e.block));
     if (block_state(dw) != kBlockUsed || block_slot(dw) != slot)
       findings.push_back({slot, w, at + " points to block " + std::to_string(e.chunk) + ":" + std::to_string(e.block) + " whose descriptor does not point back"});
-    uint64_t h = xxh3(e.key, 32, e.ns_id);
-    if (((slot - (h & slot_mask_)) & slot_mask_) >= kMaxProbe) findings.push_back({slot, w, at + " is outside its key's probe window"});
+    const uint64_t home = key_hash(e.key, e.ns_id, slot_mask_).home;
+    if (((slot - home) & slot_mask_) >= kMaxProbe) findings.push_back({slot, w, at + " is outside its key's probe window"});
     if (!keys.emplace(e.ns_id, std::string(reinterpret_cast<char*>(e.key), 32)).second) ++r.duplicate_keys;
   }
 

@@ -12,6 +12,7 @@
 #include <random>
 
 #include "checksum.h"
+#include "key_hash.h"
 #include "pool.h"
 
 namespace cxlkv {
@@ -23,16 +24,6 @@ inline void cpu_relax() {
 #if defined(__x86_64__)
   __builtin_ia32_pause();
 #endif
-}
-constexpr uint32_t kEvictSample = 32;
-
-struct KeyHash {
-  uint64_t home;
-  uint32_t tag;
-};
-inline KeyHash key_hash(const Key& k, uint32_t ns, uint64_t mask) {
-  uint64_t h = xxh3(k.data(), 32, ns);
-  return {h & mask, uint32_t(h >> 40) & 0xFFFFFF};
 }
 }  // namespace
 
@@ -46,7 +37,7 @@ bool Pool::snapshot(uint64_t slot, uint64_t word, IndexEntry* out) {
 }
 
 bool Pool::find(const NsHandle& ns, const Key& key, const uint64_t* hash, Found* out) {
-  KeyHash kh = hash ? KeyHash{*hash & slot_mask_, uint32_t(*hash >> 40) & 0xFFFFFF} : key_hash(key, ns.id, slot_mask_);
+  KeyHash kh = hash ? key_hash_split(*hash, slot_mask_) : key_hash(key.data(), ns.id, slot_mask_);
   for (uint32_t i = 0; i < kMaxProbe; ++i) {
     uint64_t slot = (kh.home + i) & slot_mask_;
     uint64_t w = coh_.read(&entry(slot)->state);
@@ -301,7 +292,7 @@ PutResult Pool::put_ex(const NsHandle& ns, const Key& key, const Piece* src, siz
   if (total > ns.block_bytes)
     throw ArgumentError("payload of " + std::to_string(total) + " bytes exceeds the namespace block size " +
                         std::to_string(ns.block_bytes));
-  KeyHash kh = key_hash(key, ns.id, slot_mask_);
+  KeyHash kh = key_hash(key.data(), ns.id, slot_mask_);
   for (int attempt = 0; attempt < 16; ++attempt) {
     uint64_t reuse = ~0ull, reuse_word = 0;
     for (uint32_t i = 0; i < kMaxProbe; ++i) {
@@ -514,7 +505,7 @@ bool Pool::contains(const NsHandle& ns, const Key& key) {
 void Pool::prefetch_homes(const NsHandle& ns, const Key* keys, size_t n, std::vector<uint64_t>& hashes) {
   hashes.resize(n);
   for (size_t i = 0; i < n; ++i) {
-    hashes[i] = xxh3(keys[i].data(), 32, ns.id);
+    hashes[i] = key_hash64(keys[i].data(), ns.id);
     __builtin_prefetch(entry(hashes[i] & slot_mask_), 0, 3);
     __builtin_prefetch(access(hashes[i] & slot_mask_), 1, 3);  // touch() writes it afterwards
   }

@@ -250,7 +250,7 @@ class Pool {
     uint64_t word;
     format::IndexEntry e;
   };
-  bool find(const NsHandle& ns, const Key& key, const uint64_t* hash, Found* out);  // hash: xxh3(key, ns) or null
+  bool find(const NsHandle& ns, const Key& key, const uint64_t* hash, Found* out);  // hash: key_hash64 or null
   void prefetch_homes(const NsHandle& ns, const Key* keys, size_t n, std::vector<uint64_t>& hashes);
   void condemn(uint64_t slot, uint64_t ready_word);
   bool reclaim_condemned(uint64_t slot);

@@ -1,0 +1,26 @@
+// Where a key lives in the index: the ONE recipe, shared by the index (index.cpp) and the checker
+// (check.cpp). Part of the persistent format: changing it moves every key of existing pools out
+// of its probe window, so it needs a kFormatMajor bump.
+//   h    = XXH3_64(key[32], seed = namespace id)
+//   home = h & (index_slots - 1)          the first slot of the key's probe window
+//   tag  = bits 40..63 of h (24 bits)     stored in the entry's state word (format.h IndexEntry)
+#pragma once
+#include <cstdint>
+
+#include "checksum.h"
+
+namespace cxlkv {
+
+struct KeyHash {
+  uint64_t home;
+  uint32_t tag;
+};
+inline uint64_t key_hash64(const uint8_t* key32, uint32_t ns_id) { return xxh3(key32, 32, ns_id); }
+inline KeyHash key_hash_split(uint64_t h, uint64_t slot_mask) {
+  return {h & slot_mask, uint32_t(h >> 40) & 0xFFFFFF};
+}
+inline KeyHash key_hash(const uint8_t* key32, uint32_t ns_id, uint64_t slot_mask) {
+  return key_hash_split(key_hash64(key32, ns_id), slot_mask);
+}
+
+}  // namespace cxlkv
