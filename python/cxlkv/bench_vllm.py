@@ -82,7 +82,10 @@ def _worker(spec: dict) -> None:
                 dt = time.perf_counter() - t0
                 ttft[c].append({"turn": turn + 1, "tokens": len(out.prompt_token_ids),
                                 "cached": out.num_cached_tokens or 0, "ttft_s": dt})
-    print("BENCH_RESULT " + json.dumps(ttft), flush=True)
+    # Into a file, not stdout: vLLM's worker processes share our stdout and may write into the
+    # middle of a line (a run lost its results that way: "Extra data" when parsing it).
+    with open(spec["result_path"], "w") as f:
+        json.dump(ttft, f)
 
 
 def run(model: str = "smollm2", contexts: int = 2, turns: int = 5, turn_words: int = 1100,
@@ -95,23 +98,26 @@ def run(model: str = "smollm2", contexts: int = 2, turns: int = 5, turn_words: i
     results: dict[str, Any] = {}
     try:
         for cfg in CONFIGS:
+            result_path = f"{pool}.{cfg}.json"
             spec = dict(config=cfg, model=model, contexts=contexts, turns=turns, turn_words=turn_words,
-                        max_model_len=max_model_len, pool=pool)
+                        max_model_len=max_model_len, pool=pool, result_path=result_path)
             con.print(f"bench vllm: running {cfg} ...")
             env = dict(os.environ)
             env.pop("PYTHONHASHSEED", None)
             p = subprocess.run([sys.executable, "-m", "cxlkv.bench_vllm", "--worker", json.dumps(spec)],
                                capture_output=True, text=True, env=env)
-            line = next((x for x in p.stdout.splitlines() if x.startswith("BENCH_RESULT ")), None)
-            if p.returncode != 0 or line is None:
+            if p.returncode != 0 or not os.path.exists(result_path):
                 con.print((p.stdout + p.stderr)[-4000:])
                 from cxlkv.cli import CommandError
 
                 raise CommandError(f"bench vllm: the {cfg} engine failed (exit {p.returncode})")
-            results[cfg] = json.loads(line[len("BENCH_RESULT "):])
+            with open(result_path) as f:
+                results[cfg] = json.load(f)
+            os.unlink(result_path)
     finally:
-        if os.path.exists(pool):
-            os.unlink(pool)
+        for leftover in [pool] + [f"{pool}.{cfg}.json" for cfg in CONFIGS]:
+            if os.path.exists(leftover):
+                os.unlink(leftover)
         shutil.rmtree(pool + ".example", ignore_errors=True)
 
     def per_turn(cfg: str) -> list[float]:
