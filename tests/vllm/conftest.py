@@ -40,7 +40,7 @@ def run_engine(spec: dict, timeout: int = 600, log: list | None = None) -> list:
 
 @pytest.fixture(scope="session")
 def tiny_model():
-    from cxlkv.integrations import models
+    from cxlkv.testing import models
     return models.tiny_llama()
 
 

@@ -47,7 +47,7 @@ def corrupt_pool(path: str, depth: int = -1) -> int:
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
-    from cxlkv.integrations import models
+    from cxlkv.testing import models
     from vllm import LLM, SamplingParams
 
     name = spec.get("model", "tiny")

@@ -32,12 +32,12 @@ it failed (the blocks from the first failed one on are saved again after vLLM re
 A pool that fails (truncated, deleted or replaced file, any error from the core) turns the
 process into "no cache" with one log line (pool_guard.py); the engine keeps serving.
 
-Extra config keys: ``pool_path`` (default ``$CXLKV_POOL`` or /dev/shm/cxlkv), ``pool_size``
-(used when the pool does not exist yet, default 4GiB), ``chunk_size``, ``model_id`` (replaces the
-weights' content digest in the identity: for operators who know two checkpoints are the same),
-``namespace`` (overrides the namespace name entirely), ``file_check_interval_s`` (default 0.001),
-``on_pool_error`` ("degrade": a pool that cannot be opened means serving without the cache, the
-default; "fail": refuse to start).
+Extra config keys: ``pool_path`` (default: ``cxlkv.default_pool_path()``, i.e. ``$CXLKV_POOL`` or
+/dev/shm/cxlkv-<uid>/pool), ``pool_size`` (used when the pool does not exist yet, default 4GiB),
+``chunk_size``, ``model_id`` (replaces the weights' content digest in the identity: for operators
+who know two checkpoints are the same), ``namespace`` (overrides the namespace name entirely),
+``file_check_interval_s`` (default 0.001), ``on_pool_error`` ("degrade": a pool that cannot be
+opened means serving without the cache, the default; "fail": refuse to start).
 """
 from __future__ import annotations
 
@@ -212,7 +212,7 @@ class CxlKVConnector(KVConnectorBase_V1):
         # vLLM's default policy fails the request instead; keep it only when asked to.
         if extra.get("load_failure_policy", "recompute") == "recompute":
             tc.kv_load_failure_policy = "recompute"
-        self._pool_path = str(extra.get("pool_path", cxlkv.DEFAULT_POOL_PATH))
+        self._pool_path = str(extra.get("pool_path") or cxlkv.default_pool_path())
         self.identity = self._describe(vllm_config, kv_cache_config)
         self._block_bytes = self.identity.block_bytes
         self._ns_name = (ident.short_name(str(extra["namespace"])) if extra.get("namespace")

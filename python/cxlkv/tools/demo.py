@@ -1,6 +1,6 @@
 """``cxlkv demo``: several processes sharing one pool, printing hit rates and bandwidth.
 
-The pool (``/dev/shm/cxlkv`` unless ``--pool``) is opened, or created if missing, and left in place
+The pool (the default pool, ``$CXLKV_POOL``, unless ``--pool``) is opened, or created if missing, and left in place
 afterwards. Each process keeps a private "GPU" KV cache in vLLM's paged layout (per layer an array
 ``[2, num_blocks, 16, kv_heads, head_size]`` of bf16, SmolLM2-135M geometry: 30 layers, 3 KV heads,
 head 64, 16-token blocks of 360 KiB) and serves requests over a catalogue of shared prompt prefixes
@@ -25,13 +25,14 @@ from typing import Any
 
 import numpy as np
 
+import cxlkv
 from cxlkv.sizes import format_size
-from cxlkv.workers import report_failure, run_workers
+from cxlkv.tools._common import GEOMETRIES
+from cxlkv.tools.workers import report_failure, run_workers
 
-__all__ = ["run_demo", "DEMO_LAYOUT"]
+__all__ = ["DEMO_LAYOUT", "print_demo_result", "run_demo"]
 
-DEMO_LAYOUT = dict(model_id="HuggingFaceTB/SmolLM2-135M", dtype="bf16", num_layers=30,
-                   num_kv_heads=3, head_size=64, tokens_per_block=16)
+DEMO_LAYOUT = GEOMETRIES["smollm2-135m"]
 NAMESPACE = "demo"
 DOCS = 64           # shared prefixes in the catalogue
 MIN_DEPTH, MAX_DEPTH = 8, 24   # blocks per prefix (16 tokens each: 128..384 tokens)
@@ -97,7 +98,7 @@ class _KV:
 # worker
 
 
-def _open_populated(cxlkv, path: str):
+def _open_populated(path: str) -> cxlkv.Pool:
     """Attach with every page mapped up front (as a long-lived engine would), so the copies below
     measure memory bandwidth rather than this process's first-touch page faults. Only for file
     pools of up to 4 GiB: mapping a huge pool in every worker would cost more than it shows."""
@@ -108,12 +109,7 @@ def _open_populated(cxlkv, path: str):
         small_file = stat.S_ISREG(st.st_mode) and st.st_size <= (4 << 30)
     except OSError:
         small_file = False
-    if small_file:
-        try:
-            return cxlkv.Pool.open(path, populate=True)
-        except TypeError:  # a core without the populate option
-            pass
-    return cxlkv.Pool.open(path)
+    return cxlkv.Pool.open(path, populate=small_file)
 
 
 def _copy_threads(procs: int) -> int:
@@ -125,11 +121,7 @@ def _copy_threads(procs: int) -> int:
 def _worker(path: str, rank: int, role: str, nprefill: int, salt: bytes, seconds: float,
             procs: int, barrier, queue) -> None:
     try:
-        import cxlkv
-
-        set_threads = getattr(getattr(cxlkv, "_core", None), "set_copy_threads", None)
-        if set_threads is not None:
-            set_threads(_copy_threads(procs))
+        cxlkv._core.set_copy_threads(_copy_threads(procs))
 
         kv = _KV()
         chains = [_chain(salt, d) for d in range(DOCS)]
@@ -139,7 +131,7 @@ def _worker(path: str, rank: int, role: str, nprefill: int, salt: bytes, seconds
                   blocks_hit=0, blocks_stored=0, store_failed=0, bytes_stored=0, store_ns=0,
                   blocks_loaded=0, bytes_loaded=0, load_ns=0, load_short=0, verify_errors=0,
                   node_id=None)
-        with _open_populated(cxlkv, path) as pool:
+        with _open_populated(path) as pool:
             st["node_id"] = pool.node_id
             ns = pool.namespace(cxlkv.KVLayout(**DEMO_LAYOUT), name=NAMESPACE)
             bb = ns.block_bytes
@@ -210,14 +202,26 @@ def _gbps(b: int, ns: int) -> float | None:
     return round(b / ns, 2) if ns > 0 else None
 
 
-def run_demo(pool_path: str = "/dev/shm/cxlkv", procs: int = 4, seconds: float = 8.0,
-             size: int = 1 << 30, json_out: bool = False) -> int:
+_TOTAL_KEYS = ("requests", "blocks_requested", "blocks_hit", "blocks_stored", "store_failed",
+               "bytes_stored", "store_ns", "blocks_loaded", "bytes_loaded", "load_ns", "load_short",
+               "verify_errors")
 
-    import cxlkv
-    from rich.console import Console
-    from rich.table import Table
 
-    con = Console(stderr=json_out, highlight=False)
+def _hit_rate(r: dict[str, Any]) -> float:
+    return r["blocks_hit"] / r["blocks_requested"] if r["blocks_requested"] else 0.0
+
+
+def run_demo(pool_path: str | None = None, procs: int = 4, seconds: float = 8.0,
+             size: int | str = cxlkv.DEFAULT_POOL_SIZE, console: Any = None) -> dict[str, Any]:
+    """Runs the demo on ``pool_path`` (default: the default pool), creating a pool of ``size`` if
+    there is none, and returns its summary (``verify_errors`` > 0: wrong bytes were read back).
+    Progress lines go to ``console`` (a rich Console), if given."""
+    pool_path = pool_path or cxlkv.default_pool_path()
+    if console is None:
+        from rich.console import Console
+
+        console = Console(quiet=True)
+    con = console
     existed = os.path.exists(pool_path)
     if existed:
         pool = cxlkv.Pool.open(pool_path)
@@ -247,13 +251,7 @@ def run_demo(pool_path: str = "/dev/shm/cxlkv", procs: int = 4, seconds: float =
         stats = pool.stats()
         pool_size, block_bytes = pool.size, ns.block_bytes
 
-    def hit_rate(r):
-        return r["blocks_hit"] / r["blocks_requested"] if r["blocks_requested"] else 0.0
-
-    total = {k: sum(r[k] for r in results) for k in (
-        "requests", "blocks_requested", "blocks_hit", "blocks_stored", "store_failed",
-        "bytes_stored", "store_ns", "blocks_loaded", "bytes_loaded", "load_ns", "load_short",
-        "verify_errors")}
+    total = {k: sum(r[k] for r in results) for k in _TOTAL_KEYS}
     run_s = max(r["seconds"] for r in results)
     summary = {
         "pool": pool_path,
@@ -264,7 +262,7 @@ def run_demo(pool_path: str = "/dev/shm/cxlkv", procs: int = 4, seconds: float =
         "wall_seconds": round(wall, 2),
         "block_bytes": block_bytes,
         "copy_threads_per_proc": _copy_threads(procs),
-        "hit_rate": round(hit_rate(total), 4),
+        "hit_rate": round(_hit_rate(total), 4),
         "consumer_hit_rate": round(
             sum(r["blocks_hit"] for r in results if r["role"] == "consumer")
             / max(1, sum(r["blocks_requested"] for r in results if r["role"] == "consumer")), 4),
@@ -273,19 +271,23 @@ def run_demo(pool_path: str = "/dev/shm/cxlkv", procs: int = 4, seconds: float =
         "stored_gb_per_s_wall": round(total["bytes_stored"] / run_s / 1e9, 3),
         "loaded_gb_per_s_wall": round(total["bytes_loaded"] / run_s / 1e9, 3),
         **total,
-        "processes": [{**r, "hit_rate": round(hit_rate(r), 4),
+        "processes": [{**r, "hit_rate": round(_hit_rate(r), 4),
                        "store_gbps": _gbps(r["bytes_stored"], r["store_ns"]),
                        "load_gbps": _gbps(r["bytes_loaded"], r["load_ns"])} for r in results],
         "pool_stats": stats,
     }
-    if json_out:
-        from cxlkv.cli import print_json
+    return summary
 
-        print_json(summary)
-        return 1 if total["verify_errors"] else 0
 
+def print_demo_result(con: Any, summary: dict[str, Any]) -> None:
+    """The demo's summary as tables on ``con`` (a rich Console)."""
     from rich import box
+    from rich.table import Table
 
+    procs, pool_path, run_s = summary["procs"], summary["pool"], summary["seconds"]
+    results = summary["processes"]
+    total = {k: summary[k] for k in _TOTAL_KEYS}
+    stats = summary["pool_stats"]
     t = Table(title=f"cxlkv demo: {procs} processes sharing {pool_path}, {run_s:.1f} s",
               title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, collapse_padding=True)
     for c in ("proc", "role", "reqs", "hit/asked", "hit %", "stored", "GB/s",
@@ -294,7 +296,7 @@ def run_demo(pool_path: str = "/dev/shm/cxlkv", procs: int = 4, seconds: float =
 
     def row(name, role, r, last=False):
         t.add_row(name, role, str(r["requests"]), f"{r['blocks_hit']}/{r['blocks_requested']}",
-                  f"[bold]{100 * hit_rate(r):.1f}%[/bold]",
+                  f"[bold]{100 * _hit_rate(r):.1f}%[/bold]",
                   _mib(r["bytes_stored"]), _fmt_gbps(r["bytes_stored"], r["store_ns"]),
                   _mib(r["bytes_loaded"]), _fmt_gbps(r["bytes_loaded"], r["load_ns"]),
                   ("[red]" if r["verify_errors"] else "[green]") + str(r["verify_errors"]),
@@ -321,7 +323,6 @@ def run_demo(pool_path: str = "/dev/shm/cxlkv", procs: int = 4, seconds: float =
         con.print("  every loaded block matched the bytes its key implies.")
     con.print(f"The pool stays in place. Inspect it with: [bold]cxlkv pool stats {pool_path}[/bold]"
               f"  (remove it with: cxlkv pool destroy {pool_path})")
-    return 1 if total["verify_errors"] else 0
 
 
 def _mib(b: int) -> str:

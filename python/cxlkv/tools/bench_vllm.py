@@ -1,6 +1,6 @@
 """`cxlkv bench vllm`: a multi-turn agentic workload on real vLLM engines (CPU build).
 
-C conversations x T turns; every turn appends about --turn-tokens tokens to its conversation's
+C conversations x T turns; every turn appends --turn-words words to its conversation's
 context and asks for the first token (TTFT = wall time of a one-token generate, one request at a
 time, after a warm-up request). Six configurations, each a fresh engine process:
 
@@ -31,6 +31,11 @@ import sys
 import time
 from typing import Any
 
+from cxlkv.errors import CommandError
+from cxlkv.tools._common import PERCENTILE_METHOD, percentile
+
+__all__ = ["CONFIGS", "conversations", "print_result", "run"]
+
 CONFIGS = ("off", "local", "cxlkv-1", "cxlkv-2", "example-1", "example-2")
 
 
@@ -53,7 +58,8 @@ def _worker(spec: dict) -> None:
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     from vllm import LLM, SamplingParams
 
-    from cxlkv.integrations import models
+    from cxlkv.testing import models
+
     model = models.smollm2() if spec["model"] == "smollm2" else models.tiny_llama()
     kw: dict[str, Any] = dict(model=model, enforce_eager=True, kv_cache_memory_bytes=2 << 30,
                               max_model_len=spec["max_model_len"], seed=0,
@@ -86,11 +92,14 @@ def _worker(spec: dict) -> None:
 
 
 def run(model: str = "smollm2", contexts: int = 2, turns: int = 5, turn_words: int = 1100,
-        max_model_len: int = 8192, plot: str | None = None, json_out: bool = False) -> int:
-    from rich.console import Console
-    from rich.table import Table
+        max_model_len: int = 8192, plot: str | None = None, console: Any = None) -> dict[str, Any]:
+    """Runs every configuration of :data:`CONFIGS` in turn and returns the summary; progress
+    lines (and a failed engine's last output) go to ``console`` (a rich Console), if given."""
+    if console is None:
+        from rich.console import Console
 
-    con = Console(stderr=json_out)
+        console = Console(quiet=True)
+    con = console
     pool = os.path.join("/dev/shm", f"cxlkv-bench-vllm-{os.getpid()}")
     results: dict[str, Any] = {}
     try:
@@ -100,13 +109,11 @@ def run(model: str = "smollm2", contexts: int = 2, turns: int = 5, turn_words: i
             con.print(f"bench vllm: running {cfg} ...")
             env = dict(os.environ)
             env.pop("PYTHONHASHSEED", None)
-            p = subprocess.run([sys.executable, "-m", "cxlkv.bench_vllm", "--worker", json.dumps(spec)],
+            p = subprocess.run([sys.executable, "-m", "cxlkv.tools.bench_vllm", "--worker", json.dumps(spec)],
                                capture_output=True, text=True, env=env)
             line = next((x for x in p.stdout.splitlines() if x.startswith("BENCH_RESULT ")), None)
             if p.returncode != 0 or line is None:
                 con.print((p.stdout + p.stderr)[-4000:])
-                from cxlkv.cli import CommandError
-
                 raise CommandError(f"bench vllm: the {cfg} engine failed (exit {p.returncode})")
             results[cfg] = json.loads(line[len("BENCH_RESULT "):])
     finally:
@@ -134,14 +141,22 @@ def run(model: str = "smollm2", contexts: int = 2, turns: int = 5, turn_words: i
     for cfg in CONFIGS:
         xs = sorted(t["ttft_s"] for conv in results[cfg] for t in conv)
         mean = sum(xs) / len(xs)
-        summary["per_request"][cfg] = {"mean_ttft_s": mean, "p99_ttft_s": xs[min(len(xs) - 1, int(0.99 * len(xs)))],
+        summary["per_request"][cfg] = {"mean_ttft_s": mean, "p99_ttft_s": percentile(xs, 99),
                                        "requests_per_s": 1.0 / mean}
+    summary["percentile_method"] = PERCENTILE_METHOD
     if plot:
         _plot(summary, plot)
         summary["plot"] = plot
-    if json_out:
-        print(json.dumps(summary))
-        return 0
+    return summary
+
+
+def print_result(con: Any, summary: dict[str, Any]) -> None:
+    """The summary of :func:`run` as tables on ``con`` (a rich Console)."""
+    from rich.table import Table
+
+    model, contexts, turns = summary["model"], summary["contexts"], summary["turns"]
+    turns_ttft, tokens = summary["ttft_s"], summary["mean_tokens_per_turn"]
+    cached2 = summary["cxlkv2_cached_tokens"]
     t = Table(title=f"TTFT per turn, {model}, {contexts} conversations (mean, seconds)")
     t.add_column("turn")
     t.add_column("tokens", justify="right")
@@ -162,7 +177,6 @@ def run(model: str = "smollm2", contexts: int = 2, turns: int = 5, turn_words: i
     con.print(f"last turn: cxlkv-2 {summary['warm_turn_speedup_cxlkv2_vs_off']:.1f}x faster than off, "
               f"{summary['warm_turn_cxlkv2_vs_local']:.2f}x vLLM's local prefix hit; whole workload "
               f"{summary['wall_speedup_cxlkv2_vs_off']:.1f}x faster than off")
-    return 0
 
 
 def _plot(summary: dict, path: str) -> None:
@@ -182,8 +196,7 @@ def _plot(summary: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
-        _worker(json.loads(sys.argv[2]))
-    else:
-        sys.exit(run())
+if __name__ == "__main__":  # one engine process of run(); `cxlkv bench vllm` is the command
+    if len(sys.argv) != 3 or sys.argv[1] != "--worker":
+        sys.exit("usage: python -m cxlkv.tools.bench_vllm --worker SPEC_JSON (use `cxlkv bench vllm`)")
+    _worker(json.loads(sys.argv[2]))

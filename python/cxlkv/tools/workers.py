@@ -7,7 +7,7 @@ import queue as queue_mod
 import time
 from typing import Any, Callable
 
-from cxlkv.cli import CommandError
+from cxlkv.errors import CommandError
 
 
 def report_failure(rank: int, barrier, queue, exc: BaseException) -> None:
