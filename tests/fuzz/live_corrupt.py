@@ -8,7 +8,7 @@ bytes, nor has its guard bytes touched, nor sees an exception other than a cxlkv
 and a fresh `cxlkv pool check` afterwards does not crash.
 
   python tests/fuzz/live_corrupt.py [--seconds S] [--only SCN,...]     (prints one JSON line each)
-  python tests/fuzz/live_corrupt.py --reader POOL SECONDS                (internal: the reader)
+  python tests/fuzz/live_corrupt.py --reader POOL SECONDS SEED           (internal: the reader)
 """
 from __future__ import annotations
 
@@ -44,14 +44,15 @@ def item(i: int) -> tuple[bytes, bytes]:
     return k, S.payload(k, S.A_BLOCK)
 
 
-def reader(path: str, seconds: float) -> None:
-    """The victim: runs for `seconds`, then prints its counts as one JSON line."""
+def reader(path: str, seconds: float, seed: int) -> None:
+    """The victim: runs for `seconds` (its operations drawn from `seed`), then prints its counts
+    as one JSON line."""
     import cxlkv
     st = {"ops": 0, "hits": 0, "misses": 0, "wrong": 0, "guard": 0, "clean_errors": {}, "other_errors": {}}
     ns = cxlkv.Pool.open(path).namespace(S.layout_a())
     items = [item(i) for i in range(N_KEYS)]
     prefix = [k for k, _ in items[:32]]
-    rng = random.Random(os.getpid())
+    rng = random.Random(seed)
     whole = np.full(S.A_BLOCK + 128, 0xA5, dtype=np.uint8)
     inner = whole[64:64 + S.A_BLOCK]
     os.write(1, b"READY\n")
@@ -221,14 +222,15 @@ SCENARIOS = [
 ]
 
 
-def run_scenario(scn: str, seconds: float) -> dict:
-    """Runs one scenario; `failures` lists what went wrong (empty: passed)."""
+def run_scenario(scn: str, seconds: float, seed: int = 0) -> dict:
+    """Runs one scenario; `failures` lists what went wrong (empty: passed). `seed` draws the
+    reader's operations (the scribbler's are drawn from the scenario's name); it is in the result."""
     fd, path = tempfile.mkstemp(prefix="cxlkv-live-", dir=SHM)
     os.close(fd)
     os.unlink(path)
     try:
         make_pool(path)
-        p1 = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--reader", path, str(seconds)],
+        p1 = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--reader", path, str(seconds), str(seed)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         first = p1.stdout.readline()
         assert first.strip() == b"READY", (first, p1.stderr.read()[-2000:] if p1.poll() is not None else b"")
@@ -250,7 +252,7 @@ def run_scenario(scn: str, seconds: float) -> dict:
             hang = True
         del f
         t.close()
-        res: dict = {"scenario": scn, "rounds": rounds, "rc": p1.returncode, "hang": hang}
+        res: dict = {"scenario": scn, "seed": seed, "rounds": rounds, "rc": p1.returncode, "hang": hang}
         lines = [ln for ln in out.decode(errors="replace").splitlines() if ln.startswith("{")]
         if lines:
             res.update(json.loads(lines[-1]))
@@ -282,18 +284,19 @@ def run_scenario(scn: str, seconds: float) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--reader", nargs=2, metavar=("POOL", "SECONDS"))
+    ap.add_argument("--reader", nargs=3, metavar=("POOL", "SECONDS", "SEED"))
+    ap.add_argument("--seed", type=int, default=0, help="seed of the reader's operations (default 0)")
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--only", help="comma-separated scenarios (default: all)")
     args = ap.parse_args(argv)
     if args.reader:
-        reader(args.reader[0], float(args.reader[1]))
+        reader(args.reader[0], float(args.reader[1]), int(args.reader[2]))
         return 0
     bad = 0
     for scn in args.only.split(",") if args.only else SCENARIOS:
-        r = run_scenario(scn, args.seconds)
+        r = run_scenario(scn, args.seconds, args.seed)
         bad += bool(r["failures"])
-        print(json.dumps({k: r.get(k) for k in ("scenario", "failures", "ops", "hits", "misses", "wrong", "guard",
+        print(json.dumps({k: r.get(k) for k in ("scenario", "seed", "failures", "ops", "hits", "misses", "wrong", "guard",
                                                  "clean_errors", "rounds", "after_check_rc")}), flush=True)
     return 1 if bad else 0
 

@@ -107,3 +107,28 @@ def key():
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: long-running test (still run by the CI command)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every Hypothesis test of the run draws from one seed, ``$CXLKV_TEST_SEED`` when set (to
+    replay a failure), printed at the end of the run (the other random tests print theirs via
+    tu.random_test_seed)."""
+    import hypothesis
+
+    tests = [it.obj for it in items if getattr(getattr(it, "obj", None), "is_hypothesis_test", False)]
+    if not tests:
+        return
+    text = os.environ.get(tu.SEED_ENV, "").strip()
+    seed = int(text, 0) if text else int.from_bytes(os.urandom(4), "little")
+    for fn in tests:
+        hypothesis.seed(seed)(fn)
+    config.stash[_HYPOTHESIS_SEED] = seed
+
+
+_HYPOTHESIS_SEED = pytest.StashKey[int]()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    seed = config.stash.get(_HYPOTHESIS_SEED, None)
+    if seed is not None:
+        terminalreporter.write_line(f"hypothesis tests: seed {seed} (replay with {tu.SEED_ENV}={seed})")
