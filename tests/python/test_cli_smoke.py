@@ -45,9 +45,13 @@ DEMO_KEYS = {"pool", "pool_size", "pool_existed", "procs", "seconds", "block_byt
              "blocks_loaded", "verify_errors", "processes", "pool_stats"}
 
 
-def cxlkv_cli(*args: str, timeout: int = CLI_TIMEOUT_S) -> subprocess.CompletedProcess:
+def cxlkv_cli(*args: str, timeout: int = CLI_TIMEOUT_S, pool_env: str | None = None) -> subprocess.CompletedProcess:
+    """Runs the installed ``cxlkv``; ``pool_env``: the value of $CXLKV_POOL (unset otherwise)."""
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", COLUMNS="120")
     env.pop("CXLKV_DEBUG", None)
+    env.pop("CXLKV_POOL", None)
+    if pool_env is not None:
+        env["CXLKV_POOL"] = pool_env
     return subprocess.run([CXLKV, *args], capture_output=True, text=True, timeout=timeout, env=env,
                           check=False)
 
@@ -123,6 +127,25 @@ def test_pool_lifecycle_text_and_json(pool_path):
     assert info["pool_bytes"] == 8 * MiB and info["namespaces"] == []
 
     assert "destroyed" in ok(cxlkv_cli("pool", "destroy", pool_path)).stdout
+    assert not os.path.exists(pool_path)
+
+
+def test_every_pool_command_and_the_demo_default_to_CXLKV_POOL(pool_path):
+    """No PATH given: each command works on $CXLKV_POOL, the pool the library and the connector
+    open (identified by its inode, so a default pool elsewhere on this machine cannot pass)."""
+    info = json_of(ok(cxlkv_cli("pool", "create", "--size", "16MiB", "--chunk-size", "1MiB", "--json",
+                                pool_env=pool_path)), POOL_INFO_KEYS)
+    ino = os.stat(pool_path).st_ino
+    assert info["path"] == pool_path and info["file_ino"] == ino
+    assert json_of(ok(cxlkv_cli("pool", "info", "--json", pool_env=pool_path)), POOL_INFO_KEYS)["file_ino"] == ino
+    stats = json.loads(ok(cxlkv_cli("pool", "stats", "--json", pool_env=pool_path)).stdout)
+    assert stats["free_chunks"] == info["chunk_count"], (stats, info)  # this fresh pool's chunks
+    assert json_of(ok(cxlkv_cli("pool", "check", "--json", pool_env=pool_path)), CHECK_KEYS)["ok"]
+    assert json.loads(ok(cxlkv_cli("pool", "reap", "60", "--json", pool_env=pool_path)).stdout)["state"] == "free"
+    out = json_of(ok(cxlkv_cli("demo", "--procs", "1", "--seconds", "0.3", "--json", pool_env=pool_path)),
+                  DEMO_KEYS)
+    assert out["pool"] == pool_path and out["pool_existed"] is True
+    ok(cxlkv_cli("pool", "destroy", pool_env=pool_path))
     assert not os.path.exists(pool_path)
 
 
