@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Optional, Union
+from typing import Any
 
 from . import _core
 from ._core import Lease, Namespace
@@ -117,7 +117,7 @@ class KVLayout:
     kind: str = _LAYOUT_DEFAULTS["kind"]
     tp_rank: int = _LAYOUT_DEFAULTS["tp_rank"]
     tp_size: int = _LAYOUT_DEFAULTS["tp_size"]
-    block_bytes: Optional[int] = None  # None: the natural size of the other fields
+    block_bytes: int | None = None  # None: the natural size of the other fields
     source: str = dataclasses.field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -134,10 +134,10 @@ class KVLayout:
         return f"{self.model_id}#tp{self.tp_rank}/{self.tp_size}"
 
 
-SizeLike = Union[int, str]
+SizeLike = int | str
 
 
-def _path_or_default(path: "Optional[str | os.PathLike[str]]") -> str:
+def _path_or_default(path: str | os.PathLike[str] | None) -> str:
     return default_pool_path() if path is None else os.fspath(path)
 
 
@@ -152,19 +152,19 @@ def _check_text(what: str, text: str) -> None:
 class Pool:
     """One process's attachment to a pool. Use as a context manager, or call :meth:`close`."""
 
-    def __init__(self, core: "_core.Pool"):
+    def __init__(self, core: _core.Pool):
         self._core = core
         self._namespaces: dict = {}
 
     # -- lifecycle ------------------------------------------------------------------------
     @classmethod
-    def create(cls, path: Optional[str] = None, size: SizeLike = DEFAULT_POOL_SIZE, *,
-               chunk_size: Optional[SizeLike] = None, index_slots: Optional[int] = None,
-               max_nodes: int = _create_default("max_nodes"), pin_slots: Optional[int] = None,
+    def create(cls, path: str | None = None, size: SizeLike = DEFAULT_POOL_SIZE, *,
+               chunk_size: SizeLike | None = None, index_slots: int | None = None,
+               max_nodes: int = _create_default("max_nodes"), pin_slots: int | None = None,
                max_namespaces: int = _create_default("max_namespaces"),
                backend: str = _create_default("backend"), exist_ok: bool = False,
                lease_ms: int = _create_default("lease_ms"), allow_foreign_owner: bool = False,
-               allow_group: bool = False) -> "Pool":
+               allow_group: bool = False) -> Pool:
         """Create a pool (mode 0600) at ``path`` (default: :func:`default_pool_path`). With
         exist_ok, an existing pool is opened instead, under the same owner checks as :meth:`open`.
         chunk_size, index_slots, pin_slots: None lets the core derive them from the size.
@@ -183,8 +183,8 @@ class Pool:
         return cls(core)
 
     @classmethod
-    def open(cls, path: Optional[str] = None, *, populate: bool = False, read_only: bool = False,
-             attach: bool = True, allow_foreign_owner: bool = False, allow_group: bool = False) -> "Pool":
+    def open(cls, path: str | None = None, *, populate: bool = False, read_only: bool = False,
+             attach: bool = True, allow_foreign_owner: bool = False, allow_group: bool = False) -> Pool:
         """Attach to an existing pool. populate=True maps every page now (long-lived servers),
         instead of faulting pages in during the first copies.
 
@@ -203,12 +203,12 @@ class Pool:
                                    allow_foreign_owner=allow_foreign_owner, allow_group=allow_group))
 
     @classmethod
-    def open_or_create(cls, path: Optional[str] = None, size: SizeLike = DEFAULT_POOL_SIZE,
-                       **kwargs: Any) -> "Pool":
+    def open_or_create(cls, path: str | None = None, size: SizeLike = DEFAULT_POOL_SIZE,
+                       **kwargs: Any) -> Pool:
         return cls.create(path, size, exist_ok=True, **kwargs)
 
     @staticmethod
-    def destroy(path: Optional[str] = None, *, ignore_attached: bool = False,
+    def destroy(path: str | None = None, *, ignore_attached: bool = False,
                 remove_invalid: bool = False) -> None:
         """Delete a file pool (wipe a devdax pool's header). Refuses while live processes are
         attached (the error lists them) unless ignore_attached. remove_invalid=True also removes a
@@ -219,7 +219,7 @@ class Pool:
         self._namespaces.clear()
         self._core.close()
 
-    def __enter__(self) -> "Pool":
+    def __enter__(self) -> Pool:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -259,7 +259,7 @@ class Pool:
         return self._core.file_replaced()
 
     # -- namespaces -----------------------------------------------------------------------
-    def namespace(self, layout: KVLayout, name: Optional[str] = None) -> Namespace:
+    def namespace(self, layout: KVLayout, name: str | None = None) -> Namespace:
         name = name or layout.default_name()
         _check_text("namespace name", name)
         ns = self._namespaces.get((name, layout))

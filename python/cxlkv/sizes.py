@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["parse_size", "format_size"]
+__all__ = ["format_size", "parse_size"]
 
 _IEC = {"": 1, "b": 1}
 _SI: dict[str, int] = {}

@@ -212,6 +212,7 @@ _W: dict = {}
 def _worker_init(seeds: Seeds, timeout: float, workdir: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     import numpy  # noqa: F401  - warm imports, shared by every forked child
+
     import cxlkv.cli  # noqa: F401
     import fuzz_workload  # noqa: F401
     _W.update(seeds=seeds, timeout=timeout, scratch=os.path.join(workdir, f"case-{os.getpid()}"))

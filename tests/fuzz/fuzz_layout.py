@@ -13,7 +13,7 @@ import struct
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
-import cxlkv_testutil as tu  # noqa: E402
+import cxlkv_testutil as tu
 
 HEADER_FIELDS = tu.HEADER_FIELDS
 HEADER_STRUCT_BYTES = tu.HEADER_STRUCT_BYTES

@@ -20,9 +20,9 @@ import fuzz_layout as L
 
 SEED_SIZE = "16MiB"
 VARIANTS = ("clean", "deadnode")
-A_PUT = range(0, 300)
+A_PUT = range(300)
 A_STORE = range(300, 340)
-B_PUT = range(0, 60)
+B_PUT = range(60)
 A_BLOCK = 8192
 B_BLOCK = 2048
 

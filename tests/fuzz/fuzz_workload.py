@@ -15,12 +15,12 @@ import json
 import os
 import sys
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import fuzz_seedpool as S  # noqa: E402
+import fuzz_seedpool as S
 
 GUARD = 64
 CANARY = 0xA5
@@ -77,7 +77,7 @@ def _exercise_a(a, step: Callable, res: dict) -> None:
     keys = [S.key("a", i) for i in idx]
 
     def get_bytes():
-        for i, k in zip(idx, keys):
+        for i, k in zip(idx, keys, strict=True):
             a.contains(k)
             got = a.get_bytes(k)
             if got is not None and got != S.expected_a(i):

@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 import zlib
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

@@ -28,14 +28,14 @@ import random
 import sys
 import time
 import traceback
+from typing import ClassVar
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import numpy as np  # noqa: E402
 
-import cxlkv  # noqa: E402
-import cxlkv_testutil as tu  # noqa: E402
+import cxlkv
+import cxlkv_testutil as tu
 
 CHAIN_LEN = 8
 
@@ -139,7 +139,7 @@ class Worker:
     def op_store(self):
         ch = self.pick_chain()
         ids = self.rng.sample(range(self.kv_src.num_blocks), len(ch))
-        for k, b in zip(ch, ids):
+        for k, b in zip(ch, ids, strict=True):
             self.kv_src.write_block(b, self.expect_padded(k))
         n = self.ns.store(ch, self.kv_src.arrays, ids, block_dim=1)
         if not 0 <= n <= len(ch):
@@ -181,7 +181,7 @@ class Worker:
         finally:
             lease.release()
 
-    OPS = [("put", 25), ("get", 25), ("get_bytes", 8), ("contains", 4), ("match", 10),
+    OPS: ClassVar = [("put", 25), ("get", 25), ("get_bytes", 8), ("contains", 4), ("match", 10),
            ("store", 8), ("load", 8), ("delete", 6), ("acquire", 6)]
 
     def run(self, deadline=None, max_ops=None, progress=None):
@@ -226,7 +226,7 @@ def run_mode(args):
             summary.update(ops=n, seconds=time.monotonic() - t0, counts=w.counts,
                            put_false=w.put_false, pinned=w.pinned, pinned_miss=w.pinned_miss,
                            stats=pool.stats(), ok=True)
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - every failure goes to the report file
         tb = traceback.format_exc()
         rep.error(tb)
         summary["traceback"] = tb
@@ -252,7 +252,7 @@ def zygote_child(args, wid, seed):
               progress=lambda i: os.write(fd, b"."))
         pool.close()
         return 0
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - every failure goes to the report file
         rep.error(traceback.format_exc())
         return 3
 

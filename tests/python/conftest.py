@@ -17,7 +17,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import cxlkv_testutil as tu  # noqa: E402
+import cxlkv_testutil as tu
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
 
@@ -77,7 +77,7 @@ def make_pool(pool_path):
     for pool in made:
         try:
             pool.close()
-        except Exception:
+        except Exception:  # noqa: BLE001 - a test may have left it closed or broken on purpose
             pass
     for p in extra_paths:
         _remove(p)

@@ -80,7 +80,7 @@ def test_exception_hierarchy():
 # ------------------------------------------------------------------------------------------------
 # put / get / contains / delete / match_prefix / get_bytes
 def test_put_get_round_trip(small_ns):
-    pool, ns = small_ns
+    _pool, ns = small_ns
     assert ns.block_bytes == BB
     keys = [tu.make_key("rt", i) for i in range(200)]
     for k in keys:
@@ -223,7 +223,7 @@ def test_store_load_vllm_layouts(make_pool, kind):
     n = ns.store(keys, src.arrays, block_ids, block_dim=src.block_dim)
     assert n == len(keys)
     # exact gather order: per source (layer), every index of the dims before block_dim, C order
-    for k, b in zip(keys, block_ids):
+    for k, b in zip(keys, block_ids, strict=True):
         assert ns.get_bytes(k) == src.read_block(b), f"gathered bytes of block {b} differ"
 
     # scatter into a sentinel-filled copy at other block ids; everything else must be untouched
@@ -231,7 +231,7 @@ def test_store_load_vllm_layouts(make_pool, kind):
     dst = Kv(num_layers=3, block_size=16, heads=2, head=32, num_blocks=nb, fill=sentinel)
     dst_ids = [1, 3, 4, 6, 8, 9, 10, 12]
     assert ns.load(keys, dst.arrays, dst_ids, block_dim=dst.block_dim) == len(keys)
-    for sb, db in zip(block_ids, dst_ids):
+    for sb, db in zip(block_ids, dst_ids, strict=True):
         assert dst.read_block(db) == src.read_block(sb)
     untouched = set(range(nb)) - set(dst_ids)
     for b in untouched:
@@ -283,7 +283,7 @@ def test_store_strided_sources(make_pool):
     keys = tu.chain_keys("strided", 3)
     ids = [0, 2, 11]
     assert ns.store(keys, views, ids, block_dim=1) == 3
-    for k, b in zip(keys, ids):
+    for k, b in zip(keys, ids, strict=True):
         assert ns.get_bytes(k) == ref.read_block(b)
     out = np.zeros_like(stacked)
     out_views = [out[l, :, ::2] for l in range(layers)]

@@ -141,7 +141,7 @@ def test_future_minor_version_is_fine(pool_path):
 def test_unknown_incompat_feature(pool_path):
     make_file_pool(pool_path)
     tu.patch_header_field(pool_path, "incompat", 1 << 17)
-    with pytest.raises(cxlkv.PoolVersionError, match="incompat|feature"):
+    with pytest.raises(cxlkv.PoolVersionError, match=r"incompat|feature"):
         cxlkv.Pool.open(pool_path)
     assert_cli_rejects(pool_path)
 
@@ -242,9 +242,9 @@ def test_read_only_file_no_write_permission(pool_path):
 def test_devdax_missing():
     path = "/dev/dax97.3"
     assert not os.path.exists(path)
-    with pytest.raises(FileNotFoundError, match="dax97.3"):
+    with pytest.raises(FileNotFoundError, match=r"dax97\.3"):
         cxlkv.Pool.open(path)
-    with pytest.raises(FileNotFoundError, match="dax97.3"):
+    with pytest.raises(FileNotFoundError, match=r"dax97\.3"):
         cxlkv.Pool.create(path, 64 * MiB)
     assert_cli_rejects(path)
 

@@ -180,7 +180,7 @@ def test_chaos_kill9(pool_path, tmp_path):
             kills += 1
             live[wid] = zy.spawn(wid, rng.randrange(1 << 30))
         # end of chaos: kill the survivors too (they die holding whatever they held)
-        for wid, pid in live.items():
+        for pid in live.values():
             os.kill(pid, signal.SIGKILL)
             zy.reap(pid)
             kills += 1
@@ -261,7 +261,7 @@ def test_killed_processes_free_their_node_slots(pool_path):
         print("ready", flush=True)
         time.sleep(120)
     """)
-    for round_ in range(3):
+    for _round in range(3):
         procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True) for _ in range(3)]
         for p in procs:
@@ -329,7 +329,7 @@ def test_creator_killed_mid_create(pool_path):
         print("done", flush=True)
     """)
     rng = random.Random(tu.random_test_seed("creator kill -9"))
-    for i in range(8):
+    for _i in range(8):
         p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
         assert p.stdout.readline().strip() == "go"
         time.sleep(rng.uniform(0, CREATE_KILL_WINDOW_S))

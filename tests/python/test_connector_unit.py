@@ -51,7 +51,7 @@ def make_model(d, seed=0, size=200_000) -> str:
 
 
 
-def published(pool_path: str, model_dir: str, req_id: str, toks: list) -> "Engine":
+def published(pool_path: str, model_dir: str, req_id: str, toks: list) -> Engine:
     """An engine that has computed and saved the prompt `toks` (request `req_id`, finished)."""
     e = Engine(pool_path, model_dir)
     e.add(req_id, toks)
@@ -133,7 +133,7 @@ def test_identity_gguf_tensors_sampled(tmp_path):
     ref = ident.file_digest(a)
     assert ident.file_digest(a) == ref
     f = open(a, "rb")
-    table, ranges = ident._gguf_tensor_ranges(f, a.stat().st_size)
+    _table, ranges = ident._gguf_tensor_ranges(f, a.stat().st_size)
     f.close()
     assert ranges == [(start, len(payload) // 2), (start + len(payload) // 2, len(payload) // 2)]
     payload[len(payload) // 2 + 1] ^= 1  # start of t2: a sampled window
@@ -267,7 +267,7 @@ class Engine:
         to load errors (num_computed truncated at the first invalid block)."""
         new, cached = [], SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(),
                                           num_computed_tokens=[])
-        for rid, n in budget.items():
+        for rid in budget:
             r = self.reqs[rid]
             if r["new"]:
                 new.append(SimpleNamespace(req_id=rid, block_ids=(list(r["blocks"]),),
@@ -313,13 +313,13 @@ class Engine:
                     block_bytes = real.block_bytes
 
                     def load(_, keys, arrays, ids, block_dim=0):
-                        n = real.load(keys[:idx], arrays, ids[:idx], block_dim=block_dim)
+                        n = real.load(keys[:idx], arrays, ids[:idx], block_dim=block_dim)  # noqa: B023 - one load op per request and step
                         for b in ids[idx:]:
                             self.write_block(b, b"\x00" * 256)  # what vLLM's buffer held
                         return n
 
                     def __getattr__(_, name):
-                        return getattr(real, name)
+                        return getattr(real, name)  # noqa: B023 - one load op per request and step
                 self.worker._ns = Failing()
                 self.fail_next_load = None
                 self._restore = real

@@ -8,7 +8,6 @@ import time
 import numpy as np
 import pytest
 
-import cxlkv
 import cxlkv_testutil as tu
 from conftest import KiB, MiB, small_layout
 

@@ -14,8 +14,8 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fuzz"))
-import cxlkv_testutil as tu  # noqa: E402
-import live_corrupt  # noqa: E402
+import cxlkv_testutil as tu
+import live_corrupt
 
 SECONDS = float(os.environ.get("CXLKV_FUZZ_LIVE_SECONDS", "1"))
 

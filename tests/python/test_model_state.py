@@ -15,7 +15,13 @@ import random
 import numpy as np
 from hypothesis import HealthCheck, seed, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 import cxlkv_testutil as tu
 from conftest import SHM_DIR, TEST_BACKEND, _remove, small_layout
@@ -125,7 +131,7 @@ class PoolModel(RuleBasedStateMachine):
     def store(self, keys):
         src = np.zeros((len(keys) + 2, BLOCK), dtype=np.uint8)
         ids = [j + 2 for j in range(len(keys))][::-1]
-        for k, i in zip(keys, ids):
+        for k, i in zip(keys, ids, strict=True):
             src[i] = np.frombuffer(expected(k), dtype=np.uint8)
         n = self.ns.store(keys, [src], ids)
         assert n == len(keys), f"store kept {n} of {len(keys)} blocks"
@@ -139,7 +145,7 @@ class PoolModel(RuleBasedStateMachine):
         ids = [rows - 1 - j for j in range(len(keys))]
         n = self.ns.load(keys, [dst], ids)
         assert (whole[:GUARD] == 0xA5).all() and (whole[-GUARD:] == 0xA5).all(), "load wrote outside"
-        for k, i in zip(keys[:n], ids):
+        for k, i in zip(keys[:n], ids, strict=False):  # ids has a row per key; n <= len(keys)
             assert k in self.stored and bytes(dst[i]) == expected(k), "load delivered wrong bytes"
         if n < len(keys):
             assert keys[n] not in self.leased(), "a leased key failed to load"

@@ -30,7 +30,7 @@ def start_worker(pool_path, report_dir, wid, *, seed, duration, model="a", chain
 def collect(procs):
     results = []
     for p, summary in procs:
-        out, err = p.communicate(timeout=120)
+        _out, err = p.communicate(timeout=120)
         assert os.path.exists(summary), f"worker wrote no summary (rc {p.returncode}): {err}"
         with open(summary) as f:
             s = json.load(f)
@@ -123,5 +123,5 @@ def test_concurrent_same_key_writers(pool_path, tmp_path):
     for r in results:
         assert r["rc"] == 0 and r["ok"], r.get("traceback")
     assert sum(r["mismatches"] for r in results) == 0, [m for r in results for m in r["first_mismatches"]]
-    resident, report = verify_pool_contents(pool_path, 3, 10)
+    _resident, report = verify_pool_contents(pool_path, 3, 10)
     assert tu.pool_check_problems(report) == [], report

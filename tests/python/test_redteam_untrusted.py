@@ -200,7 +200,7 @@ def test_f11_default_dir_private(monkeypatch, pool_path):
         import shutil
 
         shutil.rmtree(d, ignore_errors=True)
-    assert cxlkv.DEFAULT_POOL_PATH == os.environ.get("CXLKV_POOL", f"/dev/shm/cxlkv-{os.geteuid()}/pool")
+    assert os.environ.get("CXLKV_POOL", f"/dev/shm/cxlkv-{os.geteuid()}/pool") == cxlkv.DEFAULT_POOL_PATH
 
 
 # ---------------------------------------------------------------------------------------------

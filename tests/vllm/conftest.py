@@ -16,8 +16,7 @@ BLOCK = 128  # vLLM CPU's default block size
 
 
 def words(seed: int, n: int) -> str:
-    vocab = ("memory cache block prefix token model layer attention shared pool process server "
-             "request prompt decode prefill batch tensor buffer page store load hash index").split()
+    vocab = ["memory", "cache", "block", "prefix", "token", "model", "layer", "attention", "shared", "pool", "process", "server", "request", "prompt", "decode", "prefill", "batch", "tensor", "buffer", "page", "store", "load", "hash", "index"]
     rng = random.Random(seed)
     return " ".join(rng.choice(vocab) for _ in range(n))
 

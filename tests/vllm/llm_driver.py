@@ -47,8 +47,9 @@ def corrupt_pool(path: str, depth: int = -1) -> int:
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
-    from cxlkv.testing import models
     from vllm import LLM, SamplingParams
+
+    from cxlkv.testing import models
 
     name = spec.get("model", "tiny")
     model = models.tiny_llama() if name == "tiny" else models.smollm2() if name == "smollm2" else name

@@ -54,7 +54,7 @@ def consumer(shared_pool, producer):
 
 def test_producer_local_hit_matches_cold_run(producer):
     cold, warm = producer[0]["outputs"], producer[1]["outputs"]
-    for c, w in zip(cold, warm):
+    for c, w in zip(cold, warm, strict=True):
         assert c["cached"] == 0 or c is cold[2]  # the third prompt shares the first's prefix
         assert w["cached"] == full_blocks(w["len"])
         assert w["tokens"] == c["tokens"]
@@ -67,7 +67,7 @@ def test_fresh_process_gets_every_full_block(consumer):
 
 def test_connector_load_is_exact(producer, consumer):
     """Same tokens and same logprobs as a local prefix-cache hit of the same KV."""
-    for ref, got in zip(producer[1]["outputs"], consumer[0]["outputs"]):
+    for ref, got in zip(producer[1]["outputs"], consumer[0]["outputs"], strict=True):
         assert got["tokens"] == ref["tokens"]
         assert got["logprobs"] == ref["logprobs"]
 
@@ -98,7 +98,7 @@ def test_failures_keep_answers_correct(pool_path, tiny_model):
         {"prompts": plain([LONG_B + " " + words(5, 100)]), "before": "unlink_pool"},
     ]})
     assert out[0]["corrupted"] > 0
-    for r, o in zip(ref, out[0]["outputs"]):
+    for r, o in zip(ref, out[0]["outputs"], strict=True):
         assert o["tokens"] == r["tokens"]
     assert len(out[1]["outputs"][0]["tokens"]) > 0
 
@@ -112,7 +112,7 @@ def test_full_pool_keeps_serving_and_leaks_nothing(pool_path, tiny_model):
     small = {"pool": pool_path, "pool_size": "4MiB", "chunk_size": "1MiB"}
     first = run_engine({**small, "rounds": [{"prompts": prompts}]})[0]["outputs"]
     second = run_engine({**small, "rounds": [{"prompts": prompts}]})[0]["outputs"]
-    for a, b in zip(first, second):
+    for a, b in zip(first, second, strict=True):
         assert b["tokens"] == a["tokens"]
     assert 0 < sum(o["cached"] for o in second) < sum(full_blocks(o["len"]) for o in second)
     with cxlkv.Pool.open(pool_path) as pool:
@@ -130,7 +130,7 @@ def test_smollm2_cross_process_exact(pool_path):
     spec = {"model": "smollm2", "pool": pool_path, "max_model_len": 4096}
     first = run_engine({**spec, "rounds": [{"prompts": prompts}, {"prompts": prompts}]})
     second = run_engine({**spec, "rounds": [{"prompts": prompts}]})[0]["outputs"]
-    for ref, got in zip(first[1]["outputs"], second):
+    for ref, got in zip(first[1]["outputs"], second, strict=True):
         assert got["cached"] == full_blocks(got["len"])
         assert got["tokens"] == ref["tokens"]
         assert got["logprobs"] == ref["logprobs"]
@@ -154,7 +154,7 @@ def test_preemption_and_many_requests_leak_no_pins(pool_path, tiny_model):
     assert tight[-1]["preemptions"] > 0, "the test did not cause preemptions"
     assert sum(o["cached"] for o in tight[1]["outputs"]) > 0, "the second round loaded nothing"
     for rnd in tight:
-        for r, o in zip(ref, rnd["outputs"]):
+        for r, o in zip(ref, rnd["outputs"], strict=True):
             assert o["tokens"] == r["tokens"]
     with cxlkv.Pool.open(pool_path) as pool:
         report = pool.check()

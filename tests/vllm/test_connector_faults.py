@@ -60,7 +60,7 @@ def test_f2_failed_load_does_not_poison_the_pool(two_pools, tiny_model):
     spec = {"max_num_batched_tokens": BLOCK, "max_num_seqs": 1, "prefix_caching": False, "ids": True,
             "max_tokens": 8}
     runs = []
-    for pool, before in zip(two_pools, (None, "corrupt_depth:2")):
+    for pool, before in zip(two_pools, (None, "corrupt_depth:2"), strict=True):
         runs.append(run_engine({**spec, "pool": pool, "rounds": [
             {"prompts": [{"prompt": p}]}, {"prompts": [{"prompt": pq}], "before": before}]}))
     control, corrupted = runs

@@ -30,7 +30,7 @@ import argparse
 import os
 import sys
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 from cxlkv.errors import CommandError, CxlkvError, ExitCode
 
@@ -100,7 +100,7 @@ def _dispatch(argv: list[str] | None) -> int:
         _traceback_if_debug()
         print(f"cxlkv: error: {format_error(e)}", file=sys.stderr)
         return ExitCode.ERROR
-    except Exception:  # a bug: the whole traceback, and a code no expected outcome uses
+    except Exception:  # noqa: BLE001 - a bug: the whole traceback, and a code no expected outcome uses
         traceback.print_exc()
         return ExitCode.INTERNAL
 

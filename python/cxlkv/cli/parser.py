@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import cxlkv
@@ -112,10 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=exit_codes_text() + " " + _POOL_ENV_HELP,
     )
     try:
-        from importlib.metadata import version
-
         ver = version("cxlkv")
-    except Exception:
+    except PackageNotFoundError:  # run from a source tree that was never installed
         ver = "unknown"
     p.add_argument("--version", action="version", version=f"cxlkv {ver}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)

@@ -24,11 +24,22 @@ import json
 import os
 import re
 import struct
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable, Optional, Union
+from typing import Any
 
-__all__ = ["IDENTITY_VERSION", "SAMPLE_BYTES", "WeightsDigest", "KVIdentity", "weights_digest",
-           "file_digest", "adapter_digest", "short_name", "canonical_dtype", "tensor_digest"]
+__all__ = [
+    "IDENTITY_VERSION",
+    "SAMPLE_BYTES",
+    "KVIdentity",
+    "WeightsDigest",
+    "adapter_digest",
+    "canonical_dtype",
+    "file_digest",
+    "short_name",
+    "tensor_digest",
+    "weights_digest",
+]
 
 IDENTITY_VERSION = "cxlkv/identity/v1"  # bump when the recipe changes: old namespaces stay apart
 SAMPLE_BYTES = 4096                   # one sample window
@@ -45,7 +56,7 @@ CONFIG_FILES = ("config.json", "quantize_config.json", "quant_config.json", "qua
                 "hf_quant_config.json", "adapter_config.json", "params.json")
 MAX_NAME = 95  # the core's kNameBytes - 1
 
-PathLike = Union[str, os.PathLike]
+PathLike = str | os.PathLike
 
 
 # -------------------------------------------------------------------------------------------------
@@ -79,7 +90,7 @@ def _windows(start: int, length: int, count: int) -> list[tuple[int, int]]:
     return [(start + span * i // (count - 1), SAMPLE_BYTES) for i in range(count)]
 
 
-def _hash_windows(h: "hashlib._Hash", f, windows: Iterable[tuple[int, int]]) -> None:
+def _hash_windows(h: hashlib._Hash, f, windows: Iterable[tuple[int, int]]) -> None:
     for off, n in windows:
         f.seek(off)
         data = f.read(n)
@@ -120,7 +131,7 @@ _GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 
                  11: "<q", 12: "<d"}
 
 
-def _gguf_tensor_ranges(f, size: int) -> Optional[tuple[bytes, list[tuple[int, int]]]]:
+def _gguf_tensor_ranges(f, size: int) -> tuple[bytes, list[tuple[int, int]]] | None:
     """(tensor table bytes, [(offset, length)] of every tensor's data) of a GGUF file, or None."""
     def read(fmt: str):
         n = struct.calcsize(fmt)
@@ -275,9 +286,8 @@ def _weight_files(root: Path) -> list[Path]:
     out = []
     for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        for fn in filenames:
-            if fn.endswith(WEIGHT_SUFFIXES) or fn in CONFIG_FILES:
-                out.append(Path(dirpath) / fn)
+        out.extend(Path(dirpath) / fn for fn in filenames
+                   if fn.endswith(WEIGHT_SUFFIXES) or fn in CONFIG_FILES)
     return sorted(out)
 
 

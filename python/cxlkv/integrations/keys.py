@@ -18,15 +18,15 @@ placeholders).
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
 KEY_VERSION = b"cxlkv/keys/v1"
 
 
-def root_key(namespace: str, lora: Optional[str] = None, cache_salt: Optional[str] = None) -> bytes:
+def root_key(namespace: str, lora: str | None = None, cache_salt: str | None = None) -> bytes:
     h = hashlib.sha256(KEY_VERSION)
     for part in (namespace, lora or "", cache_salt or ""):
         data = part.encode()
@@ -50,9 +50,9 @@ class ChainedKeys:
     block_size: int
     mm: Sequence[MMSpan] = ()
     keys: list = field(default_factory=list)
-    extra: Optional[Callable[[int], bytes]] = None  # block index -> bytes hashed into its key
+    extra: Callable[[int], bytes] | None = None  # block index -> bytes hashed into its key
 
-    def extend(self, token_ids: Sequence[int], upto_blocks: Optional[int] = None) -> list:
+    def extend(self, token_ids: Sequence[int], upto_blocks: int | None = None) -> list:
         """Computes keys of every full block of token_ids (or of the first upto_blocks)."""
         full = len(token_ids) // self.block_size
         if upto_blocks is not None:
@@ -77,7 +77,7 @@ class ChainedKeys:
         return self.keys
 
 
-def block_keys(token_ids: Sequence[int], block_size: int, namespace: str, *, lora: Optional[str] = None,
-               cache_salt: Optional[str] = None, mm: Iterable[MMSpan] = ()) -> list:
+def block_keys(token_ids: Sequence[int], block_size: int, namespace: str, *, lora: str | None = None,
+               cache_salt: str | None = None, mm: Iterable[MMSpan] = ()) -> list:
     """Keys of every full block of token_ids (convenience for one-shot use and tests)."""
     return ChainedKeys(root_key(namespace, lora, cache_salt), block_size, list(mm)).extend(token_ids)

@@ -28,7 +28,6 @@ import copy
 import json
 import logging
 import time
-from typing import Optional
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, web
 
@@ -72,7 +71,7 @@ class Proxy:
         self.timeout = ClientTimeout(total=timeout_s)
         self.health_timeout = ClientTimeout(total=5)
         self.health_ttl_s = health_ttl_s
-        self.session: Optional[ClientSession] = None
+        self.session: ClientSession | None = None
         self.requests = 0
         self.errors = {"prefill": 0, "decode": 0}
         self._health: dict[str, tuple[float, bool, str]] = {}

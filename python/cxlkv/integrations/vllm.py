@@ -46,7 +46,7 @@ import os
 import sys
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -105,7 +105,7 @@ class CxlKVStats(KVConnectorStats):
         for k in self.data:
             self.data[k] = 0
 
-    def aggregate(self, other: "KVConnectorStats") -> "KVConnectorStats":
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for k, v in other.data.items():
             self.data[k] = self.data.get(k, 0) + v
         return self
@@ -123,19 +123,19 @@ class CxlKVStats(KVConnectorStats):
 @dataclasses.dataclass
 class _ReqState:
     request: Any
-    keys: Optional[ChainedKeys]  # None: the request is not cached (see _keys_for)
+    keys: ChainedKeys | None  # None: the request is not cached (see _keys_for)
     block_ids: list = dataclasses.field(default_factory=list)
     saved_blocks: int = 0        # blocks [0, saved_blocks) are in the pool or planned/held
-    load: Optional[BlockOp] = None        # matched, not yet sent to the worker
-    inflight: Optional[BlockOp] = None    # sent with step `lease_step`, outcome unknown
+    load: BlockOp | None = None        # matched, not yet sent to the worker
+    inflight: BlockOp | None = None    # sent with step `lease_step`, outcome unknown
     held: list = dataclasses.field(default_factory=list)  # saves waiting for `inflight`'s outcome
     lease: Any = None
-    lease_step: Optional[int] = None  # step whose metadata carries the load of this lease
+    lease_step: int | None = None  # step whose metadata carries the load of this lease
 
 
 # -------------------------------------------------------------------------------------------------
 # identity of the KV bytes (the vLLM side of identity.py)
-def _model_path(mc: Any) -> Optional[str]:
+def _model_path(mc: Any) -> str | None:
     for cand in (getattr(mc, "model_weights", None), mc.model):
         if cand and os.path.exists(str(cand)):
             return str(cand)
@@ -191,17 +191,17 @@ def derive_identity(vllm_config: Any, spec: Any, layers: int, block_bytes: int, 
         block_bytes=block_bytes)
 
 
-def _layout(identity: ident.KVIdentity) -> "cxlkv.KVLayout":
-    kw = dict(model_id=identity.model_id(), dtype=identity.dtype, num_layers=identity.num_layers,
-              num_kv_heads=identity.num_kv_heads, head_size=identity.head_size,
-              tokens_per_block=identity.block_size, kind=identity.kind, tp_rank=identity.tp_rank,
-              tp_size=identity.tp_size, block_bytes=identity.block_bytes)
-    return cxlkv.KVLayout(**kw, source=identity.source())
+def _layout(identity: ident.KVIdentity) -> cxlkv.KVLayout:
+    return cxlkv.KVLayout(
+        model_id=identity.model_id(), dtype=identity.dtype, num_layers=identity.num_layers,
+        num_kv_heads=identity.num_kv_heads, head_size=identity.head_size,
+        tokens_per_block=identity.block_size, kind=identity.kind, tp_rank=identity.tp_rank,
+        tp_size=identity.tp_size, block_bytes=identity.block_bytes, source=identity.source())
 
 
 class CxlKVConnector(KVConnectorBase_V1):
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
-                 kv_cache_config: "KVCacheConfig"):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         tc = self._kv_transfer_config
         extra = dict(tc.kv_connector_extra_config or {})
@@ -217,7 +217,10 @@ class CxlKVConnector(KVConnectorBase_V1):
         self._block_bytes = self.identity.block_bytes
         self._ns_name = (ident.short_name(str(extra["namespace"])) if extra.get("namespace")
                          else self.identity.namespace_name())
-        self._pool, self._ns = None, None
+        self._pool: cxlkv.Pool | None = None
+        # The namespace once opened. Every use goes through self._guard.call, which runs nothing
+        # while the guard is unusable, as it is from the start when opening failed.
+        self._ns: Any = None
         try:
             self._pool = cxlkv.Pool.open_or_create(
                 self._pool_path, extra.get("pool_size", "4GiB"),
@@ -232,7 +235,7 @@ class CxlKVConnector(KVConnectorBase_V1):
                 raise
             self._guard = PoolGuard.unusable(self._pool_path, logger, "opening it failed", e)
         self._logged: set[str] = set()
-        self._adapters: dict[tuple[str, float], Optional[str]] = {}
+        self._adapters: dict[tuple[str, float], str | None] = {}
         # scheduler side
         self._reqs: dict[str, _ReqState] = {}
         self._step = 0
@@ -275,7 +278,7 @@ class CxlKVConnector(KVConnectorBase_V1):
     def _count(self, key: str, n: int = 1) -> None:
         self._counters[key] = self._counters.get(key, 0) + n
 
-    def _adapter_id(self, lora: Any) -> Optional[str]:
+    def _adapter_id(self, lora: Any) -> str | None:
         """The adapter's content digest (cached by path and mtime); None if unreadable."""
         path = str(getattr(lora, "lora_path", "") or "")
         try:
@@ -292,7 +295,7 @@ class CxlKVConnector(KVConnectorBase_V1):
                 self._adapters[key] = None
         return self._adapters[key]
 
-    def _keys_for(self, request: "Request") -> Optional[ChainedKeys]:
+    def _keys_for(self, request: Request) -> ChainedKeys | None:
         lora_id = None
         if getattr(request, "lora_request", None) is not None:
             lora_id = self._adapter_id(request.lora_request)
@@ -307,7 +310,7 @@ class CxlKVConnector(KVConnectorBase_V1):
         return ChainedKeys(root_key(self._ns_name, lora_id, getattr(request, "cache_salt", None)),
                            self._block_size, mm, extra=extra)
 
-    def _embeds_extra(self, request: "Request", embeds: Any):
+    def _embeds_extra(self, request: Request, embeds: Any):
         """Per-block digest of the prompt embeddings (their token ids are placeholders)."""
         bs, n_prompt = self._block_size, int(request.num_prompt_tokens)
         mask = getattr(request, "prompt_is_token_ids", None)
@@ -322,7 +325,7 @@ class CxlKVConnector(KVConnectorBase_V1):
             return ("embeds:" + part).encode()
         return extra
 
-    def _state(self, request: "Request") -> _ReqState:
+    def _state(self, request: Request) -> _ReqState:
         st = self._reqs.get(request.request_id)
         if st is None:
             st = _ReqState(request, self._keys_for(request))
@@ -333,7 +336,7 @@ class CxlKVConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------------------------------
     # scheduler side
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int):
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int):
         st = self._state(request)
         self._release(st)
         if not self._can_load or st.keys is None or not self._guard.usable():
@@ -371,7 +374,7 @@ class CxlKVConnector(KVConnectorBase_V1):
                        "are in pool %s: the pool's pin slots are exhausted (create it with more "
                        "pin_slots)", req_id, hit, more, self._pool_path)
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int):
         st = self._reqs.get(request.request_id)
         if st is None or st.load is None:
@@ -391,7 +394,7 @@ class CxlKVConnector(KVConnectorBase_V1):
             st.load = None
             self._release(st)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         self._step += 1
         meta = CxlKVConnectorMetadata()
         if not self._guard.usable() and not self._disabled_reported:
@@ -486,7 +489,7 @@ class CxlKVConnector(KVConnectorBase_V1):
         logger.info("cxlkv: %s: load failed at block %d; vLLM recomputes from there and the "
                     "connector saves those blocks again", op.req_id, depth)
 
-    def request_finished(self, request: "Request", block_ids: list[int]):
+    def request_finished(self, request: Request, block_ids: list[int]):
         st = self._reqs.pop(request.request_id, None)
         if st is not None:
             self._release(st)
@@ -515,7 +518,7 @@ class CxlKVConnector(KVConnectorBase_V1):
         logger.info("cxlkv: %d KV layers registered, %s, block_dim=%d", len(arrays),
                     tuple(first.shape), self._block_dim)
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         self._failed_reqs = set()
         if self.identity.tp_rank == 0:
@@ -523,7 +526,7 @@ class CxlKVConnector(KVConnectorBase_V1):
                 self._stats.data[k] = self._stats.data.get(k, 0) + v
         for op in meta.loads:
             t0 = time.perf_counter()
-            n = self._guard.call("load", lambda: self._ns.load(
+            n = self._guard.call("load", lambda op=op: self._ns.load(
                 op.keys, self._kv_arrays, op.block_ids, block_dim=self._block_dim)) or 0
             self._stats.data["load_s"] += time.perf_counter() - t0
             self._stats.data["load_blocks"] += n
@@ -550,7 +553,7 @@ class CxlKVConnector(KVConnectorBase_V1):
                 self._stats.data["saves_dropped_after_failed_load"] += len(op.keys)
                 continue
             t0 = time.perf_counter()
-            n = self._guard.call("store", lambda: self._ns.store(
+            n = self._guard.call("store", lambda op=op: self._ns.store(
                 op.keys, self._kv_arrays, op.block_ids, block_dim=self._block_dim,
                 start_depth=op.start_depth))
             if n is None:
@@ -569,14 +572,14 @@ class CxlKVConnector(KVConnectorBase_V1):
         errors, self._load_errors = self._load_errors, set()
         return errors
 
-    def get_kv_connector_stats(self) -> Optional[KVConnectorStats]:
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._stats.is_empty():
             return None
         out, self._stats = self._stats, CxlKVStats()
         return out
 
     @classmethod
-    def build_kv_connector_stats(cls, data: Optional[dict] = None) -> Optional[KVConnectorStats]:
+    def build_kv_connector_stats(cls, data: dict | None = None) -> KVConnectorStats | None:
         return CxlKVStats(data=dict(data)) if data is not None else CxlKVStats()
 
     def shutdown(self):

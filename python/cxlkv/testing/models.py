@@ -32,18 +32,24 @@ import random
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Union
 
-__all__ = ["model_cache_dir", "tiny_llama", "smollm2", "smollm2_gguf_path",
-           "TINY_LLAMA_NAME", "SMOLLM2_NAME"]
+__all__ = [
+    "SMOLLM2_NAME",
+    "TINY_LLAMA_NAME",
+    "model_cache_dir",
+    "smollm2",
+    "smollm2_gguf_path",
+    "tiny_llama",
+]
 
 # Bump a name when its recipe changes: a cached directory is never rebuilt in place.
 TINY_LLAMA_NAME = "tiny-llama-v1"
 SMOLLM2_NAME = "smollm2-135m-instruct-v1"
 MANIFEST = "cxlkv-model.json"
 
-PathLike = Union[str, os.PathLike]
+PathLike = str | os.PathLike
 
 
 def model_cache_dir() -> Path:
@@ -126,38 +132,7 @@ TINY_CHAT_TEMPLATE = (
 
 # Words for the tokenizer's training text. The text is generated from these with a fixed seed, so
 # the tokenizer (and thus the model) does not depend on the Python version or on files on disk.
-_WORDS = """
-the of and to a in is it you that he was for on are with as I his they be at one have this from or
-had by hot word but what some we can out other were all there when up use your how said an each
-she which do their time if will way about many then them write would like so these her long make
-thing see him two has look more day could go come did number sound no most people my over know
-water than call first who may down side been now find any new work part take get place made live
-where after back little only round man year came show every good me give our under name very
-through just form sentence great think say help low line differ turn cause much mean before move
-right boy old too same tell does set three want air well also play small end put home read hand
-port large spell add even land here must big high such follow act why ask men change went light
-kind off need house picture try us again animal point mother world near build self earth father
-head stand own page should country found answer school grow study still learn plant cover food sun
-four between state keep eye never last let thought city tree cross farm hard start might story saw
-far sea draw left late run while press close night real life few north open seem together next
-white children begin got walk example ease paper group always music those both mark often letter
-until mile river car feet care second book carry took science eat room friend began idea fish
-mountain stop once base hear horse cut sure watch color face wood main enough plain girl usual
-young ready above ever red list though feel talk bird soon body dog family direct pose leave song
-measure door product black short numeral class wind question happen complete ship area half rock
-order fire south problem piece told knew pass since top whole king space heard best hour better
-true during hundred five remember step early hold west ground interest reach fast verb sing listen
-six table travel less morning ten simple several vowel toward war lay against pattern slow center
-love person money serve appear road map rain rule govern pull cold notice voice unit power town
-fine certain fly fall lead cry dark machine note wait plan figure star box noun field rest correct
-able pound done beauty drive stood contain front teach week final gave green oh quick develop
-ocean warm free minute strong special mind behind clear tail produce fact street inch multiply
-nothing course stay wheel full force blue object decide surface deep moon island foot system busy
-test record boat common gold possible plane stead dry wonder laugh thousand ago ran check game
-shape equate miss brought heat snow tire bring yes distant fill east paint language among
-memory cache block prefix token model layer head attention key value pool shared process server
-request prompt decode prefill batch tensor buffer page store load hash index node host rack device
-""".split()
+_WORDS = ["the", "of", "and", "to", "a", "in", "is", "it", "you", "that", "he", "was", "for", "on", "are", "with", "as", "I", "his", "they", "be", "at", "one", "have", "this", "from", "or", "had", "by", "hot", "word", "but", "what", "some", "we", "can", "out", "other", "were", "all", "there", "when", "up", "use", "your", "how", "said", "an", "each", "she", "which", "do", "their", "time", "if", "will", "way", "about", "many", "then", "them", "write", "would", "like", "so", "these", "her", "long", "make", "thing", "see", "him", "two", "has", "look", "more", "day", "could", "go", "come", "did", "number", "sound", "no", "most", "people", "my", "over", "know", "water", "than", "call", "first", "who", "may", "down", "side", "been", "now", "find", "any", "new", "work", "part", "take", "get", "place", "made", "live", "where", "after", "back", "little", "only", "round", "man", "year", "came", "show", "every", "good", "me", "give", "our", "under", "name", "very", "through", "just", "form", "sentence", "great", "think", "say", "help", "low", "line", "differ", "turn", "cause", "much", "mean", "before", "move", "right", "boy", "old", "too", "same", "tell", "does", "set", "three", "want", "air", "well", "also", "play", "small", "end", "put", "home", "read", "hand", "port", "large", "spell", "add", "even", "land", "here", "must", "big", "high", "such", "follow", "act", "why", "ask", "men", "change", "went", "light", "kind", "off", "need", "house", "picture", "try", "us", "again", "animal", "point", "mother", "world", "near", "build", "self", "earth", "father", "head", "stand", "own", "page", "should", "country", "found", "answer", "school", "grow", "study", "still", "learn", "plant", "cover", "food", "sun", "four", "between", "state", "keep", "eye", "never", "last", "let", "thought", "city", "tree", "cross", "farm", "hard", "start", "might", "story", "saw", "far", "sea", "draw", "left", "late", "run", "while", "press", "close", "night", "real", "life", "few", "north", "open", "seem", "together", "next", "white", "children", "begin", "got", "walk", "example", "ease", "paper", "group", "always", "music", "those", "both", "mark", "often", "letter", "until", "mile", "river", "car", "feet", "care", "second", "book", "carry", "took", "science", "eat", "room", "friend", "began", "idea", "fish", "mountain", "stop", "once", "base", "hear", "horse", "cut", "sure", "watch", "color", "face", "wood", "main", "enough", "plain", "girl", "usual", "young", "ready", "above", "ever", "red", "list", "though", "feel", "talk", "bird", "soon", "body", "dog", "family", "direct", "pose", "leave", "song", "measure", "door", "product", "black", "short", "numeral", "class", "wind", "question", "happen", "complete", "ship", "area", "half", "rock", "order", "fire", "south", "problem", "piece", "told", "knew", "pass", "since", "top", "whole", "king", "space", "heard", "best", "hour", "better", "true", "during", "hundred", "five", "remember", "step", "early", "hold", "west", "ground", "interest", "reach", "fast", "verb", "sing", "listen", "six", "table", "travel", "less", "morning", "ten", "simple", "several", "vowel", "toward", "war", "lay", "against", "pattern", "slow", "center", "love", "person", "money", "serve", "appear", "road", "map", "rain", "rule", "govern", "pull", "cold", "notice", "voice", "unit", "power", "town", "fine", "certain", "fly", "fall", "lead", "cry", "dark", "machine", "note", "wait", "plan", "figure", "star", "box", "noun", "field", "rest", "correct", "able", "pound", "done", "beauty", "drive", "stood", "contain", "front", "teach", "week", "final", "gave", "green", "oh", "quick", "develop", "ocean", "warm", "free", "minute", "strong", "special", "mind", "behind", "clear", "tail", "produce", "fact", "street", "inch", "multiply", "nothing", "course", "stay", "wheel", "full", "force", "blue", "object", "decide", "surface", "deep", "moon", "island", "foot", "system", "busy", "test", "record", "boat", "common", "gold", "possible", "plane", "stead", "dry", "wonder", "laugh", "thousand", "ago", "ran", "check", "game", "shape", "equate", "miss", "brought", "heat", "snow", "tire", "bring", "yes", "distant", "fill", "east", "paint", "language", "among", "memory", "cache", "block", "prefix", "token", "model", "layer", "head", "attention", "key", "value", "pool", "shared", "process", "server", "request", "prompt", "decode", "prefill", "batch", "tensor", "buffer", "page", "store", "load", "hash", "index", "node", "host", "rack", "device"]
 _CODE_LINES = [
     "def {a}({b}, {c}):\n    return {b} + {c} * {n}\n",
     "for {a} in range({n}):\n    {b}[{a}] = {c}({a})\n",
@@ -292,7 +267,7 @@ def _tiny_llama_build(out: Path) -> dict:
             "num_parameters": n_params}
 
 
-def tiny_llama(path: Optional[PathLike] = None) -> str:
+def tiny_llama(path: PathLike | None = None) -> str:
     """Builds (once) and returns the directory of the tiny random Llama.
 
     ``path``: the model directory to use (built there if incomplete); default
@@ -351,7 +326,7 @@ def _smollm2_build(out: Path) -> dict:
             "num_parameters": sum(t.numel() for t in tensors.values())}
 
 
-def smollm2(path: Optional[PathLike] = None) -> str:
+def smollm2(path: PathLike | None = None) -> str:
     """Builds (once) and returns the directory of SmolLM2-135M-Instruct (bf16 safetensors).
 
     ``path``: the model directory to use; default ``model_cache_dir()/smollm2-135m-instruct-v1``.
@@ -361,7 +336,7 @@ def smollm2(path: Optional[PathLike] = None) -> str:
     return _build_once(Path(path) if path else model_cache_dir() / SMOLLM2_NAME, _smollm2_build)
 
 
-def main(argv: Optional[list] = None) -> int:
+def main(argv: list | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     which = argv[0] if argv else "all"
     if which not in ("tiny", "smollm2", "all"):

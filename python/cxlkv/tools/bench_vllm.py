@@ -41,8 +41,7 @@ CONFIGS = ("off", "local", "cxlkv-1", "cxlkv-2", "example-1", "example-2")
 
 def conversations(n: int, turns: int, turn_words: int) -> list[list[str]]:
     """Per conversation, the prompt of each turn (each extends the previous one)."""
-    vocab = ("agent tool call result observation plan step memory context file search query "
-             "answer code test error retry summary document section table value request").split()
+    vocab = ["agent", "tool", "call", "result", "observation", "plan", "step", "memory", "context", "file", "search", "query", "answer", "code", "test", "error", "retry", "summary", "document", "section", "table", "value", "request"]
     out = []
     for c in range(n):
         rng = random.Random(1000 + c)
@@ -185,7 +184,7 @@ def _plot(summary: dict, path: str) -> None:
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4))
     x = list(range(1, summary["turns"] + 1))
-    for cfg, style in zip(CONFIGS, ("o-", "s-", "^--", "d-", "v--", "x-")):
+    for cfg, style in zip(CONFIGS, ("o-", "s-", "^--", "d-", "v--", "x-"), strict=True):
         ax.plot(x, summary["ttft_s"][cfg], style, label=cfg)
     ax.set_xlabel("turn (context grows every turn)")
     ax.set_ylabel("TTFT (s)")

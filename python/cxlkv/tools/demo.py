@@ -190,7 +190,7 @@ def _worker(path: str, rank: int, role: str, nprefill: int, salt: bytes, seconds
                     time.sleep(interval)
             st["seconds"] = time.monotonic() - start
         queue.put({"ok": True, **st})
-    except BaseException as e:  # report instead of hanging the parent
+    except BaseException as e:  # noqa: BLE001 - report instead of hanging the parent
         report_failure(rank, barrier, queue, e)
 
 
@@ -223,10 +223,7 @@ def run_demo(pool_path: str | None = None, procs: int = 4, seconds: float = 8.0,
         console = Console(quiet=True)
     con = console
     existed = os.path.exists(pool_path)
-    if existed:
-        pool = cxlkv.Pool.open(pool_path)
-    else:
-        pool = cxlkv.Pool.open_or_create(pool_path, size)
+    pool = cxlkv.Pool.open(pool_path) if existed else cxlkv.Pool.open_or_create(pool_path, size)
     with pool:
         ns = pool.namespace(cxlkv.KVLayout(**DEMO_LAYOUT), name=NAMESPACE)
         nprefill = max(1, (procs + 1) // 2) if procs > 1 else 1

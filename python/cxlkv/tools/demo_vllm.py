@@ -82,8 +82,7 @@ def _chat(port: int, messages: list) -> tuple[float, str, int, int]:
 
 
 def _document(seed: int, words: int) -> str:
-    vocab = ("the pool holds key value blocks of attention for every prefix so a second server "
-             "can reuse what the first one computed instead of running the prefill again").split()
+    vocab = ["the", "pool", "holds", "key", "value", "blocks", "of", "attention", "for", "every", "prefix", "so", "a", "second", "server", "can", "reuse", "what", "the", "first", "one", "computed", "instead", "of", "running", "the", "prefill", "again"]
     rng = random.Random(seed)
     return " ".join(rng.choice(vocab) for _ in range(words))
 
@@ -112,9 +111,7 @@ def run(console: Any = None) -> None:
         con.print(f"  servers ready in {time.time() - t0:.0f} s")
         messages = [{"role": "system", "content": "You are a helpful assistant. Reference: " + _document(1, 1500)}]
         rows = []
-        turn = 0
-        for where in ["A"] * TURNS_ON_A + ["B"] * TURNS_ON_B:
-            turn += 1
+        for turn, where in enumerate(["A"] * TURNS_ON_A + ["B"] * TURNS_ON_B, start=1):
             messages.append({"role": "user", "content": f"Question {turn}: " + _document(100 + turn, 250)})
             ttft, reply, ptoks, cached = _chat(ports[where], messages)
             base = None

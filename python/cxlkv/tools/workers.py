@@ -5,7 +5,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import queue as queue_mod
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from cxlkv.errors import CommandError
 
@@ -43,10 +44,10 @@ def run_workers(target: Callable, nprocs: int, args_of: Callable[[int, Any, Any]
                 results.append(q.get(timeout=0.5))
             except queue_mod.Empty:
                 if time.monotonic() > deadline:
-                    raise CommandError(f"{what}: workers did not finish in time")
+                    raise CommandError(f"{what}: workers did not finish in time") from None
                 if all(not p.is_alive() for p in procs) and q.empty():
                     raise CommandError(f"{what}: {nprocs - len(results)} worker(s) died "
-                                       f"(exit codes {[p.exitcode for p in procs]})")
+                                       f"(exit codes {[p.exitcode for p in procs]})") from None
     finally:
         for p in procs:
             p.join(timeout=10)
