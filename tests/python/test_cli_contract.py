@@ -87,3 +87,23 @@ def test_create_help_shows_the_cores_defaults_and_limits(capsys):
         o = opts[name]
         assert f"{o['min']}..{o['max']} (default {o['default']})" in out, (name, out)
     assert f"(default {opts['backend']['default']})" in out
+
+
+def _leaf_commands(parser, prefix=()) -> list[tuple[str, ...]]:
+    """Every runnable command of the argparse tree, e.g. ("pool", "create"), ("demo",)."""
+    import argparse
+
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        return [prefix]
+    return [leaf for name, p in subs[0].choices.items() for leaf in _leaf_commands(p, (*prefix, name))]
+
+
+def test_every_command_has_a_smoke_test():
+    """CI runs every command at least once (tests/python/test_cli_smoke.py): a command added to
+    the parser without a smoke test fails here, naming it."""
+    smoke = (Path(__file__).parent / "test_cli_smoke.py").read_text()
+    leaves = _leaf_commands(cli.build_parser())
+    assert ("pool", "create") in leaves and ("demo",) in leaves
+    missing = [" ".join(c) for c in leaves if ", ".join(f'"{w}"' for w in c) + "," not in smoke]
+    assert not missing, f"commands without a smoke test in test_cli_smoke.py: {missing}"
