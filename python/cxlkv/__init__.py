@@ -4,6 +4,7 @@ Everything is in the pool: KV blocks, the prefix index, the allocator and the no
 process attaches with :meth:`Pool.open` and reads or publishes KV blocks with plain loads and
 stores; there is no server on the path. See docs/API.md for the contract.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -158,13 +159,22 @@ class Pool:
 
     # -- lifecycle ------------------------------------------------------------------------
     @classmethod
-    def create(cls, path: str | None = None, size: SizeLike = DEFAULT_POOL_SIZE, *,
-               chunk_size: SizeLike | None = None, index_slots: int | None = None,
-               max_nodes: int = _create_default("max_nodes"), pin_slots: int | None = None,
-               max_namespaces: int = _create_default("max_namespaces"),
-               backend: str = _create_default("backend"), exist_ok: bool = False,
-               lease_ms: int = _create_default("lease_ms"), allow_foreign_owner: bool = False,
-               allow_group: bool = False) -> Pool:
+    def create(
+        cls,
+        path: str | None = None,
+        size: SizeLike = DEFAULT_POOL_SIZE,
+        *,
+        chunk_size: SizeLike | None = None,
+        index_slots: int | None = None,
+        max_nodes: int = _create_default("max_nodes"),
+        pin_slots: int | None = None,
+        max_namespaces: int = _create_default("max_namespaces"),
+        backend: str = _create_default("backend"),
+        exist_ok: bool = False,
+        lease_ms: int = _create_default("lease_ms"),
+        allow_foreign_owner: bool = False,
+        allow_group: bool = False,
+    ) -> Pool:
         """Create a pool (mode 0600) at ``path`` (default: :func:`default_pool_path`). With
         exist_ok, an existing pool is opened instead, under the same owner checks as :meth:`open`.
         chunk_size, index_slots, pin_slots: None lets the core derive them from the size.
@@ -174,17 +184,32 @@ class Pool:
         path = _path_or_default(path)
         ensure_private_dir(path)
         core = _core.Pool.create(
-            path, parse_size(size),
+            path,
+            parse_size(size),
             chunk_bytes=parse_size(chunk_size) if chunk_size else _create_default("chunk_bytes"),
-            index_slots=index_slots or _create_default("index_slots"), max_nodes=max_nodes,
+            index_slots=index_slots or _create_default("index_slots"),
+            max_nodes=max_nodes,
             pin_slots=_create_default("pin_slots") if pin_slots is None else pin_slots,
-            max_namespaces=max_namespaces, backend=backend, exist_ok=exist_ok, lease_ms=lease_ms,
-            allow_foreign_owner=allow_foreign_owner, allow_group=allow_group)
+            max_namespaces=max_namespaces,
+            backend=backend,
+            exist_ok=exist_ok,
+            lease_ms=lease_ms,
+            allow_foreign_owner=allow_foreign_owner,
+            allow_group=allow_group,
+        )
         return cls(core)
 
     @classmethod
-    def open(cls, path: str | None = None, *, populate: bool = False, read_only: bool = False,
-             attach: bool = True, allow_foreign_owner: bool = False, allow_group: bool = False) -> Pool:
+    def open(
+        cls,
+        path: str | None = None,
+        *,
+        populate: bool = False,
+        read_only: bool = False,
+        attach: bool = True,
+        allow_foreign_owner: bool = False,
+        allow_group: bool = False,
+    ) -> Pool:
         """Attach to an existing pool. populate=True maps every page now (long-lived servers),
         instead of faulting pages in during the first copies.
 
@@ -199,21 +224,33 @@ class Pool:
         path = _path_or_default(path)
         if not read_only:
             ensure_private_dir(path)
-        return cls(_core.Pool.open(path, populate=populate, read_only=read_only, attach=attach,
-                                   allow_foreign_owner=allow_foreign_owner, allow_group=allow_group))
+        return cls(
+            _core.Pool.open(
+                path,
+                populate=populate,
+                read_only=read_only,
+                attach=attach,
+                allow_foreign_owner=allow_foreign_owner,
+                allow_group=allow_group,
+            )
+        )
 
     @classmethod
-    def open_or_create(cls, path: str | None = None, size: SizeLike = DEFAULT_POOL_SIZE,
-                       **kwargs: Any) -> Pool:
+    def open_or_create(
+        cls, path: str | None = None, size: SizeLike = DEFAULT_POOL_SIZE, **kwargs: Any
+    ) -> Pool:
         return cls.create(path, size, exist_ok=True, **kwargs)
 
     @staticmethod
-    def destroy(path: str | None = None, *, ignore_attached: bool = False,
-                remove_invalid: bool = False) -> None:
+    def destroy(
+        path: str | None = None, *, ignore_attached: bool = False, remove_invalid: bool = False
+    ) -> None:
         """Delete a file pool (wipe a devdax pool's header). Refuses while live processes are
         attached (the error lists them) unless ignore_attached. remove_invalid=True also removes a
         regular file that is not a complete pool (0 bytes, bad magic, half-initialized)."""
-        _core.Pool.destroy(_path_or_default(path), ignore_attached=ignore_attached, remove_invalid=remove_invalid)
+        _core.Pool.destroy(
+            _path_or_default(path), ignore_attached=ignore_attached, remove_invalid=remove_invalid
+        )
 
     def close(self) -> None:
         self._namespaces.clear()

@@ -10,6 +10,7 @@ This module is the one place that resolves the default pool path: the library, e
 and the vLLM connector call :func:`default_pool_path`, so they always name the same pool. Imports
 nothing heavy: the CLI reads the default without loading the core.
 """
+
 from __future__ import annotations
 
 import os
@@ -39,11 +40,17 @@ def ensure_private_dir(path: str) -> None:
         pass
     st = os.lstat(d)
     if not stat.S_ISDIR(st.st_mode):
-        raise PermissionError(f"{d} is not a directory (a symlink or a file put there by someone else); "
-                              f"remove it or set CXLKV_POOL")
+        raise PermissionError(
+            f"{d} is not a directory (a symlink or a file put there by someone else); "
+            f"remove it or set CXLKV_POOL"
+        )
     if st.st_uid != os.geteuid():
-        raise PermissionError(f"{d} is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}): "
-                              f"someone else created it; remove it or set CXLKV_POOL")
+        raise PermissionError(
+            f"{d} is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}): "
+            f"someone else created it; remove it or set CXLKV_POOL"
+        )
     if stat.S_IMODE(st.st_mode) & 0o077:
-        raise PermissionError(f"{d} is open to other users (mode {stat.S_IMODE(st.st_mode):04o}); "
-                              f"chmod 700 it or set CXLKV_POOL")
+        raise PermissionError(
+            f"{d} is open to other users (mode {stat.S_IMODE(st.st_mode):04o}); "
+            f"chmod 700 it or set CXLKV_POOL"
+        )

@@ -48,9 +48,7 @@ def parse_size(value: int | str) -> int:
 
             return parse_size(operator.index(value))
         except TypeError:
-            raise ValueError(
-                f"invalid size {value!r}: expected an int or a string like '4GiB'"
-            ) from None
+            raise ValueError(f"invalid size {value!r}: expected an int or a string like '4GiB'") from None
     if value.strip().startswith("-"):
         raise ValueError(f"invalid size {value!r}: must not be negative")
     m = _SIZE_RE.match(value)

@@ -87,8 +87,9 @@ def small_layout(block_bytes=4 * KiB, model_id="test/small-model", **kw):
     """A KVLayout whose block size is overridden to ``block_bytes``."""
     import cxlkv
 
-    args = dict(model_id=model_id, dtype="bf16", num_layers=2, num_kv_heads=2, head_size=16,
-                tokens_per_block=4)
+    args = dict(
+        model_id=model_id, dtype="bf16", num_layers=2, num_kv_heads=2, head_size=16, tokens_per_block=4
+    )
     args.update(kw)
     return cxlkv.KVLayout(block_bytes=block_bytes, **args)
 

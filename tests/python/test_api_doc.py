@@ -61,12 +61,15 @@ def test_every_documented_cxlkv_name_exists():
     assert not bad, f"docs/API.md names what does not exist: {bad}"
 
 
-@pytest.mark.parametrize("cls, prefixes", [
-    (cxlkv.Pool, ("pool", "Pool", "cxlkv.Pool")),
-    (cxlkv.Namespace, ("ns",)),
-    (cxlkv.Lease, ("lease", "Lease")),
-    (cxlkv.KVLayout, ("layout",)),
-])
+@pytest.mark.parametrize(
+    "cls, prefixes",
+    [
+        (cxlkv.Pool, ("pool", "Pool", "cxlkv.Pool")),
+        (cxlkv.Namespace, ("ns",)),
+        (cxlkv.Lease, ("lease", "Lease")),
+        (cxlkv.KVLayout, ("layout",)),
+    ],
+)
 def test_methods_and_attributes_both_ways(cls, prefixes):
     alt = "|".join(re.escape(p) for p in prefixes)
     documented = set(re.findall(rf"(?<![\w.])(?:{alt})\.([A-Za-z_]\w*)", TEXT))
@@ -112,4 +115,5 @@ def test_documented_defaults_are_the_codes(call):
             continue
         assert p.default is not inspect.Parameter.empty, f"{call}: {name} has no default"
         assert ast.literal_eval(text) == p.default, (
-            f"docs/API.md: {call}(... {name}={text}) but the code's default is {p.default!r}")
+            f"docs/API.md: {call}(... {name}={text}) but the code's default is {p.default!r}"
+        )

@@ -18,17 +18,29 @@ from cxlkv.errors import EXIT_CODE_MEANINGS, CommandError, ExitCode, exit_codes_
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 
-@pytest.mark.parametrize("exc, code, line", [
-    (CommandError("a worker died"), ExitCode.ERROR, "cxlkv: error: a worker died"),
-    (CommandError("wrong bytes", exit_code=ExitCode.CHECK_FAILED), ExitCode.CHECK_FAILED,
-     "cxlkv: error: wrong bytes"),
-    (ValueError("bad size '4XiB'"), ExitCode.ERROR, "cxlkv: error: bad size '4XiB'"),
-    (FileNotFoundError(2, "No such file or directory", "/nonexistent/pool"), ExitCode.ERROR,
-     "cxlkv: error: /nonexistent/pool: No such file or directory"),
-    (cxlkv.PoolCorruptError("offset out of range\nsecond line"), ExitCode.ERROR,
-     "cxlkv: error: offset out of range second line"),
-    (KeyboardInterrupt(), ExitCode.INTERRUPTED, "cxlkv: interrupted"),
-])
+@pytest.mark.parametrize(
+    "exc, code, line",
+    [
+        (CommandError("a worker died"), ExitCode.ERROR, "cxlkv: error: a worker died"),
+        (
+            CommandError("wrong bytes", exit_code=ExitCode.CHECK_FAILED),
+            ExitCode.CHECK_FAILED,
+            "cxlkv: error: wrong bytes",
+        ),
+        (ValueError("bad size '4XiB'"), ExitCode.ERROR, "cxlkv: error: bad size '4XiB'"),
+        (
+            FileNotFoundError(2, "No such file or directory", "/nonexistent/pool"),
+            ExitCode.ERROR,
+            "cxlkv: error: /nonexistent/pool: No such file or directory",
+        ),
+        (
+            cxlkv.PoolCorruptError("offset out of range\nsecond line"),
+            ExitCode.ERROR,
+            "cxlkv: error: offset out of range second line",
+        ),
+        (KeyboardInterrupt(), ExitCode.INTERRUPTED, "cxlkv: interrupted"),
+    ],
+)
 def test_errors_map_to_their_exit_code_and_one_line(monkeypatch, capsys, exc, code, line):
     def command(args):
         raise exc
@@ -42,6 +54,7 @@ def test_errors_map_to_their_exit_code_and_one_line(monkeypatch, capsys, exc, co
 
 def test_a_bug_exits_70_with_its_traceback_never_1(monkeypatch, capsys):
     """1 means "a check failed"; an unexpected exception must not be mistaken for it."""
+
     def command(args):
         raise RuntimeError("an unexpected bug")
 
@@ -73,7 +86,8 @@ def test_the_documented_table_is_the_code_table():
     text = README.read_text()
     rows = {int(c): m.strip() for c, m in re.findall(r"^\| (\d+) \| (.+?) \|$", text, re.M)}
     assert rows == {int(c): m for c, m in EXIT_CODE_MEANINGS.items()}, (
-        "README's exit-code table differs from cxlkv.errors.EXIT_CODE_MEANINGS")
+        "README's exit-code table differs from cxlkv.errors.EXIT_CODE_MEANINGS"
+    )
     assert set(EXIT_CODE_MEANINGS) == set(ExitCode)
     epilog = " ".join((cli.build_parser().epilog or "").split())
     assert exit_codes_text() in epilog

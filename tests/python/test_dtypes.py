@@ -86,7 +86,9 @@ def test_torch_dtypes_resolve():
     assert cxlkv.resolve_dtype(torch.float16) == "fp16"
 
 
-@pytest.mark.parametrize("bad", ["bfloat", "float64", "", "fp8_e4m3 ", "bf16\x00", "torch.complex64", "x" * 300])
+@pytest.mark.parametrize(
+    "bad", ["bfloat", "float64", "", "fp8_e4m3 ", "bf16\x00", "torch.complex64", "x" * 300]
+)
 def test_unknown_dtype_is_a_value_error_naming_the_allowed_ones(bad):
     with pytest.raises(ValueError) as ei:
         layout(bad)
@@ -116,8 +118,17 @@ def test_kvlayout_fields_are_the_core_field_list():
     core = [f["name"] for f in _core.layout_fields()]
     py = {f.name for f in dataclasses.fields(cxlkv.KVLayout)}
     assert py - set(core) == {"model_id", "source"}
-    assert core[:9] == ["block_bytes", "dtype", "kind", "num_layers", "num_kv_heads", "head_size",
-                        "tokens_per_block", "tp_rank", "tp_size"]
+    assert core[:9] == [
+        "block_bytes",
+        "dtype",
+        "kind",
+        "num_layers",
+        "num_kv_heads",
+        "head_size",
+        "tokens_per_block",
+        "tp_rank",
+        "tp_size",
+    ]
 
 
 def test_layout_field_checks_come_from_the_core():

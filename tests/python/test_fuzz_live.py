@@ -5,6 +5,7 @@ byte. Passes with 0 crashes, 0 hangs and 0 wrong reads. Each scenario runs
 CXLKV_FUZZ_LIVE_SECONDS (default 1 s; scripts/fuzz.sh runs them longer). The reader's seed is
 printed; CXLKV_TEST_SEED=<seed> replays its operations.
 """
+
 from __future__ import annotations
 
 import json

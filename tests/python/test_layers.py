@@ -87,8 +87,10 @@ def cxlkv_imports(module: str) -> set[str]:
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = _resolve(module, node)
-            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES or a.name == "_core" else base
-                     for a in node.names]
+            names = [
+                f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES or a.name == "_core" else base
+                for a in node.names
+            ]
         else:
             continue
         for name in names:
@@ -115,10 +117,15 @@ def test_every_module_is_in_a_layer():
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_imports_stay_within_the_layers_rules(module):
     layer = layer_of(module)
-    bad = sorted(m for m in GRAPH[module]
-                 if (layer_of(m) if not m.endswith("._core") else "api") not in MAY_IMPORT[layer])
-    assert not bad, (f"{module} (layer {layer!r}) imports {bad}; a {layer!r} module may import only "
-                     f"{sorted(MAY_IMPORT[layer])}")
+    bad = sorted(
+        m
+        for m in GRAPH[module]
+        if (layer_of(m) if not m.endswith("._core") else "api") not in MAY_IMPORT[layer]
+    )
+    assert not bad, (
+        f"{module} (layer {layer!r}) imports {bad}; a {layer!r} module may import only "
+        f"{sorted(MAY_IMPORT[layer])}"
+    )
 
 
 def test_no_import_cycle():
@@ -205,8 +212,12 @@ print(json.dumps(report))
 def test_every_module_imports_first_in_a_fresh_interpreter():
     order = [m for m in _dependency_order() if m != "cxlkv.__main__"]
     print("dependency order:", " ".join(order))
-    r = subprocess.run([sys.executable, "-c", _FRESH_IMPORTS, json.dumps(order), json.dumps(sorted(OPTIONAL_DEPS))],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", _FRESH_IMPORTS, json.dumps(order), json.dumps(sorted(OPTIONAL_DEPS))],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(r.stdout.strip().splitlines()[-1])
     assert not report["failed"], report["failed"]
@@ -219,9 +230,13 @@ def test_every_module_imports_first_in_a_fresh_interpreter():
 
 
 def _is_main_guard(node: ast.AST) -> bool:
-    return (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
-            and isinstance(node.test.left, ast.Name) and node.test.left.id == "__name__"
-            and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in node.test.comparators))
+    return (
+        isinstance(node, ast.If)
+        and isinstance(node.test, ast.Compare)
+        and isinstance(node.test.left, ast.Name)
+        and node.test.left.id == "__name__"
+        and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in node.test.comparators)
+    )
 
 
 def _exits(tree: ast.AST) -> list[int]:
@@ -237,8 +252,12 @@ def _exits(tree: ast.AST) -> list[int]:
                 lines.append(node.lineno)
         if isinstance(node, ast.Call):
             f = node.func
-            if (isinstance(f, ast.Attribute) and f.attr == "exit" and isinstance(f.value, ast.Name)
-                    and f.value.id == "sys") or (isinstance(f, ast.Name) and f.id in ("exit", "quit")):
+            if (
+                isinstance(f, ast.Attribute)
+                and f.attr == "exit"
+                and isinstance(f.value, ast.Name)
+                and f.value.id == "sys"
+            ) or (isinstance(f, ast.Name) and f.id in ("exit", "quit")):
                 lines.append(node.lineno)
         for child in ast.iter_child_nodes(node):
             walk(child)

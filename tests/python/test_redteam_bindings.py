@@ -21,8 +21,13 @@ BB = 4 * KiB  # block bytes of small_layout()
 
 def run_script(code: str, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
     """Runs `code` in a fresh interpreter (a crash there must not take the test runner down)."""
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True,
-                          text=True, timeout=timeout, cwd=os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=os.path.dirname(os.path.abspath(__file__)),
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -193,16 +198,19 @@ def test_f17_acquire_checks_each_key_length(small_ns):
 
 # ------------------------------------------------------------------------------------------------
 # F19: bad block_ids types raise TypeError/ValueError with a clear message
-@pytest.mark.parametrize("bad, exc, message", [
-    (1.0, TypeError, r"block_ids\[1\] must be an integer, not float"),
-    (None, TypeError, r"block_ids\[1\] must be an integer, not NoneType"),
-    ("1", TypeError, r"block_ids\[1\] must be an integer, not str"),
-    (True, TypeError, r"block_ids\[1\] must be an integer, not bool"),
-    (np.float64(1.0), TypeError, r"block_ids\[1\] must be an integer, not float64"),
-    (1 << 63, ValueError, r"block id 9223372036854775808 at position 1 out of range"),
-    (-(1 << 64), ValueError, r"block id -18446744073709551616 at position 1 out of range"),
-    (-1, ValueError, r"block id -1 out of range"),
-])
+@pytest.mark.parametrize(
+    "bad, exc, message",
+    [
+        (1.0, TypeError, r"block_ids\[1\] must be an integer, not float"),
+        (None, TypeError, r"block_ids\[1\] must be an integer, not NoneType"),
+        ("1", TypeError, r"block_ids\[1\] must be an integer, not str"),
+        (True, TypeError, r"block_ids\[1\] must be an integer, not bool"),
+        (np.float64(1.0), TypeError, r"block_ids\[1\] must be an integer, not float64"),
+        (1 << 63, ValueError, r"block id 9223372036854775808 at position 1 out of range"),
+        (-(1 << 64), ValueError, r"block id -18446744073709551616 at position 1 out of range"),
+        (-1, ValueError, r"block id -1 out of range"),
+    ],
+)
 @pytest.mark.parametrize("op", ["store", "load"])
 def test_f19_bad_block_ids(small_ns, op, bad, exc, message):
     _pool, ns = small_ns

@@ -34,7 +34,9 @@ def cmd_pool_create(args: argparse.Namespace) -> int:
         # Replaces a pool, or a bad / half-made pool file; never one that live processes use
         # unless --ignore-attached (they would keep serving the unlinked pool: split brain).
         cxlkv.Pool.destroy(args.path, ignore_attached=args.ignore_attached, remove_invalid=True)
-    with cxlkv.Pool.create(args.path, args.size, allow_foreign_owner=args.allow_foreign_owner, **kwargs) as pool:
+    with cxlkv.Pool.create(
+        args.path, args.size, allow_foreign_owner=args.allow_foreign_owner, **kwargs
+    ) as pool:
         info = dict(pool.info())
     if args.json:
         print_json(info)
@@ -97,9 +99,11 @@ def cmd_pool_stats(args: argparse.Namespace) -> int:
 def cmd_pool_reap(args: argparse.Namespace) -> int:
     with _observer(args.path) as pool:
         if args.force:
-            print(f"cxlkv: warning: --force reclaims node {args.node} even if its process is alive; that "
-                  "process is fenced (its next operation fails) and blocks it was writing are lost",
-                  file=sys.stderr)
+            print(
+                f"cxlkv: warning: --force reclaims node {args.node} even if its process is alive; that "
+                "process is fenced (its next operation fails) and blocks it was writing are lost",
+                file=sys.stderr,
+            )
         res = dict(pool.reap_node(args.node, force=args.force))
     if args.json:
         print_json(res)
@@ -113,8 +117,10 @@ def cmd_pool_reap(args: argparse.Namespace) -> int:
     if res["reclaimed"] or res["state"] == "free":
         return ExitCode.OK
     if not args.json:
-        print(f"cxlkv: error: node {args.node} is {res['verdict']}; use --force to reclaim it anyway",
-              file=sys.stderr)
+        print(
+            f"cxlkv: error: node {args.node} is {res['verdict']}; use --force to reclaim it anyway",
+            file=sys.stderr,
+        )
     return ExitCode.CHECK_FAILED
 
 
@@ -141,7 +147,9 @@ def cmd_pool_check(args: argparse.Namespace) -> int:
 
 
 def cmd_pool_destroy(args: argparse.Namespace) -> int:
-    cxlkv.Pool.destroy(args.path, ignore_attached=args.ignore_attached or args.force, remove_invalid=args.force)
+    cxlkv.Pool.destroy(
+        args.path, ignore_attached=args.ignore_attached or args.force, remove_invalid=args.force
+    )
     make_console().print(f"destroyed pool {escape(args.path)}")
     return ExitCode.OK
 
@@ -173,8 +181,10 @@ def _require_vllm(command: str) -> None:
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
-        raise CommandError(f"{command} needs vLLM, which is not installed in {sys.prefix} "
-                           "(install it with scripts/setup-vllm.sh)")
+        raise CommandError(
+            f"{command} needs vLLM, which is not installed in {sys.prefix} "
+            "(install it with scripts/setup-vllm.sh)"
+        )
 
 
 def cmd_bench_vllm(args: argparse.Namespace) -> int:
@@ -182,8 +192,14 @@ def cmd_bench_vllm(args: argparse.Namespace) -> int:
     from cxlkv.tools import bench_vllm
 
     con = make_console(stderr=args.json)
-    summary = bench_vllm.run(model=args.model, contexts=args.contexts, turns=args.turns,
-                             turn_words=args.turn_words, plot=args.plot, console=con)
+    summary = bench_vllm.run(
+        model=args.model,
+        contexts=args.contexts,
+        turns=args.turns,
+        turn_words=args.turn_words,
+        plot=args.plot,
+        console=con,
+    )
     if args.json:
         print_json(summary)
     else:
@@ -220,8 +236,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from cxlkv.tools import demo
 
     con = make_console(stderr=args.json)
-    summary = demo.run_demo(pool_path=args.pool, procs=args.procs, seconds=args.seconds,
-                            size=args.size, console=con)
+    summary = demo.run_demo(
+        pool_path=args.pool, procs=args.procs, seconds=args.seconds, size=args.size, console=con
+    )
     if args.json:
         print_json(summary)
     else:

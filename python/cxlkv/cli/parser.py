@@ -86,8 +86,9 @@ def _range(option: dict[str, Any]) -> str:
 
 
 def _pool_path_arg(p: argparse.ArgumentParser, default_pool: str) -> None:
-    p.add_argument("path", nargs="?", default=default_pool,
-                   help=f"pool file or /dev/daxX.Y (default {default_pool})")
+    p.add_argument(
+        "path", nargs="?", default=default_pool, help=f"pool file or /dev/daxX.Y (default {default_pool})"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -102,8 +103,9 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-_FOREIGN_HELP = ("accept a pool owned by another user or writable by others "
-                 "(that user can read and corrupt every block)")
+_FOREIGN_HELP = (
+    "accept a pool owned by another user or writable by others (that user can read and corrupt every block)"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -129,26 +131,55 @@ def build_parser() -> argparse.ArgumentParser:
     psub.required = True
 
     c = psub.add_parser("create", help=f"create a pool (a file, default {default_pool}, or a devdax device)")
-    c.add_argument("path", nargs="?", default=default_pool, help=f"pool file or /dev/daxX.Y (default {default_pool})")
+    c.add_argument(
+        "path", nargs="?", default=default_pool, help=f"pool file or /dev/daxX.Y (default {default_pool})"
+    )
     c.add_argument("--size", type=_size_arg, required=True, help="pool size, e.g. 4GiB, 512MiB, 1G")
     c.add_argument("--chunk-size", type=_size_arg, default=None, help="allocator chunk size, e.g. 8MiB")
-    c.add_argument("--index-slots", type=_pos_int, default=None, help="index entries (rounded to a power of two)")
-    c.add_argument("--max-nodes", type=_pos_int, default=None,
-                   help=f"max attached processes, {_range(create['max_nodes'])}")
-    c.add_argument("--max-namespaces", type=_pos_int, default=None,
-                   help=f"max model layouts in the pool, {_range(create['max_namespaces'])}")
-    c.add_argument("--pin-slots", type=_pos_int, default=None,
-                   help="pin slots per process (default: derived from the size)")
-    c.add_argument("--backend", choices=cxlkv._core.backends(), default=create["backend"]["default"],
-                   help="memory backend: coherent (one host) or flush (non-coherent CXL) "
-                        "(default %(default)s)")
-    c.add_argument("--lease-ms", type=_pos_int, default=None,
-                   help=f"heartbeat lease for nodes of another kernel, ms, {_range(create['lease_ms'])}")
-    c.add_argument("--force", action="store_true",
-                   help="destroy an existing pool (or a bad, half-made pool file) at PATH first; "
-                        "refused while processes are attached")
-    c.add_argument("--ignore-attached", action="store_true",
-                   help="with --force: replace the pool even while processes are attached to it")
+    c.add_argument(
+        "--index-slots", type=_pos_int, default=None, help="index entries (rounded to a power of two)"
+    )
+    c.add_argument(
+        "--max-nodes",
+        type=_pos_int,
+        default=None,
+        help=f"max attached processes, {_range(create['max_nodes'])}",
+    )
+    c.add_argument(
+        "--max-namespaces",
+        type=_pos_int,
+        default=None,
+        help=f"max model layouts in the pool, {_range(create['max_namespaces'])}",
+    )
+    c.add_argument(
+        "--pin-slots",
+        type=_pos_int,
+        default=None,
+        help="pin slots per process (default: derived from the size)",
+    )
+    c.add_argument(
+        "--backend",
+        choices=cxlkv._core.backends(),
+        default=create["backend"]["default"],
+        help="memory backend: coherent (one host) or flush (non-coherent CXL) (default %(default)s)",
+    )
+    c.add_argument(
+        "--lease-ms",
+        type=_pos_int,
+        default=None,
+        help=f"heartbeat lease for nodes of another kernel, ms, {_range(create['lease_ms'])}",
+    )
+    c.add_argument(
+        "--force",
+        action="store_true",
+        help="destroy an existing pool (or a bad, half-made pool file) at PATH first; "
+        "refused while processes are attached",
+    )
+    c.add_argument(
+        "--ignore-attached",
+        action="store_true",
+        help="with --force: replace the pool even while processes are attached to it",
+    )
     c.add_argument("--allow-foreign-owner", action="store_true", help=_FOREIGN_HELP)
     c.add_argument("--json", action="store_true", help="print the new pool's info as JSON")
     c.set_defaults(func=cmd_pool_create)
@@ -167,17 +198,26 @@ def build_parser() -> argparse.ArgumentParser:
     r = psub.add_parser("reap", help="reclaim one dead node (what it held: pins, half-written blocks)")
     r.add_argument("node", type=_pos_int, help="node id, as listed by 'pool info'")
     _pool_path_arg(r, default_pool)
-    r.add_argument("--force", action="store_true",
-                   help="reclaim even a node judged alive (its process is fenced); exit 1 without it")
+    r.add_argument(
+        "--force",
+        action="store_true",
+        help="reclaim even a node judged alive (its process is fenced); exit 1 without it",
+    )
     r.add_argument("--json", action="store_true", help="print one JSON object")
     r.set_defaults(func=cmd_pool_reap)
 
     d = psub.add_parser("destroy", help="unlink a file pool / wipe a devdax pool header")
     _pool_path_arg(d, default_pool)
-    d.add_argument("--ignore-attached", action="store_true",
-                   help="destroy even while processes are attached (refused otherwise; they are listed)")
-    d.add_argument("--force", action="store_true",
-                   help="also remove a bad or half-made pool file (0 bytes, bad magic), and ignore attached processes")
+    d.add_argument(
+        "--ignore-attached",
+        action="store_true",
+        help="destroy even while processes are attached (refused otherwise; they are listed)",
+    )
+    d.add_argument(
+        "--force",
+        action="store_true",
+        help="also remove a bad or half-made pool file (0 bytes, bad magic), and ignore attached processes",
+    )
     d.set_defaults(func=cmd_pool_destroy)
 
     # bench ------------------------------------------------------------------------------------
@@ -187,38 +227,77 @@ def build_parser() -> argparse.ArgumentParser:
 
     bc = bsub.add_parser("copy", help="store/load bandwidth of vLLM-layout KV blocks vs memcpy")
     bc.add_argument("--json", action="store_true", help="print one JSON object")
-    bc.add_argument("--geometry", choices=[*GEOMETRIES, "all"], default="all",
-                    help="model KV geometry (default %(default)s)")
+    bc.add_argument(
+        "--geometry",
+        choices=[*GEOMETRIES, "all"],
+        default="all",
+        help="model KV geometry (default %(default)s)",
+    )
     bc.add_argument("--iters", type=_pos_int, default=7, help="timed iterations per measurement (default 7)")
-    bc.add_argument("--batch-size", type=_size_arg, default=parse_size("128MiB"),
-                    help="bytes per store/load batch (default 128MiB)")
-    bc.add_argument("--copy-threads", type=_pos_int, default=None,
-                    help="threads the core may use per large batch (default: the core's choice; "
-                         "1 compares like for like with the single-threaded memcpy)")
-    bc.add_argument("--pool-dir", default="/dev/shm", help="where the temporary pool lives (default /dev/shm)")
+    bc.add_argument(
+        "--batch-size",
+        type=_size_arg,
+        default=parse_size("128MiB"),
+        help="bytes per store/load batch (default 128MiB)",
+    )
+    bc.add_argument(
+        "--copy-threads",
+        type=_pos_int,
+        default=None,
+        help="threads the core may use per large batch (default: the core's choice; "
+        "1 compares like for like with the single-threaded memcpy)",
+    )
+    bc.add_argument(
+        "--pool-dir", default="/dev/shm", help="where the temporary pool lives (default /dev/shm)"
+    )
     bc.set_defaults(func=cmd_bench_copy)
 
     bi = bsub.add_parser("index", help="lookup/insert latency and multi-process lookup throughput")
-    bi.add_argument("--procs", type=_procs_arg, default=None,
-                    help="process counts, e.g. 4 or 1,2,4 (1 is always run as the baseline; "
-                         "default: 1, 2, 4, ... up to the core count)")
+    bi.add_argument(
+        "--procs",
+        type=_procs_arg,
+        default=None,
+        help="process counts, e.g. 4 or 1,2,4 (1 is always run as the baseline; "
+        "default: 1, 2, 4, ... up to the core count)",
+    )
     bi.add_argument("--json", action="store_true", help="print one JSON object")
-    bi.add_argument("--ops", type=_pos_int, default=300_000, help="timed lookups per process (default 300000)")
-    bi.add_argument("--keys", type=_pos_int, default=100_000, help="keys prefilled before timing (default 100000)")
-    bi.add_argument("--samples", type=_pos_int, default=20_000,
-                    help="individually timed lookups per process for p50/p99 (default 20000)")
-    bi.add_argument("--inserts", type=_pos_int, default=20_000,
-                    help="individually timed inserts per process (default 20000)")
-    bi.add_argument("--pool-dir", default="/dev/shm", help="where the temporary pool lives (default /dev/shm)")
+    bi.add_argument(
+        "--ops", type=_pos_int, default=300_000, help="timed lookups per process (default 300000)"
+    )
+    bi.add_argument(
+        "--keys", type=_pos_int, default=100_000, help="keys prefilled before timing (default 100000)"
+    )
+    bi.add_argument(
+        "--samples",
+        type=_pos_int,
+        default=20_000,
+        help="individually timed lookups per process for p50/p99 (default 20000)",
+    )
+    bi.add_argument(
+        "--inserts",
+        type=_pos_int,
+        default=20_000,
+        help="individually timed inserts per process (default 20000)",
+    )
+    bi.add_argument(
+        "--pool-dir", default="/dev/shm", help="where the temporary pool lives (default /dev/shm)"
+    )
     bi.set_defaults(func=cmd_bench_index)
 
-    bv = bsub.add_parser("vllm", help="multi-turn TTFT on real vLLM engines: off / local prefix "
-                                      "cache / cxlkv across two replicas (needs vLLM)")
+    bv = bsub.add_parser(
+        "vllm",
+        help="multi-turn TTFT on real vLLM engines: off / local prefix "
+        "cache / cxlkv across two replicas (needs vLLM)",
+    )
     bv.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2")
     bv.add_argument("--contexts", type=_pos_int, default=2, help="conversations (default 2)")
     bv.add_argument("--turns", type=_pos_int, default=5, help="turns per conversation (default 5)")
-    bv.add_argument("--turn-words", type=_pos_int, default=1100,
-                    help="words appended per turn (default 1100: ~7K tokens at turn 5)")
+    bv.add_argument(
+        "--turn-words",
+        type=_pos_int,
+        default=1100,
+        help="words appended per turn (default 1100: ~7K tokens at turn 5)",
+    )
     bv.add_argument("--plot", default=None, help="write a PNG of TTFT per turn here")
     bv.add_argument("--json", action="store_true", help="print one JSON object")
     bv.set_defaults(func=cmd_bench_vllm)
@@ -227,12 +306,21 @@ def build_parser() -> argparse.ArgumentParser:
     dm = sub.add_parser("demo", help="several processes sharing one pool: hit rates and bandwidth")
     dm.add_argument("--procs", type=_pos_int, default=4, help="worker processes (default 4)")
     dm.add_argument("--seconds", type=_pos_float, default=8.0, help="run time in seconds (default 8)")
-    dm.add_argument("--pool", default=default_pool, help=f"pool path, created if missing (default {default_pool})")
-    dm.add_argument("--size", type=_size_arg, default=parse_size(cxlkv.DEFAULT_POOL_SIZE),
-                    help=f"size if the pool must be created (default {cxlkv.DEFAULT_POOL_SIZE})")
+    dm.add_argument(
+        "--pool", default=default_pool, help=f"pool path, created if missing (default {default_pool})"
+    )
+    dm.add_argument(
+        "--size",
+        type=_size_arg,
+        default=parse_size(cxlkv.DEFAULT_POOL_SIZE),
+        help=f"size if the pool must be created (default {cxlkv.DEFAULT_POOL_SIZE})",
+    )
     dm.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    dm.add_argument("--vllm", action="store_true",
-                    help="the real thing: two vLLM servers (SmolLM2) sharing a pool, a multi-turn "
-                         "conversation moved from one to the other, TTFT against plain vLLM (needs vLLM)")
+    dm.add_argument(
+        "--vllm",
+        action="store_true",
+        help="the real thing: two vLLM servers (SmolLM2) sharing a pool, a multi-turn "
+        "conversation moved from one to the other, TTFT against plain vLLM (needs vLLM)",
+    )
     dm.set_defaults(func=cmd_demo)
     return p

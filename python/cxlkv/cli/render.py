@@ -167,19 +167,32 @@ def render_namespaces(console, namespaces: list[dict]) -> None:
         return
     from rich import box
 
-    t = Table(title="namespaces", title_justify="left", title_style="bold", box=box.SIMPLE_HEAD,
-              show_edge=False, collapse_padding=True)
+    t = Table(
+        title="namespaces",
+        title_justify="left",
+        title_style="bold",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        collapse_padding=True,
+    )
     for c in ("id", "name", "model", "layout", "tp", "block", "blocks/chunk", "source"):
-        t.add_column(c, justify="right" if c in ("id", "block", "blocks/chunk") else "left",
-                     overflow="fold")
+        t.add_column(c, justify="right" if c in ("id", "block", "blocks/chunk") else "left", overflow="fold")
     for n in namespaces:
-        layout = (f"{n.get('kind', '?')} {n.get('dtype', '?')} L{n.get('num_layers', '?')} "
-                  f"H{n.get('num_kv_heads', '?')} D{n.get('head_size', '?')} T{n.get('tokens_per_block', '?')}")
+        layout = (
+            f"{n.get('kind', '?')} {n.get('dtype', '?')} L{n.get('num_layers', '?')} "
+            f"H{n.get('num_kv_heads', '?')} D{n.get('head_size', '?')} T{n.get('tokens_per_block', '?')}"
+        )
         bb = n.get("block_bytes")
-        t.add_row(str(n.get("id", "")), escape(str(n.get("name", ""))), escape(str(n.get("model_id", ""))),
-                  layout, f"{n.get('tp_rank', 0)}/{n.get('tp_size', 1)}",
-                  format_size(bb) if isinstance(bb, int) else "-", str(n.get("blocks_per_chunk", "-")),
-                  escape(str(n.get("source") or "-")))
+        t.add_row(
+            str(n.get("id", "")),
+            escape(str(n.get("name", ""))),
+            escape(str(n.get("model_id", ""))),
+            layout,
+            f"{n.get('tp_rank', 0)}/{n.get('tp_size', 1)}",
+            format_size(bb) if isinstance(bb, int) else "-",
+            str(n.get("blocks_per_chunk", "-")),
+            escape(str(n.get("source") or "-")),
+        )
     console.print(t)
 
 

@@ -15,6 +15,7 @@ name), the tenant's cache_salt (tenants never share blocks), the tokens of the w
 token ids do not show (the digest of a block's prompt embeddings, whose token ids are
 placeholders).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -38,6 +39,7 @@ def root_key(namespace: str, lora: str | None = None, cache_salt: str | None = N
 @dataclass
 class MMSpan:
     """A multimodal input occupying tokens [offset, offset + length) of the prompt."""
+
     identifier: str
     offset: int
     length: int
@@ -46,6 +48,7 @@ class MMSpan:
 @dataclass
 class ChainedKeys:
     """Incrementally computed keys of one token sequence (a request's prompt and output)."""
+
     root: bytes
     block_size: int
     mm: Sequence[MMSpan] = ()
@@ -61,12 +64,12 @@ class ChainedKeys:
             return self.keys[:full] if upto_blocks is not None else self.keys
         bs = self.block_size
         start = len(self.keys)
-        arr = np.asarray(token_ids[start * bs: full * bs], dtype=np.int64).astype("<i4", copy=False)
+        arr = np.asarray(token_ids[start * bs : full * bs], dtype=np.int64).astype("<i4", copy=False)
         prev = self.keys[-1] if self.keys else self.root
         for i in range(full - start):
             b = start + i
             h = hashlib.sha256(prev)
-            h.update(arr[i * bs:(i + 1) * bs].tobytes())
+            h.update(arr[i * bs : (i + 1) * bs].tobytes())
             for span in self.mm:
                 if span.offset < (b + 1) * bs and span.offset + span.length > b * bs:
                     h.update(span.identifier.encode())
@@ -77,7 +80,14 @@ class ChainedKeys:
         return self.keys
 
 
-def block_keys(token_ids: Sequence[int], block_size: int, namespace: str, *, lora: str | None = None,
-               cache_salt: str | None = None, mm: Iterable[MMSpan] = ()) -> list:
+def block_keys(
+    token_ids: Sequence[int],
+    block_size: int,
+    namespace: str,
+    *,
+    lora: str | None = None,
+    cache_salt: str | None = None,
+    mm: Iterable[MMSpan] = (),
+) -> list:
     """Keys of every full block of token_ids (convenience for one-shot use and tests)."""
     return ChainedKeys(root_key(namespace, lora, cache_salt), block_size, list(mm)).extend(token_ids)

@@ -17,6 +17,7 @@ are kept alive for the rest of the process (:meth:`PoolGuard.retire`).
 The verdict is process-wide (keyed by the mapped file's device, inode and pool uuid), so the scheduler-side
 and worker-side connectors of one process stop together.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -114,8 +115,12 @@ class PoolGuard:
             _BROKEN.setdefault(self._key, (cause, self.truncated))
         self.cause, self.truncated = _BROKEN[self._key]
         if first:
-            self.log.error("cxlkv: pool %s is no longer usable (%s); this process serves without "
-                           "the KV cache from now on (vLLM recomputes)", self.path, cause)
+            self.log.error(
+                "cxlkv: pool %s is no longer usable (%s); this process serves without "
+                "the KV cache from now on (vLLM recomputes)",
+                self.path,
+                cause,
+            )
 
     def call(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:
         """fn(*args) if the pool is usable and the call succeeds; None otherwise."""

@@ -65,9 +65,14 @@ def _med(xs: list[int]) -> float:
 # bench copy
 
 
-def bench_copy(geometry: str = "all", iters: int = 7, batch_bytes: int = 128 * _MiB,
-               pool_dir: str = "/dev/shm", quiet: bool = False,
-               copy_threads: int | None = None) -> dict[str, Any]:
+def bench_copy(
+    geometry: str = "all",
+    iters: int = 7,
+    batch_bytes: int = 128 * _MiB,
+    pool_dir: str = "/dev/shm",
+    quiet: bool = False,
+    copy_threads: int | None = None,
+) -> dict[str, Any]:
     """Store/load bandwidth per geometry vs memcpy of the same bytes. Returns one JSON-able dict
     whose top-level store/load/memcpy fields are those of the first geometry (llama3-8b for "all").
     copy_threads: threads the core may use for one large batch (default: the core's own choice)."""
@@ -87,10 +92,23 @@ def bench_copy(geometry: str = "all", iters: int = 7, batch_bytes: int = 128 * _
     results = [_bench_copy_one(n, iters, batch_bytes, pool_dir, log, threads) for n in names]
     head = results[0]
     out: dict[str, Any] = {"bench": "copy"}
-    for k in ("geometry", "store_gbps", "load_gbps", "memcpy_gbps", "memcpy_contig_gbps",
-              "memcpy_mt_gbps", "store_vs_memcpy", "load_vs_memcpy", "store_vs_memcpy_mt",
-              "load_vs_memcpy_mt", "memcpy_contig_2t_gbps", "store_vs_memcpy_contig",
-              "load_vs_memcpy_contig", "store_vs_memcpy_contig_2t", "load_vs_memcpy_contig_2t"):
+    for k in (
+        "geometry",
+        "store_gbps",
+        "load_gbps",
+        "memcpy_gbps",
+        "memcpy_contig_gbps",
+        "memcpy_mt_gbps",
+        "store_vs_memcpy",
+        "load_vs_memcpy",
+        "store_vs_memcpy_mt",
+        "load_vs_memcpy_mt",
+        "memcpy_contig_2t_gbps",
+        "store_vs_memcpy_contig",
+        "load_vs_memcpy_contig",
+        "store_vs_memcpy_contig_2t",
+        "load_vs_memcpy_contig_2t",
+    ):
         out[k] = head[k]
     out["copy_threads"] = threads
     out["results"] = results
@@ -111,8 +129,9 @@ def bench_copy(geometry: str = "all", iters: int = 7, batch_bytes: int = 128 * _
     return out
 
 
-def _bench_copy_one(name: str, iters: int, batch_bytes: int, pool_dir: str, log,
-                    threads: int = 1) -> dict[str, Any]:
+def _bench_copy_one(
+    name: str, iters: int, batch_bytes: int, pool_dir: str, log, threads: int = 1
+) -> dict[str, Any]:
     g = GEOMETRIES[name]
     L, H, D, T = g["num_layers"], g["num_kv_heads"], g["head_size"], g["tokens_per_block"]
     frag_elems = T * H * D
@@ -120,8 +139,10 @@ def _bench_copy_one(name: str, iters: int, batch_bytes: int, pool_dir: str, log,
     block_bytes = L * 2 * frag_bytes
     nblocks = max(1, batch_bytes // block_bytes)
     nbytes = nblocks * block_bytes
-    log(f"bench copy {name}: {nblocks} blocks of {format_size(block_bytes)} "
-        f"({L * 2} fragments of {format_size(frag_bytes)}), batch {format_size(nbytes)}")
+    log(
+        f"bench copy {name}: {nblocks} blocks of {format_size(block_bytes)} "
+        f"({L * 2} fragments of {format_size(frag_bytes)}), batch {format_size(nbytes)}"
+    )
 
     rng = np.random.default_rng(0x5EED)
     shape = (2, nblocks, T, H, D)
@@ -138,7 +159,7 @@ def _bench_copy_one(name: str, iters: int, batch_bytes: int, pool_dir: str, log,
         for l in range(L):
             for kv in range(2):
                 off = ((i * L + l) * 2 + kv) * frag_elems
-                f = flat[off:off + frag_elems]
+                f = flat[off : off + frag_elems]
                 gather.append((f, src[l][kv, bid].reshape(-1)))
                 scatter.append((dst[l][kv, bid].reshape(-1), f))
     flat_v = flat.reshape(nblocks, L, 2, frag_elems)
@@ -212,9 +233,21 @@ def _bench_copy_one(name: str, iters: int, batch_bytes: int, pool_dir: str, log,
     chunk = min(max(8 * _MiB, pow2_at_least(16 * block_bytes)), 256 * _MiB)
     pool_size = 2 * nbytes + 4 * chunk + 64 * _MiB
     path = os.path.join(pool_dir, f"cxlkv-bench-copy-{os.getpid()}")
-    t: dict[str, list[int]] = {k: [] for k in (
-        "store", "load", "gather_loop", "gather_strided", "scatter_loop", "scatter_strided", "contig",
-        "gather_mt", "scatter_mt", "contig_2t")}
+    t: dict[str, list[int]] = {
+        k: []
+        for k in (
+            "store",
+            "load",
+            "gather_loop",
+            "gather_strided",
+            "scatter_loop",
+            "scatter_strided",
+            "contig",
+            "gather_mt",
+            "scatter_mt",
+            "contig_2t",
+        )
+    }
     verified = False
     try:
         pool, ns = create_pool_for(path, pool_size, g, f"bench-{name}", 2 * nblocks, chunk_size=chunk)
@@ -231,19 +264,25 @@ def _bench_copy_one(name: str, iters: int, batch_bytes: int, pool_dir: str, log,
                 n = ns.store(keys, src, block_ids, block_dim=1)
                 t_store = time.perf_counter_ns() - t0
                 if n != nblocks:
-                    raise CommandError(f"bench copy: store stored {n} of {nblocks} blocks (pool of "
-                                       f"{format_size(pool_size)} too small?)")
+                    raise CommandError(
+                        f"bench copy: store stored {n} of {nblocks} blocks (pool of "
+                        f"{format_size(pool_size)} too small?)"
+                    )
                 prev = keys
                 t0 = time.perf_counter_ns()
                 n = ns.load(keys, dst, block_ids, block_dim=1)
                 t_load = time.perf_counter_ns() - t0
                 if n != nblocks:
-                    raise CommandError(f"bench copy: load loaded {n} of {nblocks} blocks", exit_code=ExitCode.CHECK_FAILED)
+                    raise CommandError(
+                        f"bench copy: load loaded {n} of {nblocks} blocks", exit_code=ExitCode.CHECK_FAILED
+                    )
                 if not verified:
                     for l in range(L):
                         if not np.array_equal(src[l], dst[l]):
-                            raise CommandError(f"bench copy: loaded bytes differ from the source "
-                                               f"(layer {l})", exit_code=ExitCode.CHECK_FAILED)
+                            raise CommandError(
+                                f"bench copy: loaded bytes differ from the source (layer {l})",
+                                exit_code=ExitCode.CHECK_FAILED,
+                            )
                     verified = True
                     for d in dst:  # so that the scatter baseline below writes real changes
                         d.fill(1)
@@ -328,8 +367,10 @@ def _bench_copy_one(name: str, iters: int, batch_bytes: int, pool_dir: str, log,
     }
     for k in ("checksum_failures", "evictions"):
         r["pool_" + k] = stats[k]
-    log(f"  store {r['store_gbps']:.2f} GB/s, load {r['load_gbps']:.2f} GB/s, "
-        f"memcpy {r['memcpy_gbps']:.2f} GB/s, contiguous memcpy {r['memcpy_contig_gbps']:.2f} GB/s")
+    log(
+        f"  store {r['store_gbps']:.2f} GB/s, load {r['load_gbps']:.2f} GB/s, "
+        f"memcpy {r['memcpy_gbps']:.2f} GB/s, contiguous memcpy {r['memcpy_contig_gbps']:.2f} GB/s"
+    )
     return r
 
 
@@ -349,8 +390,10 @@ def print_copy_result(console, result: dict[str, Any]) -> None:
         ("memcpy gather GB/s", lambda r: f"{r['memcpy_gbps']:.2f} ({r['memcpy_baseline']})"),
         ("memcpy scatter GB/s", lambda r: f"{r['memcpy_scatter_gbps']:.2f}"),
         ("memcpy contiguous GB/s", lambda r: f"{r['memcpy_contig_gbps']:.2f}"),
-        ("memcpy gather/scatter, N thr", lambda r: f"{r['memcpy_mt_gbps']:.2f} / "
-                                                   f"{r['memcpy_scatter_mt_gbps']:.2f} ({r['copy_threads']})"),
+        (
+            "memcpy gather/scatter, N thr",
+            lambda r: f"{r['memcpy_mt_gbps']:.2f} / {r['memcpy_scatter_mt_gbps']:.2f} ({r['copy_threads']})",
+        ),
         ("store / memcpy", lambda r: _ratio(r["store_vs_memcpy"])),
         ("load / memcpy", lambda r: _ratio(r["load_vs_memcpy"])),
         ("store / memcpy N thr", lambda r: _ratio(r["store_vs_memcpy_mt"])),
@@ -364,13 +407,15 @@ def print_copy_result(console, result: dict[str, Any]) -> None:
     console.print(t)
     m = result.get("machine", {})
     kern = m.get("core_nt_copy_kernel")
-    console.print(f"[dim]{m.get('cpu', '?')}, {m.get('cores', '?')} cores"
-                  + (f", copy kernel {kern}" if kern else "")
-                  + f"; the core copies with up to {result.get('copy_threads')} thread(s) per batch"
-                  + ". memcpy gather/scatter: one thread, the faster "
-                  "of a per-fragment np.copyto loop and a strided numpy copy of the same fragments "
-                  "(load is compared with scatter); N thr: the strided copies over as many threads "
-                  "as the core uses; contiguous: one copy of the whole batch.[/dim]")
+    console.print(
+        f"[dim]{m.get('cpu', '?')}, {m.get('cores', '?')} cores"
+        + (f", copy kernel {kern}" if kern else "")
+        + f"; the core copies with up to {result.get('copy_threads')} thread(s) per batch"
+        + ". memcpy gather/scatter: one thread, the faster "
+        "of a per-fragment np.copyto loop and a strided numpy copy of the same fragments "
+        "(load is compared with scatter); N thr: the strided copies over as many threads "
+        "as the core uses; contiguous: one copy of the whole batch.[/dim]"
+    )
 
 
 def _ratio(x: float) -> str:
@@ -381,8 +426,9 @@ def _ratio(x: float) -> str:
 # =============================================================================================
 # bench index
 
-_INDEX_LAYOUT = dict(model_id="cxlkv-bench-index", dtype="bf16", num_layers=1, num_kv_heads=1,
-                     head_size=64, tokens_per_block=1)  # 256-byte blocks
+_INDEX_LAYOUT = dict(
+    model_id="cxlkv-bench-index", dtype="bf16", num_layers=1, num_kv_heads=1, head_size=64, tokens_per_block=1
+)  # 256-byte blocks
 _INDEX_BLOCK = 256
 _INDEX_NS = "bench-index"
 
@@ -412,15 +458,17 @@ def _core_bench(ns, nkeys: int, lookups: int, seed: int, barrier, seconds: float
     256-byte blocks (per-op timed), then times random single lookups among them per op and back
     to back for ``seconds``, with no Python in the loop."""
     barrier.wait(timeout=300)
-    return dict(ns.bench_index(inserts=nkeys, lookups=lookups, payload_bytes=_INDEX_BLOCK,
-                               seed=seed, seconds=seconds))
+    return dict(
+        ns.bench_index(inserts=nkeys, lookups=lookups, payload_bytes=_INDEX_BLOCK, seed=seed, seconds=seconds)
+    )
 
 
 _BATCH = 1000  # keys per match_prefix / store call in the batched measurements
 
 
-def _index_worker(path: str, run: int, rank: int, nkeys: int, ops: int, samples: int,
-                  inserts: int, barrier, queue) -> None:
+def _index_worker(
+    path: str, run: int, rank: int, nkeys: int, ops: int, samples: int, inserts: int, barrier, queue
+) -> None:
     """One benchmark process: attach, time lookups and inserts (single calls and batches), report.
     Every phase starts at a barrier so that all processes run it at the same time."""
     try:
@@ -434,8 +482,8 @@ def _index_worker(path: str, run: int, rank: int, nkeys: int, ops: int, samples:
             lat_keys = [keys[j] for j in rng.choices(range(nkeys), k=samples)]
             ins_keys = [block_key("bench-index-insert", run, rank, i) for i in range(inserts)]
             bins_keys = [block_key("bench-index-binsert", run, rank, i) for i in range(inserts)]
-            lookup_batches = [order[i:i + _BATCH] for i in range(0, len(order), _BATCH)]
-            insert_batches = [bins_keys[i:i + _BATCH] for i in range(0, len(bins_keys), _BATCH)]
+            lookup_batches = [order[i : i + _BATCH] for i in range(0, len(order), _BATCH)]
+            insert_batches = [bins_keys[i : i + _BATCH] for i in range(0, len(bins_keys), _BATCH)]
             payload = bytes(range(256)) * (_INDEX_BLOCK // 256)
             payloads = np.frombuffer(payload * _BATCH, dtype=np.uint8).reshape(_BATCH, _INDEX_BLOCK).copy()
             contains, put, match = ns.contains, ns.put, ns.match_prefix
@@ -506,33 +554,46 @@ def _index_worker(path: str, run: int, rank: int, nkeys: int, ops: int, samples:
         ins.sort()
         blat.sort()
         bins.sort()
-        queue.put({
-            "rank": rank, "ok": True, "t0": t0, "t1": t1, "ops": ops, "hits": hits,
-            "cpu_share": cpu_share,
-            "lookups_per_s": ops / ((t1 - t0) / 1e9),
-            "lookup_ns": [_pct(lat, 50), _pct(lat, 90), _pct(lat, 99), _pct(lat, 99.9)],
-            "insert_ns": [_pct(ins, 50), _pct(ins, 90), _pct(ins, 99), _pct(ins, 99.9)],
-            "lat_sample": lat[:: max(1, len(lat) // 2000)],
-            "ins_sample": ins[:: max(1, len(ins) // 2000)],
-            "insert_failed": failed,
-            "tb0": tb0, "tb1": tb1, "batch_ops": sum(len(b) for b in lookup_batches),
-            "batch_hits": bhits,
-            "batch_lookup_ns": [_pct(blat, 50), _pct(blat, 99)],
-            "batch_insert_ns": [_pct(bins, 50), _pct(bins, 99)],
-            "batch_insert_failed": len(bins_keys) - bstored,
-            "timer_overhead_ns": overhead,
-            "core": core,
-        })
+        queue.put(
+            {
+                "rank": rank,
+                "ok": True,
+                "t0": t0,
+                "t1": t1,
+                "ops": ops,
+                "hits": hits,
+                "cpu_share": cpu_share,
+                "lookups_per_s": ops / ((t1 - t0) / 1e9),
+                "lookup_ns": [_pct(lat, 50), _pct(lat, 90), _pct(lat, 99), _pct(lat, 99.9)],
+                "insert_ns": [_pct(ins, 50), _pct(ins, 90), _pct(ins, 99), _pct(ins, 99.9)],
+                "lat_sample": lat[:: max(1, len(lat) // 2000)],
+                "ins_sample": ins[:: max(1, len(ins) // 2000)],
+                "insert_failed": failed,
+                "tb0": tb0,
+                "tb1": tb1,
+                "batch_ops": sum(len(b) for b in lookup_batches),
+                "batch_hits": bhits,
+                "batch_lookup_ns": [_pct(blat, 50), _pct(blat, 99)],
+                "batch_insert_ns": [_pct(bins, 50), _pct(bins, 99)],
+                "batch_insert_failed": len(bins_keys) - bstored,
+                "timer_overhead_ns": overhead,
+                "core": core,
+            }
+        )
     except BaseException as e:  # noqa: BLE001 - report instead of hanging the parent
         report_failure(rank, barrier, queue, e)
 
 
-def _run_index_procs(path: str, run: int, nprocs: int, nkeys: int, ops: int, samples: int,
-                     inserts: int) -> dict[str, Any]:
+def _run_index_procs(
+    path: str, run: int, nprocs: int, nkeys: int, ops: int, samples: int, inserts: int
+) -> dict[str, Any]:
     results = run_workers(
-        _index_worker, nprocs,
+        _index_worker,
+        nprocs,
         lambda r, barrier, q: (path, run, r, nkeys, ops, samples, inserts, barrier, q),
-        "bench index", timeout_s=900)
+        "bench index",
+        timeout_s=900,
+    )
     total_ops = sum(r["ops"] for r in results)
     span = max(r["t1"] for r in results) - min(r["t0"] for r in results)
     bspan = max(r["tb1"] for r in results) - min(r["tb0"] for r in results)
@@ -542,8 +603,10 @@ def _run_index_procs(path: str, run: int, nprocs: int, nkeys: int, ops: int, sam
     core: dict[str, Any] = {}
     cores = [r["core"] for r in results]
     if cores:
+
         def cget(k):
             return [c[k] for c in cores if isinstance(c.get(k), (int, float))]
+
         if cget("lookups_per_s"):
             core["core_lookups_per_s"] = round(sum(cget("lookups_per_s")))
         if cget("inserts") and cget("inserts_per_s"):
@@ -576,7 +639,7 @@ def _run_index_procs(path: str, run: int, nprocs: int, nkeys: int, ops: int, sam
         "batch_insert_ns_p50": round(med(r["batch_insert_ns"][0] for r in results), 1),
         "batch_insert_ns_p99": round(max(r["batch_insert_ns"][1] for r in results), 1),
         "lookup_misses": sum(r["ops"] - r["hits"] for r in results)
-                         + sum(r["batch_ops"] - r["batch_hits"] for r in results),
+        + sum(r["batch_ops"] - r["batch_hits"] for r in results),
         "insert_failed": sum(r["insert_failed"] + r["batch_insert_failed"] for r in results),
         "timer_overhead_ns": int(med(r["timer_overhead_ns"] for r in results)),
         # CPU time / wall time of each process during the timed lookups: < 1 means it was
@@ -587,13 +650,23 @@ def _run_index_procs(path: str, run: int, nprocs: int, nkeys: int, ops: int, sam
 
 # Read path against the memory's limit (from Namespace.bench_index, same process, same run):
 # the batched prefix match of 256 keys per key, and the ratios to a dependent random line read.
-_LIMIT_FIELDS = ("prefix256_match_ns_per_key", "prefix256_acquire_ns_per_key", "lookup_vs_line_read",
-                 "prefix256_vs_line_read")
+_LIMIT_FIELDS = (
+    "prefix256_match_ns_per_key",
+    "prefix256_acquire_ns_per_key",
+    "lookup_vs_line_read",
+    "prefix256_vs_line_read",
+)
 
 
-def bench_index(procs: list[int] | None = None, ops: int = 300_000, keys: int = 100_000,
-                samples: int = 20_000, inserts: int = 20_000, pool_dir: str = "/dev/shm",
-                quiet: bool = False) -> dict[str, Any]:
+def bench_index(
+    procs: list[int] | None = None,
+    ops: int = 300_000,
+    keys: int = 100_000,
+    samples: int = 20_000,
+    inserts: int = 20_000,
+    pool_dir: str = "/dev/shm",
+    quiet: bool = False,
+) -> dict[str, Any]:
     """Lookup/insert latency and multi-process lookup throughput on one pool."""
     log = progress(quiet)
     cores = os.cpu_count() or 1
@@ -615,11 +688,19 @@ def bench_index(procs: list[int] | None = None, ops: int = 300_000, keys: int = 
     runs: list[dict[str, Any]] = []
     try:
         # enough room for every key inserted (no eviction in the timed inserts), 1 MiB chunks
-        pool, ns = create_pool_for(path, pool_size, _INDEX_LAYOUT, _INDEX_NS,
-                                int(total_entries * 1.1), index_slots=index_slots,
-                                chunk_size=1 * _MiB)
-        log(f"bench index: pool {format_size(pool.size)}, {index_slots} index slots, prefill {keys} "
-            f"keys, process counts {counts}")
+        pool, ns = create_pool_for(
+            path,
+            pool_size,
+            _INDEX_LAYOUT,
+            _INDEX_NS,
+            int(total_entries * 1.1),
+            index_slots=index_slots,
+            chunk_size=1 * _MiB,
+        )
+        log(
+            f"bench index: pool {format_size(pool.size)}, {index_slots} index slots, prefill {keys} "
+            f"keys, process counts {counts}"
+        )
         with pool:
             payload = bytes(range(256)) * (_INDEX_BLOCK // 256)
             put = ns.put
@@ -630,9 +711,11 @@ def bench_index(procs: list[int] | None = None, ops: int = 300_000, keys: int = 
             log(f"  prefill {keys} keys: {(time.perf_counter_ns() - t0) / keys:.0f} ns/put from Python")
             for run, n in enumerate(counts):
                 r = _run_index_procs(path, run, n, keys, ops, samples, inserts)
-                log(f"  {n} proc(s): {r['lookups_per_s'] / 1e6:.2f} M lookups/s, lookup p50 "
+                log(
+                    f"  {n} proc(s): {r['lookups_per_s'] / 1e6:.2f} M lookups/s, lookup p50 "
                     f"{r['lookup_p50_ns']} ns p99 {r['lookup_p99_ns']} ns, insert p50 "
-                    f"{r['insert_p50_ns']} ns p99 {r['insert_p99_ns']} ns")
+                    f"{r['insert_p50_ns']} ns p99 {r['insert_p99_ns']} ns"
+                )
                 runs.append(r)
     finally:
         try:
@@ -678,8 +761,13 @@ def bench_index(procs: list[int] | None = None, ops: int = 300_000, keys: int = 
         "runs": runs,
     }
     if "core_lookups_per_s" in base:
-        for k in ("core_lookup_p50_ns", "core_lookup_p99_ns", "core_lookup_mean_ns",
-                  "core_insert_p50_ns", "core_insert_p99_ns"):
+        for k in (
+            "core_lookup_p50_ns",
+            "core_lookup_p99_ns",
+            "core_lookup_mean_ns",
+            "core_insert_p50_ns",
+            "core_insert_p99_ns",
+        ):
             if k in base:
                 out[k] = base[k]
         if "core_line_read_p50_ns" in base:  # the limit, from the 1-process run like the latencies
@@ -729,9 +817,18 @@ def print_index_result(console, result: dict[str, Any]) -> None:
         ("insert p50 / p99", lambda r: f"{r['insert_p50_ns']} / {r['insert_p99_ns']}"),
         ("[bold]batches of 1000[/bold] (match_prefix / store)", None),
         ("lookups/s (all procs)", lambda r: f"{r['batch_lookups_per_s'] / 1e6:.2f} M"),
-        ("scaling vs 1 proc", lambda r: f"{r['batch_scaling']:.2f}x ({r['batch_scaling_per_proc']:.2f}/proc)"),
-        ("lookup per key p50 / p99", lambda r: f"{r['batch_lookup_ns_p50']:.0f} / {r['batch_lookup_ns_p99']:.0f}"),
-        ("insert per key p50 / p99", lambda r: f"{r['batch_insert_ns_p50']:.0f} / {r['batch_insert_ns_p99']:.0f}"),
+        (
+            "scaling vs 1 proc",
+            lambda r: f"{r['batch_scaling']:.2f}x ({r['batch_scaling_per_proc']:.2f}/proc)",
+        ),
+        (
+            "lookup per key p50 / p99",
+            lambda r: f"{r['batch_lookup_ns_p50']:.0f} / {r['batch_lookup_ns_p99']:.0f}",
+        ),
+        (
+            "insert per key p50 / p99",
+            lambda r: f"{r['batch_insert_ns_p50']:.0f} / {r['batch_insert_ns_p99']:.0f}",
+        ),
         ("misses / failed inserts", lambda r: f"{r['lookup_misses']} / {r['insert_failed']}"),
         ("CPU share per proc", lambda r: " ".join(f"{x:.2f}" for x in r["cpu_share"])),
     ]
@@ -739,10 +836,18 @@ def print_index_result(console, result: dict[str, Any]) -> None:
         rows += [
             ("[bold]core[/bold] (C++ side, no Python)", None),
             ("lookups/s (all procs)", lambda r: f"{r['core_lookups_per_s'] / 1e6:.2f} M"),
-            ("scaling vs 1 proc", lambda r: f"{r.get('core_scaling', 1):.2f}x "
-                                            f"({r.get('core_scaling_per_proc', 1):.2f}/proc)"),
-            ("lookup p50 / p99", lambda r: f"{r.get('core_lookup_p50_ns', '-')} / {r.get('core_lookup_p99_ns', '-')}"),
-            ("insert p50 / p99", lambda r: f"{r.get('core_insert_p50_ns', '-')} / {r.get('core_insert_p99_ns', '-')}"),
+            (
+                "scaling vs 1 proc",
+                lambda r: f"{r.get('core_scaling', 1):.2f}x ({r.get('core_scaling_per_proc', 1):.2f}/proc)",
+            ),
+            (
+                "lookup p50 / p99",
+                lambda r: f"{r.get('core_lookup_p50_ns', '-')} / {r.get('core_lookup_p99_ns', '-')}",
+            ),
+            (
+                "insert p50 / p99",
+                lambda r: f"{r.get('core_insert_p50_ns', '-')} / {r.get('core_insert_p99_ns', '-')}",
+            ),
             ("line read p50 (the limit)", lambda r: f"{r.get('core_line_read_p50_ns', '-')}"),
             ("lookup / line read", lambda r: f"{r.get('core_lookup_vs_line_read', '-')}"),
             ("prefix-256 match ns/key", lambda r: f"{r.get('core_prefix256_match_ns_per_key', '-')}"),
@@ -752,7 +857,9 @@ def print_index_result(console, result: dict[str, Any]) -> None:
         t.add_row(label, *[(f(r) if f else "") for r in runs])
     console.print(t)
     m = result.get("machine", {})
-    console.print(f"[dim]{m.get('cpu', '?')}, {m.get('cores', '?')} cores; {result['keys']} keys of "
-                  f"{result['block_bytes']} B, {result['index_slots']} index slots. Single-call numbers "
-                  f"are Python calls timed one by one (timer ~{result['timer_overhead_ns']} ns included); "
-                  "batch numbers are per key, Python overhead amortized.[/dim]")
+    console.print(
+        f"[dim]{m.get('cpu', '?')}, {m.get('cores', '?')} cores; {result['keys']} keys of "
+        f"{result['block_bytes']} B, {result['index_slots']} index slots. Single-call numbers "
+        f"are Python calls timed one by one (timer ~{result['timer_overhead_ns']} ns included); "
+        "batch numbers are per key, Python overhead amortized.[/dim]"
+    )

@@ -20,6 +20,7 @@ replica 1 populates the cache, replica 2 hits it (mean and p99 TTFT, requests/s)
 Prints per-turn TTFT and the speedups against `off` measured in the same run; --plot writes a PNG.
 Needs vLLM (scripts/setup-vllm.sh).
 """
+
 from __future__ import annotations
 
 import json
@@ -41,7 +42,31 @@ CONFIGS = ("off", "local", "cxlkv-1", "cxlkv-2", "example-1", "example-2")
 
 def conversations(n: int, turns: int, turn_words: int) -> list[list[str]]:
     """Per conversation, the prompt of each turn (each extends the previous one)."""
-    vocab = ["agent", "tool", "call", "result", "observation", "plan", "step", "memory", "context", "file", "search", "query", "answer", "code", "test", "error", "retry", "summary", "document", "section", "table", "value", "request"]
+    vocab = [
+        "agent",
+        "tool",
+        "call",
+        "result",
+        "observation",
+        "plan",
+        "step",
+        "memory",
+        "context",
+        "file",
+        "search",
+        "query",
+        "answer",
+        "code",
+        "test",
+        "error",
+        "retry",
+        "summary",
+        "document",
+        "section",
+        "table",
+        "value",
+        "request",
+    ]
     out = []
     for c in range(n):
         rng = random.Random(1000 + c)
@@ -60,20 +85,29 @@ def _worker(spec: dict) -> None:
     from cxlkv.testing import models
 
     model = models.smollm2() if spec["model"] == "smollm2" else models.tiny_llama()
-    kw: dict[str, Any] = dict(model=model, enforce_eager=True, kv_cache_memory_bytes=2 << 30,
-                              max_model_len=spec["max_model_len"], seed=0,
-                              enable_prefix_caching=spec["config"] != "off",
-                              # whole prompts in one step: ExampleConnector breaks on chunked prefill
-                              max_num_batched_tokens=spec["max_model_len"])
+    kw: dict[str, Any] = dict(
+        model=model,
+        enforce_eager=True,
+        kv_cache_memory_bytes=2 << 30,
+        max_model_len=spec["max_model_len"],
+        seed=0,
+        enable_prefix_caching=spec["config"] != "off",
+        # whole prompts in one step: ExampleConnector breaks on chunked prefill
+        max_num_batched_tokens=spec["max_model_len"],
+    )
     if spec["config"].startswith("cxlkv"):
         kw["kv_transfer_config"] = {
-            "kv_connector": "CxlKVConnector", "kv_connector_module_path": "cxlkv.integrations.vllm",
+            "kv_connector": "CxlKVConnector",
+            "kv_connector_module_path": "cxlkv.integrations.vllm",
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {"pool_path": spec["pool"], "pool_size": "4GiB"}}
+            "kv_connector_extra_config": {"pool_path": spec["pool"], "pool_size": "4GiB"},
+        }
     elif spec["config"].startswith("example"):
         kw["kv_transfer_config"] = {
-            "kv_connector": "ExampleConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"shared_storage_path": spec["pool"] + ".example"}}
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": spec["pool"] + ".example"},
+        }
     llm = LLM(**kw)
     sp = SamplingParams(temperature=0.0, max_tokens=1)
     llm.generate(["warm up " * 20], sp)
@@ -85,13 +119,26 @@ def _worker(spec: dict) -> None:
                 t0 = time.perf_counter()
                 out = llm.generate([prompts[turn]], sp, use_tqdm=False)[0]
                 dt = time.perf_counter() - t0
-                ttft[c].append({"turn": turn + 1, "tokens": len(out.prompt_token_ids),
-                                "cached": out.num_cached_tokens or 0, "ttft_s": dt})
+                ttft[c].append(
+                    {
+                        "turn": turn + 1,
+                        "tokens": len(out.prompt_token_ids),
+                        "cached": out.num_cached_tokens or 0,
+                        "ttft_s": dt,
+                    }
+                )
     print("BENCH_RESULT " + json.dumps(ttft), flush=True)
 
 
-def run(model: str = "smollm2", contexts: int = 2, turns: int = 5, turn_words: int = 1100,
-        max_model_len: int = 8192, plot: str | None = None, console: Any = None) -> dict[str, Any]:
+def run(
+    model: str = "smollm2",
+    contexts: int = 2,
+    turns: int = 5,
+    turn_words: int = 1100,
+    max_model_len: int = 8192,
+    plot: str | None = None,
+    console: Any = None,
+) -> dict[str, Any]:
     """Runs every configuration of :data:`CONFIGS` in turn and returns the summary; progress
     lines (and a failed engine's last output) go to ``console`` (a rich Console), if given."""
     if console is None:
@@ -103,18 +150,29 @@ def run(model: str = "smollm2", contexts: int = 2, turns: int = 5, turn_words: i
     results: dict[str, Any] = {}
     try:
         for cfg in CONFIGS:
-            spec = dict(config=cfg, model=model, contexts=contexts, turns=turns, turn_words=turn_words,
-                        max_model_len=max_model_len, pool=pool)
+            spec = dict(
+                config=cfg,
+                model=model,
+                contexts=contexts,
+                turns=turns,
+                turn_words=turn_words,
+                max_model_len=max_model_len,
+                pool=pool,
+            )
             con.print(f"bench vllm: running {cfg} ...")
             env = dict(os.environ)
             env.pop("PYTHONHASHSEED", None)
-            p = subprocess.run([sys.executable, "-m", "cxlkv.tools.bench_vllm", "--worker", json.dumps(spec)],
-                               capture_output=True, text=True, env=env)
+            p = subprocess.run(
+                [sys.executable, "-m", "cxlkv.tools.bench_vllm", "--worker", json.dumps(spec)],
+                capture_output=True,
+                text=True,
+                env=env,
+            )
             line = next((x for x in p.stdout.splitlines() if x.startswith("BENCH_RESULT ")), None)
             if p.returncode != 0 or line is None:
                 con.print((p.stdout + p.stderr)[-4000:])
                 raise CommandError(f"bench vllm: the {cfg} engine failed (exit {p.returncode})")
-            results[cfg] = json.loads(line[len("BENCH_RESULT "):])
+            results[cfg] = json.loads(line[len("BENCH_RESULT ") :])
     finally:
         if os.path.exists(pool):
             os.unlink(pool)
@@ -127,8 +185,12 @@ def run(model: str = "smollm2", contexts: int = 2, turns: int = 5, turn_words: i
     tokens = [sum(c[t]["tokens"] for c in results["off"]) / contexts for t in range(turns)]
     cached2 = [sum(c[t]["cached"] for c in results["cxlkv-2"]) / contexts for t in range(turns)]
     summary = {
-        "model": model, "contexts": contexts, "turns": turns,
-        "mean_tokens_per_turn": tokens, "ttft_s": turns_ttft, "cxlkv2_cached_tokens": cached2,
+        "model": model,
+        "contexts": contexts,
+        "turns": turns,
+        "mean_tokens_per_turn": tokens,
+        "ttft_s": turns_ttft,
+        "cxlkv2_cached_tokens": cached2,
         "warm_turn_speedup_cxlkv2_vs_off": turns_ttft["off"][-1] / turns_ttft["cxlkv-2"][-1],
         "warm_turn_cxlkv2_vs_local": turns_ttft["cxlkv-2"][-1] / turns_ttft["local"][-1],
         "wall_s": {cfg: sum(turns_ttft[cfg]) * contexts for cfg in CONFIGS},
@@ -140,8 +202,11 @@ def run(model: str = "smollm2", contexts: int = 2, turns: int = 5, turn_words: i
     for cfg in CONFIGS:
         xs = sorted(t["ttft_s"] for conv in results[cfg] for t in conv)
         mean = sum(xs) / len(xs)
-        summary["per_request"][cfg] = {"mean_ttft_s": mean, "p99_ttft_s": percentile(xs, 99),
-                                       "requests_per_s": 1.0 / mean}
+        summary["per_request"][cfg] = {
+            "mean_ttft_s": mean,
+            "p99_ttft_s": percentile(xs, 99),
+            "requests_per_s": 1.0 / mean,
+        }
     summary["percentile_method"] = PERCENTILE_METHOD
     if plot:
         _plot(summary, plot)
@@ -163,8 +228,9 @@ def print_result(con: Any, summary: dict[str, Any]) -> None:
         t.add_column(cfg, justify="right")
     t.add_column("cxlkv-2 cached", justify="right")
     for i in range(turns):
-        t.add_row(str(i + 1), f"{tokens[i]:.0f}", *[f"{turns_ttft[c][i]:.3f}" for c in CONFIGS],
-                  f"{cached2[i]:.0f}")
+        t.add_row(
+            str(i + 1), f"{tokens[i]:.0f}", *[f"{turns_ttft[c][i]:.3f}" for c in CONFIGS], f"{cached2[i]:.0f}"
+        )
     con.print(t)
     t2 = Table(title="per request (all turns of all conversations)")
     for c in ("config", "mean TTFT", "p99 TTFT", "requests/s"):
@@ -173,15 +239,19 @@ def print_result(con: Any, summary: dict[str, Any]) -> None:
         r = summary["per_request"][cfg]
         t2.add_row(cfg, f"{r['mean_ttft_s']:.3f}", f"{r['p99_ttft_s']:.3f}", f"{r['requests_per_s']:.2f}")
     con.print(t2)
-    con.print(f"last turn: cxlkv-2 {summary['warm_turn_speedup_cxlkv2_vs_off']:.1f}x faster than off, "
-              f"{summary['warm_turn_cxlkv2_vs_local']:.2f}x vLLM's local prefix hit; whole workload "
-              f"{summary['wall_speedup_cxlkv2_vs_off']:.1f}x faster than off")
+    con.print(
+        f"last turn: cxlkv-2 {summary['warm_turn_speedup_cxlkv2_vs_off']:.1f}x faster than off, "
+        f"{summary['warm_turn_cxlkv2_vs_local']:.2f}x vLLM's local prefix hit; whole workload "
+        f"{summary['wall_speedup_cxlkv2_vs_off']:.1f}x faster than off"
+    )
 
 
 def _plot(summary: dict, path: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(7, 4))
     x = list(range(1, summary["turns"] + 1))
     for cfg, style in zip(CONFIGS, ("o-", "s-", "^--", "d-", "v--", "x-"), strict=True):
