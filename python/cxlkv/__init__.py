@@ -4,14 +4,16 @@ Everything is in the pool: KV blocks, the prefix index, the allocator and the no
 process attaches with :meth:`Pool.open` and reads or publishes KV blocks with plain loads and
 stores; there is no server on the path. See docs/API.md for the contract.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Optional, Union
+from typing import Any
 
 from . import _core
-from ._core import (  # noqa: F401  (re-exported)
+from ._core import Lease, Namespace
+from .errors import (
     CxlkvError,
     LayoutMismatchError,
     NamespaceTableFullError,
@@ -21,18 +23,52 @@ from ._core import (  # noqa: F401  (re-exported)
     PoolNotReadyError,
     PoolTruncatedError,
     PoolVersionError,
-    Lease,
-    Namespace,
 )
-from .paths import DEFAULT_POOL_PATH, ensure_private_dir
-from .sizes import format_size, parse_size  # noqa: F401
+from .paths import DEFAULT_POOL_PATH, default_pool_path, ensure_private_dir
+from .sizes import format_size, parse_size
 
 __all__ = [
-    "Pool", "KVLayout", "Namespace", "Lease", "CxlkvError", "PoolFormatError", "PoolVersionError",
-    "PoolTruncatedError", "PoolNotReadyError", "PoolCorruptError", "LayoutMismatchError",
-    "NodeTableFullError", "NamespaceTableFullError", "DEFAULT_POOL_PATH", "parse_size", "format_size",
-    "dtypes", "resolve_dtype", "dtype_bytes",
+    "DEFAULT_POOL_PATH",
+    "DEFAULT_POOL_SIZE",
+    "CxlkvError",
+    "KVLayout",
+    "LayoutMismatchError",
+    "Lease",
+    "Namespace",
+    "NamespaceTableFullError",
+    "NodeTableFullError",
+    "Pool",
+    "PoolCorruptError",
+    "PoolFormatError",
+    "PoolNotReadyError",
+    "PoolTruncatedError",
+    "PoolVersionError",
+    "create_options",
+    "default_pool_path",
+    "dtype_bytes",
+    "dtypes",
+    "format_size",
+    "parse_size",
+    "resolve_dtype",
 ]
+
+# The size Pool.create / open_or_create (and `cxlkv demo`) give a pool when none is named.
+DEFAULT_POOL_SIZE = "1GiB"
+
+# Pool.create's defaults and limits are the core's (CreateOptions, format.h).
+_CREATE_OPTIONS: dict = _core.create_options()
+
+
+def create_options() -> dict:
+    """Pool creation's defaults and limits, from the core: ``{option: {"default", "min", "max"}}``
+    for ``chunk_bytes``, ``index_slots``, ``max_nodes``, ``pin_slots``, ``max_namespaces``,
+    ``lease_ms`` (a default of 0: derived from the size; ``max`` None: no fixed limit), and
+    ``{"backend": {"default": ...}}``."""
+    return {k: dict(v) for k, v in _CREATE_OPTIONS.items()}
+
+
+def _create_default(option: str):
+    return _CREATE_OPTIONS[option]["default"]
 
 
 def dtypes() -> dict:
@@ -82,7 +118,7 @@ class KVLayout:
     kind: str = _LAYOUT_DEFAULTS["kind"]
     tp_rank: int = _LAYOUT_DEFAULTS["tp_rank"]
     tp_size: int = _LAYOUT_DEFAULTS["tp_size"]
-    block_bytes: Optional[int] = None  # None: the natural size of the other fields
+    block_bytes: int | None = None  # None: the natural size of the other fields
     source: str = dataclasses.field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -99,7 +135,11 @@ class KVLayout:
         return f"{self.model_id}#tp{self.tp_rank}/{self.tp_size}"
 
 
-SizeLike = Union[int, str]
+SizeLike = int | str
+
+
+def _path_or_default(path: str | os.PathLike[str] | None) -> str:
+    return default_pool_path() if path is None else os.fspath(path)
 
 
 def _check_text(what: str, text: str) -> None:
@@ -113,33 +153,63 @@ def _check_text(what: str, text: str) -> None:
 class Pool:
     """One process's attachment to a pool. Use as a context manager, or call :meth:`close`."""
 
-    def __init__(self, core: "_core.Pool"):
+    def __init__(self, core: _core.Pool):
         self._core = core
         self._namespaces: dict = {}
 
     # -- lifecycle ------------------------------------------------------------------------
     @classmethod
-    def create(cls, path: str = DEFAULT_POOL_PATH, size: SizeLike = "1GiB", *, chunk_size: Optional[SizeLike] = None,
-               index_slots: Optional[int] = None, max_nodes: int = 64, pin_slots: Optional[int] = None,
-               max_namespaces: int = 64, backend: str = "coherent", exist_ok: bool = False,
-               lease_ms: int = 10000, allow_foreign_owner: bool = False, allow_group: bool = False) -> "Pool":
-        """Create a pool (mode 0600). With exist_ok, an existing pool is opened instead, under
-        the same owner checks as :meth:`open`. lease_ms: how long a node of another kernel may
-        stay silent before it is judged dead (nodes of this kernel are judged by a kernel lock,
-        at once)."""
-        path = os.fspath(path)
+    def create(
+        cls,
+        path: str | None = None,
+        size: SizeLike = DEFAULT_POOL_SIZE,
+        *,
+        chunk_size: SizeLike | None = None,
+        index_slots: int | None = None,
+        max_nodes: int = _create_default("max_nodes"),
+        pin_slots: int | None = None,
+        max_namespaces: int = _create_default("max_namespaces"),
+        backend: str = _create_default("backend"),
+        exist_ok: bool = False,
+        lease_ms: int = _create_default("lease_ms"),
+        allow_foreign_owner: bool = False,
+        allow_group: bool = False,
+    ) -> Pool:
+        """Create a pool (mode 0600) at ``path`` (default: :func:`default_pool_path`). With
+        exist_ok, an existing pool is opened instead, under the same owner checks as :meth:`open`.
+        chunk_size, index_slots, pin_slots: None lets the core derive them from the size.
+        lease_ms: how long a node of another kernel may stay silent before it is judged dead
+        (nodes of this kernel are judged by a kernel lock, at once). Defaults and limits:
+        :func:`create_options`."""
+        path = _path_or_default(path)
         ensure_private_dir(path)
         core = _core.Pool.create(
-            path, parse_size(size), chunk_bytes=parse_size(chunk_size) if chunk_size else 0,
-            index_slots=index_slots or 0, max_nodes=max_nodes,
-            max_namespaces=max_namespaces, backend=backend, exist_ok=exist_ok, lease_ms=lease_ms,
-            allow_foreign_owner=allow_foreign_owner, allow_group=allow_group,
-            **({} if pin_slots is None else {"pin_slots": pin_slots}))  # None: the core's default
+            path,
+            parse_size(size),
+            chunk_bytes=parse_size(chunk_size) if chunk_size else _create_default("chunk_bytes"),
+            index_slots=index_slots or _create_default("index_slots"),
+            max_nodes=max_nodes,
+            pin_slots=_create_default("pin_slots") if pin_slots is None else pin_slots,
+            max_namespaces=max_namespaces,
+            backend=backend,
+            exist_ok=exist_ok,
+            lease_ms=lease_ms,
+            allow_foreign_owner=allow_foreign_owner,
+            allow_group=allow_group,
+        )
         return cls(core)
 
     @classmethod
-    def open(cls, path: str = DEFAULT_POOL_PATH, *, populate: bool = False, read_only: bool = False,
-             attach: bool = True, allow_foreign_owner: bool = False, allow_group: bool = False) -> "Pool":
+    def open(
+        cls,
+        path: str | None = None,
+        *,
+        populate: bool = False,
+        read_only: bool = False,
+        attach: bool = True,
+        allow_foreign_owner: bool = False,
+        allow_group: bool = False,
+    ) -> Pool:
         """Attach to an existing pool. populate=True maps every page now (long-lived servers),
         instead of faulting pages in during the first copies.
 
@@ -149,29 +219,44 @@ class Pool:
         read_only=True inspects without attaching (info, namespaces(), stats()): works without
         write access, no node slot is taken, namespaces cannot be opened. attach=False opens an
         observer that takes no node slot (works on a full node table; may still reclaim dead
-        nodes) and cannot open namespaces: for stats, check and reap."""
-        path = os.fspath(path)
+        nodes) and cannot open namespaces: for stats, check and reap. ``path`` defaults to
+        :func:`default_pool_path`."""
+        path = _path_or_default(path)
         if not read_only:
             ensure_private_dir(path)
-        return cls(_core.Pool.open(path, populate=populate, read_only=read_only, attach=attach,
-                                   allow_foreign_owner=allow_foreign_owner, allow_group=allow_group))
+        return cls(
+            _core.Pool.open(
+                path,
+                populate=populate,
+                read_only=read_only,
+                attach=attach,
+                allow_foreign_owner=allow_foreign_owner,
+                allow_group=allow_group,
+            )
+        )
 
     @classmethod
-    def open_or_create(cls, path: str = DEFAULT_POOL_PATH, size: SizeLike = "1GiB", **kwargs) -> "Pool":
+    def open_or_create(
+        cls, path: str | None = None, size: SizeLike = DEFAULT_POOL_SIZE, **kwargs: Any
+    ) -> Pool:
         return cls.create(path, size, exist_ok=True, **kwargs)
 
     @staticmethod
-    def destroy(path: str = DEFAULT_POOL_PATH, *, ignore_attached: bool = False, remove_invalid: bool = False) -> None:
+    def destroy(
+        path: str | None = None, *, ignore_attached: bool = False, remove_invalid: bool = False
+    ) -> None:
         """Delete a file pool (wipe a devdax pool's header). Refuses while live processes are
         attached (the error lists them) unless ignore_attached. remove_invalid=True also removes a
         regular file that is not a complete pool (0 bytes, bad magic, half-initialized)."""
-        _core.Pool.destroy(os.fspath(path), ignore_attached=ignore_attached, remove_invalid=remove_invalid)
+        _core.Pool.destroy(
+            _path_or_default(path), ignore_attached=ignore_attached, remove_invalid=remove_invalid
+        )
 
     def close(self) -> None:
         self._namespaces.clear()
         self._core.close()
 
-    def __enter__(self) -> "Pool":
+    def __enter__(self) -> Pool:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -211,7 +296,7 @@ class Pool:
         return self._core.file_replaced()
 
     # -- namespaces -----------------------------------------------------------------------
-    def namespace(self, layout: KVLayout, name: Optional[str] = None) -> Namespace:
+    def namespace(self, layout: KVLayout, name: str | None = None) -> Namespace:
         name = name or layout.default_name()
         _check_text("namespace name", name)
         ns = self._namespaces.get((name, layout))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["parse_size", "format_size"]
+__all__ = ["format_size", "parse_size"]
 
 _IEC = {"": 1, "b": 1}
 _SI: dict[str, int] = {}
@@ -48,9 +48,7 @@ def parse_size(value: int | str) -> int:
 
             return parse_size(operator.index(value))
         except TypeError:
-            raise ValueError(
-                f"invalid size {value!r}: expected an int or a string like '4GiB'"
-            ) from None
+            raise ValueError(f"invalid size {value!r}: expected an int or a string like '4GiB'") from None
     if value.strip().startswith("-"):
         raise ValueError(f"invalid size {value!r}: must not be negative")
     m = _SIZE_RE.match(value)

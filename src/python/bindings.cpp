@@ -8,6 +8,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <cstring>
+#include <optional>
 #include <shared_mutex>
 
 #include "bench.h"
@@ -22,6 +23,9 @@ using namespace nb::literals;
 using namespace cxlkv;
 
 namespace {
+
+// Pool creation's defaults: the core's CreateOptions, the one place they are written.
+const CreateOptions kCreateDefaults{};
 
 // Keeps a Pool alive and serializes close() against operations running without the GIL.
 struct PyPool {
@@ -466,9 +470,11 @@ NB_MODULE(_core, m) {
             }
             return pp;
           },
-          "path"_a, "size"_a, "chunk_bytes"_a = 0, "index_slots"_a = 0, "max_nodes"_a = 64, "pin_slots"_a = 0,
-          "max_namespaces"_a = 64, "backend"_a = "coherent", "exist_ok"_a = false,
-          "lease_ms"_a = format::kLeaseMsDefault, "allow_foreign_owner"_a = false,
+          "path"_a, "size"_a, "chunk_bytes"_a = kCreateDefaults.chunk_bytes,
+          "index_slots"_a = kCreateDefaults.index_slots, "max_nodes"_a = kCreateDefaults.max_nodes,
+          "pin_slots"_a = kCreateDefaults.pin_slots, "max_namespaces"_a = kCreateDefaults.max_namespaces,
+          "backend"_a = backend_name(kCreateDefaults.backend), "exist_ok"_a = false,
+          "lease_ms"_a = kCreateDefaults.lease_ms, "allow_foreign_owner"_a = false,
           "allow_group"_a = false, nb::rv_policy::take_ownership)
       .def_static(
           "open",
@@ -738,6 +744,29 @@ NB_MODULE(_core, m) {
     for (const auto& f : layout_field_table()) d[f.name] = field_value(f, f.get(l));
     return d;
   }, "layout"_a, "Validates a KVLayout-like object as open_namespace would; returns its fields in canonical form.");
+  // Pool creation's defaults (CreateOptions{}) and limits (format.h), for the Python API's
+  // signature and the CLI's help: {option: {"default", "min", "max"}}; a default of 0 means
+  // "derived from the size" (max None: no limit named in format.h).
+  m.def("create_options", [] {
+    auto row = [](uint64_t def, uint64_t lo, std::optional<uint64_t> hi) {
+      nb::dict d;
+      d["default"] = def;
+      d["min"] = lo;
+      d["max"] = hi ? nb::cast(*hi) : nb::none();
+      return d;
+    };
+    nb::dict d;
+    d["chunk_bytes"] = row(kCreateDefaults.chunk_bytes, 0, std::nullopt);
+    d["index_slots"] = row(kCreateDefaults.index_slots, 0, std::nullopt);
+    d["max_nodes"] = row(kCreateDefaults.max_nodes, 1, format::kMaxNodes);
+    d["pin_slots"] = row(kCreateDefaults.pin_slots, 0, std::nullopt);
+    d["max_namespaces"] = row(kCreateDefaults.max_namespaces, 1, format::kMaxNamespaces);
+    d["lease_ms"] = row(kCreateDefaults.lease_ms, format::kLeaseMsMin, format::kLeaseMsMax);
+    nb::dict backend;
+    backend["default"] = backend_name(kCreateDefaults.backend);
+    d["backend"] = backend;
+    return d;
+  }, "Pool.create's defaults and limits: {option: {default, min, max}} (backend: {default}).");
   m.def("nt_copy_kernel", [] { return std::string(nt_copy_kernel_name()); });
   m.def("set_copy_threads", [](unsigned n) { Pool::set_copy_threads(n); }, "n"_a);
   m.def("xxh3_64", [](nb::bytes b) { return xxh3(b.c_str(), b.size(), 0); });

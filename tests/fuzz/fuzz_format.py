@@ -16,6 +16,7 @@ replay command. The seed is printed first; CXLKV_FUZZ_SEED or --seed replays a r
 Known crashers live in tests/fuzz/corpus/ and are replayed by every CI run.
 Exit status: 0 when no case failed, 1 otherwise.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,9 +56,11 @@ def _limits() -> None:
 def _child_body(tool: str, path: str) -> int:
     if tool == "py":
         import fuzz_workload
+
         sys.stdout.write(json.dumps(fuzz_workload.exercise(path)) + "\n")
         return 0
     from cxlkv import cli
+
     return int(cli.main(["pool", tool, path]) or 0)
 
 
@@ -110,19 +113,35 @@ def run_forked(tool: str, path: str, timeout: float) -> dict:
     os.close(r_err)
     text = {fd: bytes(b).decode(errors="replace") for fd, b in out.items()}
     rc = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-    return {"rc": None if timed_out else rc, "timed_out": timed_out, "stdout": text[r_out], "stderr": text[r_err]}
+    return {
+        "rc": None if timed_out else rc,
+        "timed_out": timed_out,
+        "stdout": text[r_out],
+        "stderr": text[r_err],
+    }
 
 
 def run_exec(tool: str, path: str, timeout: float) -> dict:
-    cmd = [sys.executable, os.path.join(HERE, "fuzz_workload.py"), path] if tool == "py" else \
-        [CXLKV_CLI, "pool", tool, path]
+    cmd = (
+        [sys.executable, os.path.join(HERE, "fuzz_workload.py"), path]
+        if tool == "py"
+        else [CXLKV_CLI, "pool", tool, path]
+    )
     try:
         r = subprocess.run(cmd, capture_output=True, timeout=timeout, preexec_fn=_limits)
     except subprocess.TimeoutExpired as e:
-        return {"rc": None, "timed_out": True, "stdout": (e.stdout or b"").decode(errors="replace"),
-                "stderr": (e.stderr or b"").decode(errors="replace")}
-    return {"rc": r.returncode, "timed_out": False, "stdout": r.stdout.decode(errors="replace"),
-            "stderr": r.stderr.decode(errors="replace")}
+        return {
+            "rc": None,
+            "timed_out": True,
+            "stdout": (e.stdout or b"").decode(errors="replace"),
+            "stderr": (e.stderr or b"").decode(errors="replace"),
+        }
+    return {
+        "rc": r.returncode,
+        "timed_out": False,
+        "stdout": r.stdout.decode(errors="replace"),
+        "stderr": r.stderr.decode(errors="replace"),
+    }
 
 
 def signal_name(rc: int) -> str:
@@ -200,8 +219,11 @@ def run_case(case: dict, seeds: Seeds, scratch: str, timeout: float, exec_mode: 
 
 
 def signature(res: dict) -> str:
-    parts = [f"{t}:{v['outcome']}:{v['detail'].split('@')[0]}" for t, v in res["tools"].items()
-             if v["outcome"] in FAILURES]
+    parts = [
+        f"{t}:{v['outcome']}:{v['detail'].split('@')[0]}"
+        for t, v in res["tools"].items()
+        if v["outcome"] in FAILURES
+    ]
     return res["kind"].split(":")[0] + "|" + ";".join(parts)
 
 
@@ -212,8 +234,10 @@ _W: dict = {}
 def _worker_init(seeds: Seeds, timeout: float, workdir: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     import numpy  # noqa: F401  - warm imports, shared by every forked child
+
     import cxlkv.cli  # noqa: F401
     import fuzz_workload  # noqa: F401
+
     _W.update(seeds=seeds, timeout=timeout, scratch=os.path.join(workdir, f"case-{os.getpid()}"))
 
 
@@ -221,15 +245,26 @@ def _worker_run(case: dict) -> dict:
     try:
         return run_case(case, _W["seeds"], _W["scratch"], _W["timeout"])
     except Exception as e:  # noqa: BLE001 - a harness bug is reported, not hidden
-        return {"id": case["id"], "kind": case["kind"], "outcome": "harness_error", "error": repr(e), "tools": {}}
+        return {
+            "id": case["id"],
+            "kind": case["kind"],
+            "outcome": "harness_error",
+            "error": repr(e),
+            "tools": {},
+        }
 
 
 def save_failure(out_dir: str, seed: int, case: dict, res: dict, seeds: Seeds) -> str:
     name = f"case-s{seed}-{case['id']:06d}-{res['outcome']}.json"
     path = os.path.join(out_dir, name)
-    rec = {"seed": seed, "signature": signature(res) if res["tools"] else "harness_error", "case": case,
-           "where": M.describe_case(case, seeds.maps[case["variant"]]), "result": res,
-           "replay": f"python tests/fuzz/fuzz_format.py --replay {path}"}
+    rec = {
+        "seed": seed,
+        "signature": signature(res) if res["tools"] else "harness_error",
+        "case": case,
+        "where": M.describe_case(case, seeds.maps[case["variant"]]),
+        "result": res,
+        "replay": f"python tests/fuzz/fuzz_format.py --replay {path}",
+    }
     with open(path, "w") as f:
         json.dump(rec, f, indent=1)
     return path
@@ -265,10 +300,16 @@ def fuzz(seed: int, cases: int, minutes: float, workers: int, timeout: float, ou
                     print("time budget reached", flush=True)
                     pool.terminate()
                     break
-        summary = {"seed": seed, "cases": done, "elapsed_s": round(time.monotonic() - t0, 1),
-                   "outcomes": dict(counts), "per_tool": {t: dict(c) for t, c in per_tool.items()},
-                   "signatures": dict(sigs), "saved": saved,
-                   "failures": sum(counts[o] for o in FAILURES + ("harness_error",))}
+        summary = {
+            "seed": seed,
+            "cases": done,
+            "elapsed_s": round(time.monotonic() - t0, 1),
+            "outcomes": dict(counts),
+            "per_tool": {t: dict(c) for t, c in per_tool.items()},
+            "signatures": dict(sigs),
+            "saved": saved,
+            "failures": sum(counts[o] for o in FAILURES + ("harness_error",)),
+        }
         with open(os.path.join(out_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=1)
         return summary
@@ -288,8 +329,11 @@ def replay(path: str, timeout: float, write_pool: str | None = None) -> dict:
             with open(write_pool, "wb") as f:
                 f.write(M.apply_case(seeds.bytes[case["variant"]], case))
         res = run_case(case, seeds, os.path.join(workdir, "replay"), timeout, exec_mode=True)
-        return {"where": M.describe_case(case, seeds.maps[case["variant"]]), "outcome": res["outcome"],
-                "tools": res["tools"]}
+        return {
+            "where": M.describe_case(case, seeds.maps[case["variant"]]),
+            "outcome": res["outcome"],
+            "tools": res["tools"],
+        }
     finally:
         for name in os.listdir(workdir):
             os.unlink(os.path.join(workdir, name))
@@ -311,9 +355,16 @@ def main(argv: list[str] | None = None) -> int:
         r = replay(args.replay, args.timeout, args.write_pool)
         print(json.dumps(r, indent=1))
         return 1 if r["outcome"] in FAILURES else 0
-    seed = args.seed if args.seed is not None else int(os.environ.get("CXLKV_FUZZ_SEED") or random.randrange(1 << 31))
-    print(f"format fuzz: seed {seed} (replay the run: CXLKV_FUZZ_SEED={seed}), up to {args.cases} cases, "
-          f"{args.workers} workers, failures -> {args.out}", flush=True)
+    seed = (
+        args.seed
+        if args.seed is not None
+        else int(os.environ.get("CXLKV_FUZZ_SEED") or random.randrange(1 << 31))
+    )
+    print(
+        f"format fuzz: seed {seed} (replay the run: CXLKV_FUZZ_SEED={seed}), up to {args.cases} cases, "
+        f"{args.workers} workers, failures -> {args.out}",
+        flush=True,
+    )
     s = fuzz(seed, args.cases, args.minutes, args.workers, args.timeout, args.out)
     print(json.dumps({k: s[k] for k in ("seed", "cases", "elapsed_s", "outcomes", "signatures")}, indent=1))
     return 1 if s["failures"] else 0

@@ -6,6 +6,7 @@ write into (node slots, node areas, namespace entries) and `assert_matches(info)
 mirror against the geometry the core itself reports through `Pool.info()`: a format change that
 moves a header field fails the fuzz tests at once instead of silently fuzzing the wrong bytes.
 """
+
 from __future__ import annotations
 
 import os
@@ -13,7 +14,7 @@ import struct
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
-import cxlkv_testutil as tu  # noqa: E402
+import cxlkv_testutil as tu
 
 HEADER_FIELDS = tu.HEADER_FIELDS
 HEADER_STRUCT_BYTES = tu.HEADER_STRUCT_BYTES
@@ -22,32 +23,69 @@ SHARED_INIT_OFF = tu.SHARED_WORDS_OFF
 SHARED_NSLOCK_OFF = tu.SHARED_WORDS_OFF + 64  # SharedWords.ns_lock, the next cache line
 
 ENTRY_BYTES = tu.ENTRY_BYTES
-ENTRY_FIELDS = {"state": (tu.ENTRY_STATE_OFF, "<Q"), "key": (tu.ENTRY_KEY_OFF, "32s"),
-                "ns_id": (tu.ENTRY_NS_OFF, "<I"), "chunk": (tu.ENTRY_CHUNK_OFF, "<I"),
-                "block": (tu.ENTRY_BLOCK_OFF, "<H"), "depth": (tu.ENTRY_DEPTH_OFF, "<H"),
-                "length": (tu.ENTRY_LENGTH_OFF, "<I"), "checksum": (tu.ENTRY_CHECKSUM_OFF, "<Q")}
+ENTRY_FIELDS = {
+    "state": (tu.ENTRY_STATE_OFF, "<Q"),
+    "key": (tu.ENTRY_KEY_OFF, "32s"),
+    "ns_id": (tu.ENTRY_NS_OFF, "<I"),
+    "chunk": (tu.ENTRY_CHUNK_OFF, "<I"),
+    "block": (tu.ENTRY_BLOCK_OFF, "<H"),
+    "depth": (tu.ENTRY_DEPTH_OFF, "<H"),
+    "length": (tu.ENTRY_LENGTH_OFF, "<I"),
+    "checksum": (tu.ENTRY_CHECKSUM_OFF, "<Q"),
+}
 ENTRY_READY = tu.ENTRY_READY
 
 NODE_SLOT_BYTES = 64  # format.h NodeSlot
-NODE_SLOT_FIELDS = {"state": (0, "<Q"), "pid": (8, "<Q"), "start_time": (16, "<Q"), "host_id": (24, "<Q"),
-                    "heartbeat_ns": (32, "<Q"), "attach_unix_ns": (40, "<Q")}
-NODE_PIN_HW_OFF = 0       # NodeAreaFixed.pin_hw
-NODE_COUNTERS_OFF = 64    # NodeAreaFixed.counters[16]
-NODE_PINS_OFF = 192       # sizeof(NodeAreaFixed): pins follow
+NODE_SLOT_FIELDS = {
+    "state": (0, "<Q"),
+    "pid": (8, "<Q"),
+    "start_time": (16, "<Q"),
+    "host_id": (24, "<Q"),
+    "heartbeat_ns": (32, "<Q"),
+    "attach_unix_ns": (40, "<Q"),
+}
+NODE_PIN_HW_OFF = 0  # NodeAreaFixed.pin_hw
+NODE_COUNTERS_OFF = 64  # NodeAreaFixed.counters[16]
+NODE_PINS_OFF = 192  # sizeof(NodeAreaFixed): pins follow
 NS_BYTES = 256  # format.h NamespaceEntry
-NS_FIELDS = {"state": (0, "<Q"), "fingerprint": (8, "<Q"), "block_bytes": (16, "<Q"),
-             "dtype_bytes": (24, "<I"), "kind": (28, "<I"), "num_layers": (32, "<I"),
-             "num_kv_heads": (36, "<I"), "head_size": (40, "<I"), "tokens_per_block": (44, "<I"),
-             "tp_rank": (48, "<I"), "tp_size": (52, "<I"), "dtype": (56, "8s"), "model_id": (64, "96s"),
-             "name": (160, "96s")}
+NS_FIELDS = {
+    "state": (0, "<Q"),
+    "fingerprint": (8, "<Q"),
+    "block_bytes": (16, "<Q"),
+    "dtype_bytes": (24, "<I"),
+    "kind": (28, "<I"),
+    "num_layers": (32, "<I"),
+    "num_kv_heads": (36, "<I"),
+    "head_size": (40, "<I"),
+    "tokens_per_block": (44, "<I"),
+    "tp_rank": (48, "<I"),
+    "tp_size": (52, "<I"),
+    "dtype": (56, "8s"),
+    "model_id": (64, "96s"),
+    "name": (160, "96s"),
+}
 NS_READY = 2
 CHUNK_ACTIVE = 2
 DESC_GRANULE = 1024  # format.h kDescGranule
 
 # Header fields that Pool.info() reports under the same name: the mirror is checked against them.
-_GEOMETRY = ("pool_bytes", "max_nodes", "pin_slots", "max_namespaces", "index_slots", "chunk_bytes",
-             "chunk_count", "node_table_off", "node_area_off", "node_area_bytes", "ns_table_off",
-             "index_off", "access_off", "chunk_map_off", "arena_off")
+_GEOMETRY = (
+    "pool_bytes",
+    "max_nodes",
+    "pin_slots",
+    "max_namespaces",
+    "index_slots",
+    "chunk_bytes",
+    "chunk_count",
+    "node_table_off",
+    "node_area_off",
+    "node_area_bytes",
+    "ns_table_off",
+    "index_off",
+    "access_off",
+    "chunk_map_off",
+    "arena_off",
+)
 
 
 def round_up(v: int, a: int) -> int:

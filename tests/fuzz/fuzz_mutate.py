@@ -3,6 +3,7 @@
 `gen_case(seed, case_id, seeds, maps)` is a pure function of (seed, case_id): a run is replayed by
 its seed, one case by its file.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,8 +18,21 @@ U64 = (1 << 64) - 1
 def interesting(width: int, orig: int, rng: random.Random, extra=()) -> int:
     """0, -1, 2^k, orig±1, a flipped bit, random... for a field of `width` bits."""
     top = (1 << width) - 1
-    c = [0, 1, 2, top, top - 1, 1 << (width - 1), (1 << (width - 1)) - 1, (orig + 1) & top, (orig - 1) & top,
-         orig ^ (1 << rng.randrange(width)), rng.getrandbits(width), (orig * 2) & top, orig // 2]
+    c = [
+        0,
+        1,
+        2,
+        top,
+        top - 1,
+        1 << (width - 1),
+        (1 << (width - 1)) - 1,
+        (orig + 1) & top,
+        (orig - 1) & top,
+        orig ^ (1 << rng.randrange(width)),
+        rng.getrandbits(width),
+        (orig * 2) & top,
+        orig // 2,
+    ]
     if width == 64:
         c += [1 << 20, 1 << 32, (1 << 32) - 1, 1 << 36, 1 << 40, 1 << 58, 1 << 63]
     elif width == 32:
@@ -30,8 +44,14 @@ def interesting(width: int, orig: int, rng: random.Random, extra=()) -> int:
 def field_patch(buf: bytes, off: int, fmt: str, rng: random.Random, extra=()) -> list:
     size = struct.calcsize(fmt)
     if fmt.endswith("s"):
-        new = rng.choice([bytes(size), b"\xff" * size, rng.randbytes(size),
-                          bytes([0xC3, 0x28] * (size // 2)) + b"\x80" * (size % 2)])  # invalid UTF-8
+        new = rng.choice(
+            [
+                bytes(size),
+                b"\xff" * size,
+                rng.randbytes(size),
+                bytes([0xC3, 0x28] * (size // 2)) + b"\x80" * (size % 2),
+            ]
+        )  # invalid UTF-8
         return [off, new.hex()]
     orig = struct.unpack_from(fmt, buf, off)[0]
     return [off, struct.pack(fmt, interesting(size * 8, orig, rng, extra)).hex()]
@@ -77,8 +97,15 @@ def _header_bytes_sealed(buf, m, rng):
 
 def _shared_word(buf, m, rng):
     off = rng.choice([L.SHARED_INIT_OFF, L.SHARED_NSLOCK_OFF])
-    return [u64_patch(off, rng.choice([0, 1, 2, 63, 64, 65, 255, U64, 0x5953554254494E49,
-                                       rng.getrandbits(64)]))], False, None
+    return (
+        [
+            u64_patch(
+                off, rng.choice([0, 1, 2, 63, 64, 65, 255, U64, 0x5953554254494E49, rng.getrandbits(64)])
+            )
+        ],
+        False,
+        None,
+    )
 
 
 def _node_slot(buf, m, rng):
@@ -95,13 +122,23 @@ def _node_area(buf, m, rng):
     base = m["node_areas"][rng.choice([0, 1, 2, h["max_nodes"] - 1])]
     what = rng.random()
     if what < 0.4:
-        return [field_patch(buf, base + L.NODE_PIN_HW_OFF, "<Q", rng, [h["pin_slots"], h["pin_slots"] + 1])], False, None
+        return (
+            [field_patch(buf, base + L.NODE_PIN_HW_OFF, "<Q", rng, [h["pin_slots"], h["pin_slots"] + 1])],
+            False,
+            None,
+        )
     if what < 0.8:
         p = rng.randrange(min(h["pin_slots"], 16))
-        v = rng.choice([((rng.randrange(h["index_slots"]) + 1) << 24) | rng.randrange(4), U64, rng.getrandbits(64), 1])
+        v = rng.choice(
+            [((rng.randrange(h["index_slots"]) + 1) << 24) | rng.randrange(4), U64, rng.getrandbits(64), 1]
+        )
         return [u64_patch(base + L.NODE_PINS_OFF + 8 * p, v)], False, None
     c = rng.randrange(16)
-    return [u64_patch(base + L.NODE_COUNTERS_OFF + 8 * c, rng.choice([U64, rng.getrandbits(64)]))], False, None
+    return (
+        [u64_patch(base + L.NODE_COUNTERS_OFF + 8 * c, rng.choice([U64, rng.getrandbits(64)]))],
+        False,
+        None,
+    )
 
 
 def _ns_entry(buf, m, rng):
@@ -117,14 +154,22 @@ def _ns_entry(buf, m, rng):
 
 def _index(buf, m, rng, random_slot: bool):
     h = m["header"]
-    base = h["index_off"] + L.ENTRY_BYTES * rng.randrange(h["index_slots"]) if random_slot else rng.choice(m["entries"])
+    base = (
+        h["index_off"] + L.ENTRY_BYTES * rng.randrange(h["index_slots"])
+        if random_slot
+        else rng.choice(m["entries"])
+    )
     name = rng.choice(list(L.ENTRY_FIELDS) + ["state", "chunk", "block", "length"])  # weight the refs
     off, fmt = L.ENTRY_FIELDS[name]
     if name == "state":
         patches = [state_word_patch(buf, base + off, rng, node_word=False)]
     else:
-        extra = {"chunk": [h["chunk_count"], h["chunk_count"] - 1, 2], "block": [511, 512, 2047, 2048, 4095, 4096],
-                 "length": [0, 2048, 2049, 8192, 8193], "ns_id": [1, 2, 3, 64, 65, 4096]}.get(name, ())
+        extra = {
+            "chunk": [h["chunk_count"], h["chunk_count"] - 1, 2],
+            "block": [511, 512, 2047, 2048, 4095, 4096],
+            "length": [0, 2048, 2049, 8192, 8193],
+            "ns_id": [1, 2, 3, 64, 65, 4096],
+        }.get(name, ())
         patches = [field_patch(buf, base + off, fmt, rng, extra)]
     if random_slot and rng.random() < 0.5:  # make the slot look READY
         patches.append(u64_patch(base, (L.ENTRY_READY << 56) | rng.getrandbits(48)))
@@ -136,7 +181,9 @@ def _chunk_map(buf, m, rng):
     orig = struct.unpack_from("<Q", buf, off)[0]
     st, node = rng.choice([0, 1, 2, 3, 4, 255]), rng.choice([0, 1, 2, 200, 255])
     ns = rng.choice([0, 1, 2, 3, 64, 65, 0xFFFF, (orig >> 32) & 0xFFFF])
-    v = rng.choice([(st << 56) | (node << 48) | (ns << 32), rng.getrandbits(64), orig ^ (1 << rng.randrange(64))])
+    v = rng.choice(
+        [(st << 56) | (node << 48) | (ns << 32), rng.getrandbits(64), orig ^ (1 << rng.randrange(64))]
+    )
     return [u64_patch(off, v)], False, None
 
 
@@ -145,11 +192,17 @@ def _block_desc(buf, m, rng):
     if m["descs"] and rng.random() < 0.8:
         off = rng.choice(m["descs"])
     else:
-        off = h["arena_off"] + rng.randrange(h["chunk_count"]) * m["chunk_stride"] + 8 * rng.randrange(m["desc_bytes"] // 8)
+        off = (
+            h["arena_off"]
+            + rng.randrange(h["chunk_count"]) * m["chunk_stride"]
+            + 8 * rng.randrange(m["desc_bytes"] // 8)
+        )
     orig = struct.unpack_from("<Q", buf, off)[0]
     st, node = rng.choice([0, 1, 2, 3, 255]), rng.choice([0, 1, 2, 200, 255])
     low40 = (1 << 40) - 1
-    slot = rng.choice([orig & low40, 0, h["index_slots"], h["index_slots"] - 1, low40, rng.randrange(h["index_slots"])])
+    slot = rng.choice(
+        [orig & low40, 0, h["index_slots"], h["index_slots"] - 1, low40, rng.randrange(h["index_slots"])]
+    )
     v = rng.choice([(st << 56) | (node << 48) | slot, (orig & ~low40) | slot, rng.getrandbits(64), 0])
     return [u64_patch(off, v)], False, None
 
@@ -168,14 +221,37 @@ def _bitflip_meta(buf, m, rng):
 
 
 def _random_bytes(buf, m, rng):
-    return [[rng.randrange(m["size"] - 8), rng.randbytes(rng.randint(1, 8)).hex()]
-            for _ in range(rng.randint(1, 32))], False, None
+    return (
+        [
+            [rng.randrange(m["size"] - 8), rng.randbytes(rng.randint(1, 8)).hex()]
+            for _ in range(rng.randint(1, 32))
+        ],
+        False,
+        None,
+    )
 
 
 def _resize(buf, m, rng):
     s = m["size"]
-    return [], False, rng.choice([0, 100, 4096, 8191, 8192, 12288, m["header"]["arena_off"], s - 1, s - 4096,
-                                  rng.randrange(s), s + 4096])
+    return (
+        [],
+        False,
+        rng.choice(
+            [
+                0,
+                100,
+                4096,
+                8191,
+                8192,
+                12288,
+                m["header"]["arena_off"],
+                s - 1,
+                s - 4096,
+                rng.randrange(s),
+                s + 4096,
+            ]
+        ),
+    )
 
 
 # kind: (generator, weight); "multi" combines 2-4 of the single-area kinds.
@@ -218,14 +294,21 @@ def gen_case(seed: int, case_id: int, seeds: dict, maps: dict) -> dict:
             reseal |= r
             parts.append(k)
         kind = "multi:" + "+".join(parts)
-    return {"id": case_id, "variant": variant, "kind": kind, "patches": patches, "reseal": reseal, "size": size}
+    return {
+        "id": case_id,
+        "variant": variant,
+        "kind": kind,
+        "patches": patches,
+        "reseal": reseal,
+        "size": size,
+    }
 
 
 def apply_case(seed_bytes: bytes, case: dict) -> bytes:
     b = bytearray(seed_bytes)
     for off, hx in case["patches"]:
         data = bytes.fromhex(hx)
-        b[off:off + len(data)] = data
+        b[off : off + len(data)] = data
     if case["reseal"]:
         L.reseal_header(b)
     n = case.get("size")
@@ -238,7 +321,9 @@ def where(off: int, m: dict) -> str:
     """Which area / field a file offset is in, for humans reading a case file."""
     h = m["header"]
     if off < L.HEADER_STRUCT_BYTES:
-        return "header." + next((n for n, (o, f) in L.HEADER_FIELDS.items() if o <= off < o + struct.calcsize(f)), "?")
+        return "header." + next(
+            (n for n, (o, f) in L.HEADER_FIELDS.items() if o <= off < o + struct.calcsize(f)), "?"
+        )
     if off < 8192:
         return "shared_words." + ("init" if off < L.SHARED_NSLOCK_OFF else "ns_lock")
     if off < h["node_area_off"]:

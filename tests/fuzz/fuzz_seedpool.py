@@ -8,6 +8,7 @@ The "deadnode" variant also has a second process that attached, leased A's first
 was SIGKILLed: its node slot stays ALIVE with a dead pid and live pins (the reclaim path).
 Every expected byte derives from the key alone, so any process can verify any read.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,23 +21,27 @@ import fuzz_layout as L
 
 SEED_SIZE = "16MiB"
 VARIANTS = ("clean", "deadnode")
-A_PUT = range(0, 300)
+A_PUT = range(300)
 A_STORE = range(300, 340)
-B_PUT = range(0, 60)
+B_PUT = range(60)
 A_BLOCK = 8192
 B_BLOCK = 2048
 
 
 def layout_a():
     import cxlkv
-    return cxlkv.KVLayout(model_id="fuzz-a", dtype="bf16", num_layers=2, num_kv_heads=2, head_size=32,
-                          tokens_per_block=16)  # 8192-byte blocks
+
+    return cxlkv.KVLayout(
+        model_id="fuzz-a", dtype="bf16", num_layers=2, num_kv_heads=2, head_size=32, tokens_per_block=16
+    )  # 8192-byte blocks
 
 
 def layout_b():
     import cxlkv
-    return cxlkv.KVLayout(model_id="fuzz-b", dtype="fp32", num_layers=1, num_kv_heads=1, head_size=16,
-                          tokens_per_block=16)  # 2048-byte blocks
+
+    return cxlkv.KVLayout(
+        model_id="fuzz-b", dtype="fp32", num_layers=1, num_kv_heads=1, head_size=16, tokens_per_block=16
+    )  # 2048-byte blocks
 
 
 def key(ns: str, i: int) -> bytes:
@@ -72,6 +77,7 @@ def present_a() -> list[int]:
 
 def build(path: str, variant: str = "clean") -> None:
     import cxlkv
+
     if os.path.exists(path):
         os.unlink(path)
     pool = cxlkv.Pool.create(path, SEED_SIZE)
@@ -82,7 +88,7 @@ def build(path: str, variant: str = "clean") -> None:
     src = np.zeros((2, 64, A_BLOCK // 2), dtype=np.uint8)
     for j, i in enumerate(A_STORE):
         p = np.frombuffer(expected_a(i), dtype=np.uint8)
-        src[0, j], src[1, j] = p[:A_BLOCK // 2], p[A_BLOCK // 2:]
+        src[0, j], src[1, j] = p[: A_BLOCK // 2], p[A_BLOCK // 2 :]
     keys = [key("a", i) for i in A_STORE]
     assert a.store(keys, [src], list(range(len(keys))), block_dim=1) == len(keys)
     for i in B_PUT:
@@ -99,6 +105,7 @@ def build(path: str, variant: str = "clean") -> None:
 def _leave_dead_node(path: str) -> None:
     """A child attaches, pins 8 keys and dies by SIGKILL without detaching."""
     import cxlkv
+
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -141,12 +148,22 @@ def describe(buf: bytes) -> dict:
             length = struct.unpack_from("<I", buf, off + L.ENTRY_FIELDS["length"][0])[0]
             bstride = L.round_up(block_bytes.get(ns_id, 64), 64)
             payloads.append((h["arena_off"] + chunk * stride + desc_bytes + block * bstride, length))
-    descs = [h["arena_off"] + c * stride + 8 * b for c in range(h["chunk_count"]) for b in range(desc_bytes // 8)
-             if struct.unpack_from("<Q", buf, h["arena_off"] + c * stride + 8 * b)[0]]
+    descs = [
+        h["arena_off"] + c * stride + 8 * b
+        for c in range(h["chunk_count"])
+        for b in range(desc_bytes // 8)
+        if struct.unpack_from("<Q", buf, h["arena_off"] + c * stride + 8 * b)[0]
+    ]
     node_slots = [h["node_table_off"] + L.NODE_SLOT_BYTES * i for i in range(h["max_nodes"])]
     return {
-        "size": len(buf), "header": h, "desc_bytes": desc_bytes, "chunk_stride": stride,
-        "namespaces": ns_off, "entries": entries, "payloads": payloads, "descs": descs,
+        "size": len(buf),
+        "header": h,
+        "desc_bytes": desc_bytes,
+        "chunk_stride": stride,
+        "namespaces": ns_off,
+        "entries": entries,
+        "payloads": payloads,
+        "descs": descs,
         "chunk_words": [h["chunk_map_off"] + 8 * c for c in range(h["chunk_count"])],
         "node_slots": node_slots,
         "live_node_slots": [o for o in node_slots if struct.unpack_from("<Q", buf, o)[0]],

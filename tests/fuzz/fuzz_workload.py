@@ -9,18 +9,19 @@ own try, comparing every successful read with the bytes the seed stored. It retu
 Each step announces itself on stderr ("@op", unbuffered) so the op a signal hit is known.
 Run directly: python fuzz_workload.py POOL_PATH  (prints the result as one JSON line).
 """
+
 from __future__ import annotations
 
 import json
 import os
 import sys
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import fuzz_seedpool as S  # noqa: E402
+import fuzz_seedpool as S
 
 GUARD = 64
 CANARY = 0xA5
@@ -29,7 +30,7 @@ CANARY = 0xA5
 def guarded(n: int) -> tuple[np.ndarray, np.ndarray]:
     """(whole, inner): n bytes with GUARD canary bytes on both sides."""
     whole = np.full(n + 2 * GUARD, CANARY, dtype=np.uint8)
-    return whole, whole[GUARD:GUARD + n]
+    return whole, whole[GUARD : GUARD + n]
 
 
 def guards_intact(whole: np.ndarray) -> bool:
@@ -38,6 +39,7 @@ def guards_intact(whole: np.ndarray) -> bool:
 
 def exercise(path: str) -> dict:
     import cxlkv
+
     res: dict = {"ops": [], "wrong": [], "guard": [], "unexpected": []}
 
     def step(op: str, fn: Callable):
@@ -77,11 +79,12 @@ def _exercise_a(a, step: Callable, res: dict) -> None:
     keys = [S.key("a", i) for i in idx]
 
     def get_bytes():
-        for i, k in zip(idx, keys):
+        for i, k in zip(idx, keys, strict=True):
             a.contains(k)
             got = a.get_bytes(k)
             if got is not None and got != S.expected_a(i):
                 res["wrong"].append(["get_bytes", "a", i, len(got)])
+
     step("get_bytes_a", get_bytes)
 
     def get_guarded():
@@ -91,8 +94,9 @@ def _exercise_a(a, step: Callable, res: dict) -> None:
             if not guards_intact(whole):
                 res["guard"].append(["get", "a", i])
             exp = S.expected_a(i)
-            if hit and bytes(inner[:len(exp)]) != exp:
+            if hit and bytes(inner[: len(exp)]) != exp:
                 res["wrong"].append(["get", "a", i])
+
     step("get_guarded_a", get_guarded)
     step("match_prefix_a", lambda: a.match_prefix(keys))
 
@@ -108,6 +112,7 @@ def _exercise_a(a, step: Callable, res: dict) -> None:
         for j in range(n):
             if bytes(dst[0, bids[j]]) + bytes(dst[1, bids[j]]) != S.expected_a(ids[j]):
                 res["wrong"].append(["load", "a", ids[j]])
+
     step("load_a", load)
 
     def put():
@@ -118,6 +123,7 @@ def _exercise_a(a, step: Callable, res: dict) -> None:
                 got = a.get_bytes(k)
                 if got is not None and got != p:
                     res["wrong"].append(["put_get", "a", i])
+
     step("put_a", put)
 
     def store():
@@ -132,12 +138,14 @@ def _exercise_a(a, step: Callable, res: dict) -> None:
             got = a.get_bytes(skeys[j])
             if got is not None and got != S.payload(skeys[j], S.A_BLOCK):
                 res["wrong"].append(["store_get", "a", 2000 + j])
+
     step("store_a", store)
     step("delete_a", lambda: [a.delete(S.key("a", i)) for i in (1, 2, 3, 301, 1000)])
 
     def acquire():
         with a.acquire(keys[:16]) as lease:
             len(lease)
+
     step("acquire_a", acquire)
 
 
@@ -148,6 +156,7 @@ def _exercise_b(b, step: Callable, res: dict) -> None:
             if got is not None and got != S.expected_b(i):
                 res["wrong"].append(["get_bytes", "b", i, len(got)])
         b.put(S.key("b", 999), b"z" * S.B_BLOCK)
+
     step("rw_b", read_write)
 
 

@@ -8,8 +8,9 @@ bytes, nor has its guard bytes touched, nor sees an exception other than a cxlkv
 and a fresh `cxlkv pool check` afterwards does not crash.
 
   python tests/fuzz/live_corrupt.py [--seconds S] [--only SCN,...]     (prints one JSON line each)
-  python tests/fuzz/live_corrupt.py --reader POOL SECONDS                (internal: the reader)
+  python tests/fuzz/live_corrupt.py --reader POOL SECONDS SEED           (internal: the reader)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,7 +24,7 @@ import sys
 import tempfile
 import time
 import zlib
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -44,16 +45,18 @@ def item(i: int) -> tuple[bytes, bytes]:
     return k, S.payload(k, S.A_BLOCK)
 
 
-def reader(path: str, seconds: float) -> None:
-    """The victim: runs for `seconds`, then prints its counts as one JSON line."""
+def reader(path: str, seconds: float, seed: int) -> None:
+    """The victim: runs for `seconds` (its operations drawn from `seed`), then prints its counts
+    as one JSON line."""
     import cxlkv
+
     st = {"ops": 0, "hits": 0, "misses": 0, "wrong": 0, "guard": 0, "clean_errors": {}, "other_errors": {}}
     ns = cxlkv.Pool.open(path).namespace(S.layout_a())
     items = [item(i) for i in range(N_KEYS)]
     prefix = [k for k, _ in items[:32]]
-    rng = random.Random(os.getpid())
+    rng = random.Random(seed)
     whole = np.full(S.A_BLOCK + 128, 0xA5, dtype=np.uint8)
-    inner = whole[64:64 + S.A_BLOCK]
+    inner = whole[64 : 64 + S.A_BLOCK]
     os.write(1, b"READY\n")
     t_end = time.monotonic() + seconds
     while time.monotonic() < t_end:
@@ -92,8 +95,11 @@ def reader(path: str, seconds: float) -> None:
                 ns.delete(kk)
                 ns.put(kk, pp)
         except (cxlkv.CxlkvError, OSError, ValueError) as e:
-            bucket = "clean_errors" if isinstance(e, (cxlkv.CxlkvError, OSError)) or type(e) is ValueError \
+            bucket = (
+                "clean_errors"
+                if isinstance(e, (cxlkv.CxlkvError, OSError)) or type(e) is ValueError
                 else "other_errors"
+            )
             st[bucket][type(e).__name__] = st[bucket].get(type(e).__name__, 0) + 1
         except Exception as e:  # noqa: BLE001 - anything else is a finding
             st["other_errors"][type(e).__name__] = st["other_errors"].get(type(e).__name__, 0) + 1
@@ -104,6 +110,7 @@ def reader(path: str, seconds: float) -> None:
 
 def make_pool(path: str) -> None:
     import cxlkv
+
     with cxlkv.Pool.create(path, "16MiB") as pool:
         ns = pool.namespace(S.layout_a())
         for i in range(N_KEYS):
@@ -119,14 +126,18 @@ class CoTenant:
         self.h = L.read_header(self.m)
         self.desc_bytes = L.chunk_desc_bytes(self.h["chunk_bytes"])
         self.stride = self.desc_bytes + self.h["chunk_bytes"]
-        idx = np.frombuffer(self.m, dtype=np.uint64, count=self.h["index_slots"] * 8,
-                            offset=self.h["index_off"]).reshape(-1, 8)
+        idx = np.frombuffer(
+            self.m, dtype=np.uint64, count=self.h["index_slots"] * 8, offset=self.h["index_off"]
+        ).reshape(-1, 8)
         states = (idx[:, 0] >> np.uint64(56)).copy()
         del idx
         self.entries = [self.h["index_off"] + 64 * int(s) for s in np.nonzero(states)[0]]
         self.ready = [self.h["index_off"] + 64 * int(s) for s in np.nonzero(states == L.ENTRY_READY)[0]]
-        self.chunks = [c for c in range(self.h["chunk_count"])
-                       if struct.unpack_from("<Q", self.m, self.h["chunk_map_off"] + 8 * c)[0] >> 56 == L.CHUNK_ACTIVE]
+        self.chunks = [
+            c
+            for c in range(self.h["chunk_count"])
+            if struct.unpack_from("<Q", self.m, self.h["chunk_map_off"] + 8 * c)[0] >> 56 == L.CHUNK_ACTIVE
+        ]
 
     def u64(self, off: int, v: int) -> None:
         struct.pack_into("<Q", self.m, off, v & ((1 << 64) - 1))
@@ -145,17 +156,27 @@ def scribbler(scn: str, t: CoTenant, rng: random.Random) -> Callable[[], None]:
         off, fmt = L.HEADER_FIELDS[name]
         return lambda: struct.pack_into(fmt, t.m, off, int(val, 0))
     if scn == "index_random_bytes":
+
         def f():
             o = rng.choice(t.entries) + rng.randrange(8, 64)
-            t.m[o:o + 4] = rng.randbytes(4)
+            t.m[o : o + 4] = rng.randbytes(4)
+
         return f
     if scn == "index_state_words":
+
         def f():
             o = rng.choice(t.entries)
             old = struct.unpack_from("<Q", t.m, o)[0]
-            t.u64(o, (rng.choice([1, 2, 3, 4, 5, 255]) << 56) | (rng.choice([0, 1, 2, 200]) << 48) | (old & ((1 << 48) - 1)))
+            t.u64(
+                o,
+                (rng.choice([1, 2, 3, 4, 5, 255]) << 56)
+                | (rng.choice([0, 1, 2, 200]) << 48)
+                | (old & ((1 << 48) - 1)),
+            )
+
         return f
     if scn == "index_ref_fields_oob":
+
         def f():
             o = rng.choice(t.ready)
             which = rng.randrange(3)
@@ -165,44 +186,74 @@ def scribbler(scn: str, t: CoTenant, rng: random.Random) -> Callable[[], None]:
                 struct.pack_into("<H", t.m, o + e_block, rng.choice([512, 4095, 65535]))
             else:
                 struct.pack_into("<I", t.m, o + e_len, rng.choice([S.A_BLOCK + 1, 0xFFFFFFFF, 1 << 24]))
+
         return f
     if scn == "index_swap_refs":  # entries point at other keys' (valid) blocks: wrong data if trusted
+
         def f():
             a, b = rng.sample(t.ready, 2)
-            ra = bytes(t.m[a + e_chunk:a + e_chunk + 6])
-            t.m[a + e_chunk:a + e_chunk + 6] = t.m[b + e_chunk:b + e_chunk + 6]
-            t.m[b + e_chunk:b + e_chunk + 6] = ra
+            ra = bytes(t.m[a + e_chunk : a + e_chunk + 6])
+            t.m[a + e_chunk : a + e_chunk + 6] = t.m[b + e_chunk : b + e_chunk + 6]
+            t.m[b + e_chunk : b + e_chunk + 6] = ra
+
         return f
     if scn == "block_descs":
-        return lambda: t.u64(h["arena_off"] + rng.choice(t.chunks) * t.stride + 8 * rng.randrange(t.desc_bytes // 8),
-                             rng.choice([0, rng.getrandbits(64), (1 << 56) | rng.randrange(h["index_slots"]), 2 << 56]))
+        return lambda: t.u64(
+            h["arena_off"] + rng.choice(t.chunks) * t.stride + 8 * rng.randrange(t.desc_bytes // 8),
+            rng.choice([0, rng.getrandbits(64), (1 << 56) | rng.randrange(h["index_slots"]), 2 << 56]),
+        )
     if scn == "chunk_map":
-        return lambda: t.u64(h["chunk_map_off"] + 8 * rng.randrange(h["chunk_count"]),
-                             rng.choice([0, (1 << 56) | (200 << 48) | (1 << 32), (2 << 56) | (2 << 32),
-                                         (3 << 56) | (1 << 32), rng.getrandbits(64), (2 << 56) | (1 << 32)]))
+        return lambda: t.u64(
+            h["chunk_map_off"] + 8 * rng.randrange(h["chunk_count"]),
+            rng.choice(
+                [
+                    0,
+                    (1 << 56) | (200 << 48) | (1 << 32),
+                    (2 << 56) | (2 << 32),
+                    (3 << 56) | (1 << 32),
+                    rng.getrandbits(64),
+                    (2 << 56) | (1 << 32),
+                ]
+            ),
+        )
     if scn == "ns_table":
-        return lambda: t.u64(h["ns_table_off"] + rng.choice([0, 8, 16, 24, 44, 160]),
-                             rng.choice([0, rng.getrandbits(64), 1, 1 << 40, (1 << 64) - 1]))
+        return lambda: t.u64(
+            h["ns_table_off"] + rng.choice([0, 8, 16, 24, 44, 160]),
+            rng.choice([0, rng.getrandbits(64), 1, 1 << 40, (1 << 64) - 1]),
+        )
     if scn == "node_table":
+
         def f():
             i = rng.randrange(4)
-            t.u64(h["node_table_off"] + L.NODE_SLOT_BYTES * i + rng.choice([0, 8, 16, 24]),
-                  rng.choice([0, rng.getrandbits(64), (3 << 56) | (1 << 24), 2 << 56]))
-            t.u64(h["node_area_off"] + h["node_area_bytes"] * i + L.NODE_PIN_HW_OFF,
-                  rng.choice([0, 1 << 40, (1 << 64) - 1, 5]))
+            t.u64(
+                h["node_table_off"] + L.NODE_SLOT_BYTES * i + rng.choice([0, 8, 16, 24]),
+                rng.choice([0, rng.getrandbits(64), (3 << 56) | (1 << 24), 2 << 56]),
+            )
+            t.u64(
+                h["node_area_off"] + h["node_area_bytes"] * i + L.NODE_PIN_HW_OFF,
+                rng.choice([0, 1 << 40, (1 << 64) - 1, 5]),
+            )
+
         return f
     if scn == "pins":
-        return lambda: t.u64(h["node_area_off"] + h["node_area_bytes"] * rng.randrange(4) + L.NODE_PINS_OFF
-                             + 8 * rng.randrange(8),
-                             ((rng.choice(t.ready) - h["index_off"]) // 64 + 1) << 24 | rng.randrange(3))
+        return lambda: t.u64(
+            h["node_area_off"]
+            + h["node_area_bytes"] * rng.randrange(4)
+            + L.NODE_PINS_OFF
+            + 8 * rng.randrange(8),
+            ((rng.choice(t.ready) - h["index_off"]) // 64 + 1) << 24 | rng.randrange(3),
+        )
     if scn == "payload_toggle":  # one byte of every block flips back and forth (F2)
         arr = np.frombuffer(t.m, dtype=np.uint8)
-        views = [arr[h["arena_off"] + c * t.stride + t.desc_bytes:][:512 * S.A_BLOCK].reshape(512, S.A_BLOCK)
-                 for c in t.chunks]
+        views = [
+            arr[h["arena_off"] + c * t.stride + t.desc_bytes :][: 512 * S.A_BLOCK].reshape(512, S.A_BLOCK)
+            for c in t.chunks
+        ]
 
         def f():
             for v in views:
                 v[:, 100] ^= 0x5A
+
         f.views = views  # type: ignore[attr-defined]  - released before the mapping is closed
         return f
     if scn == "ns_lock_foreign":
@@ -211,25 +262,45 @@ def scribbler(scn: str, t: CoTenant, rng: random.Random) -> Callable[[], None]:
 
 
 SCENARIOS = [
-    "index_random_bytes", "index_state_words", "index_ref_fields_oob", "index_swap_refs", "block_descs",
-    "chunk_map", "ns_table", "node_table", "pins", "payload_toggle",
-    f"header:arena_off={HUGE:#x}", "header:chunk_count=0x100000", f"header:chunk_map_off={HUGE:#x}",
-    "header:node_area_bytes=0x100000000", f"header:node_area_off={HUGE:#x}", "header:max_nodes=254",
-    "header:pin_slots=0xffffffff", f"header:node_table_off={HUGE:#x}", "header:chunk_bytes=0x10000000000",
-    f"header:ns_table_off={HUGE:#x}", "header:max_namespaces=4096", "header:index_slots=0x1000000000",
+    "index_random_bytes",
+    "index_state_words",
+    "index_ref_fields_oob",
+    "index_swap_refs",
+    "block_descs",
+    "chunk_map",
+    "ns_table",
+    "node_table",
+    "pins",
+    "payload_toggle",
+    f"header:arena_off={HUGE:#x}",
+    "header:chunk_count=0x100000",
+    f"header:chunk_map_off={HUGE:#x}",
+    "header:node_area_bytes=0x100000000",
+    f"header:node_area_off={HUGE:#x}",
+    "header:max_nodes=254",
+    "header:pin_slots=0xffffffff",
+    f"header:node_table_off={HUGE:#x}",
+    "header:chunk_bytes=0x10000000000",
+    f"header:ns_table_off={HUGE:#x}",
+    "header:max_namespaces=4096",
+    "header:index_slots=0x1000000000",
     "header:pool_bytes=0",
 ]
 
 
-def run_scenario(scn: str, seconds: float) -> dict:
-    """Runs one scenario; `failures` lists what went wrong (empty: passed)."""
+def run_scenario(scn: str, seconds: float, seed: int = 0) -> dict:
+    """Runs one scenario; `failures` lists what went wrong (empty: passed). `seed` draws the
+    reader's operations (the scribbler's are drawn from the scenario's name); it is in the result."""
     fd, path = tempfile.mkstemp(prefix="cxlkv-live-", dir=SHM)
     os.close(fd)
     os.unlink(path)
     try:
         make_pool(path)
-        p1 = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--reader", path, str(seconds)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        p1 = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--reader", path, str(seconds), str(seed)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
         first = p1.stdout.readline()
         assert first.strip() == b"READY", (first, p1.stderr.read()[-2000:] if p1.poll() is not None else b"")
         t = CoTenant(path)
@@ -250,7 +321,7 @@ def run_scenario(scn: str, seconds: float) -> dict:
             hang = True
         del f
         t.close()
-        res: dict = {"scenario": scn, "rounds": rounds, "rc": p1.returncode, "hang": hang}
+        res: dict = {"scenario": scn, "seed": seed, "rounds": rounds, "rc": p1.returncode, "hang": hang}
         lines = [ln for ln in out.decode(errors="replace").splitlines() if ln.startswith("{")]
         if lines:
             res.update(json.loads(lines[-1]))
@@ -282,19 +353,39 @@ def run_scenario(scn: str, seconds: float) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--reader", nargs=2, metavar=("POOL", "SECONDS"))
+    ap.add_argument("--reader", nargs=3, metavar=("POOL", "SECONDS", "SEED"))
+    ap.add_argument("--seed", type=int, default=0, help="seed of the reader's operations (default 0)")
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--only", help="comma-separated scenarios (default: all)")
     args = ap.parse_args(argv)
     if args.reader:
-        reader(args.reader[0], float(args.reader[1]))
+        reader(args.reader[0], float(args.reader[1]), int(args.reader[2]))
         return 0
     bad = 0
     for scn in args.only.split(",") if args.only else SCENARIOS:
-        r = run_scenario(scn, args.seconds)
+        r = run_scenario(scn, args.seconds, args.seed)
         bad += bool(r["failures"])
-        print(json.dumps({k: r.get(k) for k in ("scenario", "failures", "ops", "hits", "misses", "wrong", "guard",
-                                                 "clean_errors", "rounds", "after_check_rc")}), flush=True)
+        print(
+            json.dumps(
+                {
+                    k: r.get(k)
+                    for k in (
+                        "scenario",
+                        "seed",
+                        "failures",
+                        "ops",
+                        "hits",
+                        "misses",
+                        "wrong",
+                        "guard",
+                        "clean_errors",
+                        "rounds",
+                        "after_check_rc",
+                    )
+                }
+            ),
+            flush=True,
+        )
     return 1 if bad else 0
 
 

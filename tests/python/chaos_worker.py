@@ -28,14 +28,14 @@ import random
 import sys
 import time
 import traceback
+from typing import ClassVar
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import numpy as np  # noqa: E402
 
-import cxlkv  # noqa: E402
-import cxlkv_testutil as tu  # noqa: E402
+import cxlkv
+import cxlkv_testutil as tu
 
 CHAIN_LEN = 8
 
@@ -52,8 +52,11 @@ class Reporter:
         self.first = []
 
     def _append(self, name, line):
-        fd = os.open(os.path.join(self.report_dir, f"{name}-{self.wid}.txt"),
-                     os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(
+            os.path.join(self.report_dir, f"{name}-{self.wid}.txt"),
+            os.O_WRONLY | os.O_APPEND | os.O_CREAT,
+            0o644,
+        )
         try:
             os.write(fd, (line.rstrip("\n") + "\n").encode())
         finally:
@@ -139,7 +142,7 @@ class Worker:
     def op_store(self):
         ch = self.pick_chain()
         ids = self.rng.sample(range(self.kv_src.num_blocks), len(ch))
-        for k, b in zip(ch, ids):
+        for k, b in zip(ch, ids, strict=True):
             self.kv_src.write_block(b, self.expect_padded(k))
         n = self.ns.store(ch, self.kv_src.arrays, ids, block_dim=1)
         if not 0 <= n <= len(ch):
@@ -177,12 +180,21 @@ class Worker:
                 else:
                     self.pinned_miss += 1
             if m and self.ns.delete(ch[m - 1]):
-                self.rep.mismatch(f"delete of a key pinned by this process succeeded: {ch[m-1].hex()}")
+                self.rep.mismatch(f"delete of a key pinned by this process succeeded: {ch[m - 1].hex()}")
         finally:
             lease.release()
 
-    OPS = [("put", 25), ("get", 25), ("get_bytes", 8), ("contains", 4), ("match", 10),
-           ("store", 8), ("load", 8), ("delete", 6), ("acquire", 6)]
+    OPS: ClassVar = [
+        ("put", 25),
+        ("get", 25),
+        ("get_bytes", 8),
+        ("contains", 4),
+        ("match", 10),
+        ("store", 8),
+        ("load", 8),
+        ("delete", 6),
+        ("acquire", 6),
+    ]
 
     def run(self, deadline=None, max_ops=None, progress=None):
         """progress: called with the op count every 256 operations."""
@@ -223,10 +235,17 @@ def run_mode(args):
             t0 = time.monotonic()
             deadline = t0 + args.duration if args.duration else None
             n = w.run(deadline=deadline, max_ops=args.ops)
-            summary.update(ops=n, seconds=time.monotonic() - t0, counts=w.counts,
-                           put_false=w.put_false, pinned=w.pinned, pinned_miss=w.pinned_miss,
-                           stats=pool.stats(), ok=True)
-    except BaseException:
+            summary.update(
+                ops=n,
+                seconds=time.monotonic() - t0,
+                counts=w.counts,
+                put_false=w.put_false,
+                pinned=w.pinned,
+                pinned_miss=w.pinned_miss,
+                stats=pool.stats(),
+                ok=True,
+            )
+    except BaseException:  # noqa: BLE001 - every failure goes to the report file
         tb = traceback.format_exc()
         rep.error(tb)
         summary["traceback"] = tb
@@ -246,13 +265,18 @@ def zygote_child(args, wid, seed):
         w = Worker(pool, layout, rep, seed, args.chains, args.singles, salt)
         os.write(1, f"ready {os.getpid()}\n".encode())
         # every 256 operations, one byte in a progress file: the supervisor sums them up
-        fd = os.open(os.path.join(args.report_dir, f"progress-{wid}.bin"),
-                     os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        w.run(deadline=time.monotonic() + args.duration if args.duration else None,
-              progress=lambda i: os.write(fd, b"."))
+        fd = os.open(
+            os.path.join(args.report_dir, f"progress-{wid}.bin"),
+            os.O_WRONLY | os.O_APPEND | os.O_CREAT,
+            0o644,
+        )
+        w.run(
+            deadline=time.monotonic() + args.duration if args.duration else None,
+            progress=lambda i: os.write(fd, b"."),
+        )
         pool.close()
         return 0
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - every failure goes to the report file
         rep.error(traceback.format_exc())
         return 3
 
@@ -291,8 +315,12 @@ def main(argv=None):
     ap.add_argument("--pool", required=True)
     ap.add_argument("--report-dir", required=True)
     ap.add_argument("--wid", type=int, default=0)
-    ap.add_argument("--seed", type=int, default=int(os.environ.get(tu.SEED_ENV) or "0", 0),
-                    help=f"random seed of the operations (default ${tu.SEED_ENV}, else 0)")
+    ap.add_argument(
+        "--seed",
+        type=int,
+        default=int(os.environ.get(tu.SEED_ENV) or "0", 0),
+        help=f"random seed of the operations (default ${tu.SEED_ENV}, else 0)",
+    )
     ap.add_argument("--duration", type=float, default=0.0)
     ap.add_argument("--ops", type=int, default=None)
     ap.add_argument("--chains", type=int, default=300)

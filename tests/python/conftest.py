@@ -17,7 +17,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import cxlkv_testutil as tu  # noqa: E402
+import cxlkv_testutil as tu
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
 
@@ -77,7 +77,7 @@ def make_pool(pool_path):
     for pool in made:
         try:
             pool.close()
-        except Exception:
+        except Exception:  # noqa: BLE001 - a test may have left it closed or broken on purpose
             pass
     for p in extra_paths:
         _remove(p)
@@ -87,8 +87,9 @@ def small_layout(block_bytes=4 * KiB, model_id="test/small-model", **kw):
     """A KVLayout whose block size is overridden to ``block_bytes``."""
     import cxlkv
 
-    args = dict(model_id=model_id, dtype="bf16", num_layers=2, num_kv_heads=2, head_size=16,
-                tokens_per_block=4)
+    args = dict(
+        model_id=model_id, dtype="bf16", num_layers=2, num_kv_heads=2, head_size=16, tokens_per_block=4
+    )
     args.update(kw)
     return cxlkv.KVLayout(block_bytes=block_bytes, **args)
 
@@ -107,3 +108,28 @@ def key():
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: long-running test (still run by the CI command)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every Hypothesis test of the run draws from one seed, ``$CXLKV_TEST_SEED`` when set (to
+    replay a failure), printed at the end of the run (the other random tests print theirs via
+    tu.random_test_seed)."""
+    import hypothesis
+
+    tests = [it.obj for it in items if getattr(getattr(it, "obj", None), "is_hypothesis_test", False)]
+    if not tests:
+        return
+    text = os.environ.get(tu.SEED_ENV, "").strip()
+    seed = int(text, 0) if text else int.from_bytes(os.urandom(4), "little")
+    for fn in tests:
+        hypothesis.seed(seed)(fn)
+    config.stash[_HYPOTHESIS_SEED] = seed
+
+
+_HYPOTHESIS_SEED = pytest.StashKey[int]()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    seed = config.stash.get(_HYPOTHESIS_SEED, None)
+    if seed is not None:
+        terminalreporter.write_line(f"hypothesis tests: seed {seed} (replay with {tu.SEED_ENV}={seed})")

@@ -199,7 +199,7 @@ class CudaKV:
         mv = np.frombuffer(data, dtype=self.dtype)
         per = self.frag_bytes // self.dtype.itemsize
         for i, frag in enumerate(self.fragments(b)):
-            frag[...] = mv[i * per:(i + 1) * per].reshape(frag.shape)
+            frag[...] = mv[i * per : (i + 1) * per].reshape(frag.shape)
 
     def read_block(self, b: int) -> bytes:
         return b"".join(np.ascontiguousarray(f).tobytes() for f in self.fragments(b))
@@ -238,8 +238,9 @@ class CpuKV:
 # ------------------------------------------------------------------------------------------------
 # The layout shared by the multi-process tests: 2 layers, 2 KV heads, head 32, 8 tokens, bf16:
 # 2 * 2 * 2 * 32 * 8 * 2 = 4096-byte blocks, 4 fragments of 1 KiB each in the CUDA layout.
-SHARED_LAYOUT = dict(model_id="test/shared-model", dtype="bf16", num_layers=2, num_kv_heads=2,
-                     head_size=32, tokens_per_block=8)
+SHARED_LAYOUT = dict(
+    model_id="test/shared-model", dtype="bf16", num_layers=2, num_kv_heads=2, head_size=32, tokens_per_block=8
+)
 
 
 def shared_layout():
@@ -260,8 +261,17 @@ def pool_check_problems(report: dict) -> list[str]:
         problems.append("ok is False")
     problems += [f"error: {e}" for e in report.get("errors", [])]
     blocks = report.get("blocks", {}) or {}
-    for field in ("leaked", "leaked_blocks", "stuck", "stuck_entries", "orphan_pins",
-                  "duplicate_keys", "inflight", "inflight_blocks", "in_flight"):
+    for field in (
+        "leaked",
+        "leaked_blocks",
+        "stuck",
+        "stuck_entries",
+        "orphan_pins",
+        "duplicate_keys",
+        "inflight",
+        "inflight_blocks",
+        "in_flight",
+    ):
         v = blocks.get(field, report.get(field))
         if v:
             problems.append(f"{field} = {v}")

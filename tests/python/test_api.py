@@ -69,9 +69,16 @@ def test_close_releases_node_slot(make_pool, pool_path):
 
 
 def test_exception_hierarchy():
-    for name in ("PoolFormatError", "PoolVersionError", "PoolTruncatedError", "PoolNotReadyError",
-                 "PoolCorruptError", "LayoutMismatchError", "NodeTableFullError",
-                 "NamespaceTableFullError"):
+    for name in (
+        "PoolFormatError",
+        "PoolVersionError",
+        "PoolTruncatedError",
+        "PoolNotReadyError",
+        "PoolCorruptError",
+        "LayoutMismatchError",
+        "NodeTableFullError",
+        "NamespaceTableFullError",
+    ):
         exc = getattr(cxlkv, name)
         assert issubclass(exc, cxlkv.CxlkvError), name
     assert issubclass(cxlkv.CxlkvError, Exception)
@@ -80,7 +87,7 @@ def test_exception_hierarchy():
 # ------------------------------------------------------------------------------------------------
 # put / get / contains / delete / match_prefix / get_bytes
 def test_put_get_round_trip(small_ns):
-    pool, ns = small_ns
+    _pool, ns = small_ns
     assert ns.block_bytes == BB
     keys = [tu.make_key("rt", i) for i in range(200)]
     for k in keys:
@@ -94,7 +101,7 @@ def test_put_get_round_trip(small_ns):
         out = bytearray(BB)
         assert ns.get(k, out) is True
         assert bytes(out[: len(expect)]) == expect
-        assert not any(out[len(expect):])
+        assert not any(out[len(expect) :])
         # numpy output buffer, exactly the payload size
         arr = np.zeros(len(expect), dtype=np.uint8)
         assert ns.get(k, arr)
@@ -199,8 +206,14 @@ def test_data_larger_than_block_raises_value_error(small_ns):
 # ------------------------------------------------------------------------------------------------
 # store / load: gather-scatter in vLLM layouts
 def _layout_for(kv, model_id):
-    return cxlkv.KVLayout(model_id=model_id, dtype="bf16", num_layers=kv.num_layers,
-                          num_kv_heads=kv.heads, head_size=kv.head, tokens_per_block=kv.block_size)
+    return cxlkv.KVLayout(
+        model_id=model_id,
+        dtype="bf16",
+        num_layers=kv.num_layers,
+        num_kv_heads=kv.heads,
+        head_size=kv.head,
+        tokens_per_block=kv.block_size,
+    )
 
 
 @pytest.mark.parametrize("kind", ["cuda", "cpu"])
@@ -223,7 +236,7 @@ def test_store_load_vllm_layouts(make_pool, kind):
     n = ns.store(keys, src.arrays, block_ids, block_dim=src.block_dim)
     assert n == len(keys)
     # exact gather order: per source (layer), every index of the dims before block_dim, C order
-    for k, b in zip(keys, block_ids):
+    for k, b in zip(keys, block_ids, strict=True):
         assert ns.get_bytes(k) == src.read_block(b), f"gathered bytes of block {b} differ"
 
     # scatter into a sentinel-filled copy at other block ids; everything else must be untouched
@@ -231,7 +244,7 @@ def test_store_load_vllm_layouts(make_pool, kind):
     dst = Kv(num_layers=3, block_size=16, heads=2, head=32, num_blocks=nb, fill=sentinel)
     dst_ids = [1, 3, 4, 6, 8, 9, 10, 12]
     assert ns.load(keys, dst.arrays, dst_ids, block_dim=dst.block_dim) == len(keys)
-    for sb, db in zip(block_ids, dst_ids):
+    for sb, db in zip(block_ids, dst_ids, strict=True):
         assert dst.read_block(db) == src.read_block(sb)
     untouched = set(range(nb)) - set(dst_ids)
     for b in untouched:
@@ -272,8 +285,9 @@ def test_store_strided_sources(make_pool):
     block dim (a slice of blocks, one layer of a stacked cache) gather the view's elements."""
     pool = make_pool()
     layers, nb, bs, heads, head = 2, 12, 4, 2, 16
-    stacked = np.random.default_rng(7).integers(0, 1 << 16, size=(layers, 2, 2 * nb, bs, heads, head),
-                                               dtype=np.uint16)
+    stacked = np.random.default_rng(7).integers(
+        0, 1 << 16, size=(layers, 2, 2 * nb, bs, heads, head), dtype=np.uint16
+    )
     views = [stacked[l, :, ::2] for l in range(layers)]  # every other block: strided block dim
     assert not views[0].flags.c_contiguous
     ref = tu.CudaKV(num_layers=layers, block_size=bs, heads=heads, head=head, num_blocks=nb)
@@ -283,7 +297,7 @@ def test_store_strided_sources(make_pool):
     keys = tu.chain_keys("strided", 3)
     ids = [0, 2, 11]
     assert ns.store(keys, views, ids, block_dim=1) == 3
-    for k, b in zip(keys, ids):
+    for k, b in zip(keys, ids, strict=True):
         assert ns.get_bytes(k) == ref.read_block(b)
     out = np.zeros_like(stacked)
     out_views = [out[l, :, ::2] for l in range(layers)]
@@ -302,8 +316,7 @@ def test_store_inner_non_contiguous_is_exact_or_rejected(make_pool):
     ValueError: never gathered from the wrong addresses."""
     pool = make_pool()
     nb, bs, heads, head = 6, 4, 2, 16
-    big = np.random.default_rng(8).integers(0, 1 << 16, size=(2, nb, bs, heads, 2 * head),
-                                           dtype=np.uint16)
+    big = np.random.default_rng(8).integers(0, 1 << 16, size=(2, nb, bs, heads, 2 * head), dtype=np.uint16)
     view = big[..., :head]
     ref = tu.CudaKV(num_layers=1, block_size=bs, heads=heads, head=head, num_blocks=nb)
     ref.arrays[0][...] = view
@@ -389,11 +402,24 @@ def test_tp_ranks_are_distinct_namespaces(make_pool):
 
 
 def test_mla_block_bytes():
-    lay = cxlkv.KVLayout(model_id="test/mla", dtype="bf16", num_layers=4, num_kv_heads=1,
-                         head_size=576, tokens_per_block=16, kind="mla")
+    lay = cxlkv.KVLayout(
+        model_id="test/mla",
+        dtype="bf16",
+        num_layers=4,
+        num_kv_heads=1,
+        head_size=576,
+        tokens_per_block=16,
+        kind="mla",
+    )
     assert lay.block_bytes == 4 * 576 * 16 * 2
-    dense = cxlkv.KVLayout(model_id="meta-llama/Llama-3-8B", dtype="bf16", num_layers=32,
-                           num_kv_heads=8, head_size=128, tokens_per_block=16)
+    dense = cxlkv.KVLayout(
+        model_id="meta-llama/Llama-3-8B",
+        dtype="bf16",
+        num_layers=32,
+        num_kv_heads=8,
+        head_size=128,
+        tokens_per_block=16,
+    )
     assert dense.block_bytes == 32 * 2 * 8 * 128 * 16 * 2
 
 
@@ -424,8 +450,9 @@ def test_namespace_reopen_same_layout_from_another_process(make_pool, pool_path)
                 raise SystemExit("no LayoutMismatchError in the other process")
         print("OK")
     """)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                       cwd=tu.here())
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tu.here()
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "OK"
     assert ns.get_bytes(tu.make_key("xproc", "from-child")) == b"child" * 7
@@ -434,8 +461,14 @@ def test_namespace_reopen_same_layout_from_another_process(make_pool, pool_path)
 def test_namespace_layout_mismatch(make_pool):
     pool = make_pool()
     pool.namespace(small_layout(model_id="test/m", block_bytes=None), name="m")
-    for change in (dict(num_layers=3), dict(num_kv_heads=4), dict(head_size=32),
-                   dict(tokens_per_block=8), dict(dtype="fp32"), dict(kind="mla")):
+    for change in (
+        dict(num_layers=3),
+        dict(num_kv_heads=4),
+        dict(head_size=32),
+        dict(tokens_per_block=8),
+        dict(dtype="fp32"),
+        dict(kind="mla"),
+    ):
         with pytest.raises(cxlkv.LayoutMismatchError) as ei:
             pool.namespace(small_layout(model_id="test/m", block_bytes=None, **change), name="m")
         assert "m" in str(ei.value)
@@ -547,8 +580,10 @@ def test_flush_backend_round_trip(make_pool, pool_path):
         for k in keys:
             assert ons.get_bytes(k) == tu.key_payload(k, BB)
         dst = tu.CudaKV(num_layers=2, block_size=4, heads=2, head=32, num_blocks=4)
-        assert other.namespace(_layout_for(src, "test/flush-kv")).load(
-            ck, dst.arrays, [0, 1, 2, 3], block_dim=1) == 4
+        assert (
+            other.namespace(_layout_for(src, "test/flush-kv")).load(ck, dst.arrays, [0, 1, 2, 3], block_dim=1)
+            == 4
+        )
         for i, b in enumerate([3, 2, 1, 0]):
             assert dst.read_block(i) == src.read_block(b)
     assert tu.pool_check_problems(pool.check()) == []

@@ -141,7 +141,7 @@ def test_future_minor_version_is_fine(pool_path):
 def test_unknown_incompat_feature(pool_path):
     make_file_pool(pool_path)
     tu.patch_header_field(pool_path, "incompat", 1 << 17)
-    with pytest.raises(cxlkv.PoolVersionError, match="incompat|feature"):
+    with pytest.raises(cxlkv.PoolVersionError, match=r"incompat|feature"):
         cxlkv.Pool.open(pool_path)
     assert_cli_rejects(pool_path)
 
@@ -262,9 +262,9 @@ def test_read_only_file_no_write_permission(pool_path):
 def test_devdax_missing():
     path = "/dev/dax97.3"
     assert not os.path.exists(path)
-    with pytest.raises(FileNotFoundError, match="dax97.3"):
+    with pytest.raises(FileNotFoundError, match=r"dax97\.3"):
         cxlkv.Pool.open(path)
-    with pytest.raises(FileNotFoundError, match="dax97.3"):
+    with pytest.raises(FileNotFoundError, match=r"dax97\.3"):
         cxlkv.Pool.create(path, 64 * MiB)
     assert_cli_rejects(path)
 
@@ -292,9 +292,17 @@ def test_half_initialized_header(pool_path):
 def test_impossible_geometry(pool_path):
     make_file_pool(pool_path)
     pristine = open(pool_path, "rb").read(tu.HEADER_STRUCT_BYTES)
-    cases = [("index_off", 31 * MiB), ("index_slots", 1000), ("chunk_count", 1 << 30),
-             ("arena_off", 64), ("max_nodes", 0), ("node_area_bytes", 8), ("chunk_bytes", 4096),
-             ("pool_bytes", 1 << 62), ("backend", 77)]
+    cases = [
+        ("index_off", 31 * MiB),
+        ("index_slots", 1000),
+        ("chunk_count", 1 << 30),
+        ("arena_off", 64),
+        ("max_nodes", 0),
+        ("node_area_bytes", 8),
+        ("chunk_bytes", 4096),
+        ("pool_bytes", 1 << 62),
+        ("backend", 77),
+    ]
     for field, value in cases:
         tu.patch_file(pool_path, 0, pristine)
         tu.patch_header_field(pool_path, field, value)
@@ -330,8 +338,9 @@ def pristine_pool():
     fuzz example writes a fresh copy."""
     path = f"/dev/shm/cxlkv-test-pristine-{os.getpid()}"
     try:
-        with cxlkv.Pool.create(path, FUZZ_POOL_BYTES, chunk_size=256 * KiB, index_slots=1024,
-                               max_nodes=8, pin_slots=64) as pool:
+        with cxlkv.Pool.create(
+            path, FUZZ_POOL_BYTES, chunk_size=256 * KiB, index_slots=1024, max_nodes=8, pin_slots=64
+        ) as pool:
             ns = pool.namespace(small_layout())
             keys = [tu.make_key("fuzz", i) for i in range(300)]
             for k in keys:
@@ -405,8 +414,12 @@ def write_copy(path, data):
         f.write(data)
 
 
-@settings(max_examples=200, deadline=None, phases=FUZZ_PHASES,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=200,
+    deadline=None,
+    phases=FUZZ_PHASES,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(
     st.data(),
     st.booleans(),
@@ -419,7 +432,7 @@ def test_fuzz_header_open(pristine_pool, pool_path, data, fix_checksum, resize):
         off = data.draw(st.integers(0, tu.HEADER_STRUCT_BYTES - 1), label="offset")
         blob = data.draw(st.binary(min_size=1, max_size=24), label="bytes")
         blob = blob[: tu.HEADER_STRUCT_BYTES - off]
-        buf[off:off + len(blob)] = blob
+        buf[off : off + len(blob)] = blob
     if fix_checksum:  # get past the checksum so that field validation is what gets fuzzed
         struct.pack_into("<Q", buf, tu.CHECKSUM_OFF, tu.header_checksum(buf))
     if resize == "shrink":
@@ -433,10 +446,16 @@ def test_fuzz_header_open(pristine_pool, pool_path, data, fix_checksum, resize):
         pass
 
 
-@settings(max_examples=150, deadline=None, phases=FUZZ_PHASES,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(st.integers(0, (1 << 64) - 1),
-       st.sampled_from([n for n, (_, f) in tu.HEADER_FIELDS.items() if f in ("<Q", "<I", "<H")]))
+@settings(
+    max_examples=150,
+    deadline=None,
+    phases=FUZZ_PHASES,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    st.integers(0, (1 << 64) - 1),
+    st.sampled_from([n for n, (_, f) in tu.HEADER_FIELDS.items() if f in ("<Q", "<I", "<H")]),
+)
 def test_fuzz_header_field_values(pristine_pool, pool_path, value, field):
     """One field set to an arbitrary value, checksum re-sealed: open fails cleanly or works."""
     pristine, keys, _ = pristine_pool
@@ -463,7 +482,7 @@ def ready_entries(buf, h):
         off = base + slot * tu.ENTRY_BYTES
         word = struct.unpack_from("<Q", buf, off)[0]
         if word >> 56 == tu.ENTRY_READY:
-            out.append((slot, bytes(buf[off + tu.ENTRY_KEY_OFF: off + tu.ENTRY_KEY_OFF + 32])))
+            out.append((slot, bytes(buf[off + tu.ENTRY_KEY_OFF : off + tu.ENTRY_KEY_OFF + 32])))
     return out
 
 
@@ -499,8 +518,12 @@ def test_corrupt_entry_offsets(pool_path):
             off = index_off + slot * tu.ENTRY_BYTES
             if blob is None:
                 other = entries[-1][0]
-                blob = buf[index_off + other * tu.ENTRY_BYTES + tu.ENTRY_CHUNK_OFF:
-                           index_off + other * tu.ENTRY_BYTES + tu.ENTRY_BLOCK_OFF + 2]
+                blob = buf[
+                    index_off + other * tu.ENTRY_BYTES + tu.ENTRY_CHUNK_OFF : index_off
+                    + other * tu.ENTRY_BYTES
+                    + tu.ENTRY_BLOCK_OFF
+                    + 2
+                ]
                 field_off = tu.ENTRY_CHUNK_OFF
             f.seek(off + field_off)
             f.write(blob)
@@ -548,8 +571,12 @@ def test_corrupt_entry_offsets(pool_path):
     assert "Traceback" not in r.stderr
 
 
-@settings(max_examples=150, deadline=None, phases=FUZZ_PHASES,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=150,
+    deadline=None,
+    phases=FUZZ_PHASES,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(st.data())
 def test_fuzz_entry_fields(pristine_pool, pool_path, data):
     """Random garbage in random fields of random READY entries: get() is a hit with the right
@@ -565,7 +592,7 @@ def test_fuzz_entry_fields(pristine_pool, pool_path, data):
         width = {0: 8, 40: 4, 44: 4, 48: 2, 50: 2, 52: 4, 56: 8}[field]
         blob = data.draw(st.binary(min_size=width, max_size=width), label="value")
         off = h["index_off"] + slot * tu.ENTRY_BYTES + field
-        buf[off:off + width] = blob
+        buf[off : off + width] = blob
     write_copy(pool_path, bytes(buf))
     try:
         exercise(pool_path, keys)
@@ -576,8 +603,12 @@ def test_fuzz_entry_fields(pristine_pool, pool_path, data):
 METADATA_AREAS = ["node_table", "node_areas", "ns_table", "index", "access", "chunk_map", "arena"]
 
 
-@settings(max_examples=150, deadline=None, phases=FUZZ_PHASES,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=150,
+    deadline=None,
+    phases=FUZZ_PHASES,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(st.data(), st.sampled_from(METADATA_AREAS))
 def test_fuzz_metadata_areas(pristine_pool, pool_path, data, area):
     """Random bytes over any metadata area (node table, pins, namespaces, index, chunk map,
@@ -599,7 +630,7 @@ def test_fuzz_metadata_areas(pristine_pool, pool_path, data, area):
         off = start + data.draw(st.integers(0, length - 1), label="offset")
         blob = data.draw(st.binary(min_size=1, max_size=64), label="bytes")
         blob = blob[: start + length - off]
-        buf[off:off + len(blob)] = blob
+        buf[off : off + len(blob)] = blob
     write_copy(pool_path, bytes(buf))
     try:
         exercise(pool_path, keys)
@@ -612,7 +643,7 @@ def test_corrupt_namespace_name(pool_path):
     stats must still work (or raise a cxlkv error), not leak a UnicodeDecodeError."""
     make_file_pool(pool_path)
     h = tu.read_header(pool_path)
-    tu.patch_file(pool_path, h["ns_table_off"] + 64, b"\x80\xff")   # model_id
+    tu.patch_file(pool_path, h["ns_table_off"] + 64, b"\x80\xff")  # model_id
     tu.patch_file(pool_path, h["ns_table_off"] + 160, b"\xc3\x28")  # name
     with cxlkv.Pool.open(pool_path) as pool:
         for call in (pool.namespaces, pool.stats, pool.check, pool.info):

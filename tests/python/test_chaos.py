@@ -51,10 +51,26 @@ class Zygote:
     def __init__(self, pool_path, report_dir, *, chains, singles):
         env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
         self.proc = subprocess.Popen(
-            [sys.executable, WORKER, "zygote", "--pool", pool_path, "--report-dir", str(report_dir),
-             "--chains", str(chains), "--singles", str(singles)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            bufsize=1, env=env)
+            [
+                sys.executable,
+                WORKER,
+                "zygote",
+                "--pool",
+                pool_path,
+                "--report-dir",
+                str(report_dir),
+                "--chains",
+                str(chains),
+                "--singles",
+                str(singles),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+            env=env,
+        )
         self.events = queue.Queue()
         self.ready = set()
         self.status = {}
@@ -167,8 +183,7 @@ def test_chaos_kill9(pool_path, tmp_path):
                 if not zy.wait_ready(pid, READY_TIMEOUT_S):
                     unexpected.append(f"worker {wid} pid {pid} never became ready")
                 # mostly short lifetimes, sometimes long enough to fill the pool and evict
-                time.sleep(rng.uniform(0, SHORT_LIFE_S) if r < KILL_SHORT_P
-                           else rng.uniform(*LONG_LIFE_S))
+                time.sleep(rng.uniform(0, SHORT_LIFE_S) if r < KILL_SHORT_P else rng.uniform(*LONG_LIFE_S))
             zy.drain()
             if pid not in zy.ready:
                 kills_before_ready += 1
@@ -180,7 +195,7 @@ def test_chaos_kill9(pool_path, tmp_path):
             kills += 1
             live[wid] = zy.spawn(wid, rng.randrange(1 << 30))
         # end of chaos: kill the survivors too (they die holding whatever they held)
-        for wid, pid in live.items():
+        for pid in live.values():
             os.kill(pid, signal.SIGKILL)
             zy.reap(pid)
             kills += 1
@@ -188,10 +203,13 @@ def test_chaos_kill9(pool_path, tmp_path):
         zy.quit()
 
     elapsed = time.monotonic() - t_end + CHAOS_BUDGET_S
-    ops = 256 * sum(os.path.getsize(os.path.join(tmp_path, n)) for n in os.listdir(tmp_path)
-                    if n.startswith("progress-"))
-    print(f"chaos: {kills} kills ({kills_before_ready} before the worker was attached) in "
-          f"{elapsed:.1f} s, about {ops} operations")
+    ops = 256 * sum(
+        os.path.getsize(os.path.join(tmp_path, n)) for n in os.listdir(tmp_path) if n.startswith("progress-")
+    )
+    print(
+        f"chaos: {kills} kills ({kills_before_ready} before the worker was attached) in "
+        f"{elapsed:.1f} s, about {ops} operations"
+    )
     errors = read_reports(tmp_path, "errors-")
     mismatches = read_reports(tmp_path, "mismatch-")
     assert not mismatches, "readers observed wrong bytes:\n" + "\n".join(mismatches)[:4000]
@@ -226,11 +244,37 @@ def test_chaos_kill9(pool_path, tmp_path):
     procs = []
     for wid in range(2):
         summary = os.path.join(tmp_path, f"post-{wid}.json")
-        procs.append((subprocess.Popen(
-            [sys.executable, WORKER, "run", "--pool", pool_path, "--report-dir", str(tmp_path),
-             "--wid", str(100 + wid), "--seed", str(seed + wid), "--duration", "2",
-             "--chains", str(chains), "--singles", str(singles), "--summary", summary],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), summary))
+        procs.append(
+            (
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        WORKER,
+                        "run",
+                        "--pool",
+                        pool_path,
+                        "--report-dir",
+                        str(tmp_path),
+                        "--wid",
+                        str(100 + wid),
+                        "--seed",
+                        str(seed + wid),
+                        "--duration",
+                        "2",
+                        "--chains",
+                        str(chains),
+                        "--singles",
+                        str(singles),
+                        "--summary",
+                        summary,
+                    ],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                ),
+                summary,
+            )
+        )
     for p, summary in procs:
         _, err = p.communicate(timeout=60)
         with open(summary) as f:
@@ -261,9 +305,13 @@ def test_killed_processes_free_their_node_slots(pool_path):
         print("ready", flush=True)
         time.sleep(120)
     """)
-    for round_ in range(3):
-        procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    for _round in range(3):
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+            for _ in range(3)
+        ]
         for p in procs:
             line = p.stdout.readline().strip()
             assert line == "ready", (line, p.stderr.read() if p.poll() is not None else "")
@@ -299,8 +347,15 @@ def test_concurrent_open_or_create_and_namespace(pool_path, tmp_path):
             print(pool.uuid, ns.id, flush=True)
     """)
     start = time.time() + 1.0
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(start)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(6)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(start)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(6)
+    ]
     outs = []
     for p in procs:
         out, err = p.communicate(timeout=60)
@@ -308,8 +363,9 @@ def test_concurrent_open_or_create_and_namespace(pool_path, tmp_path):
         outs.append(out.split())
     assert len({o[0] for o in outs}) == 1, f"several pools were created: {outs}"
     assert len({o[1] for o in outs}) == 1, f"several namespaces were created: {outs}"
-    leftovers = [n for n in os.listdir(os.path.dirname(pool_path))
-                 if n.startswith(os.path.basename(pool_path) + ".")]
+    leftovers = [
+        n for n in os.listdir(os.path.dirname(pool_path)) if n.startswith(os.path.basename(pool_path) + ".")
+    ]
     assert not leftovers, f"temporary files left behind: {leftovers}"
     with cxlkv.Pool.open(pool_path) as pool:
         assert len(pool.namespaces()) == 1
@@ -329,7 +385,7 @@ def test_creator_killed_mid_create(pool_path):
         print("done", flush=True)
     """)
     rng = random.Random(tu.random_test_seed("creator kill -9"))
-    for i in range(8):
+    for _i in range(8):
         p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
         assert p.stdout.readline().strip() == "go"
         time.sleep(rng.uniform(0, CREATE_KILL_WINDOW_S))

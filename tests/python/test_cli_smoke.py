@@ -32,24 +32,81 @@ pytestmark = pytest.mark.skipif(CXLKV is None, reason="the cxlkv executable is n
 # Keys that scripts and docs read from each --json output.
 POOL_INFO_KEYS = {"pool_bytes", "chunk_bytes", "chunk_count", "index_slots", "max_nodes", "backend"}
 CHECK_KEYS = {"ok", "errors"}
-BENCH_COPY_KEYS = {"bench", "geometry", "store_gbps", "load_gbps", "memcpy_gbps",
-                   "memcpy_contig_gbps", "memcpy_mt_gbps", "store_vs_memcpy", "load_vs_memcpy",
-                   "copy_threads", "results", "machine", "notes"}
-BENCH_COPY_RESULT_KEYS = {"geometry", "blocks", "block_bytes", "batch_bytes", "iters", "verified",
-                          "store_gbps", "load_gbps", "memcpy_gbps"}
-BENCH_INDEX_KEYS = {"bench", "procs", "lookup_p50_ns", "lookup_p99_ns", "insert_p50_ns",
-                    "insert_p99_ns", "lookups_per_s", "lookups_per_s_1proc", "scaling",
-                    "batch_lookups_per_s", "keys", "block_bytes", "index_slots", "runs", "machine"}
-DEMO_KEYS = {"pool", "pool_size", "pool_existed", "procs", "seconds", "block_bytes", "hit_rate",
-             "consumer_hit_rate", "requests", "blocks_requested", "blocks_hit", "blocks_stored",
-             "blocks_loaded", "verify_errors", "processes", "pool_stats"}
+BENCH_COPY_KEYS = {
+    "bench",
+    "geometry",
+    "store_gbps",
+    "load_gbps",
+    "memcpy_gbps",
+    "memcpy_contig_gbps",
+    "memcpy_mt_gbps",
+    "store_vs_memcpy",
+    "load_vs_memcpy",
+    "copy_threads",
+    "results",
+    "machine",
+    "notes",
+}
+BENCH_COPY_RESULT_KEYS = {
+    "geometry",
+    "blocks",
+    "block_bytes",
+    "batch_bytes",
+    "iters",
+    "verified",
+    "store_gbps",
+    "load_gbps",
+    "memcpy_gbps",
+}
+BENCH_INDEX_KEYS = {
+    "bench",
+    "procs",
+    "lookup_p50_ns",
+    "lookup_p99_ns",
+    "insert_p50_ns",
+    "insert_p99_ns",
+    "lookups_per_s",
+    "lookups_per_s_1proc",
+    "scaling",
+    "batch_lookups_per_s",
+    "keys",
+    "block_bytes",
+    "index_slots",
+    "runs",
+    "machine",
+}
+DEMO_KEYS = {
+    "pool",
+    "pool_size",
+    "pool_existed",
+    "procs",
+    "seconds",
+    "block_bytes",
+    "hit_rate",
+    "consumer_hit_rate",
+    "requests",
+    "blocks_requested",
+    "blocks_hit",
+    "blocks_stored",
+    "blocks_loaded",
+    "verify_errors",
+    "processes",
+    "pool_stats",
+}
 
 
-def cxlkv_cli(*args: str, timeout: int = CLI_TIMEOUT_S) -> subprocess.CompletedProcess:
+def cxlkv_cli(
+    *args: str, timeout: int = CLI_TIMEOUT_S, pool_env: str | None = None
+) -> subprocess.CompletedProcess:
+    """Runs the installed ``cxlkv``; ``pool_env``: the value of $CXLKV_POOL (unset otherwise)."""
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", COLUMNS="120")
     env.pop("CXLKV_DEBUG", None)
-    return subprocess.run([CXLKV, *args], capture_output=True, text=True, timeout=timeout, env=env,
-                          check=False)
+    env.pop("CXLKV_POOL", None)
+    if pool_env is not None:
+        env["CXLKV_POOL"] = pool_env
+    return subprocess.run(
+        [CXLKV, *args], capture_output=True, text=True, timeout=timeout, env=env, check=False
+    )
 
 
 def ok(r: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -82,8 +139,17 @@ def scratch_pool_dir():
 
 def test_version_and_help():
     assert ok(cxlkv_cli("--version")).stdout.startswith("cxlkv ")
-    for argv in ([], ["pool"], ["bench"], ["demo"], ["pool", "create"], ["bench", "copy"],
-                 ["bench", "index"], ["bench", "vllm"], ["pool", "info"]):
+    for argv in (
+        [],
+        ["pool"],
+        ["bench"],
+        ["demo"],
+        ["pool", "create"],
+        ["bench", "copy"],
+        ["bench", "index"],
+        ["bench", "vllm"],
+        ["pool", "info"],
+    ):
         r = ok(cxlkv_cli(*argv, "--help"))
         assert "usage: cxlkv" in r.stdout, argv
     r = cxlkv_cli()  # no command: usage error
@@ -91,8 +157,24 @@ def test_version_and_help():
 
 
 def test_pool_lifecycle_text_and_json(pool_path):
-    r = ok(cxlkv_cli("pool", "create", pool_path, "--size", "16MiB", "--chunk-size", "1MiB",
-                     "--index-slots", "1024", "--max-nodes", "8", "--pin-slots", "16", "--json"))
+    r = ok(
+        cxlkv_cli(
+            "pool",
+            "create",
+            pool_path,
+            "--size",
+            "16MiB",
+            "--chunk-size",
+            "1MiB",
+            "--index-slots",
+            "1024",
+            "--max-nodes",
+            "8",
+            "--pin-slots",
+            "16",
+            "--json",
+        )
+    )
     info = json_of(r, POOL_INFO_KEYS)
     assert info["pool_bytes"] == 16 * MiB and info["chunk_bytes"] == MiB
     assert info["max_nodes"] == 8
@@ -117,8 +199,20 @@ def test_pool_lifecycle_text_and_json(pool_path):
     # create over an existing pool: an error without --force, a fresh pool with it
     r = cxlkv_cli("pool", "create", pool_path, "--size", "16MiB")
     assert r.returncode == 2 and r.stderr.startswith("cxlkv: error:"), r.stderr
-    ok(cxlkv_cli("pool", "create", pool_path, "--size", "8MiB", "--chunk-size", "1MiB", "--force",
-                 "--backend", "flush"))
+    ok(
+        cxlkv_cli(
+            "pool",
+            "create",
+            pool_path,
+            "--size",
+            "8MiB",
+            "--chunk-size",
+            "1MiB",
+            "--force",
+            "--backend",
+            "flush",
+        )
+    )
     info = json_of(ok(cxlkv_cli("pool", "info", pool_path, "--json")), POOL_INFO_KEYS)
     assert info["pool_bytes"] == 8 * MiB and info["namespaces"] == []
 
@@ -126,16 +220,51 @@ def test_pool_lifecycle_text_and_json(pool_path):
     assert not os.path.exists(pool_path)
 
 
-@pytest.mark.parametrize("argv", [
-    ["pool", "info", "{missing}"],
-    ["pool", "stats", "{missing}", "--json"],
-    ["pool", "check", "{missing}"],
-    ["pool", "destroy", "{missing}"],
-    ["pool", "create", "{missing}", "--size", "4XiB"],
-    ["pool", "create", "{missing}", "--size", "1MiB", "--backend", "nonesuch"],
-    ["bench", "index", "--procs", "0"],
-    ["demo", "--seconds", "-1"],
-])
+def test_every_pool_command_and_the_demo_default_to_CXLKV_POOL(pool_path):
+    """No PATH given: each command works on $CXLKV_POOL, the pool the library and the connector
+    open (identified by its inode, so a default pool elsewhere on this machine cannot pass)."""
+    info = json_of(
+        ok(
+            cxlkv_cli(
+                "pool", "create", "--size", "16MiB", "--chunk-size", "1MiB", "--json", pool_env=pool_path
+            )
+        ),
+        POOL_INFO_KEYS,
+    )
+    ino = os.stat(pool_path).st_ino
+    assert info["path"] == pool_path and info["file_ino"] == ino
+    assert (
+        json_of(ok(cxlkv_cli("pool", "info", "--json", pool_env=pool_path)), POOL_INFO_KEYS)["file_ino"]
+        == ino
+    )
+    stats = json.loads(ok(cxlkv_cli("pool", "stats", "--json", pool_env=pool_path)).stdout)
+    assert stats["free_chunks"] == info["chunk_count"], (stats, info)  # this fresh pool's chunks
+    assert json_of(ok(cxlkv_cli("pool", "check", "--json", pool_env=pool_path)), CHECK_KEYS)["ok"]
+    assert (
+        json.loads(ok(cxlkv_cli("pool", "reap", "60", "--json", pool_env=pool_path)).stdout)["state"]
+        == "free"
+    )
+    out = json_of(
+        ok(cxlkv_cli("demo", "--procs", "1", "--seconds", "0.3", "--json", pool_env=pool_path)), DEMO_KEYS
+    )
+    assert out["pool"] == pool_path and out["pool_existed"] is True
+    ok(cxlkv_cli("pool", "destroy", pool_env=pool_path))
+    assert not os.path.exists(pool_path)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["pool", "info", "{missing}"],
+        ["pool", "stats", "{missing}", "--json"],
+        ["pool", "check", "{missing}"],
+        ["pool", "destroy", "{missing}"],
+        ["pool", "create", "{missing}", "--size", "4XiB"],
+        ["pool", "create", "{missing}", "--size", "1MiB", "--backend", "nonesuch"],
+        ["bench", "index", "--procs", "0"],
+        ["demo", "--seconds", "-1"],
+    ],
+)
 def test_errors_exit_2_with_one_line(argv, pool_path):
     r = cxlkv_cli(*[a.replace("{missing}", pool_path) for a in argv])
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
@@ -175,24 +304,48 @@ def test_pool_check_exits_1_on_an_inconsistency(pool_path):
 
 def test_bench_copy(scratch_pool_dir):
     # one geometry as JSON, both (the default "all") as tables; 1 MiB batches, one iteration
-    r = ok(cxlkv_cli("bench", "copy", "--json", "--geometry", "smollm2-135m", "--iters", "1",
-                     "--batch-size", "1MiB", "--copy-threads", "1", "--pool-dir", scratch_pool_dir))
+    r = ok(
+        cxlkv_cli(
+            "bench",
+            "copy",
+            "--json",
+            "--geometry",
+            "smollm2-135m",
+            "--iters",
+            "1",
+            "--batch-size",
+            "1MiB",
+            "--copy-threads",
+            "1",
+            "--pool-dir",
+            scratch_pool_dir,
+        )
+    )
     out = json_of(r, BENCH_COPY_KEYS)
     assert out["bench"] == "copy" and out["geometry"] == "smollm2-135m" and out["copy_threads"] == 1
     assert len(out["results"]) == 1
     res = out["results"][0]
-    assert BENCH_COPY_RESULT_KEYS <= res.keys(), sorted(res)
+    assert res.keys() >= BENCH_COPY_RESULT_KEYS, sorted(res)
     assert res["verified"] and res["blocks"] >= 1
-    r = ok(cxlkv_cli("bench", "copy", "--iters", "1", "--batch-size", "1MiB",
-                     "--pool-dir", scratch_pool_dir))
+    r = ok(cxlkv_cli("bench", "copy", "--iters", "1", "--batch-size", "1MiB", "--pool-dir", scratch_pool_dir))
     assert "llama3-8b" in r.stdout and "smollm2-135m" in r.stdout
     assert os.listdir(scratch_pool_dir) == [], "bench copy left its pool behind"
 
 
 def test_bench_index(scratch_pool_dir):
     # --ops 1000: one batch of the batched-lookup phase (fewer crash it, see below)
-    small = ["--ops", "1000", "--keys", "200", "--samples", "50", "--inserts", "50",
-             "--pool-dir", scratch_pool_dir]
+    small = [
+        "--ops",
+        "1000",
+        "--keys",
+        "200",
+        "--samples",
+        "50",
+        "--inserts",
+        "50",
+        "--pool-dir",
+        scratch_pool_dir,
+    ]
     out = json_of(ok(cxlkv_cli("bench", "index", "--procs", "2", "--json", *small)), BENCH_INDEX_KEYS)
     assert out["bench"] == "index" and out["procs"] == 2 and out["keys"] == 200
     assert [run["procs"] for run in out["runs"]] == [1, 2]  # 1 always runs as the baseline
@@ -202,10 +355,13 @@ def test_bench_index(scratch_pool_dir):
 
 
 @pytest.mark.skipif(HAVE_VLLM, reason="vllm is importable: the commands run below instead")
-@pytest.mark.parametrize("argv", [
-    ["bench", "vllm", "--model", "tiny", "--contexts", "1", "--turns", "1", "--json"],
-    ["demo", "--vllm"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bench", "vllm", "--model", "tiny", "--contexts", "1", "--turns", "1", "--json"],
+        ["demo", "--vllm"],
+    ],
+)
 def test_vllm_commands_without_vllm_exit_2_with_the_reason(argv):
     """Not one engine start: the command says at once that it needs vLLM (exit 2, not 1)."""
     r = cxlkv_cli(*argv)
@@ -215,8 +371,23 @@ def test_vllm_commands_without_vllm_exit_2_with_the_reason(argv):
 
 
 def test_bench_index_fewer_ops_than_one_batch(scratch_pool_dir):
-    r = cxlkv_cli("bench", "index", "--procs", "1", "--json", "--ops", "200", "--keys", "200",
-                  "--samples", "50", "--inserts", "50", "--pool-dir", scratch_pool_dir)
+    r = cxlkv_cli(
+        "bench",
+        "index",
+        "--procs",
+        "1",
+        "--json",
+        "--ops",
+        "200",
+        "--keys",
+        "200",
+        "--samples",
+        "50",
+        "--inserts",
+        "50",
+        "--pool-dir",
+        scratch_pool_dir,
+    )
     assert "Traceback" not in r.stderr, r.stderr[-2000:]
     assert r.returncode in (0, 2), r.returncode
 
@@ -227,10 +398,23 @@ def test_bench_index_fewer_ops_than_one_batch(scratch_pool_dir):
 def test_bench_vllm_tiny(tmp_path):
     """Six engine start-ups even with one one-turn conversation: minutes on 2 cores."""
     plot = str(tmp_path / "ttft.png") if importlib.util.find_spec("matplotlib") else None
-    argv = ["bench", "vllm", "--model", "tiny", "--contexts", "1", "--turns", "1",
-            "--turn-words", "20", "--json"] + (["--plot", plot] if plot else [])
-    out = json_of(ok(cxlkv_cli(*argv, timeout=1700)),
-                  {"model", "contexts", "turns", "ttft_s", "cxlkv2_cached_tokens", "per_request", "raw"})
+    argv = [
+        "bench",
+        "vllm",
+        "--model",
+        "tiny",
+        "--contexts",
+        "1",
+        "--turns",
+        "1",
+        "--turn-words",
+        "20",
+        "--json",
+    ] + (["--plot", plot] if plot else [])
+    out = json_of(
+        ok(cxlkv_cli(*argv, timeout=1700)),
+        {"model", "contexts", "turns", "ttft_s", "cxlkv2_cached_tokens", "per_request", "raw"},
+    )
     assert set(out["ttft_s"]) == {"off", "local", "cxlkv-1", "cxlkv-2", "example-1", "example-2"}
     if plot:
         assert os.path.getsize(plot) > 0
@@ -241,8 +425,11 @@ def test_bench_vllm_tiny(tmp_path):
 
 
 def test_demo_json_then_text_on_the_same_pool(pool_path):
-    r = ok(cxlkv_cli("demo", "--procs", "2", "--seconds", "0.5", "--size", "32MiB",
-                     "--pool", pool_path, "--json"))
+    r = ok(
+        cxlkv_cli(
+            "demo", "--procs", "2", "--seconds", "0.5", "--size", "32MiB", "--pool", pool_path, "--json"
+        )
+    )
     out = json_of(r, DEMO_KEYS)
     assert out["pool"] == pool_path and out["pool_existed"] is False and out["procs"] == 2
     assert out["pool_size"] == 32 * MiB

@@ -5,6 +5,7 @@ real pool; a fake "model" computes each block's KV from the previous block's byt
 on top of a block that never arrived is wrong, exactly as in a real forward pass.
 
 Also the identity module (no vLLM needed for those tests)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -20,10 +21,10 @@ import pytest
 import cxlkv
 from cxlkv.integrations import identity as ident
 
-BS = 4          # tokens per block
+BS = 4  # tokens per block
 NUM_BLOCKS = 64
 LAYERS = 2
-HEAD = 8        # one KV head of 8 bf16 values: 2 * 4 * 8 * 2 = 128 bytes per layer and block
+HEAD = 8  # one KV head of 8 bf16 values: 2 * 4 * 8 * 2 = 128 bytes per layer and block
 
 
 # -------------------------------------------------------------------------------------------------
@@ -43,21 +44,23 @@ def write_safetensors(path, tensors: dict) -> None:
 def make_model(d, seed=0, size=200_000) -> str:
     os.makedirs(d, exist_ok=True)
     rng = np.random.default_rng(seed)
-    write_safetensors(os.path.join(d, "model.safetensors"),
-                      {"a.weight": rng.bytes(size), "b.weight": rng.bytes(size // 3), "norm": rng.bytes(64)})
+    write_safetensors(
+        os.path.join(d, "model.safetensors"),
+        {"a.weight": rng.bytes(size), "b.weight": rng.bytes(size // 3), "norm": rng.bytes(64)},
+    )
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump({"architectures": ["Tiny"], "hidden_size": 8}, f)
     return d
 
 
-
-def published(pool_path: str, model_dir: str, req_id: str, toks: list) -> "Engine":
+def published(pool_path: str, model_dir: str, req_id: str, toks: list) -> Engine:
     """An engine that has computed and saved the prompt `toks` (request `req_id`, finished)."""
     e = Engine(pool_path, model_dir)
     e.add(req_id, toks)
     e.step({req_id: len(toks)})
     e.finish(req_id)
     return e
+
 
 def test_identity_same_bytes_other_path_same_id(tmp_path):
     a = make_model(tmp_path / "a")
@@ -75,7 +78,7 @@ def test_identity_one_byte_in_sampled_region_changes_id(tmp_path):
     p = b / "model.safetensors"
     data = bytearray(p.read_bytes())
     hlen = struct.unpack("<Q", data[:8])[0]
-    first_tensor = json.loads(data[8:8 + hlen])["a.weight"]["data_offsets"][0] + 8 + hlen
+    first_tensor = json.loads(data[8 : 8 + hlen])["a.weight"]["data_offsets"][0] + 8 + hlen
     data[first_tensor + 5] ^= 0x01  # inside the first sample window of a.weight
     p.write_bytes(bytes(data))
     os.utime(p, ns=(1, 1))  # a new stamp even on coarse-mtime filesystems
@@ -84,8 +87,10 @@ def test_identity_one_byte_in_sampled_region_changes_id(tmp_path):
 
 def test_identity_perturbed_checkpoint_differs(tmp_path):
     """Two checkpoints of one architecture (same header, same shapes) are told apart."""
-    assert ident.weights_digest(make_model(tmp_path / "a", 1)).digest != \
-        ident.weights_digest(make_model(tmp_path / "b", 2)).digest
+    assert (
+        ident.weights_digest(make_model(tmp_path / "a", 1)).digest
+        != ident.weights_digest(make_model(tmp_path / "b", 2)).digest
+    )
 
 
 def test_identity_cache_is_used_and_invalidated(tmp_path, monkeypatch):
@@ -115,17 +120,22 @@ def test_identity_cache_in_home_when_model_dir_read_only(tmp_path, monkeypatch):
 
 def test_identity_gguf_tensors_sampled(tmp_path):
     """A GGUF file: tensor table parsed, every tensor sampled; one byte of a tensor changes it."""
+
     def gguf(path, payload: bytes):
         def s(x: bytes):
             return struct.pack("<Q", len(x)) + x
+
         head = b"GGUF" + struct.pack("<IQQ", 3, 2, 1)
         head += s(b"general.name") + struct.pack("<I", 8) + s(b"tiny")
-        t1, t2 = s(b"t1") + struct.pack("<IQIQ", 1, len(payload) // 2, 0, 0), \
-            s(b"t2") + struct.pack("<IQIQ", 1, len(payload) // 2, 0, len(payload) // 2)
+        t1, t2 = (
+            s(b"t1") + struct.pack("<IQIQ", 1, len(payload) // 2, 0, 0),
+            s(b"t2") + struct.pack("<IQIQ", 1, len(payload) // 2, 0, len(payload) // 2),
+        )
         body = head + t1 + t2
         body += b"\0" * ((-len(body)) % 32)
         path.write_bytes(body + payload)
         return len(body)
+
     rng = np.random.default_rng(3)
     payload = bytearray(rng.bytes(1 << 20))
     a = tmp_path / "m.gguf"
@@ -133,7 +143,7 @@ def test_identity_gguf_tensors_sampled(tmp_path):
     ref = ident.file_digest(a)
     assert ident.file_digest(a) == ref
     f = open(a, "rb")
-    table, ranges = ident._gguf_tensor_ranges(f, a.stat().st_size)
+    _table, ranges = ident._gguf_tensor_ranges(f, a.stat().st_size)
     f.close()
     assert ranges == [(start, len(payload) // 2), (start + len(payload) // 2, len(payload) // 2)]
     payload[len(payload) // 2 + 1] ^= 1  # start of t2: a sampled window
@@ -143,8 +153,9 @@ def test_identity_gguf_tensors_sampled(tmp_path):
 
 def test_identity_dtype_aliases_same_namespace():
     base = dict(weights="w", kind="dense", num_layers=2, num_kv_heads=1, head_size=8, block_size=4)
-    names = {ident.KVIdentity(dtype=d, **base).namespace_name()
-             for d in ("bf16", "bfloat16", "torch.bfloat16")}
+    names = {
+        ident.KVIdentity(dtype=d, **base).namespace_name() for d in ("bf16", "bfloat16", "torch.bfloat16")
+    }
     assert len(names) == 1
     assert ident.KVIdentity(dtype="fp16", **base).namespace_name() not in names
     with pytest.raises(ValueError):
@@ -152,11 +163,19 @@ def test_identity_dtype_aliases_same_namespace():
 
 
 def test_identity_every_field_separates():
-    base = dict(weights="w", dtype="bf16", kind="dense", num_layers=2, num_kv_heads=1, head_size=8,
-                block_size=4)
+    base = dict(
+        weights="w", dtype="bf16", kind="dense", num_layers=2, num_kv_heads=1, head_size=8, block_size=4
+    )
     ref = ident.KVIdentity(**base).namespace_name()
-    for k, v in (("weights", "w2"), ("block_size", 8), ("tp_rank", 1), ("quantization", "awq"),
-                 ("kv_scales", "x"), ("device_layout", "cuda"), ("compute_dtype", "fp16")):
+    for k, v in (
+        ("weights", "w2"),
+        ("block_size", 8),
+        ("tp_rank", 1),
+        ("quantization", "awq"),
+        ("kv_scales", "x"),
+        ("device_layout", "cuda"),
+        ("compute_dtype", "fp16"),
+    ):
         kw = dict(base, **{k: v})
         if k == "tp_rank":
             kw["tp_size"] = 2
@@ -183,21 +202,34 @@ Role = vllm_base.KVConnectorRole
 
 
 def fake_configs(pool_path: str, model_dir: str, role: str = "kv_both", **extra):
-    tc = SimpleNamespace(kv_connector_extra_config={"pool_path": pool_path, "pool_size": "16MiB",
-                                                    "chunk_size": "1MiB", **extra},
-                         is_kv_producer=role == "kv_producer", is_kv_consumer=role == "kv_consumer",
-                         kv_load_failure_policy="fail")
+    tc = SimpleNamespace(
+        kv_connector_extra_config={
+            "pool_path": pool_path,
+            "pool_size": "16MiB",
+            "chunk_size": "1MiB",
+            **extra,
+        },
+        is_kv_producer=role == "kv_producer",
+        is_kv_consumer=role == "kv_consumer",
+        kv_load_failure_policy="fail",
+    )
     vc = SimpleNamespace(
-        kv_transfer_config=tc, cache_config=SimpleNamespace(block_size=BS, cache_dtype="auto"),
-        model_config=SimpleNamespace(model=model_dir, dtype=torch.bfloat16, quantization=None,
-                                     hf_overrides={}),
+        kv_transfer_config=tc,
+        cache_config=SimpleNamespace(block_size=BS, cache_dtype="auto"),
+        model_config=SimpleNamespace(
+            model=model_dir, dtype=torch.bfloat16, quantization=None, hf_overrides={}
+        ),
         parallel_config=SimpleNamespace(tensor_parallel_size=1),
-        device_config=SimpleNamespace(device_type="cpu"), attention_config=SimpleNamespace(backend=None))
-    spec = SimpleNamespace(dtype=torch.bfloat16, num_kv_heads=1, head_size=HEAD,
-                           page_size_bytes=2 * BS * HEAD * 2)
-    kc = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec,
-                                                          layer_names=[f"l{i}" for i in range(LAYERS)])],
-                         num_blocks=NUM_BLOCKS)
+        device_config=SimpleNamespace(device_type="cpu"),
+        attention_config=SimpleNamespace(backend=None),
+    )
+    spec = SimpleNamespace(
+        dtype=torch.bfloat16, num_kv_heads=1, head_size=HEAD, page_size_bytes=2 * BS * HEAD * 2
+    )
+    kc = SimpleNamespace(
+        kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=[f"l{i}" for i in range(LAYERS)])],
+        num_blocks=NUM_BLOCKS,
+    )
     return vc, kc
 
 
@@ -207,14 +239,21 @@ class Req(SimpleNamespace):
 
 def make_req(rid: str, tokens: list, n_prompt: int | None = None) -> Req:
     n_prompt = len(tokens) if n_prompt is None else n_prompt
-    return Req(request_id=rid, prompt_token_ids=list(tokens[:n_prompt]), all_token_ids=list(tokens),
-               num_prompt_tokens=n_prompt, lora_request=None, mm_features=None, cache_salt=None,
-               prompt_embeds=None)
+    return Req(
+        request_id=rid,
+        prompt_token_ids=list(tokens[:n_prompt]),
+        all_token_ids=list(tokens),
+        num_prompt_tokens=n_prompt,
+        lora_request=None,
+        mm_features=None,
+        cache_salt=None,
+        prompt_embeds=None,
+    )
 
 
 def clean_block(tokens: list, j: int) -> bytes:
     """What a correct forward pass writes into block j (depends on every earlier token)."""
-    return hashlib.sha256(repr(tokens[:(j + 1) * BS]).encode()).digest() * 8  # 256 bytes
+    return hashlib.sha256(repr(tokens[: (j + 1) * BS]).encode()).digest() * 8  # 256 bytes
 
 
 class Engine:
@@ -227,7 +266,7 @@ class Engine:
         self.kv = [torch.zeros((NUM_BLOCKS, 2, BS, 1, HEAD), dtype=torch.bfloat16) for _ in range(LAYERS)]
         self.worker.register_kv_caches({f"l{i}": a for i, a in enumerate(self.kv)})
         self.free = list(range(NUM_BLOCKS))
-        self.reqs: dict = {}     # rid -> dict(req, blocks, computed)
+        self.reqs: dict = {}  # rid -> dict(req, blocks, computed)
         self.fail_next_load = None  # (rid, index): the worker's load of that block fails once
         self.stats = conn.CxlKVStats()
 
@@ -238,8 +277,9 @@ class Engine:
     def write_block(self, bid: int, data: bytes) -> None:
         half = len(data) // LAYERS
         for i, a in enumerate(self.kv):
-            a[bid].view(-1).view(torch.uint8)[:] = torch.frombuffer(bytearray(data[i * half:(i + 1) * half]),
-                                                                   dtype=torch.uint8)
+            a[bid].view(-1).view(torch.uint8)[:] = torch.frombuffer(
+                bytearray(data[i * half : (i + 1) * half]), dtype=torch.uint8
+            )
 
     def compute(self, rid: str, start: int, end: int) -> None:
         r = self.reqs[rid]
@@ -265,20 +305,26 @@ class Engine:
     def step(self, budget: dict) -> conn.CxlKVConnectorMetadata:
         """Schedules budget[rid] tokens of each request, runs the step, applies vLLM's reaction
         to load errors (num_computed truncated at the first invalid block)."""
-        new, cached = [], SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(),
-                                          num_computed_tokens=[])
-        for rid, n in budget.items():
+        new, cached = (
+            [],
+            SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[]),
+        )
+        for rid in budget:
             r = self.reqs[rid]
             if r["new"]:
-                new.append(SimpleNamespace(req_id=rid, block_ids=(list(r["blocks"]),),
-                                           num_computed_tokens=r["computed"]))
+                new.append(
+                    SimpleNamespace(
+                        req_id=rid, block_ids=(list(r["blocks"]),), num_computed_tokens=r["computed"]
+                    )
+                )
                 r["new"] = False
             else:
                 cached.req_ids.append(rid)
                 cached.new_block_ids.append(None)
                 cached.num_computed_tokens.append(r["computed"])
-        out = SimpleNamespace(scheduled_new_reqs=new, scheduled_cached_reqs=cached,
-                              num_scheduled_tokens=dict(budget))
+        out = SimpleNamespace(
+            scheduled_new_reqs=new, scheduled_cached_reqs=cached, num_scheduled_tokens=dict(budget)
+        )
         meta = self.sched.build_connector_meta(out)
         self.worker.bind_connector_metadata(meta)
         if self.fail_next_load is not None:
@@ -297,7 +343,7 @@ class Engine:
             r = self.reqs[rid]
             before = r["computed"]
             r["computed"] += n
-            bad = [i for i, b in enumerate(r["blocks"][:-(-before // BS)]) if b in errors]
+            bad = [i for i, b in enumerate(r["blocks"][: -(-before // BS)]) if b in errors]
             if bad:
                 r["computed"] = bad[0] * BS
         self.sched.update_connector_output(SimpleNamespace(invalid_block_ids=errors))
@@ -313,13 +359,14 @@ class Engine:
                     block_bytes = real.block_bytes
 
                     def load(_, keys, arrays, ids, block_dim=0):
-                        n = real.load(keys[:idx], arrays, ids[:idx], block_dim=block_dim)
+                        n = real.load(keys[:idx], arrays, ids[:idx], block_dim=block_dim)  # noqa: B023 - one load op per request and step
                         for b in ids[idx:]:
                             self.write_block(b, b"\x00" * 256)  # what vLLM's buffer held
                         return n
 
                     def __getattr__(_, name):
-                        return getattr(real, name)
+                        return getattr(real, name)  # noqa: B023 - one load op per request and step
+
                 self.worker._ns = Failing()
                 self.fail_next_load = None
                 self._restore = real
@@ -356,12 +403,21 @@ def tokens(seed: int, n: int) -> list:
 def pool_blocks(pool_path: str, ns_name: str, toks: list) -> dict:
     """depth -> bytes of every block of toks' chain that the pool holds."""
     from cxlkv.integrations.keys import block_keys
+
     with cxlkv.Pool.open(pool_path) as pool:
         d = next(n for n in pool.namespaces() if n["name"] == ns_name)
-        lay = cxlkv.KVLayout(model_id=d["model_id"], dtype=d["dtype"], num_layers=d["num_layers"],
-                             num_kv_heads=d["num_kv_heads"], head_size=d["head_size"],
-                             tokens_per_block=d["tokens_per_block"], kind=d["kind"],
-                             tp_rank=d["tp_rank"], tp_size=d["tp_size"], block_bytes=d["block_bytes"])
+        lay = cxlkv.KVLayout(
+            model_id=d["model_id"],
+            dtype=d["dtype"],
+            num_layers=d["num_layers"],
+            num_kv_heads=d["num_kv_heads"],
+            head_size=d["head_size"],
+            tokens_per_block=d["tokens_per_block"],
+            kind=d["kind"],
+            tp_rank=d["tp_rank"],
+            tp_size=d["tp_size"],
+            block_bytes=d["block_bytes"],
+        )
         ns = pool.namespace(lay, name=ns_name)
         out = {}
         for i, k in enumerate(block_keys(toks, BS, ns_name)):
@@ -399,12 +455,17 @@ def test_lease_lifetime_alloc_meta_output_finish(pool_path, model_dir):
     st = b.sched._reqs["r"]
     assert st.lease is not None and len(st.lease) == 6
     assert ns.delete(key0) is False  # pinned from lookup on...
-    meta = b.sched.build_connector_meta(SimpleNamespace(
-        scheduled_new_reqs=[SimpleNamespace(req_id="r", block_ids=(b.reqs["r"]["blocks"],),
-                                            num_computed_tokens=6 * BS)],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(),
-                                              num_computed_tokens=[]),
-        num_scheduled_tokens={"r": 1}))
+    meta = b.sched.build_connector_meta(
+        SimpleNamespace(
+            scheduled_new_reqs=[
+                SimpleNamespace(req_id="r", block_ids=(b.reqs["r"]["blocks"],), num_computed_tokens=6 * BS)
+            ],
+            scheduled_cached_reqs=SimpleNamespace(
+                req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[]
+            ),
+            num_scheduled_tokens={"r": 1},
+        )
+    )
     assert len(meta.loads) == 1 and st.lease is not None  # ...through the step that loads them...
     b.sched.update_connector_output(SimpleNamespace(invalid_block_ids=set()))
     assert st.lease is None  # ...and released once that step completed
@@ -485,10 +546,14 @@ def test_preemption_drops_held_saves_and_resaves(pool_path, model_dir):
         b.write_block(bid, b"\x55" * 256)  # another request reused them
     r["blocks"] = [b.free.pop() for _ in r["blocks"]]
     r["computed"] = 0
-    cached = SimpleNamespace(req_ids=["b"], new_block_ids=[(list(r["blocks"]),)], resumed_req_ids={"b"},
-                             num_computed_tokens=[0])
-    meta = b.sched.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached,
-                                                        num_scheduled_tokens={"b": len(pq)}))
+    cached = SimpleNamespace(
+        req_ids=["b"], new_block_ids=[(list(r["blocks"]),)], resumed_req_ids={"b"}, num_computed_tokens=[0]
+    )
+    meta = b.sched.build_connector_meta(
+        SimpleNamespace(
+            scheduled_new_reqs=[], scheduled_cached_reqs=cached, num_scheduled_tokens={"b": len(pq)}
+        )
+    )
     assert not st.held
     b.worker.bind_connector_metadata(meta)
     b.worker.start_load_kv(None)
@@ -517,6 +582,7 @@ def test_f5_failed_saves_counted_and_logged_once(pool_path, model_dir, caplog):
 
         def __getattr__(_, name):
             return getattr(real, name)
+
     a.worker._ns = Full()
     a.step({"r": len(toks)})
     assert a.stats.data["save_failed_blocks"] == 4
@@ -565,6 +631,7 @@ def test_f6_pool_file_deleted_degrades_to_no_cache(pool_path, model_dir, caplog)
     a = published(pool_path, model_dir, "r", toks)
     os.unlink(pool_path)
     import time
+
     time.sleep(0.01)  # the guard's stat interval (1 ms)
     assert a.add("r2", toks) == 0  # no hit from a pool that is not at the path any more
     meta = a.step({"r2": len(toks)})
@@ -583,6 +650,7 @@ def test_f6_pool_file_replaced_is_noticed(pool_path, model_dir, caplog):
     cxlkv.Pool.create(pool_path + ".new", "16MiB", chunk_size="1MiB").close()
     os.rename(pool_path + ".new", pool_path)
     import time
+
     time.sleep(0.01)
     assert a.add("r2", toks) == 0
     a.step({"r2": len(toks)})
@@ -604,6 +672,7 @@ def test_f3_pool_file_truncated_no_sigbus(pool_path, model_dir, caplog):
     assert b.add("r", toks) == 6 * BS  # holds a lease (pins in the node area)
     os.truncate(pool_path, 4096)
     import time
+
     time.sleep(0.01)
     b.step({"r": 1})  # the promised load is reported invalid: vLLM recomputes
     assert b.reqs["r"]["computed"] == 0
@@ -670,7 +739,9 @@ def test_prompt_embeds_keyed_by_content(pool_path, model_dir):
     for seed in (1, 1, 2):
         r = make_req(f"e{len(reqs)}", [0] * n)
         r.prompt_token_ids = None
-        r.prompt_embeds = torch.from_numpy(np.random.default_rng(seed).standard_normal((n, 4)).astype("float32"))
+        r.prompt_embeds = torch.from_numpy(
+            np.random.default_rng(seed).standard_normal((n, 4)).astype("float32")
+        )
         reqs.append(e.sched._keys_for(r).extend([0] * n))
     plain = e.sched._keys_for(make_req("t", [0] * n)).extend([0] * n)
     assert reqs[0] == reqs[1] and reqs[0][0] != reqs[2][0] and plain[0] != reqs[0][0]
@@ -687,6 +758,7 @@ def test_lora_keyed_by_adapter_content(pool_path, model_dir, tmp_path):
         r = make_req("x", toks)
         r.lora_request = SimpleNamespace(lora_name=name, lora_int_id=1, lora_path=str(path))
         return e.sched._keys_for(r).extend(toks)[0]
+
     assert key(ad1, "same-name") != key(ad2, "same-name")
     assert key(ad1, "one-name") == key(tmp_path / "ad1copy", "other-name")
     r = make_req("x", toks)

@@ -8,7 +8,6 @@ import time
 import numpy as np
 import pytest
 
-import cxlkv
 import cxlkv_testutil as tu
 from conftest import KiB, MiB, small_layout
 
@@ -125,8 +124,10 @@ def test_chains_evicted_tail_first(make_pool, shape):
     assert resident_total > 0
     frac = in_prefix / resident_total
     print(f"tail-first ({shape}): {frac:.1%} of {resident_total} resident blocks in a usable prefix")
-    assert frac >= 0.9, (f"only {frac:.1%} of the {resident_total} resident blocks are inside "
-                         "their chain's usable prefix: eviction is not tail-first")
+    assert frac >= 0.9, (
+        f"only {frac:.1%} of the {resident_total} resident blocks are inside "
+        "their chain's usable prefix: eviction is not tail-first"
+    )
     # bytes of whatever is resident are right
     dst = np.zeros_like(src)
     for keys in chains[-20:]:
@@ -205,13 +206,17 @@ def _holder(pool_path, code_body):
     import sys
     import textwrap
 
-    code = textwrap.dedent(f"""
+    code = (
+        textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {tu.here()!r})
         import cxlkv, cxlkv_testutil as tu
         from conftest import small_layout
         pool = cxlkv.Pool.open({pool_path!r})
-    """) + textwrap.dedent(code_body) + "\nprint('ready', flush=True)\ntime.sleep(120)\n"
+    """)
+        + textwrap.dedent(code_body)
+        + "\nprint('ready', flush=True)\ntime.sleep(120)\n"
+    )
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     line = p.stdout.readline().strip()
     if line != "ready":
@@ -231,12 +236,15 @@ def test_pins_of_killed_process_are_reclaimed(make_pool, pool_path):
     keys = [tu.make_key("dead-pin", i) for i in range(2 * (8 * MiB // bb))]
     assert all(fill(ns, keys, bb))
     resident = [k for k in keys if ns.contains(k)]
-    p = _holder(pool_path, f"""
+    p = _holder(
+        pool_path,
+        f"""
         ns = pool.namespace(small_layout(block_bytes={bb}))
         keys = [tu.make_key("dead-pin", i) for i in range({len(keys)})]
         lease = ns.acquire([k for k in keys if ns.contains(k)])
         assert len(lease) == {len(resident)}, len(lease)
-    """)
+    """,
+    )
     try:
         failed = False
         for i in range(len(resident) + 64):

@@ -3,6 +3,7 @@ each, each in its own process (tests/fuzz/fuzz_format.py). Passes only with 0 cr
 0 wrong reads. The seed is printed; CXLKV_FUZZ_SEED=<seed> replays a run, CXLKV_FUZZ_CASES sets
 the number of cases (default 300), CXLKV_FUZZ_OUT keeps the failing cases, and scripts/fuzz.sh runs long campaigns.
 """
+
 from __future__ import annotations
 
 import glob
@@ -62,12 +63,27 @@ def test_format_fuzz(tmp_path):
     cases = int(os.environ.get("CXLKV_FUZZ_CASES", "300"))
     out = Path(os.environ.get("CXLKV_FUZZ_OUT") or tmp_path / "failures")
     print(f"format fuzz seed {seed}: replay with CXLKV_FUZZ_SEED={seed}")
-    r = subprocess.run([sys.executable, os.path.join(FUZZ, "fuzz_format.py"), "--seed", str(seed),
-                        "--cases", str(cases), "--workers", "2", "--out", str(out)],
-                       capture_output=True, text=True, timeout=1800)
+    r = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(FUZZ, "fuzz_format.py"),
+            "--seed",
+            str(seed),
+            "--cases",
+            str(cases),
+            "--workers",
+            "2",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     print(r.stdout[-6000:], r.stderr[-2000:])
     summary = json.loads((out / "summary.json").read_text())
     assert summary["cases"] == cases
     assert summary["failures"] == 0, (
         f"seed {seed}: {summary['signatures']}; cases: {summary['saved']} "
-        f"(replay one with: python tests/fuzz/fuzz_format.py --replay FILE)")
+        f"(replay one with: python tests/fuzz/fuzz_format.py --replay FILE)"
+    )

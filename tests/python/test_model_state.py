@@ -7,6 +7,7 @@ their exact bytes). Invariants after every step: no read ever returns wrong byte
 bytes; a leased key is never evicted; contains/get/match_prefix agree; `pool.check()` is consistent.
 The seed is printed; CXLKV_FUZZ_SEED replays it; CXLKV_MODEL_EXAMPLES sets the number of runs.
 """
+
 from __future__ import annotations
 
 import os
@@ -15,7 +16,13 @@ import random
 import numpy as np
 from hypothesis import HealthCheck, seed, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 import cxlkv_testutil as tu
 from conftest import SHM_DIR, TEST_BACKEND, _remove, small_layout
@@ -23,7 +30,7 @@ from conftest import SHM_DIR, TEST_BACKEND, _remove, small_layout
 BLOCK = 64 << 10  # 16 blocks per 1 MiB chunk: a few dozen puts fill the pool
 POOL_BYTES = 4 << 20  # 3 chunks: 48 blocks for 56 keys plus fillers
 GUARD = 64
-PUT_KEYS = [tu.make_key("model-put", i) for i in range(40)]      # variable lengths, written by put
+PUT_KEYS = [tu.make_key("model-put", i) for i in range(40)]  # variable lengths, written by put
 STORE_KEYS = [tu.make_key("model-store", i) for i in range(16)]  # whole blocks, written by store or put
 
 
@@ -41,6 +48,7 @@ class PoolModel(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         import cxlkv
+
         self.path = os.path.join(SHM_DIR, f"cxlkv-model-{os.getpid()}-{random.getrandbits(32):08x}")
         self.pool = cxlkv.Pool.create(self.path, POOL_BYTES, chunk_size=1 << 20, backend=TEST_BACKEND)
         self.ns = self.pool.namespace(small_layout(block_bytes=BLOCK))
@@ -63,12 +71,14 @@ class PoolModel(RuleBasedStateMachine):
     def read(self, k: bytes):
         """get into a guarded buffer; returns the bytes on a hit, None on a miss."""
         whole = np.full(BLOCK + 2 * GUARD, 0xA5, dtype=np.uint8)
-        hit = self.ns.get(k, whole[GUARD:GUARD + BLOCK])
-        assert (whole[:GUARD] == 0xA5).all() and (whole[-GUARD:] == 0xA5).all(), "get wrote outside its buffer"
+        hit = self.ns.get(k, whole[GUARD : GUARD + BLOCK])
+        assert (whole[:GUARD] == 0xA5).all() and (whole[-GUARD:] == 0xA5).all(), (
+            "get wrote outside its buffer"
+        )
         if not hit:
             return None
         exp = expected(k)
-        got = bytes(whole[GUARD:GUARD + len(exp)])
+        got = bytes(whole[GUARD : GUARD + len(exp)])
         assert got == exp, f"wrong bytes for key {k.hex()[:12]}"
         return got
 
@@ -125,7 +135,7 @@ class PoolModel(RuleBasedStateMachine):
     def store(self, keys):
         src = np.zeros((len(keys) + 2, BLOCK), dtype=np.uint8)
         ids = [j + 2 for j in range(len(keys))][::-1]
-        for k, i in zip(keys, ids):
+        for k, i in zip(keys, ids, strict=True):
             src[i] = np.frombuffer(expected(k), dtype=np.uint8)
         n = self.ns.store(keys, [src], ids)
         assert n == len(keys), f"store kept {n} of {len(keys)} blocks"
@@ -135,11 +145,11 @@ class PoolModel(RuleBasedStateMachine):
     def load(self, keys):
         rows = len(keys) + 2
         whole = np.full(rows * BLOCK + 2 * GUARD, 0xA5, dtype=np.uint8)
-        dst = whole[GUARD:GUARD + rows * BLOCK].reshape(rows, BLOCK)
+        dst = whole[GUARD : GUARD + rows * BLOCK].reshape(rows, BLOCK)
         ids = [rows - 1 - j for j in range(len(keys))]
         n = self.ns.load(keys, [dst], ids)
         assert (whole[:GUARD] == 0xA5).all() and (whole[-GUARD:] == 0xA5).all(), "load wrote outside"
-        for k, i in zip(keys[:n], ids):
+        for k, i in zip(keys[:n], ids, strict=False):  # ids has a row per key; n <= len(keys)
             assert k in self.stored and bytes(dst[i]) == expected(k), "load delivered wrong bytes"
         if n < len(keys):
             assert keys[n] not in self.leased(), "a leased key failed to load"
@@ -177,8 +187,14 @@ class PoolModel(RuleBasedStateMachine):
 def test_pool_against_model():
     s = int(os.environ.get("CXLKV_FUZZ_SEED") or random.randrange(1 << 31))
     print(f"model state machine seed {s}: replay with CXLKV_FUZZ_SEED={s}")
-    cfg = settings(max_examples=int(os.environ.get("CXLKV_MODEL_EXAMPLES", "100")), stateful_step_count=40,
-                   deadline=None, database=None, suppress_health_check=list(HealthCheck), print_blob=True)
+    cfg = settings(
+        max_examples=int(os.environ.get("CXLKV_MODEL_EXAMPLES", "100")),
+        stateful_step_count=40,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+        print_blob=True,
+    )
     EVICTIONS.clear()
     run_state_machine_as_test(seed(s)(PoolModel), settings=cfg)
     assert sum(EVICTIONS) > 0, "no run evicted anything: the model never tested eviction"

@@ -20,17 +20,36 @@ WORKER = os.path.join(tu.here(), "chaos_worker.py")
 
 def start_worker(pool_path, report_dir, wid, *, seed, duration, model="a", chains=300, singles=2000):
     summary = os.path.join(report_dir, f"summary-{wid}.json")
-    cmd = [sys.executable, WORKER, "run", "--pool", pool_path, "--report-dir", str(report_dir),
-           "--wid", str(wid), "--seed", str(seed + wid), "--duration", str(duration),
-           "--chains", str(chains), "--singles", str(singles), "--model", model,
-           "--summary", summary]
+    cmd = [
+        sys.executable,
+        WORKER,
+        "run",
+        "--pool",
+        pool_path,
+        "--report-dir",
+        str(report_dir),
+        "--wid",
+        str(wid),
+        "--seed",
+        str(seed + wid),
+        "--duration",
+        str(duration),
+        "--chains",
+        str(chains),
+        "--singles",
+        str(singles),
+        "--model",
+        model,
+        "--summary",
+        summary,
+    ]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), summary
 
 
 def collect(procs):
     results = []
     for p, summary in procs:
-        out, err = p.communicate(timeout=120)
+        _out, err = p.communicate(timeout=120)
         assert os.path.exists(summary), f"worker wrote no summary (rc {p.returncode}): {err}"
         with open(summary) as f:
             s = json.load(f)
@@ -71,17 +90,28 @@ def test_multiprocess_stress(pool_path, tmp_path):
         pool.namespace(tu.shared_layout())
     duration = 10.0
     seed = tu.random_test_seed("multiprocess stress")
-    procs = [start_worker(pool_path, tmp_path, wid, seed=seed, duration=duration, chains=chains,
-                          singles=singles) for wid in range(4)]
+    procs = [
+        start_worker(pool_path, tmp_path, wid, seed=seed, duration=duration, chains=chains, singles=singles)
+        for wid in range(4)
+    ]
     # a fifth process on a second model in the same pool, same key space: aliasing would show up
     # as wrong bytes (its payloads are salted with the model)
-    procs.append(start_worker(pool_path, tmp_path, 4, seed=seed, duration=duration, model="b",
-                              chains=chains, singles=singles))
+    procs.append(
+        start_worker(
+            pool_path, tmp_path, 4, seed=seed, duration=duration, model="b", chains=chains, singles=singles
+        )
+    )
     results = collect(procs)
-    print("stress summary:", json.dumps([{k: r.get(k) for k in ("wid", "ops", "put_false", "pinned",
-                                                               "pinned_miss", "mismatches")}
-                                         | {"evictions": r.get("stats", {}).get("evictions")}
-                                         for r in results]))
+    print(
+        "stress summary:",
+        json.dumps(
+            [
+                {k: r.get(k) for k in ("wid", "ops", "put_false", "pinned", "pinned_miss", "mismatches")}
+                | {"evictions": r.get("stats", {}).get("evictions")}
+                for r in results
+            ]
+        ),
+    )
 
     for r in results:
         assert r["rc"] == 0 and r["ok"], f"worker {r['wid']} failed:\n{r.get('traceback')}\n{r['stderr']}"
@@ -117,11 +147,13 @@ def test_concurrent_same_key_writers(pool_path, tmp_path):
     with cxlkv.Pool.create(pool_path, 8 * MiB, chunk_size=256 * KiB) as pool:
         pool.namespace(tu.shared_layout())
     seed = tu.random_test_seed("same-key writers")
-    procs = [start_worker(pool_path, tmp_path, wid, seed=seed, duration=4.0, chains=3, singles=10)
-             for wid in range(4)]
+    procs = [
+        start_worker(pool_path, tmp_path, wid, seed=seed, duration=4.0, chains=3, singles=10)
+        for wid in range(4)
+    ]
     results = collect(procs)
     for r in results:
         assert r["rc"] == 0 and r["ok"], r.get("traceback")
     assert sum(r["mismatches"] for r in results) == 0, [m for r in results for m in r["first_mismatches"]]
-    resident, report = verify_pool_contents(pool_path, 3, 10)
+    _resident, report = verify_pool_contents(pool_path, 3, 10)
     assert tu.pool_check_problems(report) == [], report

@@ -62,12 +62,21 @@ def test_source_rejects_nul_and_control_characters(make_pool, bad):
 def test_pool_info_shows_source(make_pool, pool_path):
     pool = make_pool()
     pool.namespace(small_layout(source=SOURCE), name="m")
-    r = subprocess.run([sys.executable, "-m", "cxlkv", "pool", "info", "--json", pool_path],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "cxlkv", "pool", "info", "--json", pool_path],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     [ns] = json.loads(r.stdout)["namespaces"]
     assert ns["source"] == SOURCE
-    r = subprocess.run([sys.executable, "-m", "cxlkv", "pool", "info", pool_path],
-                       capture_output=True, text=True, timeout=60, env={"COLUMNS": "400", "PATH": ""})
+    r = subprocess.run(
+        [sys.executable, "-m", "cxlkv", "pool", "info", pool_path],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"COLUMNS": "400", "PATH": ""},
+    )
     assert r.returncode == 0, r.stderr
     assert SOURCE in r.stdout

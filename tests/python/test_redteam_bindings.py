@@ -13,7 +13,6 @@ import textwrap
 import numpy as np
 import pytest
 
-import cxlkv
 import cxlkv_testutil as tu
 from conftest import KiB, MiB, small_layout
 
@@ -22,8 +21,13 @@ BB = 4 * KiB  # block bytes of small_layout()
 
 def run_script(code: str, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
     """Runs `code` in a fresh interpreter (a crash there must not take the test runner down)."""
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True,
-                          text=True, timeout=timeout, cwd=os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=os.path.dirname(os.path.abspath(__file__)),
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -88,7 +92,7 @@ def test_f7_load_target_freed_during_copy(pool_path):
 def test_f7_store_keeps_sources_until_copied(small_ns):
     """The same hold on store sources: the bytes stored are the bytes given, even if the caller
     drops its last reference to a temporary array (the binding holds it)."""
-    pool, ns = small_ns
+    _pool, ns = small_ns
     keys = [tu.make_key("f7-store", i) for i in range(16)]
     src = np.frombuffer(os.urandom(16 * BB), dtype=np.uint8).reshape(16, BB)
     assert ns.store(keys, [src.copy()], list(range(16))) == 16
@@ -165,7 +169,7 @@ class FlipKeys:
 
 
 def test_f17_acquire_with_mutating_iterable(small_ns):
-    pool, ns = small_ns
+    _pool, ns = small_ns
     keys = [tu.make_key("f17", i) for i in range(4)]
     for k in keys:
         ns.put(k, b"v")
@@ -177,7 +181,7 @@ def test_f17_acquire_with_mutating_iterable(small_ns):
 
 
 def test_f17_acquire_generator_keys(small_ns):
-    pool, ns = small_ns
+    _pool, ns = small_ns
     keys = [tu.make_key("f17-gen", i) for i in range(4)]
     for k in keys:
         ns.put(k, b"v")
@@ -187,26 +191,29 @@ def test_f17_acquire_generator_keys(small_ns):
 
 
 def test_f17_acquire_checks_each_key_length(small_ns):
-    pool, ns = small_ns
+    _pool, ns = small_ns
     with pytest.raises(ValueError, match="exactly 32 bytes"):
         ns.acquire([tu.make_key("ok"), b"a"])
 
 
 # ------------------------------------------------------------------------------------------------
 # F19: bad block_ids types raise TypeError/ValueError with a clear message
-@pytest.mark.parametrize("bad, exc, message", [
-    (1.0, TypeError, r"block_ids\[1\] must be an integer, not float"),
-    (None, TypeError, r"block_ids\[1\] must be an integer, not NoneType"),
-    ("1", TypeError, r"block_ids\[1\] must be an integer, not str"),
-    (True, TypeError, r"block_ids\[1\] must be an integer, not bool"),
-    (np.float64(1.0), TypeError, r"block_ids\[1\] must be an integer, not float64"),
-    (1 << 63, ValueError, r"block id 9223372036854775808 at position 1 out of range"),
-    (-(1 << 64), ValueError, r"block id -18446744073709551616 at position 1 out of range"),
-    (-1, ValueError, r"block id -1 out of range"),
-])
+@pytest.mark.parametrize(
+    "bad, exc, message",
+    [
+        (1.0, TypeError, r"block_ids\[1\] must be an integer, not float"),
+        (None, TypeError, r"block_ids\[1\] must be an integer, not NoneType"),
+        ("1", TypeError, r"block_ids\[1\] must be an integer, not str"),
+        (True, TypeError, r"block_ids\[1\] must be an integer, not bool"),
+        (np.float64(1.0), TypeError, r"block_ids\[1\] must be an integer, not float64"),
+        (1 << 63, ValueError, r"block id 9223372036854775808 at position 1 out of range"),
+        (-(1 << 64), ValueError, r"block id -18446744073709551616 at position 1 out of range"),
+        (-1, ValueError, r"block id -1 out of range"),
+    ],
+)
 @pytest.mark.parametrize("op", ["store", "load"])
 def test_f19_bad_block_ids(small_ns, op, bad, exc, message):
-    pool, ns = small_ns
+    _pool, ns = small_ns
     arr = np.zeros((4, BB), dtype=np.uint8)
     keys = [tu.make_key("f19", i) for i in range(2)]
     with pytest.raises(exc, match=message):
@@ -214,7 +221,7 @@ def test_f19_bad_block_ids(small_ns, op, bad, exc, message):
 
 
 def test_f19_numpy_integer_block_ids_are_fine(small_ns):
-    pool, ns = small_ns
+    _pool, ns = small_ns
     src = np.frombuffer(os.urandom(4 * BB), dtype=np.uint8).reshape(4, BB)
     keys = [tu.make_key("f19-np", i) for i in range(2)]
     assert ns.store(keys, [src], np.array([3, 1], dtype=np.int64)) == 2
@@ -269,7 +276,7 @@ def test_f21_fragment_count_is_capped(make_pool):
 def test_f21_empty_arrays_add_no_fragments(small_ns):
     """An array with no bytes per block (a zero-sized inner dim) contributes nothing, however many
     outer rows it claims."""
-    pool, ns = small_ns
+    _pool, ns = small_ns
     empty = np.broadcast_to(np.zeros((1, 4, 0), dtype=np.uint8), (1 << 40, 4, 0))
     src = np.frombuffer(os.urandom(4 * BB), dtype=np.uint8).reshape(1, 4, BB)
     key = tu.make_key("f21-empty")

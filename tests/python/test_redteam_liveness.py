@@ -19,14 +19,21 @@ import time
 import pytest
 
 import cxlkv
-import cxlkv_testutil as tu
 
 MiB = 1 << 20
-LAYOUT = cxlkv.KVLayout(model_id="liveness", dtype="bytes", num_layers=1, num_kv_heads=1,
-                        head_size=1024, tokens_per_block=1, kind="opaque", block_bytes=1024)
+LAYOUT = cxlkv.KVLayout(
+    model_id="liveness",
+    dtype="bytes",
+    num_layers=1,
+    num_kv_heads=1,
+    head_size=1024,
+    tokens_per_block=1,
+    kind="opaque",
+    block_bytes=1024,
+)
 CXLKV = [sys.executable, "-m", "cxlkv"]
 # Children share this preamble: the layout above, keys, and a JSON reply helper.
-PRE = textwrap.dedent(f"""
+PRE = textwrap.dedent("""
     import json, os, signal, sys, time, cxlkv
     LAYOUT = cxlkv.KVLayout(model_id="liveness", dtype="bytes", num_layers=1, num_kv_heads=1,
                             head_size=1024, tokens_per_block=1, kind="opaque", block_bytes=1024)
@@ -50,9 +57,14 @@ class Child:
     """A python child process that speaks one JSON line per step on stdout and waits on stdin."""
 
     def __init__(self, code: str, prefix: list[str] | None = None, env: dict | None = None):
-        self.p = subprocess.Popen((prefix or []) + [sys.executable, "-c", PRE + textwrap.dedent(code)],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True, env=dict(os.environ, **(env or {})))
+        self.p = subprocess.Popen(
+            (prefix or []) + [sys.executable, "-c", PRE + textwrap.dedent(code)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=dict(os.environ, **(env or {})),
+        )
 
     def read(self) -> dict:
         line = self.p.stdout.readline()
@@ -139,7 +151,9 @@ def test_f4_crashed_nodes_with_other_hostnames_are_reclaimed(pool_path):
         os.kill(os.getpid(), signal.SIGKILL)
     """)
     for i in range(4):
-        r = subprocess.run(["unshare", "--uts", sys.executable, "-c", code, str(i)], capture_output=True, timeout=60)
+        r = subprocess.run(
+            ["unshare", "--uts", sys.executable, "-c", code, str(i)], capture_output=True, timeout=60
+        )
         assert r.returncode == -signal.SIGKILL, r.stderr
     # Each container's open reclaimed the one before; check (an observer) reclaims the last.
     chk = _cli("pool", "check", pool_path, "--json")
@@ -207,18 +221,21 @@ def test_cross_kernel_node_is_judged_by_its_heartbeat_lease(pool_path):
 
 def test_cross_kernel_node_paused_past_its_lease_is_fenced(pool_path):
     _fill(pool_path, lease_ms=200)
-    code = HOLDER.replace("""    sys.stdin.readline()
+    code = HOLDER.replace(
+        """    sys.stdin.readline()
     try:
         say(get_after=ns.get_bytes(key(0)) is not None)
     except cxlkv.CxlkvError as e:
-        say(error=str(e))""", """    sys.stdin.readline()
+        say(error=str(e))""",
+        """    sys.stdin.readline()
     for _ in range(400):  # the heartbeat thread notices the reclaim within a beat
         try:
             ns.get_bytes(key(0)); time.sleep(0.05)
         except cxlkv.CxlkvError as e:
             say(error=str(e)); break
     else:
-        say(error=None)""")
+        say(error=None)""",
+    )
     with cxlkv.Pool.open(pool_path) as judge:
         c = Child(code, env={"POOL": pool_path, "CXLKV_HOST_ID": "test-foreign-kernel"})
         try:
@@ -261,7 +278,8 @@ def test_f20_reclaimed_nodes_are_counted(pool_path):
 def test_forked_child_does_not_keep_its_parents_node_alive(pool_path):
     """The child shares the parent's open file description; the atfork handler closes its copy."""
     _fill(pool_path)
-    c = Child("""
+    c = Child(
+        """
         p = cxlkv.Pool.open(os.environ["POOL"])
         r, w = os.pipe()
         kid = os.fork()
@@ -270,7 +288,9 @@ def test_forked_child_does_not_keep_its_parents_node_alive(pool_path):
         os.read(r, 1)
         say(node=p.node_id, kid=kid)
         os.kill(os.getpid(), signal.SIGKILL)
-    """, env={"POOL": pool_path})
+    """,
+        env={"POOL": pool_path},
+    )
     first = c.read()
     c.kill()
     try:
@@ -292,7 +312,10 @@ def test_check_info_and_reap_work_on_a_full_node_table(pool_path):
         chk = _cli("pool", "check", pool_path, "--json")
         assert chk.returncode == 0, chk.stderr
         info = json.loads(_cli("pool", "info", pool_path, "--json").stdout)
-        assert {(n["node"], n["verdict"], n["judged_by"]) for n in info["nodes"]} == {(na, "alive", "lock"), (nb, "alive", "lock")}
+        assert {(n["node"], n["verdict"], n["judged_by"]) for n in info["nodes"]} == {
+            (na, "alive", "lock"),
+            (nb, "alive", "lock"),
+        }
         refused = _cli("pool", "reap", str(na), pool_path)
         assert refused.returncode == 1 and "alive" in refused.stdout + refused.stderr
         forced = _cli("pool", "reap", str(na), pool_path, "--force", "--json")

@@ -32,7 +32,7 @@ def _block_offset(path: str, info: dict, key: bytes, block_bytes: int) -> int | 
             desc = stride - info["chunk_bytes"]
             for s in range(info["index_slots"]):
                 e = info["index_off"] + 64 * s
-                if m[e + 7] == ENTRY_READY and m[e + 8:e + 40] == key:
+                if m[e + 7] == ENTRY_READY and m[e + 8 : e + 40] == key:
                     chunk, block = struct.unpack_from("<IH", m, e + 44)
                     return info["arena_off"] + chunk * stride + desc + block * block_bytes
         finally:

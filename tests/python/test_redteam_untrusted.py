@@ -29,12 +29,19 @@ NOBODY = 65534
 
 
 def run_py(code: str, *, stdin: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], input=stdin, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cxlkv", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "cxlkv", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def no_signal(r: subprocess.CompletedProcess) -> str:
@@ -74,8 +81,13 @@ print('DONE', flush=True)
 
 def attached(path: str, rounds: int = 20) -> subprocess.Popen:
     code = ATTACHED.format(here=tu.here(), path=path, rounds=rounds)
-    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout.readline().strip() == "READY", proc.stderr.read()
     return proc
 
@@ -87,7 +99,9 @@ def finish(proc: subprocess.Popen) -> tuple[int, list[str], str]:
 
 # ---------------------------------------------------------------------------------------------
 # F1: the header was trusted in place after open.
-@pytest.mark.parametrize("field", ["arena_off", "chunk_map_off", "node_area_off", "node_table_off", "chunk_count"])
+@pytest.mark.parametrize(
+    "field", ["arena_off", "chunk_map_off", "node_area_off", "node_table_off", "chunk_count"]
+)
 def test_f1_live_header_scribble(pool_path, field):
     make(pool_path)
     proc = attached(pool_path)
@@ -200,7 +214,7 @@ def test_f11_default_dir_private(monkeypatch, pool_path):
         import shutil
 
         shutil.rmtree(d, ignore_errors=True)
-    assert cxlkv.DEFAULT_POOL_PATH == os.environ.get("CXLKV_POOL", f"/dev/shm/cxlkv-{os.geteuid()}/pool")
+    assert os.environ.get("CXLKV_POOL", f"/dev/shm/cxlkv-{os.geteuid()}/pool") == cxlkv.DEFAULT_POOL_PATH
 
 
 # ---------------------------------------------------------------------------------------------
@@ -276,7 +290,8 @@ def test_f14_sigbus_outside_pools_still_kills(pool_path, faulthandler_at):
     the process (through the handler installed before ours, e.g. faulthandler), never a hang."""
     make(pool_path)
     other = pool_path + ".other"
-    r = run_py(f"""
+    r = run_py(
+        f"""
         import faulthandler, mmap, os, sys, cxlkv
         sys.path.insert(0, {tu.here()!r}); from conftest import small_layout
         import cxlkv_testutil as tu
@@ -292,7 +307,9 @@ def test_f14_sigbus_outside_pools_still_kills(pool_path, faulthandler_at):
         with open({other!r}, 'w+b') as f:
             f.truncate(1 << 20); m = mmap.mmap(f.fileno(), 1 << 20); f.truncate(0)
             print('unreachable', m[4096], flush=True)
-    """, timeout=60)
+    """,
+        timeout=60,
+    )
     if os.path.exists(other):
         os.unlink(other)
     assert r.returncode == -signal.SIGBUS, (r.returncode, r.stdout, r.stderr[-500:])
@@ -382,7 +399,7 @@ def test_f22_no_temp_file_when_mmap_fails(pool_path):
             vm = int([l for l in open('/proc/self/status') if l.startswith('VmSize')][0].split()[1]) * 1024
             resource.setrlimit(resource.RLIMIT_AS, (vm + (8 << 20), resource.RLIM_INFINITY))
             try:
-                cxlkv.Pool.create({d + '/pool'!r}, '32MiB'); print('created')
+                cxlkv.Pool.create({d + "/pool"!r}, '32MiB'); print('created')
             except OSError as e:
                 print('error', e)
         """)

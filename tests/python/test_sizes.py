@@ -12,24 +12,55 @@ KiB, MiB, GiB, TiB, PiB = (1 << 10), (1 << 20), (1 << 30), (1 << 40), (1 << 50)
 
 PARSE_OK = [
     # bytes
-    ("0", 0), ("123", 123), ("123B", 123), ("123 b", 123),
+    ("0", 0),
+    ("123", 123),
+    ("123B", 123),
+    ("123 b", 123),
     # IEC, every spelling and case
-    ("1KiB", KiB), ("1kib", KiB), ("1KIB", KiB), ("1Ki", KiB), ("1K", KiB), ("1k", KiB),
-    ("64MiB", 64 * MiB), ("64Mi", 64 * MiB), ("64M", 64 * MiB), ("64mib", 64 * MiB),
-    ("4GiB", 4 * GiB), ("4G", 4 * GiB), ("4gi", 4 * GiB),
-    ("2TiB", 2 * TiB), ("2T", 2 * TiB), ("3PiB", 3 * PiB), ("3P", 3 * PiB),
+    ("1KiB", KiB),
+    ("1kib", KiB),
+    ("1KIB", KiB),
+    ("1Ki", KiB),
+    ("1K", KiB),
+    ("1k", KiB),
+    ("64MiB", 64 * MiB),
+    ("64Mi", 64 * MiB),
+    ("64M", 64 * MiB),
+    ("64mib", 64 * MiB),
+    ("4GiB", 4 * GiB),
+    ("4G", 4 * GiB),
+    ("4gi", 4 * GiB),
+    ("2TiB", 2 * TiB),
+    ("2T", 2 * TiB),
+    ("3PiB", 3 * PiB),
+    ("3P", 3 * PiB),
     # SI
-    ("1kB", 1000), ("1KB", 1000), ("2MB", 2_000_000), ("2GB", 2_000_000_000),
-    ("5TB", 5 * 10**12), ("1PB", 10**15),
+    ("1kB", 1000),
+    ("1KB", 1000),
+    ("2MB", 2_000_000),
+    ("2GB", 2_000_000_000),
+    ("5TB", 5 * 10**12),
+    ("1PB", 10**15),
     # spaces: around the number and between number and unit
-    ("  4GiB  ", 4 * GiB), ("4 GiB", 4 * GiB), ("4\tGiB", 4 * GiB), ("\n512 KiB\n", 512 * KiB),
+    ("  4GiB  ", 4 * GiB),
+    ("4 GiB", 4 * GiB),
+    ("4\tGiB", 4 * GiB),
+    ("\n512 KiB\n", 512 * KiB),
     # fractions that are whole numbers of bytes
-    ("1.5KiB", 1536), ("0.5MiB", 512 * KiB), (".5K", 512), ("2.", 2), ("2.0", 2),
-    ("1.5kB", 1500), ("0.25GiB", GiB // 4),
+    ("1.5KiB", 1536),
+    ("0.5MiB", 512 * KiB),
+    (".5K", 512),
+    ("2.", 2),
+    ("2.0", 2),
+    ("1.5kB", 1500),
+    ("0.25GiB", GiB // 4),
     # leading zeros
-    ("007", 7), ("0008MiB", 8 * MiB),
+    ("007", 7),
+    ("0008MiB", 8 * MiB),
     # huge values: Python ints, no overflow
-    ("1024PiB", 1 << 60), ("16384PiB", 1 << 64), ("99999999999999999999999", 99999999999999999999999),
+    ("1024PiB", 1 << 60),
+    ("16384PiB", 1 << 64),
+    ("99999999999999999999999", 99999999999999999999999),
 ]
 
 
@@ -74,29 +105,42 @@ def test_parse_size_rejects_with_a_message_naming_the_input(text, message):
     assert repr(text) in str(ei.value)
 
 
-@pytest.mark.parametrize("value,message", [
-    (-1, "must not be negative"),
-    (True, "invalid size True"),
-    (False, "invalid size False"),
-    (None, "expected an int or a string"),
-    (1.5, "expected an int or a string"),
-    (b"4GiB", "expected an int or a string"),
-    (np.int64(-5), "must not be negative"),
-])
+@pytest.mark.parametrize(
+    "value,message",
+    [
+        (-1, "must not be negative"),
+        (True, "invalid size True"),
+        (False, "invalid size False"),
+        (None, "expected an int or a string"),
+        (1.5, "expected an int or a string"),
+        (b"4GiB", "expected an int or a string"),
+        (np.int64(-5), "must not be negative"),
+    ],
+)
 def test_parse_size_rejects_non_sizes(value, message):
     with pytest.raises(ValueError, match=message):
         parse_size(value)
 
 
 FORMAT = [
-    (0, "0 B"), (1, "1 B"), (1023, "1023 B"),
-    (1024, "1.0 KiB"), (1536, "1.5 KiB"), (1025, "1.0 KiB"),
-    (MiB - 1, "1.0 MiB"),             # 1023.999 KiB rounds up: carried into the next unit
+    (0, "0 B"),
+    (1, "1 B"),
+    (1023, "1023 B"),
+    (1024, "1.0 KiB"),
+    (1536, "1.5 KiB"),
+    (1025, "1.0 KiB"),
+    (MiB - 1, "1.0 MiB"),  # 1023.999 KiB rounds up: carried into the next unit
     (MiB - 52, "1023.9 KiB"),
-    (MiB, "1.0 MiB"), (360 * KiB, "360.0 KiB"), (4 * GiB, "4.0 GiB"), (TiB, "1.0 TiB"),
-    (PiB, "1.0 PiB"), (1 << 60, "1.0 EiB"),
-    (1 << 70, "1024.0 EiB"),          # past the last unit: stays in EiB, no index error
-    (-1, "-1 B"), (-2048, "-2.0 KiB"), (-(4 * GiB), "-4.0 GiB"),
+    (MiB, "1.0 MiB"),
+    (360 * KiB, "360.0 KiB"),
+    (4 * GiB, "4.0 GiB"),
+    (TiB, "1.0 TiB"),
+    (PiB, "1.0 PiB"),
+    (1 << 60, "1.0 EiB"),
+    (1 << 70, "1024.0 EiB"),  # past the last unit: stays in EiB, no index error
+    (-1, "-1 B"),
+    (-2048, "-2.0 KiB"),
+    (-(4 * GiB), "-4.0 GiB"),
 ]
 
 
@@ -105,10 +149,16 @@ def test_format_size(n, text):
     assert format_size(n) == text
 
 
-@pytest.mark.parametrize("n,precision,text", [
-    (1536, 0, "2 KiB"), (1536, 3, "1.500 KiB"), (GiB + GiB // 3, 2, "1.33 GiB"),
-    (MiB - 1, 2, "1.00 MiB"), (MiB - 1, 3, "1023.999 KiB"),
-])
+@pytest.mark.parametrize(
+    "n,precision,text",
+    [
+        (1536, 0, "2 KiB"),
+        (1536, 3, "1.500 KiB"),
+        (GiB + GiB // 3, 2, "1.33 GiB"),
+        (MiB - 1, 2, "1.00 MiB"),
+        (MiB - 1, 3, "1023.999 KiB"),
+    ],
+)
 def test_format_size_precision(n, precision, text):
     assert format_size(n, precision) == text
 
@@ -117,8 +167,9 @@ def test_format_size_accepts_numpy_integers():
     assert format_size(np.int64(4 * GiB)) == "4.0 GiB"
 
 
-@pytest.mark.parametrize("n", [0, 1, 1023, KiB, 1536, 360 * KiB, 64 * MiB, 3 * GiB // 2, 4 * GiB,
-                               TiB, 2 * PiB])
+@pytest.mark.parametrize(
+    "n", [0, 1, 1023, KiB, 1536, 360 * KiB, 64 * MiB, 3 * GiB // 2, 4 * GiB, TiB, 2 * PiB]
+)
 def test_round_trip_format_then_parse(n):
     """Sizes that format exactly (a whole number of tenths of a unit) parse back to themselves."""
     text = format_size(n)

@@ -1,5 +1,6 @@
 """Fixtures of the real-vLLM tests: each engine runs in its own process (llm_driver.py), as
 several vLLM instances would, attached to one pool under /dev/shm."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,32 @@ BLOCK = 128  # vLLM CPU's default block size
 
 
 def words(seed: int, n: int) -> str:
-    vocab = ("memory cache block prefix token model layer attention shared pool process server "
-             "request prompt decode prefill batch tensor buffer page store load hash index").split()
+    vocab = [
+        "memory",
+        "cache",
+        "block",
+        "prefix",
+        "token",
+        "model",
+        "layer",
+        "attention",
+        "shared",
+        "pool",
+        "process",
+        "server",
+        "request",
+        "prompt",
+        "decode",
+        "prefill",
+        "batch",
+        "tensor",
+        "buffer",
+        "page",
+        "store",
+        "load",
+        "hash",
+        "index",
+    ]
     rng = random.Random(seed)
     return " ".join(rng.choice(vocab) for _ in range(n))
 
@@ -27,8 +52,13 @@ def run_engine(spec: dict, timeout: int = 600, log: list | None = None) -> list:
     given, receives the process's whole output."""
     env = dict(os.environ)
     env.pop("PYTHONHASHSEED", None)  # keys must match across processes with default settings
-    p = subprocess.run([sys.executable, os.path.join(HERE, "llm_driver.py"), json.dumps(spec)],
-                       capture_output=True, text=True, timeout=timeout, env=env)
+    p = subprocess.run(
+        [sys.executable, os.path.join(HERE, "llm_driver.py"), json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
     results = [json.loads(line[7:]) for line in p.stdout.splitlines() if line.startswith("RESULT ")]
     if log is not None:
         log.append(p.stdout + p.stderr)
@@ -40,7 +70,8 @@ def run_engine(spec: dict, timeout: int = 600, log: list | None = None) -> list:
 
 @pytest.fixture(scope="session")
 def tiny_model():
-    from cxlkv.integrations import models
+    from cxlkv.testing import models
+
     return models.tiny_llama()
 
 

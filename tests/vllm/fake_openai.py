@@ -4,6 +4,7 @@ apart then `[DONE]`. Run as its own process so tests can kill -9 it mid-answer.
 
     python fake_openai.py PORT [CHUNKS] [DELAY_S]
 """
+
 import asyncio
 import json
 import sys
@@ -20,8 +21,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = await request.json()
     seen.append(body)
     if not body.get("stream"):
-        return web.json_response({"choices": [{"text": "x" * body.get("max_tokens", 1)}],
-                                  "usage": {"prompt_tokens": 3}})
+        return web.json_response(
+            {"choices": [{"text": "x" * body.get("max_tokens", 1)}], "usage": {"prompt_tokens": 3}}
+        )
     out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await out.prepare(request)
     for i in range(CHUNKS):

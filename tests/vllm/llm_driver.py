@@ -9,6 +9,7 @@ default true), ids (bool: report prompt token ids), max_tokens, rounds: [{"promp
 str, "cache_salt": str?}], "before": "corrupt_pool" | "corrupt_depth:D" | "unlink_pool" |
 "truncate_pool" | "replace_pool" | null}].
 """
+
 import json
 import mmap
 import os
@@ -23,6 +24,7 @@ def corrupt_pool(path: str, depth: int = -1) -> int:
     """Flips one payload byte of every READY block in the pool (the layout of src/core/format.h),
     or only of the blocks at chain depth `depth`."""
     import cxlkv
+
     with cxlkv.Pool.open(path) as pool:
         info = pool.info()
         blocks = {n["id"]: n["block_bytes"] for n in pool.namespaces()}
@@ -47,13 +49,19 @@ def corrupt_pool(path: str, depth: int = -1) -> int:
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
-    from cxlkv.integrations import models
     from vllm import LLM, SamplingParams
+
+    from cxlkv.testing import models
 
     name = spec.get("model", "tiny")
     model = models.tiny_llama() if name == "tiny" else models.smollm2() if name == "smollm2" else name
-    kw = dict(model=model, enforce_eager=True, kv_cache_memory_bytes=spec.get("kv_bytes", 1 << 30),
-              max_model_len=spec.get("max_model_len", 4096), seed=0)
+    kw = dict(
+        model=model,
+        enforce_eager=True,
+        kv_cache_memory_bytes=spec.get("kv_bytes", 1 << 30),
+        max_model_len=spec.get("max_model_len", 4096),
+        seed=0,
+    )
     if spec.get("served_model_name"):
         kw["served_model_name"] = spec["served_model_name"]
     if spec.get("prefix_caching") is False:
@@ -65,11 +73,16 @@ def main() -> None:
         kw["max_num_seqs"] = spec.get("max_num_seqs", 4)
     if spec.get("connector", True):
         kw["kv_transfer_config"] = {
-            "kv_connector": "CxlKVConnector", "kv_connector_module_path": "cxlkv.integrations.vllm",
-            "kv_role": spec.get("role", "kv_both"), "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"pool_path": spec["pool"],
-                                          "pool_size": spec.get("pool_size", "1GiB"),
-                                          **({"chunk_size": spec["chunk_size"]} if spec.get("chunk_size") else {})}}
+            "kv_connector": "CxlKVConnector",
+            "kv_connector_module_path": "cxlkv.integrations.vllm",
+            "kv_role": spec.get("role", "kv_both"),
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {
+                "pool_path": spec["pool"],
+                "pool_size": spec.get("pool_size", "1GiB"),
+                **({"chunk_size": spec["chunk_size"]} if spec.get("chunk_size") else {}),
+            },
+        }
     t0 = time.time()
     llm = LLM(**kw)
     print("STARTUP", round(time.time() - t0, 1), flush=True)
@@ -87,22 +100,34 @@ def main() -> None:
             os.truncate(spec["pool"], 4096)
         elif before == "replace_pool":  # another pool file renamed over the path
             import cxlkv
+
             cxlkv.Pool.create(spec["pool"] + ".new", "64MiB").close()
             os.rename(spec["pool"] + ".new", spec["pool"])
-        inputs = [{"prompt": p["prompt"], **({"cache_salt": p["cache_salt"]} if p.get("cache_salt") else {})}
-                  for p in rnd["prompts"]]
+        inputs = [
+            {"prompt": p["prompt"], **({"cache_salt": p["cache_salt"]} if p.get("cache_salt") else {})}
+            for p in rnd["prompts"]
+        ]
         t0 = time.time()
         outs = llm.generate(inputs, sp)
-        res = [{"len": len(o.prompt_token_ids), "cached": o.num_cached_tokens or 0,
+        res = [
+            {
+                "len": len(o.prompt_token_ids),
+                "cached": o.num_cached_tokens or 0,
                 "tokens": list(o.outputs[0].token_ids),
                 **({"ids": list(o.prompt_token_ids)} if spec.get("ids") else {}),
-                "logprobs": [next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs]}
-               for o in outs]
+                "logprobs": [next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs],
+            }
+            for o in outs
+        ]
         if spec.get("stats"):
-            extra["preemptions"] = sum(getattr(m, "value", 0) or 0 for m in llm.get_metrics()
-                                       if m.name == "vllm:num_preemptions")
-        print("RESULT " + json.dumps({"round": i, "seconds": round(time.time() - t0, 3),
-                                      "outputs": res, **extra}), flush=True)
+            extra["preemptions"] = sum(
+                getattr(m, "value", 0) or 0 for m in llm.get_metrics() if m.name == "vllm:num_preemptions"
+            )
+        print(
+            "RESULT "
+            + json.dumps({"round": i, "seconds": round(time.time() - t0, 3), "outputs": res, **extra}),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 One pool, several engines: an engine that computed a prefix publishes it; a fresh process with
 default settings (no PYTHONHASHSEED) loads it and must produce exactly the tokens and logprobs
 of a local prefix-cache hit."""
+
 from __future__ import annotations
 
 import pytest
@@ -29,6 +30,7 @@ def plain(prompts, salt=None):
 def shared_pool(tmp_path_factory):
     import os
     import uuid
+
     path = f"/dev/shm/cxlkv-vllm-shared-{uuid.uuid4().hex}"
     yield path
     if os.path.exists(path):
@@ -40,21 +42,30 @@ def producer(shared_pool, tiny_model):
     """Engine 1: several requests in one batch (shared and distinct prefixes), with chunked
     prefill (max_num_batched_tokens below the longest prompt); then the same prompts again,
     served from vLLM's own prefix cache: the reference outputs."""
-    return run_engine({"pool": shared_pool, "max_num_batched_tokens": 256,
-                       "rounds": [{"prompts": plain(PROMPTS)}, {"prompts": plain(PROMPTS)}]})
+    return run_engine(
+        {
+            "pool": shared_pool,
+            "max_num_batched_tokens": 256,
+            "rounds": [{"prompts": plain(PROMPTS)}, {"prompts": plain(PROMPTS)}],
+        }
+    )
 
 
 @pytest.fixture(scope="module")
 def consumer(shared_pool, producer):
     """Engine 2, a fresh process: the same prompts (loaded from the pool), then the same prompts
     under another tenant's cache_salt (must not be shared)."""
-    return run_engine({"pool": shared_pool,
-                       "rounds": [{"prompts": plain(PROMPTS)}, {"prompts": plain(PROMPTS, "tenant-b")}]})
+    return run_engine(
+        {
+            "pool": shared_pool,
+            "rounds": [{"prompts": plain(PROMPTS)}, {"prompts": plain(PROMPTS, "tenant-b")}],
+        }
+    )
 
 
 def test_producer_local_hit_matches_cold_run(producer):
     cold, warm = producer[0]["outputs"], producer[1]["outputs"]
-    for c, w in zip(cold, warm):
+    for c, w in zip(cold, warm, strict=True):
         assert c["cached"] == 0 or c is cold[2]  # the third prompt shares the first's prefix
         assert w["cached"] == full_blocks(w["len"])
         assert w["tokens"] == c["tokens"]
@@ -67,7 +78,7 @@ def test_fresh_process_gets_every_full_block(consumer):
 
 def test_connector_load_is_exact(producer, consumer):
     """Same tokens and same logprobs as a local prefix-cache hit of the same KV."""
-    for ref, got in zip(producer[1]["outputs"], consumer[0]["outputs"]):
+    for ref, got in zip(producer[1]["outputs"], consumer[0]["outputs"], strict=True):
         assert got["tokens"] == ref["tokens"]
         assert got["logprobs"] == ref["logprobs"]
 
@@ -93,12 +104,17 @@ def test_failures_keep_answers_correct(pool_path, tiny_model):
     """Corrupted blocks are recomputed (checksums), and a pool file deleted while serving does
     not stop the engine: answers stay exactly those of the reference run."""
     ref = run_engine({"pool": pool_path, "rounds": [{"prompts": plain(PROMPTS[:2])}]})[0]["outputs"]
-    out = run_engine({"pool": pool_path, "rounds": [
-        {"prompts": plain(PROMPTS[:2]), "before": "corrupt_pool"},
-        {"prompts": plain([LONG_B + " " + words(5, 100)]), "before": "unlink_pool"},
-    ]})
+    out = run_engine(
+        {
+            "pool": pool_path,
+            "rounds": [
+                {"prompts": plain(PROMPTS[:2]), "before": "corrupt_pool"},
+                {"prompts": plain([LONG_B + " " + words(5, 100)]), "before": "unlink_pool"},
+            ],
+        }
+    )
     assert out[0]["corrupted"] > 0
-    for r, o in zip(ref, out[0]["outputs"]):
+    for r, o in zip(ref, out[0]["outputs"], strict=True):
         assert o["tokens"] == r["tokens"]
     assert len(out[1]["outputs"][0]["tokens"]) > 0
 
@@ -108,11 +124,12 @@ def test_full_pool_keeps_serving_and_leaks_nothing(pool_path, tiny_model):
     saves evict older blocks, loads get what is left, answers stay exact, and once the engines
     are gone the pool is consistent with no pins and no half-written blocks left behind."""
     import cxlkv
+
     prompts = plain([words(20 + i, 700) for i in range(8)])
     small = {"pool": pool_path, "pool_size": "4MiB", "chunk_size": "1MiB"}
     first = run_engine({**small, "rounds": [{"prompts": prompts}]})[0]["outputs"]
     second = run_engine({**small, "rounds": [{"prompts": prompts}]})[0]["outputs"]
-    for a, b in zip(first, second):
+    for a, b in zip(first, second, strict=True):
         assert b["tokens"] == a["tokens"]
     assert 0 < sum(o["cached"] for o in second) < sum(full_blocks(o["len"]) for o in second)
     with cxlkv.Pool.open(pool_path) as pool:
@@ -130,7 +147,7 @@ def test_smollm2_cross_process_exact(pool_path):
     spec = {"model": "smollm2", "pool": pool_path, "max_model_len": 4096}
     first = run_engine({**spec, "rounds": [{"prompts": prompts}, {"prompts": prompts}]})
     second = run_engine({**spec, "rounds": [{"prompts": prompts}]})[0]["outputs"]
-    for ref, got in zip(first[1]["outputs"], second):
+    for ref, got in zip(first[1]["outputs"], second, strict=True):
         assert got["cached"] == full_blocks(got["len"])
         assert got["tokens"] == ref["tokens"]
         assert got["logprobs"] == ref["logprobs"]
@@ -141,10 +158,16 @@ def test_preemption_and_many_requests_leak_no_pins(pool_path, tiny_model):
     the connector loads and saves; answers match plain vLLM under the same pressure token for
     token, and the pool is left with no pins and nothing half-written."""
     import cxlkv
+
     prompts = plain([words(40 + i, 500) for i in range(8)])
     # 12 blocks of 128 tokens for 8 requests that grow from 5 to 6 blocks while decoding.
-    tight_kw = {"pool": pool_path, "max_tokens": 160, "kv_bytes": 12 * 128 * 1024, "max_model_len": 1024,
-                "stats": True}
+    tight_kw = {
+        "pool": pool_path,
+        "max_tokens": 160,
+        "kv_bytes": 12 * 128 * 1024,
+        "max_model_len": 1024,
+        "stats": True,
+    }
     # The reference is plain vLLM under the same pressure: a preempted request is recomputed from
     # its tokens, and bf16 KV recomputed in another batch shape differs in low-order bits from KV
     # written while decoding, so greedy outputs part from an unpressured run at CPU-dependent
@@ -154,7 +177,7 @@ def test_preemption_and_many_requests_leak_no_pins(pool_path, tiny_model):
     assert tight[-1]["preemptions"] > 0, "the test did not cause preemptions"
     assert sum(o["cached"] for o in tight[1]["outputs"]) > 0, "the second round loaded nothing"
     for rnd in tight:
-        for r, o in zip(ref, rnd["outputs"]):
+        for r, o in zip(ref, rnd["outputs"], strict=True):
             assert o["tokens"] == r["tokens"]
     with cxlkv.Pool.open(pool_path) as pool:
         report = pool.check()

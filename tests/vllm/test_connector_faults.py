@@ -8,6 +8,7 @@
 * F3/F6: the pool file truncated or replaced under a serving engine: the engine keeps serving by
   recompute and says why, once.
 """
+
 from __future__ import annotations
 
 import os
@@ -36,12 +37,21 @@ def pool_chain(pool_path: str, ids: list) -> dict:
     """depth -> bytes of every block of the prompt's chain that the pool holds."""
     import cxlkv
     from cxlkv.integrations.keys import block_keys
+
     with cxlkv.Pool.open(pool_path) as pool:
         (d,) = pool.namespaces()
-        lay = cxlkv.KVLayout(model_id=d["model_id"], dtype=d["dtype"], num_layers=d["num_layers"],
-                             num_kv_heads=d["num_kv_heads"], head_size=d["head_size"],
-                             tokens_per_block=d["tokens_per_block"], kind=d["kind"], tp_rank=d["tp_rank"],
-                             tp_size=d["tp_size"], block_bytes=d["block_bytes"])
+        lay = cxlkv.KVLayout(
+            model_id=d["model_id"],
+            dtype=d["dtype"],
+            num_layers=d["num_layers"],
+            num_kv_heads=d["num_kv_heads"],
+            head_size=d["head_size"],
+            tokens_per_block=d["tokens_per_block"],
+            kind=d["kind"],
+            tp_rank=d["tp_rank"],
+            tp_size=d["tp_size"],
+            block_bytes=d["block_bytes"],
+        )
         ns = pool.namespace(lay, name=d["name"])
         out = {}
         for i, k in enumerate(block_keys(ids, d["tokens_per_block"], d["name"])):
@@ -57,12 +67,24 @@ def test_f2_failed_load_does_not_poison_the_pool(two_pools, tiny_model):
     computation split in both flows), the corrupted flow's pool must equal the control's."""
     p = words(11, 900)
     pq = p + " " + words(12, 400)
-    spec = {"max_num_batched_tokens": BLOCK, "max_num_seqs": 1, "prefix_caching": False, "ids": True,
-            "max_tokens": 8}
+    spec = {
+        "max_num_batched_tokens": BLOCK,
+        "max_num_seqs": 1,
+        "prefix_caching": False,
+        "ids": True,
+        "max_tokens": 8,
+    }
     runs = []
-    for pool, before in zip(two_pools, (None, "corrupt_depth:2")):
-        runs.append(run_engine({**spec, "pool": pool, "rounds": [
-            {"prompts": [{"prompt": p}]}, {"prompts": [{"prompt": pq}], "before": before}]}))
+    for pool, before in zip(two_pools, (None, "corrupt_depth:2"), strict=True):
+        runs.append(
+            run_engine(
+                {
+                    **spec,
+                    "pool": pool,
+                    "rounds": [{"prompts": [{"prompt": p}]}, {"prompts": [{"prompt": pq}], "before": before}],
+                }
+            )
+        )
     control, corrupted = runs
     assert corrupted[1]["corrupted"] == 1
     ids = control[1]["outputs"][0]["ids"]
@@ -80,6 +102,7 @@ def make_variant(src: str, out: str) -> None:
     """src's checkpoint with k/v projections perturbed by 5%: same architecture, other KV."""
     import torch
     from safetensors.torch import load_file, save_file
+
     shutil.copytree(src, out)
     sd = load_file(f"{src}/model.safetensors")
     g = torch.Generator().manual_seed(7)
@@ -95,13 +118,18 @@ def test_f1_checkpoints_under_one_alias_never_share(pool_path, tiny_model, tmp_p
     shutil.copytree(tiny_model, copy)
     prompt = [{"prompt": words(50, 500)}]
     full = None
-    for model, alias, expect in ((tiny_model, "chat", "cold"), (variant, "chat", "cold"),
-                                 (copy, "another-alias", "hit")):
-        out = run_engine({"model": model, "served_model_name": alias, "pool": pool_path,
-                          "rounds": [{"prompts": prompt}]})[0]["outputs"][0]
+    for model, alias, expect in (
+        (tiny_model, "chat", "cold"),
+        (variant, "chat", "cold"),
+        (copy, "another-alias", "hit"),
+    ):
+        out = run_engine(
+            {"model": model, "served_model_name": alias, "pool": pool_path, "rounds": [{"prompts": prompt}]}
+        )[0]["outputs"][0]
         full = (out["len"] - 1) // BLOCK * BLOCK
         assert out["cached"] == (0 if expect == "cold" else full), (model, alias, out["cached"])
     import cxlkv
+
     with cxlkv.Pool.open(pool_path) as pool:
         assert len(pool.namespaces()) == 2  # original (and its copy), variant
 
@@ -113,9 +141,17 @@ def test_f3_pool_file_broken_under_a_serving_engine(pool_path, tiny_model, fault
     same code: "replace_pool" works here too, left out to keep the suite short.)"""
     prompts = [{"prompt": words(60, 300)}]
     log: list = []
-    out = run_engine({"pool": pool_path, "rounds": [
-        {"prompts": prompts}, {"prompts": [{"prompt": words(61, 300)}], "before": fault},
-        {"prompts": prompts}]}, log=log)
+    out = run_engine(
+        {
+            "pool": pool_path,
+            "rounds": [
+                {"prompts": prompts},
+                {"prompts": [{"prompt": words(61, 300)}], "before": fault},
+                {"prompts": prompts},
+            ],
+        },
+        log=log,
+    )
     text = log[0]
     assert len(out[1]["outputs"][0]["tokens"]) == 8 and len(out[2]["outputs"][0]["tokens"]) == 8
     assert out[2]["outputs"][0]["tokens"] == out[0]["outputs"][0]["tokens"]

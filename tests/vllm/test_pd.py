@@ -1,6 +1,7 @@
 """Prefill -> decode handoff through the pool: two real vLLM OpenAI servers (kv_producer and
 kv_consumer) behind cxlkv's proxy. The decode server must load the prompt's full blocks from the
 pool instead of recomputing them."""
+
 from __future__ import annotations
 
 import json
@@ -44,40 +45,80 @@ def wait_ready(url: str, procs, deadline: float) -> None:
 
 
 def server(model: str, port: int, role: str, pool: str, log) -> subprocess.Popen:
-    cfg = {"kv_connector": "CxlKVConnector", "kv_connector_module_path": "cxlkv.integrations.vllm",
-           "kv_role": role, "kv_connector_extra_config": {"pool_path": pool, "pool_size": "1GiB"}}
+    cfg = {
+        "kv_connector": "CxlKVConnector",
+        "kv_connector_module_path": "cxlkv.integrations.vllm",
+        "kv_role": role,
+        "kv_connector_extra_config": {"pool_path": pool, "pool_size": "1GiB"},
+    }
     env = dict(os.environ, VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE="1")
     env.pop("PYTHONHASHSEED", None)
     return subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-         "--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--max-model-len", "4096",
-         "--served-model-name", "tiny", "--enable-prompt-tokens-details",
-         "--kv-transfer-config", json.dumps(cfg)],
-        stdout=log, stderr=subprocess.STDOUT, env=env)
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--enforce-eager",
+            "--max-model-len",
+            "4096",
+            "--served-model-name",
+            "tiny",
+            "--enable-prompt-tokens-details",
+            "--kv-transfer-config",
+            json.dumps(cfg),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
 
 
 def test_prefill_then_decode_through_proxy(tiny_model, pool_path, tmp_path):
     pp, dp, xp = free_port(), free_port(), free_port()
     logs = [open(tmp_path / n, "w") for n in ("prefill.log", "decode.log", "proxy.log")]
-    procs = [server(tiny_model, pp, "kv_producer", pool_path, logs[0]),
-             server(tiny_model, dp, "kv_consumer", pool_path, logs[1]),
-             subprocess.Popen([sys.executable, "-m", "cxlkv.integrations.pd_proxy", "--prefill",
-                               f"http://127.0.0.1:{pp}", "--decode", f"http://127.0.0.1:{dp}",
-                               "--port", str(xp)], stdout=logs[2], stderr=subprocess.STDOUT)]
+    procs = [
+        server(tiny_model, pp, "kv_producer", pool_path, logs[0]),
+        server(tiny_model, dp, "kv_consumer", pool_path, logs[1]),
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "cxlkv.integrations.pd_proxy",
+                "--prefill",
+                f"http://127.0.0.1:{pp}",
+                "--decode",
+                f"http://127.0.0.1:{dp}",
+                "--port",
+                str(xp),
+            ],
+            stdout=logs[2],
+            stderr=subprocess.STDOUT,
+        ),
+    ]
     try:
         deadline = time.time() + 600
         for port in (pp, dp, xp):
             wait_ready(f"http://127.0.0.1:{port}/health", procs, deadline)
         prompt = words(11, 600)
-        out = post(f"http://127.0.0.1:{xp}/v1/completions",
-                   {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0})
+        out = post(
+            f"http://127.0.0.1:{xp}/v1/completions",
+            {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0},
+        )
         n = out["usage"]["prompt_tokens"]
         cached = (out["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
         assert cached == (n - 1) // BLOCK * BLOCK, out["usage"]
         assert len(out["choices"][0]["text"]) > 0
         # The decode server alone (no proxy) answers the same prompt with the same text.
-        direct = post(f"http://127.0.0.1:{dp}/v1/completions",
-                      {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0})
+        direct = post(
+            f"http://127.0.0.1:{dp}/v1/completions",
+            {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0},
+        )
         assert direct["choices"][0]["text"] == out["choices"][0]["text"]
     finally:
         for p in procs:

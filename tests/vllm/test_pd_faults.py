@@ -3,6 +3,7 @@ proxy and stand-in upstream servers, tests/vllm/fake_openai.py), real kill -9. N
 
 A dead decode server gives the client an error (an SSE error event, or a 5xx naming the side),
 never a truncated success; no prefill is sent while the decode side is down; /health says so."""
+
 from __future__ import annotations
 
 import json
@@ -47,15 +48,35 @@ def rig(tmp_path):
     """prefill + decode stand-ins (decode streams 40 chunks, 0.1 s apart) behind the proxy."""
     pp, dp, xp = free_port(), free_port(), free_port()
     decode_log = open(tmp_path / "decode.log", "w")
-    procs = {"prefill": fake(pp), "decode": fake(dp, chunks=40, delay=0.1, log=decode_log),
-             "proxy": spawn(["-m", "cxlkv.integrations.pd_proxy", "--prefill", f"http://127.0.0.1:{pp}",
-                             "--decode", f"http://127.0.0.1:{dp}", "--port", str(xp), "--health-ttl", "0"],
-                            open(tmp_path / "proxy.log", "w"))}
+    procs = {
+        "prefill": fake(pp),
+        "decode": fake(dp, chunks=40, delay=0.1, log=decode_log),
+        "proxy": spawn(
+            [
+                "-m",
+                "cxlkv.integrations.pd_proxy",
+                "--prefill",
+                f"http://127.0.0.1:{pp}",
+                "--decode",
+                f"http://127.0.0.1:{dp}",
+                "--port",
+                str(xp),
+                "--health-ttl",
+                "0",
+            ],
+            open(tmp_path / "proxy.log", "w"),
+        ),
+    }
     deadline = time.time() + 60
     for port in (pp, dp, xp):
         wait_ready(f"http://127.0.0.1:{port}/health", list(procs.values()), deadline)
-    yield {"procs": procs, "proxy": f"http://127.0.0.1:{xp}", "prefill": f"http://127.0.0.1:{pp}",
-           "decode": f"http://127.0.0.1:{dp}", "decode_log": tmp_path / "decode.log"}
+    yield {
+        "procs": procs,
+        "proxy": f"http://127.0.0.1:{xp}",
+        "prefill": f"http://127.0.0.1:{pp}",
+        "decode": f"http://127.0.0.1:{dp}",
+        "decode_log": tmp_path / "decode.log",
+    }
     for p in procs.values():
         if p.poll() is None:
             p.kill()
@@ -68,7 +89,9 @@ def kill9(p: subprocess.Popen) -> None:
 
 
 def test_healthy_stream_passes_through(rig):
-    status, body = request(rig["proxy"] + "/v1/completions", {"prompt": "hi", "max_tokens": 4, "stream": True})
+    status, body = request(
+        rig["proxy"] + "/v1/completions", {"prompt": "hi", "max_tokens": 4, "stream": True}
+    )
     assert status == 200 and body.rstrip().endswith(b"data: [DONE]") and b"error" not in body
     status, body = request(rig["proxy"] + "/health")
     assert status == 200 and json.loads(body)["ok"] is True
@@ -76,9 +99,11 @@ def test_healthy_stream_passes_through(rig):
 
 def test_decode_killed_mid_stream_gives_error_event(rig):
     """The client must see an error, not a short answer that looks complete."""
-    req = urllib.request.Request(rig["proxy"] + "/v1/completions",
-                                 json.dumps({"prompt": "hi", "max_tokens": 40, "stream": True}).encode(),
-                                 {"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        rig["proxy"] + "/v1/completions",
+        json.dumps({"prompt": "hi", "max_tokens": 40, "stream": True}).encode(),
+        {"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=60) as r:
         assert r.status == 200
         first = r.readline()  # the stream has started
@@ -108,7 +133,9 @@ def test_decode_down_no_prefill_and_503_naming_decode(rig):
 
 def test_prefill_down_gives_502_naming_prefill(rig):
     kill9(rig["procs"]["prefill"])
-    status, body = request(rig["proxy"] + "/v1/completions", {"prompt": "hi", "max_tokens": 4, "stream": True})
+    status, body = request(
+        rig["proxy"] + "/v1/completions", {"prompt": "hi", "max_tokens": 4, "stream": True}
+    )
     assert status == 502
     err = json.loads(body)["error"]
     assert err["side"] == "prefill"

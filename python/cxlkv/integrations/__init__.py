@@ -1,0 +1,4 @@
+"""cxlkv inside serving systems: the vLLM connector (``vllm.py``, module path
+``cxlkv.integrations.vllm`` in vLLM's kv_transfer_config), model identity (``identity.py``),
+block keys (``keys.py``), pool-fault handling (``pool_guard.py``) and the prefill/decode proxy
+(``pd_proxy.py``). Imports only the public API (and each other): never tools or the CLI."""

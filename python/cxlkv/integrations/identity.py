@@ -16,6 +16,7 @@ costs a few thousand small reads once, then a stat per file.
 
 Usable without vLLM (the connector in :mod:`cxlkv.integrations.vllm` is one user).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,28 +25,45 @@ import json
 import os
 import re
 import struct
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable, Optional, Union
+from typing import Any
 
-__all__ = ["IDENTITY_VERSION", "SAMPLE_BYTES", "WeightsDigest", "KVIdentity", "weights_digest",
-           "file_digest", "adapter_digest", "short_name", "canonical_dtype", "tensor_digest"]
+__all__ = [
+    "IDENTITY_VERSION",
+    "SAMPLE_BYTES",
+    "KVIdentity",
+    "WeightsDigest",
+    "adapter_digest",
+    "canonical_dtype",
+    "file_digest",
+    "short_name",
+    "tensor_digest",
+    "weights_digest",
+]
 
 IDENTITY_VERSION = "cxlkv/identity/v1"  # bump when the recipe changes: old namespaces stay apart
-SAMPLE_BYTES = 4096                   # one sample window
-SAMPLES_PER_TENSOR = 3                # start, middle, end of every tensor
+SAMPLE_BYTES = 4096  # one sample window
+SAMPLES_PER_TENSOR = 3  # start, middle, end of every tensor
 WHOLE_TENSOR_BYTES = 3 * SAMPLE_BYTES  # smaller tensors (norms, biases) are hashed whole
-BLOB_WINDOW_STRIDE = 64 << 20         # unparsed weight files: one window per 64 MiB, at least 64
+BLOB_WINDOW_STRIDE = 64 << 20  # unparsed weight files: one window per 64 MiB, at least 64
 BLOB_MIN_WINDOWS = 64
 CACHE_FILE = ".cxlkv-identity.json"
-WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth", ".ckpt", ".npz", ".msgpack",
-                   ".h5")
+WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth", ".ckpt", ".npz", ".msgpack", ".h5")
 # Files beside the weights that change the model's computation (config, quantization, generation
 # is not one of them): hashed whole, they are small.
-CONFIG_FILES = ("config.json", "quantize_config.json", "quant_config.json", "quantization_config.json",
-                "hf_quant_config.json", "adapter_config.json", "params.json")
+CONFIG_FILES = (
+    "config.json",
+    "quantize_config.json",
+    "quant_config.json",
+    "quantization_config.json",
+    "hf_quant_config.json",
+    "adapter_config.json",
+    "params.json",
+)
 MAX_NAME = 95  # the core's kNameBytes - 1
 
-PathLike = Union[str, os.PathLike]
+PathLike = str | os.PathLike
 
 
 # -------------------------------------------------------------------------------------------------
@@ -54,6 +72,7 @@ def canonical_dtype(dtype: Any) -> str:
     """Canonical name of a KV cache dtype ('bf16', 'fp8_e4m3', ...) from any alias, a torch or
     numpy dtype included (the core's table, cxlkv.resolve_dtype). Unknown: ValueError."""
     import cxlkv
+
     return cxlkv.resolve_dtype(str(dtype))
 
 
@@ -66,7 +85,7 @@ def short_name(name: str, limit: int = MAX_NAME) -> str:
         return name
     digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:32]
     head = "".join(c if c.isascii() and c.isprintable() else "_" for c in name)
-    return f"{head[:limit - len(digest) - 1]}~{digest}"
+    return f"{head[: limit - len(digest) - 1]}~{digest}"
 
 
 # -------------------------------------------------------------------------------------------------
@@ -79,7 +98,7 @@ def _windows(start: int, length: int, count: int) -> list[tuple[int, int]]:
     return [(start + span * i // (count - 1), SAMPLE_BYTES) for i in range(count)]
 
 
-def _hash_windows(h: "hashlib._Hash", f, windows: Iterable[tuple[int, int]]) -> None:
+def _hash_windows(h: hashlib._Hash, f, windows: Iterable[tuple[int, int]]) -> None:
     for off, n in windows:
         f.seek(off)
         data = f.read(n)
@@ -116,12 +135,24 @@ def _safetensors_digest(h, f, size: int) -> bool:
     return True
 
 
-_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
-                 11: "<q", 12: "<d"}
+_GGUF_SCALARS = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
 
 
-def _gguf_tensor_ranges(f, size: int) -> Optional[tuple[bytes, list[tuple[int, int]]]]:
+def _gguf_tensor_ranges(f, size: int) -> tuple[bytes, list[tuple[int, int]]] | None:
     """(tensor table bytes, [(offset, length)] of every tensor's data) of a GGUF file, or None."""
+
     def read(fmt: str):
         n = struct.calcsize(fmt)
         b = f.read(n)
@@ -257,10 +288,10 @@ def _save_cache(path: Path, data: dict) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class WeightsDigest:
-    digest: str        # sha256 hex over every weight/config file's digest
+    digest: str  # sha256 hex over every weight/config file's digest
     files: int
     total_bytes: int
-    commit: str = ""   # a Hugging Face snapshot's commit, shown in `source` only
+    commit: str = ""  # a Hugging Face snapshot's commit, shown in `source` only
     path: str = ""
 
     def describe(self) -> str:
@@ -275,9 +306,9 @@ def _weight_files(root: Path) -> list[Path]:
     out = []
     for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        for fn in filenames:
-            if fn.endswith(WEIGHT_SUFFIXES) or fn in CONFIG_FILES:
-                out.append(Path(dirpath) / fn)
+        out.extend(
+            Path(dirpath) / fn for fn in filenames if fn.endswith(WEIGHT_SUFFIXES) or fn in CONFIG_FILES
+        )
     return sorted(out)
 
 
@@ -339,18 +370,18 @@ class KVIdentity:
     ``model_id`` override (then ``weights_source`` says so)."""
 
     weights: str
-    dtype: str                 # canonical KV cache dtype (canonical_dtype)
-    kind: str                  # 'dense' | 'mla' | 'opaque'
+    dtype: str  # canonical KV cache dtype (canonical_dtype)
+    kind: str  # 'dense' | 'mla' | 'opaque'
     num_layers: int
     num_kv_heads: int
     head_size: int
-    block_size: int            # tokens per block
+    block_size: int  # tokens per block
     tp_rank: int = 0
     tp_size: int = 1
-    kv_scales: str = "none"    # how K/V are scaled into dtype (fp8: the scales or their method)
+    kv_scales: str = "none"  # how K/V are scaled into dtype (fp8: the scales or their method)
     quantization: str = "none"  # weight quantization method (changes the computed KV)
-    compute_dtype: str = ""     # the model's activation dtype (K/V are computed in it)
-    overrides: str = ""         # runtime changes to the model's config (vLLM hf_overrides)
+    compute_dtype: str = ""  # the model's activation dtype (K/V are computed in it)
+    overrides: str = ""  # runtime changes to the model's config (vLLM hf_overrides)
     device_layout: str = "cpu"  # device type + attention backend + block byte layout
     block_bytes: int = 0
     weights_source: str = dataclasses.field(default="", compare=False)
@@ -378,8 +409,10 @@ class KVIdentity:
 
     def source(self, limit: int = 255) -> str:
         """Human-readable provenance for ``cxlkv pool info`` (display only, never identity)."""
-        s = (f"{self.weights_source or self.weights}; kv {self.dtype} scales={self.kv_scales} "
-             f"quant={self.quantization} bs{self.block_size} tp{self.tp_rank}/{self.tp_size} "
-             f"{self.device_layout}")
+        s = (
+            f"{self.weights_source or self.weights}; kv {self.dtype} scales={self.kv_scales} "
+            f"quant={self.quantization} bs{self.block_size} tp{self.tp_rank}/{self.tp_size} "
+            f"{self.device_layout}"
+        )
         s = "".join(c if c.isprintable() and c.isascii() else "?" for c in s)
-        return s if len(s) <= limit else s[:limit - 3] + "..."
+        return s if len(s) <= limit else s[: limit - 3] + "..."

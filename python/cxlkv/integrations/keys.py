@@ -15,18 +15,19 @@ name), the tenant's cache_salt (tenants never share blocks), the tokens of the w
 token ids do not show (the digest of a block's prompt embeddings, whose token ids are
 placeholders).
 """
+
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
 KEY_VERSION = b"cxlkv/keys/v1"
 
 
-def root_key(namespace: str, lora: Optional[str] = None, cache_salt: Optional[str] = None) -> bytes:
+def root_key(namespace: str, lora: str | None = None, cache_salt: str | None = None) -> bytes:
     h = hashlib.sha256(KEY_VERSION)
     for part in (namespace, lora or "", cache_salt or ""):
         data = part.encode()
@@ -38,6 +39,7 @@ def root_key(namespace: str, lora: Optional[str] = None, cache_salt: Optional[st
 @dataclass
 class MMSpan:
     """A multimodal input occupying tokens [offset, offset + length) of the prompt."""
+
     identifier: str
     offset: int
     length: int
@@ -46,13 +48,14 @@ class MMSpan:
 @dataclass
 class ChainedKeys:
     """Incrementally computed keys of one token sequence (a request's prompt and output)."""
+
     root: bytes
     block_size: int
     mm: Sequence[MMSpan] = ()
     keys: list = field(default_factory=list)
-    extra: Optional[Callable[[int], bytes]] = None  # block index -> bytes hashed into its key
+    extra: Callable[[int], bytes] | None = None  # block index -> bytes hashed into its key
 
-    def extend(self, token_ids: Sequence[int], upto_blocks: Optional[int] = None) -> list:
+    def extend(self, token_ids: Sequence[int], upto_blocks: int | None = None) -> list:
         """Computes keys of every full block of token_ids (or of the first upto_blocks)."""
         full = len(token_ids) // self.block_size
         if upto_blocks is not None:
@@ -61,12 +64,12 @@ class ChainedKeys:
             return self.keys[:full] if upto_blocks is not None else self.keys
         bs = self.block_size
         start = len(self.keys)
-        arr = np.asarray(token_ids[start * bs: full * bs], dtype=np.int64).astype("<i4", copy=False)
+        arr = np.asarray(token_ids[start * bs : full * bs], dtype=np.int64).astype("<i4", copy=False)
         prev = self.keys[-1] if self.keys else self.root
         for i in range(full - start):
             b = start + i
             h = hashlib.sha256(prev)
-            h.update(arr[i * bs:(i + 1) * bs].tobytes())
+            h.update(arr[i * bs : (i + 1) * bs].tobytes())
             for span in self.mm:
                 if span.offset < (b + 1) * bs and span.offset + span.length > b * bs:
                     h.update(span.identifier.encode())
@@ -77,7 +80,14 @@ class ChainedKeys:
         return self.keys
 
 
-def block_keys(token_ids: Sequence[int], block_size: int, namespace: str, *, lora: Optional[str] = None,
-               cache_salt: Optional[str] = None, mm: Iterable[MMSpan] = ()) -> list:
+def block_keys(
+    token_ids: Sequence[int],
+    block_size: int,
+    namespace: str,
+    *,
+    lora: str | None = None,
+    cache_salt: str | None = None,
+    mm: Iterable[MMSpan] = (),
+) -> list:
     """Keys of every full block of token_ids (convenience for one-shot use and tests)."""
     return ChainedKeys(root_key(namespace, lora, cache_salt), block_size, list(mm)).extend(token_ids)

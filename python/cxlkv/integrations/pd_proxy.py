@@ -20,6 +20,7 @@ Failures are the client's to see, never a truncated success:
 * ``GET /health`` answers 200 only when both sides are healthy (503 otherwise, with each side's
   state), so a load balancer stops sending requests to a proxy whose servers are gone.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,7 +29,6 @@ import copy
 import json
 import logging
 import time
-from typing import Optional
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, web
 
@@ -55,9 +55,17 @@ class UpstreamError(Exception):
         self.side, self.status, self.message = side, status, message
 
     def response(self) -> web.Response:
-        return web.json_response({"error": {"message": str(self), "type": "upstream_error",
-                                            "side": self.side, "code": self.status}},
-                                 status=self.status)
+        return web.json_response(
+            {
+                "error": {
+                    "message": str(self),
+                    "type": "upstream_error",
+                    "side": self.side,
+                    "code": self.status,
+                }
+            },
+            status=self.status,
+        )
 
 
 def error_event(side: str, message: str) -> bytes:
@@ -72,7 +80,7 @@ class Proxy:
         self.timeout = ClientTimeout(total=timeout_s)
         self.health_timeout = ClientTimeout(total=5)
         self.health_ttl_s = health_ttl_s
-        self.session: Optional[ClientSession] = None
+        self.session: ClientSession | None = None
         self.requests = 0
         self.errors = {"prefill": 0, "decode": 0}
         self._health: dict[str, tuple[float, bool, str]] = {}
@@ -122,8 +130,10 @@ class Proxy:
         try:
             body = await request.json()
         except ValueError:
-            return web.json_response({"error": {"message": "request body is not JSON",
-                                                "type": "invalid_request_error"}}, status=400)
+            return web.json_response(
+                {"error": {"message": "request body is not JSON", "type": "invalid_request_error"}},
+                status=400,
+            )
         self.requests += 1
         try:
             ok, why = await self.side_health("decode")
@@ -147,8 +157,9 @@ class Proxy:
                     data = await r.read()
                 except (ClientError, asyncio.TimeoutError, OSError) as e:
                     raise self._failed("decode", 502, f"answer cut: {type(e).__name__}: {e}") from e
-                return web.Response(status=r.status, body=data,
-                                    content_type=r.content_type or "application/json")
+                return web.Response(
+                    status=r.status, body=data, content_type=r.content_type or "application/json"
+                )
             out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
             await out.prepare(request)
             tail = b""  # the stream's last bytes: [DONE] may straddle two chunks
@@ -177,8 +188,10 @@ class Proxy:
             ok, why = await self.side_health(side, fresh=True)
             sides[side] = {"url": self._url(side), "ok": ok, **({"error": why} if why else {})}
         healthy = all(s["ok"] for s in sides.values())
-        return web.json_response({"ok": healthy, **sides, "requests": self.requests,
-                                  "errors": self.errors}, status=200 if healthy else 503)
+        return web.json_response(
+            {"ok": healthy, **sides, "requests": self.requests, "errors": self.errors},
+            status=200 if healthy else 503,
+        )
 
 
 def make_app(prefill: str, decode: str, health_ttl_s: float = 2.0) -> web.Application:
@@ -199,12 +212,17 @@ def main(argv=None) -> None:
     ap.add_argument("--decode", required=True, help="base URL of the kv_consumer server")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--health-ttl", type=float, default=2.0,
-                    help="seconds a side's health check is trusted before it is checked again")
+    ap.add_argument(
+        "--health-ttl",
+        type=float,
+        default=2.0,
+        help="seconds a side's health check is trusted before it is checked again",
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
-    web.run_app(make_app(args.prefill, args.decode, args.health_ttl), host=args.host, port=args.port,
-                print=None)
+    web.run_app(
+        make_app(args.prefill, args.decode, args.health_ttl), host=args.host, port=args.port, print=None
+    )
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ are kept alive for the rest of the process (:meth:`PoolGuard.retire`).
 The verdict is process-wide (keyed by the mapped file's device, inode and pool uuid), so the scheduler-side
 and worker-side connectors of one process stop together.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -24,7 +25,8 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Optional, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -48,7 +50,7 @@ class PoolGuard:
         self.log = logger
         self.check_interval_s = check_interval_s
         self._next_check = 0.0
-        self.cause: Optional[str] = None
+        self.cause: str | None = None
         self.truncated = False
         if pool is None:  # see unusable()
             self._file, self._key = (0, 0), (0, 0, f"unopened:{path}")
@@ -61,14 +63,14 @@ class PoolGuard:
         self._size = int(pool.size)
 
     @classmethod
-    def unusable(cls, path: str, logger: logging.Logger, cause: str, exc: BaseException) -> "PoolGuard":
+    def unusable(cls, path: str, logger: logging.Logger, cause: str, exc: BaseException) -> PoolGuard:
         """A guard for a pool that could not even be opened: logs why, once; never usable."""
         guard = cls(None, path, logger)
         guard.fail(cause, exc)
         return guard
 
     # -------------------------------------------------------------------------------------------
-    def _file_problem(self) -> Optional[str]:
+    def _file_problem(self) -> str | None:
         try:
             st = os.stat(self.path)
         except FileNotFoundError:
@@ -102,7 +104,7 @@ class PoolGuard:
                 return False
         return True
 
-    def fail(self, cause: str, exc: Optional[BaseException] = None) -> None:
+    def fail(self, cause: str, exc: BaseException | None = None) -> None:
         """Marks the pool unusable for this process; logs once per process and pool."""
         if exc is not None:
             cause = f"{cause}: {type(exc).__name__}: {exc}"
@@ -113,10 +115,14 @@ class PoolGuard:
             _BROKEN.setdefault(self._key, (cause, self.truncated))
         self.cause, self.truncated = _BROKEN[self._key]
         if first:
-            self.log.error("cxlkv: pool %s is no longer usable (%s); this process serves without "
-                           "the KV cache from now on (vLLM recomputes)", self.path, cause)
+            self.log.error(
+                "cxlkv: pool %s is no longer usable (%s); this process serves without "
+                "the KV cache from now on (vLLM recomputes)",
+                self.path,
+                cause,
+            )
 
-    def call(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Optional[T]:
+    def call(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:
         """fn(*args) if the pool is usable and the call succeeds; None otherwise."""
         if not self.usable():
             return None

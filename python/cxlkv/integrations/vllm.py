@@ -32,13 +32,14 @@ it failed (the blocks from the first failed one on are saved again after vLLM re
 A pool that fails (truncated, deleted or replaced file, any error from the core) turns the
 process into "no cache" with one log line (pool_guard.py); the engine keeps serving.
 
-Extra config keys: ``pool_path`` (default ``$CXLKV_POOL`` or /dev/shm/cxlkv), ``pool_size``
-(used when the pool does not exist yet, default 4GiB), ``chunk_size``, ``model_id`` (replaces the
-weights' content digest in the identity: for operators who know two checkpoints are the same),
-``namespace`` (overrides the namespace name entirely), ``file_check_interval_s`` (default 0.001),
-``on_pool_error`` ("degrade": a pool that cannot be opened means serving without the cache, the
-default; "fail": refuse to start).
+Extra config keys: ``pool_path`` (default: ``cxlkv.default_pool_path()``, i.e. ``$CXLKV_POOL`` or
+/dev/shm/cxlkv-<uid>/pool), ``pool_size`` (used when the pool does not exist yet, default 4GiB),
+``chunk_size``, ``model_id`` (replaces the weights' content digest in the identity: for operators
+who know two checkpoints are the same), ``namespace`` (overrides the namespace name entirely),
+``file_check_interval_s`` (default 0.001), ``on_pool_error`` ("degrade": a pool that cannot be
+opened means serving without the cache, the default; "fail": refuse to start).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -46,7 +47,7 @@ import os
 import sys
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -72,16 +73,28 @@ if TYPE_CHECKING:
 # Under the "vllm" logger, so that vLLM's logging configuration (level, format) applies.
 logger = init_logger("vllm.cxlkv")
 
-STAT_KEYS = ("load_blocks", "load_failed_blocks", "load_bytes", "load_s", "save_blocks",
-             "save_failed_blocks", "save_bytes", "save_s", "saves_dropped_after_failed_load",
-             "pin_capped_requests", "pin_capped_blocks", "uncacheable_requests", "pool_disabled")
+STAT_KEYS = (
+    "load_blocks",
+    "load_failed_blocks",
+    "load_bytes",
+    "load_s",
+    "save_blocks",
+    "save_failed_blocks",
+    "save_bytes",
+    "save_s",
+    "saves_dropped_after_failed_load",
+    "pin_capped_requests",
+    "pin_capped_blocks",
+    "uncacheable_requests",
+    "pool_disabled",
+)
 
 
 @dataclasses.dataclass
 class BlockOp:
     req_id: str
-    keys: list          # 32-byte keys, one per block
-    block_ids: list     # vLLM block ids, same length
+    keys: list  # 32-byte keys, one per block
+    block_ids: list  # vLLM block ids, same length
     start_depth: int = 0  # position of keys[0] in its prefix chain
 
 
@@ -105,7 +118,7 @@ class CxlKVStats(KVConnectorStats):
         for k in self.data:
             self.data[k] = 0
 
-    def aggregate(self, other: "KVConnectorStats") -> "KVConnectorStats":
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for k, v in other.data.items():
             self.data[k] = self.data.get(k, 0) + v
         return self
@@ -123,24 +136,25 @@ class CxlKVStats(KVConnectorStats):
 @dataclasses.dataclass
 class _ReqState:
     request: Any
-    keys: Optional[ChainedKeys]  # None: the request is not cached (see _keys_for)
+    keys: ChainedKeys | None  # None: the request is not cached (see _keys_for)
     block_ids: list = dataclasses.field(default_factory=list)
-    saved_blocks: int = 0        # blocks [0, saved_blocks) are in the pool or planned/held
-    load: Optional[BlockOp] = None        # matched, not yet sent to the worker
-    inflight: Optional[BlockOp] = None    # sent with step `lease_step`, outcome unknown
+    saved_blocks: int = 0  # blocks [0, saved_blocks) are in the pool or planned/held
+    load: BlockOp | None = None  # matched, not yet sent to the worker
+    inflight: BlockOp | None = None  # sent with step `lease_step`, outcome unknown
     held: list = dataclasses.field(default_factory=list)  # saves waiting for `inflight`'s outcome
     lease: Any = None
-    lease_step: Optional[int] = None  # step whose metadata carries the load of this lease
+    lease_step: int | None = None  # step whose metadata carries the load of this lease
 
 
 # -------------------------------------------------------------------------------------------------
 # identity of the KV bytes (the vLLM side of identity.py)
-def _model_path(mc: Any) -> Optional[str]:
+def _model_path(mc: Any) -> str | None:
     for cand in (getattr(mc, "model_weights", None), mc.model):
         if cand and os.path.exists(str(cand)):
             return str(cand)
     try:  # a hub id: the local snapshot vLLM loaded
         from huggingface_hub import snapshot_download
+
         return snapshot_download(mc.model, revision=getattr(mc, "revision", None), local_files_only=True)
     except Exception:  # noqa: BLE001 - not resolvable: the caller says what to do
         return None
@@ -163,8 +177,16 @@ def _kv_scales(vllm_config: Any, dtype: str) -> str:
     return "checkpoint-or-unit"  # scales from the checkpoint (in the weights digest) or 1.0
 
 
-def derive_identity(vllm_config: Any, spec: Any, layers: int, block_bytes: int, kind: str,
-                    tp_rank: int, tp_size: int, extra: dict) -> ident.KVIdentity:
+def derive_identity(
+    vllm_config: Any,
+    spec: Any,
+    layers: int,
+    block_bytes: int,
+    kind: str,
+    tp_rank: int,
+    tp_size: int,
+    extra: dict,
+) -> ident.KVIdentity:
     mc = vllm_config.model_config
     if extra.get("model_id"):
         override = str(extra["model_id"])
@@ -172,8 +194,10 @@ def derive_identity(vllm_config: Any, spec: Any, layers: int, block_bytes: int, 
     else:
         path = _model_path(mc)
         if path is None:
-            raise ValueError(f"cxlkv: cannot read the weights of model {mc.model!r} to derive the KV "
-                             "namespace from them; set kv_connector_extra_config.model_id")
+            raise ValueError(
+                f"cxlkv: cannot read the weights of model {mc.model!r} to derive the KV "
+                "namespace from them; set kv_connector_extra_config.model_id"
+            )
         w = ident.weights_digest(path)
         weights, source = w.digest, w.describe()
     dtype = _kv_dtype(vllm_config, spec)
@@ -181,27 +205,43 @@ def derive_identity(vllm_config: Any, spec: Any, layers: int, block_bytes: int, 
     device = vllm_config.device_config.device_type
     overrides = getattr(mc, "hf_overrides", None)
     return ident.KVIdentity(
-        weights=weights, weights_source=source, dtype=dtype, kind=kind, num_layers=layers,
-        num_kv_heads=int(getattr(spec, "num_kv_heads", 1)), head_size=int(getattr(spec, "head_size", 1)),
-        block_size=vllm_config.cache_config.block_size, tp_rank=tp_rank, tp_size=tp_size,
-        kv_scales=_kv_scales(vllm_config, dtype), quantization=str(mc.quantization or "none"),
+        weights=weights,
+        weights_source=source,
+        dtype=dtype,
+        kind=kind,
+        num_layers=layers,
+        num_kv_heads=int(getattr(spec, "num_kv_heads", 1)),
+        head_size=int(getattr(spec, "head_size", 1)),
+        block_size=vllm_config.cache_config.block_size,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        kv_scales=_kv_scales(vllm_config, dtype),
+        quantization=str(mc.quantization or "none"),
         compute_dtype=str(mc.dtype).replace("torch.", ""),
         overrides=repr(overrides) if overrides and not callable(overrides) else "",
         device_layout=f"{device}|{backend or 'auto'}|{type(spec).__name__}|{sys.byteorder}",
-        block_bytes=block_bytes)
+        block_bytes=block_bytes,
+    )
 
 
-def _layout(identity: ident.KVIdentity) -> "cxlkv.KVLayout":
-    kw = dict(model_id=identity.model_id(), dtype=identity.dtype, num_layers=identity.num_layers,
-              num_kv_heads=identity.num_kv_heads, head_size=identity.head_size,
-              tokens_per_block=identity.block_size, kind=identity.kind, tp_rank=identity.tp_rank,
-              tp_size=identity.tp_size, block_bytes=identity.block_bytes)
-    return cxlkv.KVLayout(**kw, source=identity.source())
+def _layout(identity: ident.KVIdentity) -> cxlkv.KVLayout:
+    return cxlkv.KVLayout(
+        model_id=identity.model_id(),
+        dtype=identity.dtype,
+        num_layers=identity.num_layers,
+        num_kv_heads=identity.num_kv_heads,
+        head_size=identity.head_size,
+        tokens_per_block=identity.block_size,
+        kind=identity.kind,
+        tp_rank=identity.tp_rank,
+        tp_size=identity.tp_size,
+        block_bytes=identity.block_bytes,
+        source=identity.source(),
+    )
 
 
 class CxlKVConnector(KVConnectorBase_V1):
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
-                 kv_cache_config: "KVCacheConfig"):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         tc = self._kv_transfer_config
         extra = dict(tc.kv_connector_extra_config or {})
@@ -212,18 +252,27 @@ class CxlKVConnector(KVConnectorBase_V1):
         # vLLM's default policy fails the request instead; keep it only when asked to.
         if extra.get("load_failure_policy", "recompute") == "recompute":
             tc.kv_load_failure_policy = "recompute"
-        self._pool_path = str(extra.get("pool_path", cxlkv.DEFAULT_POOL_PATH))
+        self._pool_path = str(extra.get("pool_path") or cxlkv.default_pool_path())
         self.identity = self._describe(vllm_config, kv_cache_config)
         self._block_bytes = self.identity.block_bytes
-        self._ns_name = (ident.short_name(str(extra["namespace"])) if extra.get("namespace")
-                         else self.identity.namespace_name())
-        self._pool, self._ns = None, None
+        self._ns_name = (
+            ident.short_name(str(extra["namespace"]))
+            if extra.get("namespace")
+            else self.identity.namespace_name()
+        )
+        self._pool: cxlkv.Pool | None = None
+        # The namespace once opened. Every use goes through self._guard.call, which runs nothing
+        # while the guard is unusable, as it is from the start when opening failed.
+        self._ns: Any = None
         try:
             self._pool = cxlkv.Pool.open_or_create(
-                self._pool_path, extra.get("pool_size", "4GiB"),
-                **({"chunk_size": extra["chunk_size"]} if "chunk_size" in extra else {}))
-            self._guard = PoolGuard(self._pool, self._pool_path, logger,
-                                    float(extra.get("file_check_interval_s", 0.001)))
+                self._pool_path,
+                extra.get("pool_size", "4GiB"),
+                **({"chunk_size": extra["chunk_size"]} if "chunk_size" in extra else {}),
+            )
+            self._guard = PoolGuard(
+                self._pool, self._pool_path, logger, float(extra.get("file_check_interval_s", 0.001))
+            )
             self._ns = self._pool.namespace(_layout(self.identity), name=self._ns_name)
         except (cxlkv.CxlkvError, OSError, ValueError) as e:
             # A damaged or unusable pool must not keep the engine from serving (without the
@@ -232,7 +281,7 @@ class CxlKVConnector(KVConnectorBase_V1):
                 raise
             self._guard = PoolGuard.unusable(self._pool_path, logger, "opening it failed", e)
         self._logged: set[str] = set()
-        self._adapters: dict[tuple[str, float], Optional[str]] = {}
+        self._adapters: dict[tuple[str, float], str | None] = {}
         # scheduler side
         self._reqs: dict[str, _ReqState] = {}
         self._step = 0
@@ -245,16 +294,24 @@ class CxlKVConnector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         self._failed_reqs: set[str] = set()
         self._stats = CxlKVStats()
-        logger.info("cxlkv connector (%s) on pool %s, namespace %r (%s), %d-byte blocks", role.name,
-                    self._pool_path, self._ns_name, self.identity.source(), self._block_bytes)
+        logger.info(
+            "cxlkv connector (%s) on pool %s, namespace %r (%s), %d-byte blocks",
+            role.name,
+            self._pool_path,
+            self._ns_name,
+            self.identity.source(),
+            self._block_bytes,
+        )
 
     # ------------------------------------------------------------------------------------------
     # identity and keys
     def _describe(self, vllm_config, kv_cache_config) -> ident.KVIdentity:
         groups = kv_cache_config.kv_cache_groups
         if len(groups) != 1:
-            raise ValueError("cxlkv supports models with one KV cache group (uniform attention); "
-                             f"this model has {len(groups)}")
+            raise ValueError(
+                "cxlkv supports models with one KV cache group (uniform attention); "
+                f"this model has {len(groups)}"
+            )
         spec = groups[0].kv_cache_spec
         layers = len(groups[0].layer_names)
         kind = "mla" if "MLA" in type(spec).__name__ else "dense"
@@ -262,10 +319,12 @@ class CxlKVConnector(KVConnectorBase_V1):
         tp_rank = 0
         if self.role == KVConnectorRole.WORKER and tp_size > 1:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
             tp_rank = get_tensor_model_parallel_rank()
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        return derive_identity(vllm_config, spec, layers, spec.page_size_bytes * layers, kind,
-                               tp_rank, tp_size, extra)
+        return derive_identity(
+            vllm_config, spec, layers, spec.page_size_bytes * layers, kind, tp_rank, tp_size, extra
+        )
 
     def _once(self, cause: str, msg: str, *args: Any) -> None:
         if cause not in self._logged:
@@ -275,7 +334,7 @@ class CxlKVConnector(KVConnectorBase_V1):
     def _count(self, key: str, n: int = 1) -> None:
         self._counters[key] = self._counters.get(key, 0) + n
 
-    def _adapter_id(self, lora: Any) -> Optional[str]:
+    def _adapter_id(self, lora: Any) -> str | None:
         """The adapter's content digest (cached by path and mtime); None if unreadable."""
         path = str(getattr(lora, "lora_path", "") or "")
         try:
@@ -287,12 +346,17 @@ class CxlKVConnector(KVConnectorBase_V1):
             try:
                 self._adapters[key] = "lora:" + ident.adapter_digest(path)
             except (OSError, ValueError) as e:
-                self._once(f"lora:{path}", "cxlkv: LoRA adapter %r at %r cannot be hashed (%s); its "
-                           "requests are not cached", getattr(lora, "lora_name", "?"), path, e)
+                self._once(
+                    f"lora:{path}",
+                    "cxlkv: LoRA adapter %r at %r cannot be hashed (%s); its requests are not cached",
+                    getattr(lora, "lora_name", "?"),
+                    path,
+                    e,
+                )
                 self._adapters[key] = None
         return self._adapters[key]
 
-    def _keys_for(self, request: "Request") -> Optional[ChainedKeys]:
+    def _keys_for(self, request: Request) -> ChainedKeys | None:
         lora_id = None
         if getattr(request, "lora_request", None) is not None:
             lora_id = self._adapter_id(request.lora_request)
@@ -302,12 +366,18 @@ class CxlKVConnector(KVConnectorBase_V1):
         embeds = getattr(request, "prompt_embeds", None)
         if embeds is not None:
             extra = self._embeds_extra(request, embeds)
-        mm = [MMSpan(f.identifier, f.mm_position.offset, f.mm_position.length)
-              for f in (getattr(request, "mm_features", None) or [])]
-        return ChainedKeys(root_key(self._ns_name, lora_id, getattr(request, "cache_salt", None)),
-                           self._block_size, mm, extra=extra)
+        mm = [
+            MMSpan(f.identifier, f.mm_position.offset, f.mm_position.length)
+            for f in (getattr(request, "mm_features", None) or [])
+        ]
+        return ChainedKeys(
+            root_key(self._ns_name, lora_id, getattr(request, "cache_salt", None)),
+            self._block_size,
+            mm,
+            extra=extra,
+        )
 
-    def _embeds_extra(self, request: "Request", embeds: Any):
+    def _embeds_extra(self, request: Request, embeds: Any):
         """Per-block digest of the prompt embeddings (their token ids are placeholders)."""
         bs, n_prompt = self._block_size, int(request.num_prompt_tokens)
         mask = getattr(request, "prompt_is_token_ids", None)
@@ -320,9 +390,10 @@ class CxlKVConnector(KVConnectorBase_V1):
             if mask is not None:
                 part += "|" + "".join("1" if m else "0" for m in list(mask)[lo:hi])
             return ("embeds:" + part).encode()
+
         return extra
 
-    def _state(self, request: "Request") -> _ReqState:
+    def _state(self, request: Request) -> _ReqState:
         st = self._reqs.get(request.request_id)
         if st is None:
             st = _ReqState(request, self._keys_for(request))
@@ -333,13 +404,16 @@ class CxlKVConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------------------------------
     # scheduler side
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int):
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int):
         st = self._state(request)
         self._release(st)
         if not self._can_load or st.keys is None or not self._guard.usable():
             return 0, False
-        prompt = (request.prompt_token_ids if request.prompt_token_ids is not None
-                  else list(request.all_token_ids)[:request.num_prompt_tokens])
+        prompt = (
+            request.prompt_token_ids
+            if request.prompt_token_ids is not None
+            else list(request.all_token_ids)[: request.num_prompt_tokens]
+        )
         # Leave at least one prompt token to compute: vLLM needs it to sample.
         max_blocks = (len(prompt) - 1) // self._block_size
         have = num_computed_tokens // self._block_size
@@ -357,8 +431,13 @@ class CxlKVConnector(KVConnectorBase_V1):
             return 0, False
         st.lease = lease
         st.load = BlockOp(request.request_id, keys[have:hit], [], start_depth=have)
-        logger.debug("cxlkv: %s: %d of %d prompt blocks in the pool (%d computed locally)",
-                     request.request_id, hit, max_blocks, have)
+        logger.debug(
+            "cxlkv: %s: %d of %d prompt blocks in the pool (%d computed locally)",
+            request.request_id,
+            hit,
+            max_blocks,
+            have,
+        )
         return (hit - have) * self._block_size, False
 
     def _check_pin_cap(self, req_id: str, rest: list, hit: int) -> None:
@@ -367,12 +446,18 @@ class CxlKVConnector(KVConnectorBase_V1):
         if more > 0:
             self._count("pin_capped_requests")
             self._count("pin_capped_blocks", more)
-            self._once("pin_cap", "cxlkv: %s: the prefix hit stopped at %d blocks although %d more "
-                       "are in pool %s: the pool's pin slots are exhausted (create it with more "
-                       "pin_slots)", req_id, hit, more, self._pool_path)
+            self._once(
+                "pin_cap",
+                "cxlkv: %s: the prefix hit stopped at %d blocks although %d more "
+                "are in pool %s: the pool's pin slots are exhausted (create it with more "
+                "pin_slots)",
+                req_id,
+                hit,
+                more,
+                self._pool_path,
+            )
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
-                                 num_external_tokens: int):
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
         st = self._reqs.get(request.request_id)
         if st is None or st.load is None:
             return
@@ -384,14 +469,18 @@ class CxlKVConnector(KVConnectorBase_V1):
         first = st.load.start_depth
         n = num_external_tokens // self._block_size
         st.load.keys = st.load.keys[:n]
-        st.load.block_ids = list(ids[first:first + n])
+        st.load.block_ids = list(ids[first : first + n])
         if len(st.load.block_ids) != n:
-            logger.warning("cxlkv: %s: %d blocks allocated for %d external blocks; not loading",
-                           request.request_id, len(st.load.block_ids), n)
+            logger.warning(
+                "cxlkv: %s: %d blocks allocated for %d external blocks; not loading",
+                request.request_id,
+                len(st.load.block_ids),
+                n,
+            )
             st.load = None
             self._release(st)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         self._step += 1
         meta = CxlKVConnectorMetadata()
         if not self._guard.usable() and not self._disabled_reported:
@@ -483,10 +572,14 @@ class CxlKVConnector(KVConnectorBase_V1):
         # The block that failed (corrupt, or gone) must not be found again by anyone; the core
         # drops a checksum failure itself, this covers a pin that kept it (no-op when absent).
         self._guard.call("delete", lambda: self._ns.delete(op.keys[first_bad]))
-        logger.info("cxlkv: %s: load failed at block %d; vLLM recomputes from there and the "
-                    "connector saves those blocks again", op.req_id, depth)
+        logger.info(
+            "cxlkv: %s: load failed at block %d; vLLM recomputes from there and the "
+            "connector saves those blocks again",
+            op.req_id,
+            depth,
+        )
 
-    def request_finished(self, request: "Request", block_ids: list[int]):
+    def request_finished(self, request: Request, block_ids: list[int]):
         st = self._reqs.pop(request.request_id, None)
         if st is not None:
             self._release(st)
@@ -509,13 +602,19 @@ class CxlKVConnector(KVConnectorBase_V1):
         self._block_dim = 1 if first.shape[0] == 2 and first.ndim > 1 and first.shape[1] == num_blocks else 0
         per_block = sum(a.element_size() * a[(slice(None),) * self._block_dim + (0,)].numel() for a in arrays)
         if per_block != self._block_bytes:
-            raise ValueError(f"cxlkv: the KV cache holds {per_block} bytes per block, the namespace "
-                             f"{self._ns_name!r} expects {self._block_bytes}")
+            raise ValueError(
+                f"cxlkv: the KV cache holds {per_block} bytes per block, the namespace "
+                f"{self._ns_name!r} expects {self._block_bytes}"
+            )
         self._kv_arrays = [a.detach() for a in arrays]
-        logger.info("cxlkv: %d KV layers registered, %s, block_dim=%d", len(arrays),
-                    tuple(first.shape), self._block_dim)
+        logger.info(
+            "cxlkv: %d KV layers registered, %s, block_dim=%d",
+            len(arrays),
+            tuple(first.shape),
+            self._block_dim,
+        )
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         self._failed_reqs = set()
         if self.identity.tp_rank == 0:
@@ -523,8 +622,15 @@ class CxlKVConnector(KVConnectorBase_V1):
                 self._stats.data[k] = self._stats.data.get(k, 0) + v
         for op in meta.loads:
             t0 = time.perf_counter()
-            n = self._guard.call("load", lambda: self._ns.load(
-                op.keys, self._kv_arrays, op.block_ids, block_dim=self._block_dim)) or 0
+            n = (
+                self._guard.call(
+                    "load",
+                    lambda op=op: self._ns.load(
+                        op.keys, self._kv_arrays, op.block_ids, block_dim=self._block_dim
+                    ),
+                )
+                or 0
+            )
             self._stats.data["load_s"] += time.perf_counter() - t0
             self._stats.data["load_blocks"] += n
             self._stats.data["load_bytes"] += n * self._block_bytes
@@ -532,8 +638,12 @@ class CxlKVConnector(KVConnectorBase_V1):
                 self._stats.data["load_failed_blocks"] += len(op.keys) - n
                 self._load_errors.update(op.block_ids[n:])
                 self._failed_reqs.add(op.req_id)
-                logger.warning("cxlkv: %s: %d of %d blocks failed to load; vLLM recomputes them",
-                               op.req_id, len(op.keys) - n, len(op.keys))
+                logger.warning(
+                    "cxlkv: %s: %d of %d blocks failed to load; vLLM recomputes them",
+                    op.req_id,
+                    len(op.keys) - n,
+                    len(op.keys),
+                )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -550,9 +660,16 @@ class CxlKVConnector(KVConnectorBase_V1):
                 self._stats.data["saves_dropped_after_failed_load"] += len(op.keys)
                 continue
             t0 = time.perf_counter()
-            n = self._guard.call("store", lambda: self._ns.store(
-                op.keys, self._kv_arrays, op.block_ids, block_dim=self._block_dim,
-                start_depth=op.start_depth))
+            n = self._guard.call(
+                "store",
+                lambda op=op: self._ns.store(
+                    op.keys,
+                    self._kv_arrays,
+                    op.block_ids,
+                    block_dim=self._block_dim,
+                    start_depth=op.start_depth,
+                ),
+            )
             if n is None:
                 continue
             self._stats.data["save_s"] += time.perf_counter() - t0
@@ -560,23 +677,29 @@ class CxlKVConnector(KVConnectorBase_V1):
             self._stats.data["save_bytes"] += n * self._block_bytes
             if n < len(op.keys):
                 self._stats.data["save_failed_blocks"] += len(op.keys) - n
-                self._once("save_failed", "cxlkv: %s: %d of %d blocks could not be saved to pool %s "
-                           "(no free block: the pool is full of pinned or in-flight blocks); "
-                           "see `cxlkv pool stats` puts_failed", op.req_id, len(op.keys) - n,
-                           len(op.keys), self._pool_path)
+                self._once(
+                    "save_failed",
+                    "cxlkv: %s: %d of %d blocks could not be saved to pool %s "
+                    "(no free block: the pool is full of pinned or in-flight blocks); "
+                    "see `cxlkv pool stats` puts_failed",
+                    op.req_id,
+                    len(op.keys) - n,
+                    len(op.keys),
+                    self._pool_path,
+                )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
-    def get_kv_connector_stats(self) -> Optional[KVConnectorStats]:
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._stats.is_empty():
             return None
         out, self._stats = self._stats, CxlKVStats()
         return out
 
     @classmethod
-    def build_kv_connector_stats(cls, data: Optional[dict] = None) -> Optional[KVConnectorStats]:
+    def build_kv_connector_stats(cls, data: dict | None = None) -> KVConnectorStats | None:
         return CxlKVStats(data=dict(data)) if data is not None else CxlKVStats()
 
     def shutdown(self):

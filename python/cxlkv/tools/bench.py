@@ -17,16 +17,15 @@ round so that machine noise hits every variant alike. Baselines:
 ``bench index``: single-operation latency (each call timed with ``perf_counter_ns``) and throughput
 (batches timed as a whole) of ``Namespace.contains`` and ``Namespace.put`` from 1..N processes on one
 pool, plus batched lookups (``match_prefix`` over 1000 keys) and inserts (``store`` of 1000 blocks)
-that amortize the Python call overhead, which dominates single calls. When the core has
-``Namespace.bench_index``, its C++-side numbers (no Python in the timed loop) are reported as
-``core_*``, measured in all processes at once as well.
+that amortize the Python call overhead, which dominates single calls. The core's own numbers
+(``Namespace.bench_index``: no Python in the timed loop) are reported as ``core_*``, measured in
+all processes at once as well.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import platform
 import random
 import statistics
 import time
@@ -34,99 +33,24 @@ from typing import Any
 
 import numpy as np
 
-from cxlkv.cli import CommandError
+import cxlkv
+from cxlkv.errors import CommandError, ExitCode
 from cxlkv.sizes import format_size
-from cxlkv.workers import report_failure, run_workers
+from cxlkv.tools._common import (
+    GEOMETRIES,
+    PERCENTILE_METHOD,
+    block_key,
+    create_pool_for,
+    machine,
+    percentile,
+    pow2_at_least,
+    progress,
+)
+from cxlkv.tools.workers import report_failure, run_workers
 
 __all__ = ["GEOMETRIES", "bench_copy", "bench_index", "print_copy_result", "print_index_result"]
 
-GEOMETRIES: dict[str, dict[str, Any]] = {
-    "llama3-8b": dict(model_id="meta-llama/Meta-Llama-3-8B", dtype="bf16", num_layers=32,
-                      num_kv_heads=8, head_size=128, tokens_per_block=16),
-    "smollm2-135m": dict(model_id="HuggingFaceTB/SmolLM2-135M", dtype="bf16", num_layers=30,
-                         num_kv_heads=3, head_size=64, tokens_per_block=16),
-}
-
 _MiB = 1 << 20
-
-
-def _progress(quiet: bool):
-    if quiet:
-        return lambda *a, **k: None
-    from rich.console import Console
-
-    con = Console(stderr=True, highlight=False)
-    return lambda msg: con.print(f"[dim]{msg}[/dim]")
-
-
-def _key(*parts: Any) -> bytes:
-    h = hashlib.blake2b(digest_size=32)
-    for p in parts:
-        h.update(p if isinstance(p, bytes) else str(p).encode())
-        h.update(b"\x00")
-    return h.digest()
-
-
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, int(n - 1).bit_length())
-
-
-def _machine() -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    out: dict[str, Any] = {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-    }
-    try:
-        from cxlkv import _core  # type: ignore
-
-        for name in ("nt_copy_kernel", "cpu_features", "copy_threads"):
-            f = getattr(_core, name, None)
-            if f is not None:
-                try:
-                    out["core_" + name] = f() if callable(f) else f
-                except Exception:  # pragma: no cover - informational only
-                    pass
-    except Exception:
-        pass
-    return out
-
-
-def _create_pool(path: str, size: int, layout: dict[str, Any], ns_name: str, need_blocks: int,
-                 **create_kwargs):
-    """Create a pool whose namespace ``ns_name`` can hold ``need_blocks`` blocks at once (how many
-    blocks a chunk holds is the core's business, so measure it and grow the pool if short).
-    Returns (pool, namespace)."""
-    import cxlkv
-
-    for _ in range(4):
-        pool = cxlkv.Pool.create(path, size, **create_kwargs)
-        try:
-            ns = pool.namespace(cxlkv.KVLayout(**layout), name=ns_name)
-            per_chunk = getattr(ns, "blocks_per_chunk", None)
-            chunks = pool.info().get("chunk_count")
-        except BaseException:
-            pool.close()
-            cxlkv.Pool.destroy(path)
-            raise
-        if not per_chunk or not chunks or per_chunk * chunks >= need_blocks:
-            return pool, ns
-        chunk_bytes = pool.info().get("chunk_bytes") or 0
-        pool.close()
-        cxlkv.Pool.destroy(path)
-        missing_chunks = -(-need_blocks // per_chunk) - chunks
-        size += (missing_chunks + 2) * chunk_bytes
-    raise CommandError(f"cannot size a benchmark pool for {need_blocks} blocks")
 
 
 def _gbps(nbytes: int, ns: float) -> float:
@@ -141,9 +65,14 @@ def _med(xs: list[int]) -> float:
 # bench copy
 
 
-def bench_copy(geometry: str = "all", iters: int = 7, batch_bytes: int = 128 * _MiB,
-               pool_dir: str = "/dev/shm", quiet: bool = False,
-               copy_threads: int | None = None) -> dict[str, Any]:
+def bench_copy(
+    geometry: str = "all",
+    iters: int = 7,
+    batch_bytes: int = 128 * _MiB,
+    pool_dir: str = "/dev/shm",
+    quiet: bool = False,
+    copy_threads: int | None = None,
+) -> dict[str, Any]:
     """Store/load bandwidth per geometry vs memcpy of the same bytes. Returns one JSON-able dict
     whose top-level store/load/memcpy fields are those of the first geometry (llama3-8b for "all").
     copy_threads: threads the core may use for one large batch (default: the core's own choice)."""
@@ -151,13 +80,9 @@ def bench_copy(geometry: str = "all", iters: int = 7, batch_bytes: int = 128 * _
     for n in names:
         if n not in GEOMETRIES:
             raise ValueError(f"unknown geometry {n!r} (choose from {', '.join(GEOMETRIES)} or all)")
-    log = _progress(quiet)
+    log = progress(quiet)
     if copy_threads is not None:
-        from cxlkv import _core  # type: ignore
-
-        if not hasattr(_core, "set_copy_threads"):
-            raise ValueError("this cxlkv core cannot set its copy threads")
-        _core.set_copy_threads(copy_threads)
+        cxlkv._core.set_copy_threads(copy_threads)
         threads = copy_threads
     else:  # the core's default: CXLKV_COPY_THREADS, else min(8, hardware threads)
         try:
@@ -167,14 +92,27 @@ def bench_copy(geometry: str = "all", iters: int = 7, batch_bytes: int = 128 * _
     results = [_bench_copy_one(n, iters, batch_bytes, pool_dir, log, threads) for n in names]
     head = results[0]
     out: dict[str, Any] = {"bench": "copy"}
-    for k in ("geometry", "store_gbps", "load_gbps", "memcpy_gbps", "memcpy_contig_gbps",
-              "memcpy_mt_gbps", "store_vs_memcpy", "load_vs_memcpy", "store_vs_memcpy_mt",
-              "load_vs_memcpy_mt", "memcpy_contig_2t_gbps", "store_vs_memcpy_contig",
-              "load_vs_memcpy_contig", "store_vs_memcpy_contig_2t", "load_vs_memcpy_contig_2t"):
+    for k in (
+        "geometry",
+        "store_gbps",
+        "load_gbps",
+        "memcpy_gbps",
+        "memcpy_contig_gbps",
+        "memcpy_mt_gbps",
+        "store_vs_memcpy",
+        "load_vs_memcpy",
+        "store_vs_memcpy_mt",
+        "load_vs_memcpy_mt",
+        "memcpy_contig_2t_gbps",
+        "store_vs_memcpy_contig",
+        "load_vs_memcpy_contig",
+        "store_vs_memcpy_contig_2t",
+        "load_vs_memcpy_contig_2t",
+    ):
         out[k] = head[k]
     out["copy_threads"] = threads
     out["results"] = results
-    out["machine"] = _machine()
+    out["machine"] = machine()
     out["notes"] = (
         "GB/s = 1e9 bytes/s, medians over interleaved rounds (best values in *_best_gbps). "
         "memcpy_gbps: the faster per-fragment memcpy of the same fragments (store direction: "
@@ -191,10 +129,9 @@ def bench_copy(geometry: str = "all", iters: int = 7, batch_bytes: int = 128 * _
     return out
 
 
-def _bench_copy_one(name: str, iters: int, batch_bytes: int, pool_dir: str, log,
-                    threads: int = 1) -> dict[str, Any]:
-    import cxlkv
-
+def _bench_copy_one(
+    name: str, iters: int, batch_bytes: int, pool_dir: str, log, threads: int = 1
+) -> dict[str, Any]:
     g = GEOMETRIES[name]
     L, H, D, T = g["num_layers"], g["num_kv_heads"], g["head_size"], g["tokens_per_block"]
     frag_elems = T * H * D
@@ -202,8 +139,10 @@ def _bench_copy_one(name: str, iters: int, batch_bytes: int, pool_dir: str, log,
     block_bytes = L * 2 * frag_bytes
     nblocks = max(1, batch_bytes // block_bytes)
     nbytes = nblocks * block_bytes
-    log(f"bench copy {name}: {nblocks} blocks of {format_size(block_bytes)} "
-        f"({L * 2} fragments of {format_size(frag_bytes)}), batch {format_size(nbytes)}")
+    log(
+        f"bench copy {name}: {nblocks} blocks of {format_size(block_bytes)} "
+        f"({L * 2} fragments of {format_size(frag_bytes)}), batch {format_size(nbytes)}"
+    )
 
     rng = np.random.default_rng(0x5EED)
     shape = (2, nblocks, T, H, D)
@@ -220,7 +159,7 @@ def _bench_copy_one(name: str, iters: int, batch_bytes: int, pool_dir: str, log,
         for l in range(L):
             for kv in range(2):
                 off = ((i * L + l) * 2 + kv) * frag_elems
-                f = flat[off:off + frag_elems]
+                f = flat[off : off + frag_elems]
                 gather.append((f, src[l][kv, bid].reshape(-1)))
                 scatter.append((dst[l][kv, bid].reshape(-1), f))
     flat_v = flat.reshape(nblocks, L, 2, frag_elems)
@@ -289,17 +228,29 @@ def _bench_copy_one(name: str, iters: int, batch_bytes: int, pool_dir: str, log,
         for i in {0, nblocks // 2, nblocks - 1}:
             for l in {0, L - 1}:
                 if not np.array_equal(flat_v[i, l], src_v[l][:, order[i]]):
-                    raise CommandError("memcpy baseline self-check failed", exit_code=1)
+                    raise CommandError("memcpy baseline self-check failed", exit_code=ExitCode.CHECK_FAILED)
 
-    chunk = min(max(8 * _MiB, _pow2_at_least(16 * block_bytes)), 256 * _MiB)
+    chunk = min(max(8 * _MiB, pow2_at_least(16 * block_bytes)), 256 * _MiB)
     pool_size = 2 * nbytes + 4 * chunk + 64 * _MiB
     path = os.path.join(pool_dir, f"cxlkv-bench-copy-{os.getpid()}")
-    t: dict[str, list[int]] = {k: [] for k in (
-        "store", "load", "gather_loop", "gather_strided", "scatter_loop", "scatter_strided", "contig",
-        "gather_mt", "scatter_mt", "contig_2t")}
+    t: dict[str, list[int]] = {
+        k: []
+        for k in (
+            "store",
+            "load",
+            "gather_loop",
+            "gather_strided",
+            "scatter_loop",
+            "scatter_strided",
+            "contig",
+            "gather_mt",
+            "scatter_mt",
+            "contig_2t",
+        )
+    }
     verified = False
     try:
-        pool, ns = _create_pool(path, pool_size, g, f"bench-{name}", 2 * nblocks, chunk_size=chunk)
+        pool, ns = create_pool_for(path, pool_size, g, f"bench-{name}", 2 * nblocks, chunk_size=chunk)
         with pool:
             if ns.block_bytes != block_bytes:
                 raise CommandError(f"namespace block_bytes {ns.block_bytes} != expected {block_bytes}")
@@ -308,24 +259,30 @@ def _bench_copy_one(name: str, iters: int, batch_bytes: int, pool_dir: str, log,
             for it in range(iters + 1):  # round 0 warms up (page faults, chunk carving)
                 for k in prev:  # store skips present keys: free the previous round's blocks
                     ns.delete(k)
-                keys = [_key("bench-copy", name, it, i) for i in range(nblocks)]
+                keys = [block_key("bench-copy", name, it, i) for i in range(nblocks)]
                 t0 = time.perf_counter_ns()
                 n = ns.store(keys, src, block_ids, block_dim=1)
                 t_store = time.perf_counter_ns() - t0
                 if n != nblocks:
-                    raise CommandError(f"bench copy: store stored {n} of {nblocks} blocks (pool of "
-                                       f"{format_size(pool_size)} too small?)")
+                    raise CommandError(
+                        f"bench copy: store stored {n} of {nblocks} blocks (pool of "
+                        f"{format_size(pool_size)} too small?)"
+                    )
                 prev = keys
                 t0 = time.perf_counter_ns()
                 n = ns.load(keys, dst, block_ids, block_dim=1)
                 t_load = time.perf_counter_ns() - t0
                 if n != nblocks:
-                    raise CommandError(f"bench copy: load loaded {n} of {nblocks} blocks", exit_code=1)
+                    raise CommandError(
+                        f"bench copy: load loaded {n} of {nblocks} blocks", exit_code=ExitCode.CHECK_FAILED
+                    )
                 if not verified:
                     for l in range(L):
                         if not np.array_equal(src[l], dst[l]):
-                            raise CommandError(f"bench copy: loaded bytes differ from the source "
-                                               f"(layer {l})", exit_code=1)
+                            raise CommandError(
+                                f"bench copy: loaded bytes differ from the source (layer {l})",
+                                exit_code=ExitCode.CHECK_FAILED,
+                            )
                     verified = True
                     for d in dst:  # so that the scatter baseline below writes real changes
                         d.fill(1)
@@ -362,7 +319,7 @@ def _bench_copy_one(name: str, iters: int, batch_bytes: int, pool_dir: str, log,
             cxlkv.Pool.destroy(path)
         except FileNotFoundError:
             pass
-        except Exception:  # pragma: no cover - best effort cleanup
+        except Exception:  # noqa: BLE001 - best-effort cleanup: the result (or error) is what counts
             pass
 
     med = {k: _gbps(nbytes, _med(v)) for k, v in t.items()}
@@ -408,11 +365,12 @@ def _bench_copy_one(name: str, iters: int, batch_bytes: int, pool_dir: str, log,
         "store_ms": round(_med(t["store"]) / 1e6, 3),
         "load_ms": round(_med(t["load"]) / 1e6, 3),
     }
-    for k in ("checksum_failures", "checksum_failed", "evictions"):
-        if isinstance(stats, dict) and isinstance(stats.get(k), int):
-            r["pool_" + k] = stats[k]
-    log(f"  store {r['store_gbps']:.2f} GB/s, load {r['load_gbps']:.2f} GB/s, "
-        f"memcpy {r['memcpy_gbps']:.2f} GB/s, contiguous memcpy {r['memcpy_contig_gbps']:.2f} GB/s")
+    for k in ("checksum_failures", "evictions"):
+        r["pool_" + k] = stats[k]
+    log(
+        f"  store {r['store_gbps']:.2f} GB/s, load {r['load_gbps']:.2f} GB/s, "
+        f"memcpy {r['memcpy_gbps']:.2f} GB/s, contiguous memcpy {r['memcpy_contig_gbps']:.2f} GB/s"
+    )
     return r
 
 
@@ -432,8 +390,10 @@ def print_copy_result(console, result: dict[str, Any]) -> None:
         ("memcpy gather GB/s", lambda r: f"{r['memcpy_gbps']:.2f} ({r['memcpy_baseline']})"),
         ("memcpy scatter GB/s", lambda r: f"{r['memcpy_scatter_gbps']:.2f}"),
         ("memcpy contiguous GB/s", lambda r: f"{r['memcpy_contig_gbps']:.2f}"),
-        ("memcpy gather/scatter, N thr", lambda r: f"{r['memcpy_mt_gbps']:.2f} / "
-                                                   f"{r['memcpy_scatter_mt_gbps']:.2f} ({r['copy_threads']})"),
+        (
+            "memcpy gather/scatter, N thr",
+            lambda r: f"{r['memcpy_mt_gbps']:.2f} / {r['memcpy_scatter_mt_gbps']:.2f} ({r['copy_threads']})",
+        ),
         ("store / memcpy", lambda r: _ratio(r["store_vs_memcpy"])),
         ("load / memcpy", lambda r: _ratio(r["load_vs_memcpy"])),
         ("store / memcpy N thr", lambda r: _ratio(r["store_vs_memcpy_mt"])),
@@ -447,13 +407,15 @@ def print_copy_result(console, result: dict[str, Any]) -> None:
     console.print(t)
     m = result.get("machine", {})
     kern = m.get("core_nt_copy_kernel")
-    console.print(f"[dim]{m.get('cpu', '?')}, {m.get('cores', '?')} cores"
-                  + (f", copy kernel {kern}" if kern else "")
-                  + f"; the core copies with up to {result.get('copy_threads')} thread(s) per batch"
-                  + ". memcpy gather/scatter: one thread, the faster "
-                  "of a per-fragment np.copyto loop and a strided numpy copy of the same fragments "
-                  "(load is compared with scatter); N thr: the strided copies over as many threads "
-                  "as the core uses; contiguous: one copy of the whole batch.[/dim]")
+    console.print(
+        f"[dim]{m.get('cpu', '?')}, {m.get('cores', '?')} cores"
+        + (f", copy kernel {kern}" if kern else "")
+        + f"; the core copies with up to {result.get('copy_threads')} thread(s) per batch"
+        + ". memcpy gather/scatter: one thread, the faster "
+        "of a per-fragment np.copyto loop and a strided numpy copy of the same fragments "
+        "(load is compared with scatter); N thr: the strided copies over as many threads "
+        "as the core uses; contiguous: one copy of the whole batch.[/dim]"
+    )
 
 
 def _ratio(x: float) -> str:
@@ -464,8 +426,9 @@ def _ratio(x: float) -> str:
 # =============================================================================================
 # bench index
 
-_INDEX_LAYOUT = dict(model_id="cxlkv-bench-index", dtype="bf16", num_layers=1, num_kv_heads=1,
-                     head_size=64, tokens_per_block=1)  # 256-byte blocks
+_INDEX_LAYOUT = dict(
+    model_id="cxlkv-bench-index", dtype="bf16", num_layers=1, num_kv_heads=1, head_size=64, tokens_per_block=1
+)  # 256-byte blocks
 _INDEX_BLOCK = 256
 _INDEX_NS = "bench-index"
 
@@ -474,11 +437,9 @@ def _index_key(i: int) -> bytes:
     return hashlib.blake2b(i.to_bytes(8, "little"), digest_size=32, person=b"cxlkv-idx").digest()
 
 
-def _pct(sorted_xs: list[int], p: float) -> int:
-    if not sorted_xs:
-        return 0
-    i = min(len(sorted_xs) - 1, max(0, int(round(p / 100.0 * (len(sorted_xs) - 1)))))
-    return int(sorted_xs[i])
+def _pct(xs: list[int], p: float) -> int:
+    """An integer nanosecond percentile (the tools' one rule: _common.percentile)."""
+    return int(percentile(xs, p))
 
 
 def _timer_overhead_ns(n: int = 20000) -> int:
@@ -492,48 +453,37 @@ def _timer_overhead_ns(n: int = 20000) -> int:
     return _pct(xs, 50)
 
 
-def _core_bench(ns, nkeys: int, lookups: int, seed: int, barrier, seconds: float = 1.0):
-    """C++-side index numbers via ``Namespace.bench_index`` when the core has it: it inserts
-    ``nkeys`` fresh keys of 256-byte blocks (per-op timed), then times random single lookups among
-    them per op and back to back for ``seconds``, with no Python in the loop. Returns None when
-    the core lacks the helper, {"error": ...} when it cannot be called."""
-    fn = getattr(ns, "bench_index", None)
-    if fn is None:
-        return None
+def _core_bench(ns, nkeys: int, lookups: int, seed: int, barrier, seconds: float = 1.0) -> dict:
+    """C++-side index numbers via ``Namespace.bench_index``: it inserts ``nkeys`` fresh keys of
+    256-byte blocks (per-op timed), then times random single lookups among them per op and back
+    to back for ``seconds``, with no Python in the loop."""
     barrier.wait(timeout=300)
-    try:
-        res = fn(inserts=nkeys, lookups=lookups, payload_bytes=_INDEX_BLOCK, seed=seed,
-                 seconds=seconds)
-    except Exception as e:  # an unexpected signature: report, keep the Python numbers
-        return {"error": f"Namespace.bench_index: {type(e).__name__}: {e}"}
-    return dict(res) if isinstance(res, dict) else {"error": f"bench_index returned {res!r}"}
+    return dict(
+        ns.bench_index(inserts=nkeys, lookups=lookups, payload_bytes=_INDEX_BLOCK, seed=seed, seconds=seconds)
+    )
 
 
 _BATCH = 1000  # keys per match_prefix / store call in the batched measurements
 
 
-def _index_worker(path: str, run: int, rank: int, nkeys: int, ops: int, samples: int,
-                  inserts: int, barrier, queue) -> None:
+def _index_worker(
+    path: str, run: int, rank: int, nkeys: int, ops: int, samples: int, inserts: int, barrier, queue
+) -> None:
     """One benchmark process: attach, time lookups and inserts (single calls and batches), report.
     Every phase starts at a barrier so that all processes run it at the same time."""
     try:
-        import cxlkv
-
         pc = time.perf_counter_ns
-        try:  # map every page now: measure the index, not this process's first-touch faults
-            pool = cxlkv.Pool.open(path, populate=True)
-        except TypeError:
-            pool = cxlkv.Pool.open(path)
-        with pool:
+        # map every page now: measure the index, not this process's first-touch faults
+        with cxlkv.Pool.open(path, populate=True) as pool:
             ns = pool.namespace(cxlkv.KVLayout(**_INDEX_LAYOUT), name=_INDEX_NS)
             keys = [_index_key(i) for i in range(nkeys)]
             rng = random.Random(1000 * run + rank)
             order = [keys[j] for j in rng.choices(range(nkeys), k=ops)]
             lat_keys = [keys[j] for j in rng.choices(range(nkeys), k=samples)]
-            ins_keys = [_key("bench-index-insert", run, rank, i) for i in range(inserts)]
-            bins_keys = [_key("bench-index-binsert", run, rank, i) for i in range(inserts)]
-            lookup_batches = [order[i:i + _BATCH] for i in range(0, len(order), _BATCH)]
-            insert_batches = [bins_keys[i:i + _BATCH] for i in range(0, len(bins_keys), _BATCH)]
+            ins_keys = [block_key("bench-index-insert", run, rank, i) for i in range(inserts)]
+            bins_keys = [block_key("bench-index-binsert", run, rank, i) for i in range(inserts)]
+            lookup_batches = [order[i : i + _BATCH] for i in range(0, len(order), _BATCH)]
+            insert_batches = [bins_keys[i : i + _BATCH] for i in range(0, len(bins_keys), _BATCH)]
             payload = bytes(range(256)) * (_INDEX_BLOCK // 256)
             payloads = np.frombuffer(payload * _BATCH, dtype=np.uint8).reshape(_BATCH, _INDEX_BLOCK).copy()
             contains, put, match = ns.contains, ns.put, ns.match_prefix
@@ -604,33 +554,46 @@ def _index_worker(path: str, run: int, rank: int, nkeys: int, ops: int, samples:
         ins.sort()
         blat.sort()
         bins.sort()
-        queue.put({
-            "rank": rank, "ok": True, "t0": t0, "t1": t1, "ops": ops, "hits": hits,
-            "cpu_share": cpu_share,
-            "lookups_per_s": ops / ((t1 - t0) / 1e9),
-            "lookup_ns": [_pct(lat, 50), _pct(lat, 90), _pct(lat, 99), _pct(lat, 99.9)],
-            "insert_ns": [_pct(ins, 50), _pct(ins, 90), _pct(ins, 99), _pct(ins, 99.9)],
-            "lat_sample": lat[:: max(1, len(lat) // 2000)],
-            "ins_sample": ins[:: max(1, len(ins) // 2000)],
-            "insert_failed": failed,
-            "tb0": tb0, "tb1": tb1, "batch_ops": sum(len(b) for b in lookup_batches),
-            "batch_hits": bhits,
-            "batch_lookup_ns": [_pct(blat, 50), _pct(blat, 99)],
-            "batch_insert_ns": [_pct(bins, 50), _pct(bins, 99)],
-            "batch_insert_failed": len(bins_keys) - bstored,
-            "timer_overhead_ns": overhead,
-            "core": core,
-        })
-    except BaseException as e:  # report instead of hanging the parent
+        queue.put(
+            {
+                "rank": rank,
+                "ok": True,
+                "t0": t0,
+                "t1": t1,
+                "ops": ops,
+                "hits": hits,
+                "cpu_share": cpu_share,
+                "lookups_per_s": ops / ((t1 - t0) / 1e9),
+                "lookup_ns": [_pct(lat, 50), _pct(lat, 90), _pct(lat, 99), _pct(lat, 99.9)],
+                "insert_ns": [_pct(ins, 50), _pct(ins, 90), _pct(ins, 99), _pct(ins, 99.9)],
+                "lat_sample": lat[:: max(1, len(lat) // 2000)],
+                "ins_sample": ins[:: max(1, len(ins) // 2000)],
+                "insert_failed": failed,
+                "tb0": tb0,
+                "tb1": tb1,
+                "batch_ops": sum(len(b) for b in lookup_batches),
+                "batch_hits": bhits,
+                "batch_lookup_ns": [_pct(blat, 50), _pct(blat, 99)],
+                "batch_insert_ns": [_pct(bins, 50), _pct(bins, 99)],
+                "batch_insert_failed": len(bins_keys) - bstored,
+                "timer_overhead_ns": overhead,
+                "core": core,
+            }
+        )
+    except BaseException as e:  # noqa: BLE001 - report instead of hanging the parent
         report_failure(rank, barrier, queue, e)
 
 
-def _run_index_procs(path: str, run: int, nprocs: int, nkeys: int, ops: int, samples: int,
-                     inserts: int) -> dict[str, Any]:
+def _run_index_procs(
+    path: str, run: int, nprocs: int, nkeys: int, ops: int, samples: int, inserts: int
+) -> dict[str, Any]:
     results = run_workers(
-        _index_worker, nprocs,
+        _index_worker,
+        nprocs,
         lambda r, barrier, q: (path, run, r, nkeys, ops, samples, inserts, barrier, q),
-        "bench index", timeout_s=900)
+        "bench index",
+        timeout_s=900,
+    )
     total_ops = sum(r["ops"] for r in results)
     span = max(r["t1"] for r in results) - min(r["t0"] for r in results)
     bspan = max(r["tb1"] for r in results) - min(r["tb0"] for r in results)
@@ -638,10 +601,12 @@ def _run_index_procs(path: str, run: int, nprocs: int, nkeys: int, ops: int, sam
     ins = sorted(x for r in results for x in r["ins_sample"])
     med = statistics.median
     core: dict[str, Any] = {}
-    cores = [r.get("core") for r in results]
-    if all(isinstance(c, dict) and "error" not in c for c in cores):
+    cores = [r["core"] for r in results]
+    if cores:
+
         def cget(k):
             return [c[k] for c in cores if isinstance(c.get(k), (int, float))]
+
         if cget("lookups_per_s"):
             core["core_lookups_per_s"] = round(sum(cget("lookups_per_s")))
         if cget("inserts") and cget("inserts_per_s"):
@@ -655,8 +620,6 @@ def _run_index_procs(path: str, run: int, nprocs: int, nkeys: int, ops: int, sam
         for k in ("lookup_p99_ns", "insert_p99_ns"):
             if cget(k):
                 core["core_" + k] = round(max(cget(k)))
-    elif any(isinstance(c, dict) for c in cores):
-        core["core_error"] = next(c["error"] for c in cores if isinstance(c, dict) and "error" in c)
     return {
         **core,
         "procs": nprocs,
@@ -676,7 +639,7 @@ def _run_index_procs(path: str, run: int, nprocs: int, nkeys: int, ops: int, sam
         "batch_insert_ns_p50": round(med(r["batch_insert_ns"][0] for r in results), 1),
         "batch_insert_ns_p99": round(max(r["batch_insert_ns"][1] for r in results), 1),
         "lookup_misses": sum(r["ops"] - r["hits"] for r in results)
-                         + sum(r["batch_ops"] - r["batch_hits"] for r in results),
+        + sum(r["batch_ops"] - r["batch_hits"] for r in results),
         "insert_failed": sum(r["insert_failed"] + r["batch_insert_failed"] for r in results),
         "timer_overhead_ns": int(med(r["timer_overhead_ns"] for r in results)),
         # CPU time / wall time of each process during the timed lookups: < 1 means it was
@@ -687,17 +650,25 @@ def _run_index_procs(path: str, run: int, nprocs: int, nkeys: int, ops: int, sam
 
 # Read path against the memory's limit (from Namespace.bench_index, same process, same run):
 # the batched prefix match of 256 keys per key, and the ratios to a dependent random line read.
-_LIMIT_FIELDS = ("prefix256_match_ns_per_key", "prefix256_acquire_ns_per_key", "lookup_vs_line_read",
-                 "prefix256_vs_line_read")
+_LIMIT_FIELDS = (
+    "prefix256_match_ns_per_key",
+    "prefix256_acquire_ns_per_key",
+    "lookup_vs_line_read",
+    "prefix256_vs_line_read",
+)
 
 
-def bench_index(procs: list[int] | None = None, ops: int = 300_000, keys: int = 100_000,
-                samples: int = 20_000, inserts: int = 20_000, pool_dir: str = "/dev/shm",
-                quiet: bool = False) -> dict[str, Any]:
+def bench_index(
+    procs: list[int] | None = None,
+    ops: int = 300_000,
+    keys: int = 100_000,
+    samples: int = 20_000,
+    inserts: int = 20_000,
+    pool_dir: str = "/dev/shm",
+    quiet: bool = False,
+) -> dict[str, Any]:
     """Lookup/insert latency and multi-process lookup throughput on one pool."""
-    import cxlkv
-
-    log = _progress(quiet)
+    log = progress(quiet)
     cores = os.cpu_count() or 1
     if not procs:
         procs = []
@@ -710,18 +681,26 @@ def bench_index(procs: list[int] | None = None, ops: int = 300_000, keys: int = 
     counts = sorted(set([1] + list(procs)))
 
     total_entries = keys + (2 * inserts + keys) * sum(counts) + 1024
-    index_slots = _pow2_at_least(2 * total_entries)  # load factor <= 0.5
+    index_slots = pow2_at_least(2 * total_entries)  # load factor <= 0.5
     data = total_entries * (_INDEX_BLOCK + 8)
     pool_size = index_slots * 80 + int(data * 1.3) + 64 * _MiB
     path = os.path.join(pool_dir, f"cxlkv-bench-index-{os.getpid()}")
     runs: list[dict[str, Any]] = []
     try:
         # enough room for every key inserted (no eviction in the timed inserts), 1 MiB chunks
-        pool, ns = _create_pool(path, pool_size, _INDEX_LAYOUT, _INDEX_NS,
-                                int(total_entries * 1.1), index_slots=index_slots,
-                                chunk_size=1 * _MiB)
-        log(f"bench index: pool {format_size(pool.size)}, {index_slots} index slots, prefill {keys} "
-            f"keys, process counts {counts}")
+        pool, ns = create_pool_for(
+            path,
+            pool_size,
+            _INDEX_LAYOUT,
+            _INDEX_NS,
+            int(total_entries * 1.1),
+            index_slots=index_slots,
+            chunk_size=1 * _MiB,
+        )
+        log(
+            f"bench index: pool {format_size(pool.size)}, {index_slots} index slots, prefill {keys} "
+            f"keys, process counts {counts}"
+        )
         with pool:
             payload = bytes(range(256)) * (_INDEX_BLOCK // 256)
             put = ns.put
@@ -732,14 +711,16 @@ def bench_index(procs: list[int] | None = None, ops: int = 300_000, keys: int = 
             log(f"  prefill {keys} keys: {(time.perf_counter_ns() - t0) / keys:.0f} ns/put from Python")
             for run, n in enumerate(counts):
                 r = _run_index_procs(path, run, n, keys, ops, samples, inserts)
-                log(f"  {n} proc(s): {r['lookups_per_s'] / 1e6:.2f} M lookups/s, lookup p50 "
+                log(
+                    f"  {n} proc(s): {r['lookups_per_s'] / 1e6:.2f} M lookups/s, lookup p50 "
                     f"{r['lookup_p50_ns']} ns p99 {r['lookup_p99_ns']} ns, insert p50 "
-                    f"{r['insert_p50_ns']} ns p99 {r['insert_p99_ns']} ns")
+                    f"{r['insert_p50_ns']} ns p99 {r['insert_p99_ns']} ns"
+                )
                 runs.append(r)
     finally:
         try:
             cxlkv.Pool.destroy(path)
-        except Exception:
+        except Exception:  # noqa: BLE001 - best-effort cleanup: the result (or error) is what counts
             pass
 
     base = runs[0]
@@ -780,8 +761,13 @@ def bench_index(procs: list[int] | None = None, ops: int = 300_000, keys: int = 
         "runs": runs,
     }
     if "core_lookups_per_s" in base:
-        for k in ("core_lookup_p50_ns", "core_lookup_p99_ns", "core_lookup_mean_ns",
-                  "core_insert_p50_ns", "core_insert_p99_ns"):
+        for k in (
+            "core_lookup_p50_ns",
+            "core_lookup_p99_ns",
+            "core_lookup_mean_ns",
+            "core_insert_p50_ns",
+            "core_insert_p99_ns",
+        ):
             if k in base:
                 out[k] = base[k]
         if "core_line_read_p50_ns" in base:  # the limit, from the 1-process run like the latencies
@@ -793,9 +779,8 @@ def bench_index(procs: list[int] | None = None, ops: int = 300_000, keys: int = 
         out["core_lookups_per_s_1proc"] = base["core_lookups_per_s"]
         out["core_scaling"] = top["core_scaling"]
         out["core_scaling_per_proc"] = top["core_scaling_per_proc"]
-    elif any("core_error" in r for r in runs):
-        out["core_error"] = next(r["core_error"] for r in runs if "core_error" in r)
-    out["machine"] = _machine()
+    out["percentile_method"] = PERCENTILE_METHOD
+    out["machine"] = machine()
     out["notes"] = (
         "Latencies are single Python calls (ns.contains / ns.put of a 256-byte block) timed one by "
         "one with time.perf_counter_ns (timer_overhead_ns included) and are dominated by Python "
@@ -832,9 +817,18 @@ def print_index_result(console, result: dict[str, Any]) -> None:
         ("insert p50 / p99", lambda r: f"{r['insert_p50_ns']} / {r['insert_p99_ns']}"),
         ("[bold]batches of 1000[/bold] (match_prefix / store)", None),
         ("lookups/s (all procs)", lambda r: f"{r['batch_lookups_per_s'] / 1e6:.2f} M"),
-        ("scaling vs 1 proc", lambda r: f"{r['batch_scaling']:.2f}x ({r['batch_scaling_per_proc']:.2f}/proc)"),
-        ("lookup per key p50 / p99", lambda r: f"{r['batch_lookup_ns_p50']:.0f} / {r['batch_lookup_ns_p99']:.0f}"),
-        ("insert per key p50 / p99", lambda r: f"{r['batch_insert_ns_p50']:.0f} / {r['batch_insert_ns_p99']:.0f}"),
+        (
+            "scaling vs 1 proc",
+            lambda r: f"{r['batch_scaling']:.2f}x ({r['batch_scaling_per_proc']:.2f}/proc)",
+        ),
+        (
+            "lookup per key p50 / p99",
+            lambda r: f"{r['batch_lookup_ns_p50']:.0f} / {r['batch_lookup_ns_p99']:.0f}",
+        ),
+        (
+            "insert per key p50 / p99",
+            lambda r: f"{r['batch_insert_ns_p50']:.0f} / {r['batch_insert_ns_p99']:.0f}",
+        ),
         ("misses / failed inserts", lambda r: f"{r['lookup_misses']} / {r['insert_failed']}"),
         ("CPU share per proc", lambda r: " ".join(f"{x:.2f}" for x in r["cpu_share"])),
     ]
@@ -842,10 +836,18 @@ def print_index_result(console, result: dict[str, Any]) -> None:
         rows += [
             ("[bold]core[/bold] (C++ side, no Python)", None),
             ("lookups/s (all procs)", lambda r: f"{r['core_lookups_per_s'] / 1e6:.2f} M"),
-            ("scaling vs 1 proc", lambda r: f"{r.get('core_scaling', 1):.2f}x "
-                                            f"({r.get('core_scaling_per_proc', 1):.2f}/proc)"),
-            ("lookup p50 / p99", lambda r: f"{r.get('core_lookup_p50_ns', '-')} / {r.get('core_lookup_p99_ns', '-')}"),
-            ("insert p50 / p99", lambda r: f"{r.get('core_insert_p50_ns', '-')} / {r.get('core_insert_p99_ns', '-')}"),
+            (
+                "scaling vs 1 proc",
+                lambda r: f"{r.get('core_scaling', 1):.2f}x ({r.get('core_scaling_per_proc', 1):.2f}/proc)",
+            ),
+            (
+                "lookup p50 / p99",
+                lambda r: f"{r.get('core_lookup_p50_ns', '-')} / {r.get('core_lookup_p99_ns', '-')}",
+            ),
+            (
+                "insert p50 / p99",
+                lambda r: f"{r.get('core_insert_p50_ns', '-')} / {r.get('core_insert_p99_ns', '-')}",
+            ),
             ("line read p50 (the limit)", lambda r: f"{r.get('core_line_read_p50_ns', '-')}"),
             ("lookup / line read", lambda r: f"{r.get('core_lookup_vs_line_read', '-')}"),
             ("prefix-256 match ns/key", lambda r: f"{r.get('core_prefix256_match_ns_per_key', '-')}"),
@@ -854,10 +856,10 @@ def print_index_result(console, result: dict[str, Any]) -> None:
     for label, f in rows:
         t.add_row(label, *[(f(r) if f else "") for r in runs])
     console.print(t)
-    if result.get("core_error"):
-        console.print(f"[yellow]core helper not used: {result['core_error']}[/yellow]")
     m = result.get("machine", {})
-    console.print(f"[dim]{m.get('cpu', '?')}, {m.get('cores', '?')} cores; {result['keys']} keys of "
-                  f"{result['block_bytes']} B, {result['index_slots']} index slots. Single-call numbers "
-                  f"are Python calls timed one by one (timer ~{result['timer_overhead_ns']} ns included); "
-                  "batch numbers are per key, Python overhead amortized.[/dim]")
+    console.print(
+        f"[dim]{m.get('cpu', '?')}, {m.get('cores', '?')} cores; {result['keys']} keys of "
+        f"{result['block_bytes']} B, {result['index_slots']} index slots. Single-call numbers "
+        f"are Python calls timed one by one (timer ~{result['timer_overhead_ns']} ns included); "
+        "batch numbers are per key, Python overhead amortized.[/dim]"
+    )

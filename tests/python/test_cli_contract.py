@@ -1,0 +1,123 @@
+"""The CLI's exit-code contract, in process (no pool, no subprocess; well under a second):
+every kind of error a command can raise maps to its documented code and one stderr line, and the
+documented table (README, ``cxlkv --help``) is exactly :data:`cxlkv.errors.EXIT_CODE_MEANINGS`.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+import cxlkv
+from cxlkv import cli
+from cxlkv.cli import parser as cli_parser
+from cxlkv.errors import EXIT_CODE_MEANINGS, CommandError, ExitCode, exit_codes_text
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+@pytest.mark.parametrize(
+    "exc, code, line",
+    [
+        (CommandError("a worker died"), ExitCode.ERROR, "cxlkv: error: a worker died"),
+        (
+            CommandError("wrong bytes", exit_code=ExitCode.CHECK_FAILED),
+            ExitCode.CHECK_FAILED,
+            "cxlkv: error: wrong bytes",
+        ),
+        (ValueError("bad size '4XiB'"), ExitCode.ERROR, "cxlkv: error: bad size '4XiB'"),
+        (
+            FileNotFoundError(2, "No such file or directory", "/nonexistent/pool"),
+            ExitCode.ERROR,
+            "cxlkv: error: /nonexistent/pool: No such file or directory",
+        ),
+        (
+            cxlkv.PoolCorruptError("offset out of range\nsecond line"),
+            ExitCode.ERROR,
+            "cxlkv: error: offset out of range second line",
+        ),
+        (KeyboardInterrupt(), ExitCode.INTERRUPTED, "cxlkv: interrupted"),
+    ],
+)
+def test_errors_map_to_their_exit_code_and_one_line(monkeypatch, capsys, exc, code, line):
+    def command(args):
+        raise exc
+
+    monkeypatch.setattr(cli_parser, "cmd_pool_info", command)
+    monkeypatch.delenv("CXLKV_DEBUG", raising=False)
+    assert cli.main(["pool", "info", "/nonexistent/pool"]) == code
+    err = capsys.readouterr().err
+    assert err.strip() == line, err
+
+
+def test_a_bug_exits_70_with_its_traceback_never_1(monkeypatch, capsys):
+    """1 means "a check failed"; an unexpected exception must not be mistaken for it."""
+
+    def command(args):
+        raise RuntimeError("an unexpected bug")
+
+    monkeypatch.setattr(cli_parser, "cmd_pool_stats", command)
+    assert cli.main(["pool", "stats", "/nonexistent/pool"]) == ExitCode.INTERNAL == 70
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "RuntimeError: an unexpected bug" in err
+
+
+def test_debug_adds_the_traceback_keeps_the_code(monkeypatch, capsys):
+    def command(args):
+        raise CommandError("a worker died", detail="worker traceback here")
+
+    monkeypatch.setattr(cli_parser, "cmd_pool_check", command)
+    monkeypatch.setenv("CXLKV_DEBUG", "1")
+    assert cli.main(["pool", "check", "/nonexistent/pool"]) == ExitCode.ERROR
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "worker traceback here" in err
+    assert err.rstrip().splitlines()[-2] == "cxlkv: error: a worker died"
+
+
+def test_usage_errors_and_help_codes(capsys):
+    assert cli.main(["pool", "create"]) == ExitCode.ERROR  # --size is required
+    assert "error:" in capsys.readouterr().err
+    assert cli.main(["--help"]) == ExitCode.OK
+
+
+def test_the_documented_table_is_the_code_table():
+    text = README.read_text()
+    rows = {int(c): m.strip() for c, m in re.findall(r"^\| (\d+) \| (.+?) \|$", text, re.M)}
+    assert rows == {int(c): m for c, m in EXIT_CODE_MEANINGS.items()}, (
+        "README's exit-code table differs from cxlkv.errors.EXIT_CODE_MEANINGS"
+    )
+    assert set(EXIT_CODE_MEANINGS) == set(ExitCode)
+    epilog = " ".join((cli.build_parser().epilog or "").split())
+    assert exit_codes_text() in epilog
+
+
+def test_create_help_shows_the_cores_defaults_and_limits(capsys):
+    cli.main(["pool", "create", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    opts = cxlkv.create_options()
+    for name in ("max_nodes", "max_namespaces", "lease_ms"):
+        o = opts[name]
+        assert f"{o['min']}..{o['max']} (default {o['default']})" in out, (name, out)
+    assert f"(default {opts['backend']['default']})" in out
+
+
+def _leaf_commands(parser, prefix=()) -> list[tuple[str, ...]]:
+    """Every runnable command of the argparse tree, e.g. ("pool", "create"), ("demo",)."""
+    import argparse
+
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        return [prefix]
+    return [leaf for name, p in subs[0].choices.items() for leaf in _leaf_commands(p, (*prefix, name))]
+
+
+def test_every_command_has_a_smoke_test():
+    """CI runs every command at least once (tests/python/test_cli_smoke.py): a command added to
+    the parser without a smoke test fails here, naming it."""
+    smoke = (Path(__file__).parent / "test_cli_smoke.py").read_text()
+    leaves = _leaf_commands(cli.build_parser())
+    assert ("pool", "create") in leaves and ("demo",) in leaves
+    missing = [" ".join(c) for c in leaves if ", ".join(f'"{w}"' for w in c) + "," not in smoke]
+    assert not missing, f"commands without a smoke test in test_cli_smoke.py: {missing}"
