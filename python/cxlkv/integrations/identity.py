@@ -303,7 +303,7 @@ class WeightsDigest:
 def _weight_files(root: Path) -> list[Path]:
     if root.is_file():
         return [root]
-    out = []
+    out: list[Path] = []
     for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         out.extend(

@@ -47,7 +47,7 @@ import os
 import sys
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -615,7 +615,7 @@ class CxlKVConnector(KVConnectorBase_V1):
         )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
+        meta = cast(CxlKVConnectorMetadata, self._get_connector_metadata())
         self._failed_reqs = set()
         if self.identity.tp_rank == 0:
             for k, v in meta.counters.items():
@@ -652,7 +652,7 @@ class CxlKVConnector(KVConnectorBase_V1):
         return  # whole blocks are saved after the forward pass, in wait_for_save
 
     def wait_for_save(self) -> None:
-        meta = self._get_connector_metadata()
+        meta = cast(CxlKVConnectorMetadata, self._get_connector_metadata())
         for op in meta.saves:
             if op.req_id in self._failed_reqs:
                 # Defence in depth (the scheduler holds such saves): this rank's load failed in
