@@ -603,6 +603,10 @@ def build_parser() -> argparse.ArgumentParser:
     bv.add_argument("--json", action="store_true", help="print one JSON object")
     bv.set_defaults(func=cmd_bench_vllm)
 
+    from cxlkv import rpc_cli  # pool ping, bench rpc (shared-memory RPC)
+
+    rpc_cli.register(psub, bsub, CommandError, _pos_int)
+
     # demo -------------------------------------------------------------------------------------
     dm = sub.add_parser("demo", help="several processes sharing one pool: hit rates and bandwidth")
     dm.add_argument("--procs", type=_pos_int, default=4, help="worker processes (default 4)")

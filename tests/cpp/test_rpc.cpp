@@ -297,6 +297,9 @@ TEST_F(AdminPing, StoppedProcessTimesOut) {
   EXPECT_EQ(r.outcome, PingResult::kAnswered) << r.detail;
   EXPECT_EQ(r.pid, uint64_t(pid));
   ::kill(pid, SIGSTOP);
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, WUNTRACED), pid);  // stopped for sure, not just signalled
+  ASSERT_TRUE(WIFSTOPPED(status));
   r = a->ping(id, 200);
   EXPECT_EQ(r.outcome, PingResult::kTimeout) << r.detail;
   ::kill(pid, SIGCONT);

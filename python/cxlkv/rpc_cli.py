@@ -1,0 +1,250 @@
+"""``cxlkv pool ping`` and ``cxlkv bench rpc``: the shared-memory RPC channel (src/core/rpc.h).
+
+``pool ping NODE`` sends requests through node NODE's admin mailbox (every attached process
+answers from a small responder thread) and prints each round trip with the responder's identity.
+
+``bench rpc`` measures round trips between two real processes over the shared-memory channel and,
+in the same run, over TCP loopback, a Unix socket (both timed in C++ with the same 64-byte echo
+protocol, see src/core/rpc_bench.h) and ZeroMQ ipc (pyzmq, timed in Python: labelled as such).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from .paths import DEFAULT_POOL_PATH as DEFAULT_POOL
+
+TRANSPORTS_CPP = ("rpc", "tcp", "uds")
+SOCKETS = ("tcp", "uds", "zmq")
+ZMQ_NOTE = "pyzmq PAIR over ipc://, echo loop timed in Python (not C++): includes interpreter overhead"
+
+
+class PingFailed(Exception):
+    """A ping that got no valid answer; the CLI prints it on one line and exits 1."""
+
+
+def register(pool_sub, bench_sub, command_error, pos_int) -> None:
+    """Adds ``pool ping`` and ``bench rpc`` to the CLI's subparsers (called by cli.build_parser)."""
+    pg = pool_sub.add_parser("ping", help="round trip through a node's admin mailbox (shared-memory RPC)")
+    pg.add_argument("node", type=pos_int, help="node id, as listed by 'pool info'")
+    pg.add_argument("path", nargs="?", default=DEFAULT_POOL, help=f"pool path (default {DEFAULT_POOL})")
+    pg.add_argument("--count", type=pos_int, default=3, help="round trips (default 3; the first wakes an idle responder)")
+    pg.add_argument("--timeout-ms", type=pos_int, default=1000, help="wait per round trip, ms (default 1000)")
+    pg.add_argument("--json", action="store_true", help="print one JSON object")
+    pg.set_defaults(func=lambda a: cmd_pool_ping(a, command_error))
+
+    br = bench_sub.add_parser("rpc", help="shared-memory RPC round trips vs TCP, Unix socket and ZeroMQ (same run)")
+    br.add_argument("--json", action="store_true", help="print one JSON object")
+    br.add_argument("--iterations", type=pos_int, default=20000, help="timed depth-1 round trips (default 20000)")
+    br.add_argument("--warmup", type=pos_int, default=2000, help="untimed round trips first (default 2000)")
+    br.add_argument("--depth", type=pos_int, default=128, help="deep queue depth (default 128)")
+    br.add_argument("--batches", type=pos_int, default=1000, help="timed batches at --depth (default 1000)")
+    br.add_argument("--backend", choices=["coherent", "flush"], default="coherent",
+                    help="discipline of the rpc channel (default coherent)")
+    br.add_argument("--no-pin", action="store_true", help="do not pin server and client to two CPUs")
+    br.add_argument("--dir", default="/dev/shm", help="where the channel file lives (default /dev/shm)")
+    br.set_defaults(func=lambda a: cmd_bench_rpc(a, command_error))
+
+
+# ---------------------------------------------------------------------------------------------
+# pool ping
+
+
+def ping(pool_path: str, node: int, count: int = 3, timeout_ms: int = 1000) -> list[dict]:
+    """``count`` round trips to ``node``; raises PingFailed on the first that gets no answer."""
+    import cxlkv
+
+    out = []
+    with cxlkv.Pool.open(pool_path) as pool:  # attached: our node id is our request slot
+        for _ in range(count):
+            r = dict(pool._core.ping(node, timeout_ms))
+            if r["outcome"] != "answered":
+                raise PingFailed(r["detail"])
+            out.append(r)
+    return out
+
+
+def cmd_pool_ping(args, command_error) -> int:
+    try:
+        replies = ping(args.path, args.node, args.count, args.timeout_ms)
+    except PingFailed as e:
+        raise command_error(str(e), exit_code=1) from None
+    rtts = [r["rtt_ns"] for r in replies]
+    first = replies[0]
+    summary = {
+        "node": first["node"], "pid": first["pid"], "host_id": f"{first['host_id']:016x}",
+        "epoch": first["epoch"], "count": len(rtts), "rtt_ns": rtts,
+        "rtt_min_ns": min(rtts), "rtt_median_ns": int(statistics.median(rtts)),
+    }
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    for i, r in enumerate(replies):
+        print(f"reply from node {r['node']} (pid {r['pid']}, host {r['host_id']:016x}, epoch {r['epoch']}): "
+              f"seq={i + 1} rtt={r['rtt_ns'] / 1000:.1f} us")
+    print(f"{len(rtts)} answered, rtt min/median {min(rtts) / 1000:.1f}/{statistics.median(rtts) / 1000:.1f} us")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# bench rpc: ZeroMQ half (the C++ transports are in the core)
+
+
+def _zmq_serve(addr: str, cpu: int) -> None:
+    import zmq
+
+    if cpu >= 0:
+        os.sched_setaffinity(0, {cpu})
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.PAIR)
+    s.bind(addr)
+    s.send(b"ready")
+    while True:
+        m = s.recv()
+        if m == b"stop":
+            break
+        s.send(m, copy=False)
+    s.close(linger=0)
+    ctx.term()
+
+
+def _frame(seq: int) -> bytes:
+    # 64 bytes like the C++ transports: seq, op, len, then 48 bytes that depend on seq
+    head = seq.to_bytes(8, "little") + (1).to_bytes(4, "little") + (48).to_bytes(4, "little")
+    return head + bytes((seq * 131 + k * 7 + 0x5A) & 0xFF for k in range(48))
+
+
+def bench_zmq(iterations: int, warmup: int, depth: int, batches: int, cpus: tuple[int, int]) -> dict:
+    """Depth-1 p50/p99 and messages/s, and messages/s at ``depth``, over pyzmq PAIR ipc."""
+    import zmq
+
+    server_cpu, client_cpu = cpus
+    with tempfile.TemporaryDirectory(prefix="cxlkv-zmq-") as d:
+        addr = f"ipc://{d}/echo"
+        proc = subprocess.Popen([sys.executable, "-c",
+                                 f"from cxlkv.rpc_cli import _zmq_serve; _zmq_serve({addr!r}, {server_cpu})"])
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.PAIR)
+        s.setsockopt(zmq.RCVTIMEO, 30000)
+        saved = os.sched_getaffinity(0)
+        try:
+            s.connect(addr)
+            if s.recv() != b"ready":
+                raise RuntimeError("zmq server did not start")
+            if client_cpu >= 0:
+                os.sched_setaffinity(0, {client_cpu})
+            frames = [_frame(i) for i in range(depth)]  # payload built outside the timed loops
+
+            def one(f: bytes) -> None:
+                s.send(f)
+                if s.recv() != f:
+                    raise RuntimeError("zmq: wrong echo")
+
+            for i in range(warmup):
+                one(frames[i % depth])
+            lat = []
+            clock = time.perf_counter_ns
+            start = clock()
+            for i in range(iterations):
+                f = frames[i % depth]
+                t0 = clock()
+                one(f)
+                lat.append(clock() - t0)
+            qd1_s = (clock() - start) / 1e9
+            for _ in range(min(warmup, batches)):
+                for f in frames:
+                    s.send(f)
+                for f in frames:
+                    if s.recv() != f:
+                        raise RuntimeError("zmq: wrong echo")
+            blat = []
+            start = clock()
+            for _ in range(batches):
+                t0 = clock()
+                for f in frames:
+                    s.send(f)
+                for f in frames:
+                    if s.recv() != f:
+                        raise RuntimeError("zmq: wrong echo")
+                blat.append(clock() - t0)
+            deep_s = (clock() - start) / 1e9
+            s.send(b"stop")
+        finally:
+            os.sched_setaffinity(0, saved)
+            s.close(linger=0)
+            ctx.term()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    lat.sort()
+    blat.sort()
+    return {
+        "p50_ns": float(lat[len(lat) // 2]), "p99_ns": float(lat[min(len(lat) - 1, len(lat) * 99 // 100)]),
+        "msgs_per_s_qd1": iterations / qd1_s, "batch_p50_ns": float(blat[len(blat) // 2]),
+        "msgs_per_s_deep": batches * depth / deep_s,
+    }
+
+
+def bench_rpc(iterations: int = 20000, warmup: int = 2000, depth: int = 128, batches: int = 1000,
+              backend: str = "coherent", pin: bool = True, directory: str = "/dev/shm") -> dict:
+    """Every transport in one run; flat keys ``<transport>_<metric>`` plus the socket/rpc ratio."""
+    from . import _core
+
+    out: dict = {"depth": depth, "iterations": iterations, "batches": batches, "rpc_backend": backend,
+                 "message_bytes": 64, "payload_bytes": 48, "cpus_available": len(os.sched_getaffinity(0))}
+    cpus = (-1, -1)
+    for t in TRANSPORTS_CPP:
+        r = dict(_core.bench_rpc(t, iterations=iterations, warmup=warmup, depth=depth, batches=batches,
+                                 backend=backend, dir=directory, pin=pin))
+        cpus = (int(r["server_cpu"]), int(r["client_cpu"]))
+        for k in ("p50_ns", "p99_ns", "msgs_per_s_qd1", "batch_p50_ns", "msgs_per_s_deep"):
+            out[f"{t}_{k}"] = r[k]
+    out["server_cpu"], out["client_cpu"] = cpus
+    try:
+        z = bench_zmq(iterations, warmup, depth, batches, cpus)
+        for k, v in z.items():
+            out[f"zmq_{k}"] = v
+        out["zmq_note"] = ZMQ_NOTE
+    except ImportError as e:
+        for k in ("p50_ns", "p99_ns", "msgs_per_s_qd1", "batch_p50_ns", "msgs_per_s_deep"):
+            out[f"zmq_{k}"] = None
+        out["zmq_note"] = f"pyzmq not importable ({e}); install the test extras"
+    socket_p50 = {s: out[f"{s}_p50_ns"] for s in SOCKETS if out.get(f"{s}_p50_ns")}
+    best = min(socket_p50, key=socket_p50.get)
+    out["best_socket"] = best
+    out["best_socket_p50_over_rpc_p50"] = socket_p50[best] / out["rpc_p50_ns"] if out["rpc_p50_ns"] else None
+    out["method"] = ("two processes (forked echo server), pinned to server_cpu/client_cpu when two CPUs are "
+                     "allowed; rpc/tcp/uds timed in C++, zmq in Python; depth-1 round trips timed one by one; "
+                     "deep: `depth` requests posted at once, then all answers awaited")
+    return out
+
+
+def cmd_bench_rpc(args, command_error) -> int:
+    try:
+        res = bench_rpc(args.iterations, args.warmup, args.depth, args.batches, args.backend,
+                        not args.no_pin, args.dir)
+    except RuntimeError as e:
+        raise command_error(f"bench rpc: {e}") from None
+    if args.json:
+        print(json.dumps(res))
+        return 0
+    print(f"rpc round trips, 64-byte messages, depth 1 and {res['depth']} "
+          f"(server cpu {res['server_cpu']}, client cpu {res['client_cpu']})")
+    print(f"{'transport':<10}{'p50 ns':>10}{'p99 ns':>10}{'msg/s qd1':>14}{'msg/s deep':>14}")
+    for t in TRANSPORTS_CPP + ("zmq",):
+        if res.get(f"{t}_p50_ns") is None:
+            print(f"{t:<10}{'n/a':>10}")
+            continue
+        print(f"{t:<10}{res[f'{t}_p50_ns']:>10.0f}{res[f'{t}_p99_ns']:>10.0f}"
+              f"{res[f'{t}_msgs_per_s_qd1']:>14,.0f}{res[f'{t}_msgs_per_s_deep']:>14,.0f}")
+    print(f"best socket ({res['best_socket']}) p50 / rpc p50 = {res['best_socket_p50_over_rpc_p50']:.1f}x")
+    print(f"zmq: {res['zmq_note']}")
+    return 0
