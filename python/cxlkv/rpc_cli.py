@@ -62,6 +62,8 @@ def ping(pool_path: str, node: int, count: int = 3, timeout_ms: int = 1000) -> l
 
     out = []
     with cxlkv.Pool.open(pool_path) as pool:  # attached: our node id is our request slot
+        if pool.node_id == node:  # the slot was free (its dead owner reaped by our open): we took it
+            raise PingFailed(f"node {node} is not attached (its slot was free; this ping's own attachment took it)")
         for _ in range(count):
             r = dict(pool._core.ping(node, timeout_ms))
             if r["outcome"] != "answered":

@@ -22,7 +22,7 @@ using namespace format;
 namespace {
 constexpr uint32_t kOpPing = 1;
 constexpr uint32_t kStatusOk = 0, kStatusUnknownOp = 1, kStatusBadRequest = 2;
-constexpr auto kIdleSleep = std::chrono::milliseconds(2);
+constexpr auto kIdleSleep = std::chrono::milliseconds(5);  // 200 wake-ups/s per attached process
 constexpr uint64_t kHotWindowNs = 50'000'000;
 constexpr uint32_t kSweepsPerHealthCheck = 256;
 
