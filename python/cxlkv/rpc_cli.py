@@ -4,8 +4,9 @@
 answers from a small responder thread) and prints each round trip with the responder's identity.
 
 ``bench rpc`` measures round trips between two real processes over the shared-memory channel and,
-in the same run, over TCP loopback, a Unix socket (both timed in C++ with the same 64-byte echo
-protocol, see src/core/rpc_bench.h) and ZeroMQ ipc (pyzmq, timed in Python: labelled as such).
+in the same run, over TCP loopback and a Unix socket, each both blocking and busy-polled
+(``*_spin``; all timed in C++ with the same 64-byte echo protocol, see src/core/rpc_bench.h), and
+ZeroMQ ipc (pyzmq, timed in Python: labelled as such). The ratio is against the best of them.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import time
 
 from .paths import DEFAULT_POOL_PATH as DEFAULT_POOL
 
-TRANSPORTS_CPP = ("rpc", "tcp", "uds")
-SOCKETS = ("tcp", "uds", "zmq")
+TRANSPORTS_CPP = ("rpc", "tcp", "uds", "tcp_spin", "uds_spin")
+SOCKETS = ("tcp", "uds", "tcp_spin", "uds_spin", "zmq")
 ZMQ_NOTE = "pyzmq PAIR over ipc://, echo loop timed in Python (not C++): includes interpreter overhead"
 
 
@@ -240,12 +241,12 @@ def cmd_bench_rpc(args, command_error) -> int:
         return 0
     print(f"rpc round trips, 64-byte messages, depth 1 and {res['depth']} "
           f"(server cpu {res['server_cpu']}, client cpu {res['client_cpu']})")
-    print(f"{'transport':<10}{'p50 ns':>10}{'p99 ns':>10}{'msg/s qd1':>14}{'msg/s deep':>14}")
+    print(f"{'transport':<12}{'p50 ns':>10}{'p99 ns':>10}{'msg/s qd1':>14}{'msg/s deep':>14}")
     for t in TRANSPORTS_CPP + ("zmq",):
         if res.get(f"{t}_p50_ns") is None:
-            print(f"{t:<10}{'n/a':>10}")
+            print(f"{t:<12}{'n/a':>10}")
             continue
-        print(f"{t:<10}{res[f'{t}_p50_ns']:>10.0f}{res[f'{t}_p99_ns']:>10.0f}"
+        print(f"{t:<12}{res[f'{t}_p50_ns']:>10.0f}{res[f'{t}_p99_ns']:>10.0f}"
               f"{res[f'{t}_msgs_per_s_qd1']:>14,.0f}{res[f'{t}_msgs_per_s_deep']:>14,.0f}")
     print(f"best socket ({res['best_socket']}) p50 / rpc p50 = {res['best_socket_p50_over_rpc_p50']:.1f}x")
     print(f"zmq: {res['zmq_note']}")

@@ -240,11 +240,19 @@ void send_all(int fd, const void* p, size_t n) {
     c += w, n -= size_t(w);
   }
 }
-void recv_all(int fd, void* p, size_t n) {
+// spin: poll with MSG_DONTWAIT and the same bounded spin as the rpc channel, instead of sleeping
+// in the kernel until data arrives (the socket analogue of busy polling).
+void recv_all(int fd, void* p, size_t n, bool spin) {
   char* c = static_cast<char*>(p);
+  rpc::Backoff backoff;
   while (n) {
-    ssize_t r = ::recv(fd, c, n, 0);
+    ssize_t r = ::recv(fd, c, n, spin ? MSG_DONTWAIT : 0);
     if (r < 0 && errno == EINTR) continue;
+    if (r < 0 && spin && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      backoff.wait();
+      continue;
+    }
+    backoff.reset();
     if (r <= 0) fail(r == 0 ? "the server closed the connection" : std::string("recv: ") + std::strerror(errno));
     c += r, n -= size_t(r);
   }
@@ -252,7 +260,7 @@ void recv_all(int fd, void* p, size_t n) {
 
 class SocketTransport : public Transport {
  public:
-  explicit SocketTransport(bool tcp) : tcp_(tcp) {}
+  SocketTransport(bool tcp, bool spin) : tcp_(tcp), spin_(spin) {}
   ~SocketTransport() override {
     for (int fd : {client_, server_, listener_})
       if (fd >= 0) ::close(fd);
@@ -295,9 +303,15 @@ class SocketTransport : public Transport {
   }
   void serve() override {
     std::vector<char> buf(64 * 1024);
+    rpc::Backoff backoff;
     for (;;) {
-      ssize_t r = ::recv(server_, buf.data(), buf.size(), 0);
+      ssize_t r = ::recv(server_, buf.data(), buf.size(), spin_ ? MSG_DONTWAIT : 0);
       if (r < 0 && errno == EINTR) continue;
+      if (r < 0 && spin_ && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+        backoff.wait();
+        continue;
+      }
+      backoff.reset();
       if (r <= 0) return;  // the client shut down its side: done
       send_all(server_, buf.data(), size_t(r));
     }
@@ -310,7 +324,7 @@ class SocketTransport : public Transport {
       fill(f.payload, f.seq);
     }
     send_all(client_, frames_.data(), n * sizeof(Frame));  // the batch in one send, like one fence
-    recv_all(client_, frames_.data(), n * sizeof(Frame));
+    recv_all(client_, frames_.data(), n * sizeof(Frame), spin_);
     for (uint32_t s = 0; s < n; ++s)
       if (frames_[s].seq != seq_ - n + 1 + s || !matches(frames_[s].payload, frames_[s].seq))
         fail(std::string(tcp_ ? "tcp" : "uds") + ": wrong echo for seq " + std::to_string(seq_ - n + 1 + s));
@@ -322,7 +336,7 @@ class SocketTransport : public Transport {
     int one = 1;
     ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
   }
-  bool tcp_;
+  bool tcp_, spin_;
   int listener_ = -1, client_ = -1, server_ = -1;
   uint64_t seq_ = 0;
   std::vector<Frame> frames_;
@@ -330,9 +344,11 @@ class SocketTransport : public Transport {
 
 std::unique_ptr<Transport> make(const std::string& name, const Options& opt) {
   if (name == "rpc") return std::make_unique<RpcTransport>(opt.backend, opt.dir);
-  if (name == "tcp") return std::make_unique<SocketTransport>(true);
-  if (name == "uds") return std::make_unique<SocketTransport>(false);
-  throw ArgumentError("unknown transport '" + name + "' (rpc, tcp, uds)");
+  if (name == "tcp") return std::make_unique<SocketTransport>(true, false);
+  if (name == "uds") return std::make_unique<SocketTransport>(false, false);
+  if (name == "tcp_spin") return std::make_unique<SocketTransport>(true, true);
+  if (name == "uds_spin") return std::make_unique<SocketTransport>(false, true);
+  throw ArgumentError("unknown transport '" + name + "' (rpc, tcp, uds, tcp_spin, uds_spin)");
 }
 
 // Two CPUs this process may run on, server first; (-1, -1) if there is only one.

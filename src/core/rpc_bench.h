@@ -3,6 +3,9 @@
 //   rpc   the shared-memory channel (rpc.h) in a mapped file, busy polling on both sides
 //   tcp   TCP loopback, TCP_NODELAY, blocking send/recv
 //   uds   a Unix stream socket (socketpair), blocking send/recv
+//   tcp_spin, uds_spin  the same sockets, but both sides poll recv(MSG_DONTWAIT) with the rpc
+//         channel's bounded spin instead of sleeping in the kernel: busy polling on both paths,
+//         so the comparison is of the transports, not of wake-up latency
 // One message = 64 bytes (a cache line): for rpc a Line with 48 payload bytes, for sockets a
 // 64-byte frame with the same 48 payload bytes. The server echoes the payload; the client checks
 // every byte (a wrong echo fails the run). Depth 1: each round trip timed on its own (p50/p99).
@@ -37,7 +40,7 @@ struct Result {
   std::vector<std::pair<const char*, double>> fields() const;
 };
 
-// transport: "rpc", "tcp" or "uds". Throws cxlkv::Error when a phase fails or times out.
+// transport: "rpc", "tcp", "uds", "tcp_spin" or "uds_spin". Throws cxlkv::Error when a phase fails or times out.
 Result run(const std::string& transport, const Options& opt);
 
 }  // namespace cxlkv::rpcbench
