@@ -190,12 +190,14 @@ class RpcTransport : public Transport {
   }
 
  private:
-  // Waits for the answers in slot order, polling one line at a time: the server answers a sweep
-  // in slot order, and polling only the next line keeps the client from pulling lines away from
-  // the server while it writes them (cache-line ping-pong).
+  // The server answers in slot order, so the last slot's answer comes last: the client polls
+  // that one line until it is there, then collects the others (all ready by then; their loads
+  // overlap). Polling lines the server is still writing would pull them away from it (cache-line
+  // ping-pong). Each slot is still checked on its own seq, so an out-of-order server stays correct.
   void wait(uint32_t n, uint64_t deadline, bool stopping = false) {
     uint8_t buf[rpc::kInlineBytes];
-    for (uint32_t s = 0; s < n; ++s) {
+    for (uint32_t k = 0; k < n; ++k) {
+      const uint32_t s = k == 0 ? n - 1 : k - 1;
       rpc::Backoff backoff;
       for (uint64_t spin = 0;; ++spin) {
         ch_.refresh_responses(s, 1);
