@@ -4,7 +4,8 @@
 answers from a small responder thread) and prints each round trip with the responder's identity.
 
 ``bench rpc`` measures round trips between two real processes over the shared-memory channel and,
-in the same run, over TCP loopback and a Unix socket, each both blocking and busy-polled
+in the same run, over a bare cache-line bounce (``line``: the floor of any shared-memory round
+trip), TCP loopback and a Unix socket, each both blocking and busy-polled
 (``*_spin``; all timed in C++ with the same 64-byte echo protocol, see src/core/rpc_bench.h), and
 ZeroMQ ipc (pyzmq, timed in Python: labelled as such). The ratio is against the best of them.
 """
@@ -21,7 +22,7 @@ import time
 
 from .paths import DEFAULT_POOL_PATH as DEFAULT_POOL
 
-TRANSPORTS_CPP = ("rpc", "tcp", "uds", "tcp_spin", "uds_spin")
+TRANSPORTS_CPP = ("rpc", "line", "tcp", "uds", "tcp_spin", "uds_spin")
 SOCKETS = ("tcp", "uds", "tcp_spin", "uds_spin", "zmq")
 ZMQ_NOTE = "pyzmq PAIR over ipc://, echo loop timed in Python (not C++): includes interpreter overhead"
 
@@ -223,6 +224,8 @@ def bench_rpc(iterations: int = 20000, warmup: int = 2000, depth: int = 128, bat
     socket_p50 = {s: out[f"{s}_p50_ns"] for s in SOCKETS if out.get(f"{s}_p50_ns")}
     best = min(socket_p50, key=socket_p50.get)
     out["best_socket"] = best
+    # line: the hardware floor of any shared-memory round trip (one word bounced between two lines)
+    out["rpc_p50_over_line_p50"] = out["rpc_p50_ns"] / out["line_p50_ns"] if out["line_p50_ns"] else None
     out["best_socket_p50_over_rpc_p50"] = socket_p50[best] / out["rpc_p50_ns"] if out["rpc_p50_ns"] else None
     out["method"] = ("two processes (forked echo server), pinned to server_cpu/client_cpu when two CPUs are "
                      "allowed; rpc/tcp/uds timed in C++, zmq in Python; depth-1 round trips timed one by one; "
@@ -248,6 +251,7 @@ def cmd_bench_rpc(args, command_error) -> int:
             continue
         print(f"{t:<12}{res[f'{t}_p50_ns']:>10.0f}{res[f'{t}_p99_ns']:>10.0f}"
               f"{res[f'{t}_msgs_per_s_qd1']:>14,.0f}{res[f'{t}_msgs_per_s_deep']:>14,.0f}")
-    print(f"best socket ({res['best_socket']}) p50 / rpc p50 = {res['best_socket_p50_over_rpc_p50']:.1f}x")
+    print(f"best socket ({res['best_socket']}) p50 / rpc p50 = {res['best_socket_p50_over_rpc_p50']:.1f}x; "
+          f"rpc p50 / line floor p50 = {res['rpc_p50_over_line_p50']:.2f}x")
     print(f"zmq: {res['zmq_note']}")
     return 0

@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -221,6 +222,53 @@ class RpcTransport : public Transport {
   std::vector<uint64_t> seqs_;
 };
 
+// ---- the floor: one word bounced between two cache lines, no protocol --------------------------
+// What any shared-memory round trip on this machine costs at least (two cache-line transfers
+// between the CPUs): the rpc channel's overhead is its p50 minus this one. "Deep" rounds are n
+// sequential bounces (nothing to pipeline without slots).
+class LineTransport : public Transport {
+ public:
+  ~LineTransport() override {
+    if (region_) ::munmap(region_, 4096);
+  }
+  void prepare(uint32_t) override {
+    void* p = ::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) throw OsError(errno, "bench rpc: mmap");
+    region_ = static_cast<uint64_t*>(p);
+  }
+  void serve() override {
+    uint64_t seen = 0;
+    rpc::Backoff backoff;
+    for (;;) {
+      uint64_t v = std::atomic_ref<uint64_t>(region_[0]).load(std::memory_order_acquire);
+      if (v == seen) {
+        backoff.wait();
+        continue;
+      }
+      backoff.reset();
+      seen = v;
+      std::atomic_ref<uint64_t>(region_[8]).store(v, std::memory_order_release);  // the next line
+      if (v == ~0ull) return;
+    }
+  }
+  void round_trip(uint32_t n, uint64_t deadline) override {
+    for (uint32_t i = 0; i < n; ++i) bounce(++seq_, deadline);
+  }
+  void stop(uint64_t deadline) override { bounce(~0ull, deadline); }
+
+ private:
+  void bounce(uint64_t v, uint64_t deadline) {
+    std::atomic_ref<uint64_t>(region_[0]).store(v, std::memory_order_release);
+    rpc::Backoff backoff;
+    for (uint64_t spin = 0; std::atomic_ref<uint64_t>(region_[8]).load(std::memory_order_acquire) != v; ++spin) {
+      backoff.wait();
+      if ((spin & 1023) == 1023 && now_ns() > deadline) fail("line: the peer did not answer in time");
+    }
+  }
+  uint64_t* region_ = nullptr;
+  uint64_t seq_ = 0;
+};
+
 // ---- sockets: 64-byte frames, echoed as a byte stream ----------------------------------------
 struct Frame {
   uint64_t seq;
@@ -342,11 +390,12 @@ class SocketTransport : public Transport {
 
 std::unique_ptr<Transport> make(const std::string& name, const Options& opt) {
   if (name == "rpc") return std::make_unique<RpcTransport>(opt.backend, opt.dir);
+  if (name == "line") return std::make_unique<LineTransport>();
   if (name == "tcp") return std::make_unique<SocketTransport>(true, false);
   if (name == "uds") return std::make_unique<SocketTransport>(false, false);
   if (name == "tcp_spin") return std::make_unique<SocketTransport>(true, true);
   if (name == "uds_spin") return std::make_unique<SocketTransport>(false, true);
-  throw ArgumentError("unknown transport '" + name + "' (rpc, tcp, uds, tcp_spin, uds_spin)");
+  throw ArgumentError("unknown transport '" + name + "' (rpc, line, tcp, uds, tcp_spin, uds_spin)");
 }
 
 // Two CPUs this process may run on, server first; (-1, -1) if there is only one.

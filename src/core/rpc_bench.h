@@ -1,6 +1,7 @@
 // `cxlkv bench rpc`: round trips between two real processes (a forked server, this process as
 // the client), the same echo protocol over every transport so the numbers compare:
 //   rpc   the shared-memory channel (rpc.h) in a mapped file, busy polling on both sides
+//   line  the floor: one word bounced between two cache lines by plain stores and loads
 //   tcp   TCP loopback, TCP_NODELAY, blocking send/recv
 //   uds   a Unix stream socket (socketpair), blocking send/recv
 //   tcp_spin, uds_spin  the same sockets, but both sides poll recv(MSG_DONTWAIT) with the rpc
@@ -40,7 +41,7 @@ struct Result {
   std::vector<std::pair<const char*, double>> fields() const;
 };
 
-// transport: "rpc", "tcp", "uds", "tcp_spin" or "uds_spin". Throws cxlkv::Error when a phase fails or times out.
+// transport: "rpc", "line", "tcp", "uds", "tcp_spin" or "uds_spin". Throws cxlkv::Error when a phase fails or times out.
 Result run(const std::string& transport, const Options& opt);
 
 }  // namespace cxlkv::rpcbench

@@ -237,7 +237,7 @@ TEST(Rpc, TwoProcessRoundTripsVerifyEveryPayload) {
 TEST(Rpc, BenchmarkTransportsRunTiny) {
   rpcbench::Options o;
   o.iterations = 200, o.warmup = 20, o.depth = 8, o.batches = 50;
-  for (const char* t : {"rpc", "tcp", "uds", "tcp_spin", "uds_spin"}) {
+  for (const char* t : {"rpc", "line", "tcp", "uds", "tcp_spin", "uds_spin"}) {
     rpcbench::Result r = rpcbench::run(t, o);
     EXPECT_GT(r.p50_ns, 0) << t;
     EXPECT_GE(r.p99_ns, r.p50_ns) << t;

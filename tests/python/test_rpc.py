@@ -95,8 +95,8 @@ def test_bench_rpc_json_smoke(capsys, tmp_path):
     for t in ("rpc", "tcp", "uds", "tcp_spin", "uds_spin", "zmq"):
         for k in ("p50_ns", "p99_ns", "msgs_per_s_qd1", "msgs_per_s_deep"):
             assert f"{t}_{k}" in out
-    for t in ("rpc", "tcp", "uds", "tcp_spin", "uds_spin"):
+    for t in ("rpc", "line", "tcp", "uds", "tcp_spin", "uds_spin"):
         assert out[f"{t}_p50_ns"] > 0
     assert out["best_socket"] in ("tcp", "uds", "tcp_spin", "uds_spin", "zmq")
-    assert out["best_socket_p50_over_rpc_p50"] > 0
+    assert out["best_socket_p50_over_rpc_p50"] > 0 and out["rpc_p50_over_line_p50"] > 0
     assert "zmq_note" in out
