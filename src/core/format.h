@@ -218,10 +218,11 @@ static_assert(sizeof(NodeAreaFixed) == 192);
 // This is the one exception to "a node area is written only by its owner": the request lines
 // belong to their clients. Nothing resets the mailbox (not attach, not reclaim): seq numbers only
 // grow across incarnations (rpc::Channel::resume_seq), so a stale line is never mistaken for new.
-inline uint64_t admin_mailbox_off(uint32_t pin_slots) {
+constexpr uint64_t admin_mailbox_off(uint32_t pin_slots) {
   return (sizeof(NodeAreaFixed) + uint64_t(pin_slots) * 8 + kCacheLine - 1) / kCacheLine * kCacheLine;
 }
-inline uint64_t admin_mailbox_bytes(uint32_t max_nodes) { return uint64_t(max_nodes) * 2 * 64; }
+// Two lines (request, response) per slot; rpc_admin.cpp asserts this equals rpc::body_bytes.
+constexpr uint64_t admin_mailbox_bytes(uint32_t max_nodes) { return uint64_t(max_nodes) * 2 * kCacheLine; }
 inline uint64_t pin_value(uint64_t slot, uint32_t gen) { return ((slot + 1) << 24) | gen; }
 
 // ---------------------------------------------------------------------------------------------

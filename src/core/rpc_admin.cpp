@@ -37,6 +37,7 @@ struct PingReply {
   uint64_t pid, host_id;
 };
 static_assert(sizeof(PingReply) <= rpc::kInlineBytes);
+static_assert(admin_mailbox_bytes(kMaxNodes) == rpc::body_bytes(kMaxNodes), "format.h's mailbox size is rpc's");
 
 uint64_t mono_ns() { return liveness::mono_ns(); }
 }  // namespace
