@@ -31,7 +31,8 @@ CXLKV_FUZZ_OUT="$ROOT/build/fuzz-failures" python -m pytest tests/python -q -p n
 
 echo "== Python tests again on the 'flush' backend (non-coherent CXL discipline, one host)"
 CXLKV_TEST_BACKEND=flush python -m pytest -q -p no:cacheprovider "$@" \
-  tests/python/test_api.py tests/python/test_full_pool.py tests/python/test_multiprocess.py
+  tests/python/test_api.py tests/python/test_full_pool.py tests/python/test_multiprocess.py \
+  tests/python/test_rpc.py
 
 if [ "${CXLKV_SKIP_VLLM:-0}" = "1" ]; then
   echo "== vLLM tests skipped (CXLKV_SKIP_VLLM=1)"

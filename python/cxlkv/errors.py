@@ -54,7 +54,7 @@ EXIT_CODE_MEANINGS: dict[ExitCode, str] = {
     ExitCode.OK: "ok",
     ExitCode.CHECK_FAILED: (
         "a check failed: `pool check` found an inconsistency, `pool reap` found the node alive, "
-        "a benchmark or the demo read back wrong bytes"
+        "`pool ping` got no answer, a benchmark or the demo read back wrong bytes"
     ),
     ExitCode.ERROR: "bad input, a pool that cannot be opened, or a command that failed",
     ExitCode.INTERNAL: "a bug in cxlkv (an unexpected exception; its traceback is printed)",

@@ -47,6 +47,20 @@ class Coherence {
     std::atomic_ref<uint64_t>(*w).store(v, std::memory_order_release);
     if (needs_flush()) kernels::writeback_lines(w, sizeof *w);
   }
+  // Batched publication (RPC, rpc.h): publish_deferred() stores and writes back the line but
+  // leaves out the fence; one publish_fence() after a batch orders all of them.
+  void publish_deferred(uint64_t* w, uint64_t v) const {
+    std::atomic_ref<uint64_t>(*w).store(v, std::memory_order_release);
+    if (needs_flush()) kernels::writeback_lines_nofence(w, sizeof *w);
+  }
+  void publish_fence() const {
+    if (needs_flush()) kernels::store_fence();
+  }
+  // Batched reads: one invalidate(p, n) (which ends with a fence) for many lines, then this
+  // acquire load per word inside [p, p+n).
+  uint64_t read_after_invalidate(const uint64_t* w) const {
+    return std::atomic_ref<uint64_t>(*const_cast<uint64_t*>(w)).load(std::memory_order_acquire);
+  }
   void write_hint(uint64_t* w, uint64_t v) const {
     std::atomic_ref<uint64_t>(*w).store(v, std::memory_order_relaxed);
   }

@@ -89,7 +89,7 @@ void store_fence() {
 
 void full_fence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 
-void writeback_lines(const void* p, size_t n) {
+void writeback_lines_nofence(const void* p, size_t n) {
 #if defined(__x86_64__)
   const char* b = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) & ~(kLine - 1));
   const char* e = static_cast<const char*>(p) + n;
@@ -97,9 +97,16 @@ void writeback_lines(const void* p, size_t n) {
   if (f.clwb) wb_clwb(b, e);
   else if (f.clflushopt) wb_clflushopt(b, e);
   else wb_clflush(b, e);
-  _mm_sfence();
 #else
   (void)p, (void)n;
+#endif
+}
+
+void writeback_lines(const void* p, size_t n) {
+  writeback_lines_nofence(p, n);
+#if defined(__x86_64__)
+  _mm_sfence();
+#else
   std::atomic_thread_fence(std::memory_order_seq_cst);
 #endif
 }

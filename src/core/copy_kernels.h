@@ -15,6 +15,8 @@ void store_fence();
 void full_fence();
 // Write back the cache lines covering [p, p+n) (clwb > clflushopt > clflush). Ends with a fence.
 void writeback_lines(const void* p, size_t n);
+// The same without the fence: a batch of write-backs, then one store_fence() (RPC, rpc.h).
+void writeback_lines_nofence(const void* p, size_t n);
 // Write back and drop the lines covering [p, p+n), so the next load reads memory (clflushopt >
 // clflush). Ends with a fence.
 void evict_lines(const void* p, size_t n);

@@ -29,9 +29,13 @@ static_assert(std::endian::native == std::endian::little, "the pool format is li
 
 constexpr char kMagic[8] = {'C', 'X', 'L', 'K', 'V', 'P', 'L', '\0'};
 constexpr uint16_t kFormatMajor = 2;  // 2: NamespaceEntry of 512 bytes (source, dtype code), CONDEMNED entry state, node liveness by OFD lock + heartbeat lease
-constexpr uint16_t kFormatMinor = 0;
+constexpr uint16_t kFormatMinor = 1;  // 1: compat feature kCompatAdminMailbox (node areas end with an RPC mailbox)
 constexpr uint64_t kIncompatSupported = 0;  // no incompat features defined yet
 constexpr uint64_t kRoCompatSupported = 0;  // no ro_compat features defined yet
+// Compat features (an older reader may ignore them: it never looks past the pins of a node area).
+// kCompatAdminMailbox: every node area ends with that node's admin RPC mailbox (see NodeArea
+// below); a pool without the bit simply has no mailbox (`pool ping` says so).
+constexpr uint64_t kCompatAdminMailbox = 1;
 constexpr size_t kCacheLine = 64;
 constexpr size_t kHeaderBytes = 4096;
 constexpr size_t kSharedWordsOff = 4096;
@@ -218,6 +222,18 @@ struct alignas(kCacheLine) NodeAreaFixed {
 };
 static_assert(kCounterCount <= 16);
 static_assert(sizeof(NodeAreaFixed) == 192);
+// Admin mailbox (kCompatAdminMailbox): an rpc::Channel (rpc.h) of max_nodes slots at
+// admin_mailbox_off(pin_slots) in node T's area, through which any node C asks T (ping, ...).
+//   req[C-1]  written ONLY by node C (the client; its node id makes it the slot's one writer)
+//   resp[C-1] written ONLY by node T (its responder thread)
+// This is the one exception to "a node area is written only by its owner": the request lines
+// belong to their clients. Nothing resets the mailbox (not attach, not reclaim): seq numbers only
+// grow across incarnations (rpc::Channel::resume_seq), so a stale line is never mistaken for new.
+constexpr uint64_t admin_mailbox_off(uint32_t pin_slots) {
+  return (sizeof(NodeAreaFixed) + uint64_t(pin_slots) * 8 + kCacheLine - 1) / kCacheLine * kCacheLine;
+}
+// Two lines (request, response) per slot; rpc_admin.cpp asserts this equals rpc::body_bytes.
+constexpr uint64_t admin_mailbox_bytes(uint32_t max_nodes) { return uint64_t(max_nodes) * 2 * kCacheLine; }
 inline uint64_t pin_value(uint64_t slot, uint32_t gen) { return ((slot + 1) << 24) | gen; }
 
 // ---------------------------------------------------------------------------------------------

@@ -68,6 +68,7 @@ void Pool::attach_node() {
       coh_.publish(&s->state, node_word_);
       node_id_ = i + 1;
       heartbeat_ = liveness::start_heartbeat(s, node_word_, std::max<uint64_t>(lease_ns / 4, 1'000'000), coh_, &fenced_, &intact_);
+      start_admin_responder();  // answers `pool ping` (rpc_admin.cpp)
       return;
     }
     uint64_t undecided = 0;
@@ -85,6 +86,7 @@ void Pool::attach_node() {
 void Pool::detach_node() {
   if (!node_id_) return;
   uint32_t i = node_id_ - 1;
+  stop_admin_responder();  // before the slot is FREE: no answer in the name of a gone node
   liveness::stop_heartbeat(heartbeat_);
   heartbeat_ = 0;
   if (!mapping_intact()) return;  // the file shrank: its pages are gone, nothing to clean there

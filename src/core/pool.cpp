@@ -70,7 +70,7 @@ void plan_geometry(PoolHeader& h, const CreateOptions& opt) {
   uint64_t off = kSharedWordsOff + kMetaAlign;
   h.node_table_off = off;
   off = round_up(off + uint64_t(opt.max_nodes) * sizeof(NodeSlot), kMetaAlign);
-  h.node_area_bytes = round_up(sizeof(NodeAreaFixed) + uint64_t(pin_slots) * 8, kMetaAlign);
+  h.node_area_bytes = round_up(admin_mailbox_off(pin_slots) + admin_mailbox_bytes(opt.max_nodes), kMetaAlign);
   h.node_area_off = off;
   off += uint64_t(opt.max_nodes) * h.node_area_bytes;
   h.ns_table_off = off;
@@ -157,6 +157,7 @@ std::unique_ptr<Pool> Pool::create(const std::string& path, const CreateOptions&
   h.major = kFormatMajor;
   h.minor = kFormatMinor;
   h.header_bytes = sizeof(PoolHeader);
+  h.compat = kCompatAdminMailbox;
   h.backend = uint32_t(opt.backend);
   if (opt.backend != Backend::coherent && opt.backend != Backend::flush)
     throw ArgumentError("unknown backend");
@@ -380,6 +381,8 @@ void Pool::validate_and_attach(bool fresh, bool attach) {
   if (h.index_slots < 64 || (h.index_slots & (h.index_slots - 1)) || h.index_slots > (1ull << 36)) bad("index_slots");
   if (h.chunk_bytes < 65536 || h.chunk_bytes % kMetaAlign || h.chunk_bytes > (1ull << 40)) bad("chunk_bytes");
   if (h.node_area_bytes < sizeof(NodeAreaFixed) + uint64_t(h.pin_slots) * 8 || h.node_area_bytes % kMetaAlign) bad("node_area_bytes");
+  if ((h.compat & kCompatAdminMailbox) &&
+      h.node_area_bytes < admin_mailbox_off(h.pin_slots) + admin_mailbox_bytes(h.max_nodes)) bad("node_area_bytes (admin mailbox)");
   if (h.chunk_count == 0 || h.chunk_count > (1ull << 32)) bad("chunk_count");
   if (h.node_area_bytes > h.pool_bytes / h.max_nodes) bad("node_area_bytes");  // F6: no wrap below
   // Overflow-safe: a forged header (the checksum is no authentication) must not wrap a product.
@@ -456,6 +459,7 @@ void Pool::close() {
   }
   lock_ = liveness::LockFile{};
   heartbeat_ = 0;
+  responder_.reset();  // a forked child's copy: its thread is not in this process (never joined)
   base_ = nullptr;
   hdr_ = nullptr;
   map_ = Mapping();

@@ -19,6 +19,7 @@
 #include "layout.h"
 #include "liveness.h"
 #include "mapping.h"
+#include "rpc.h"
 
 namespace cxlkv {
 
@@ -80,6 +81,16 @@ struct NsHandle {
 };
 
 using Key = std::array<uint8_t, 32>;
+
+// `pool ping NODE` (rpc_admin.cpp): the outcome and the responder's identity as it reported it.
+struct PingResult {
+  enum Outcome { kAnswered, kNotAttached, kTimeout, kBadReply } outcome = kTimeout;
+  uint64_t rtt_ns = 0;
+  uint32_t node = 0, epoch = 0;
+  uint64_t pid = 0, host_id = 0;
+  std::string detail;  // one line for the non-answered outcomes
+};
+struct AdminResponder;  // rpc_admin.cpp
 
 // What put() did: stored now; already present (READY); being stored right now by a live writer
 // (not readable yet: not counted as stored); failed (no block could be allocated or evicted).
@@ -207,6 +218,11 @@ class Pool {
   NodeInfo reap_node(uint32_t id, bool force, bool* reclaimed);
   std::vector<NodeInfo> nodes();  // every non-FREE slot, judged now
   CheckReport check();
+  // --- admin RPC (rpc_admin.cpp) -------------------------------------------------------------
+  bool has_admin_mailbox() const { return hdr_ && (hdr_->compat & format::kCompatAdminMailbox); }
+  // One round trip through node `node`'s admin mailbox; needs an attached pool (our node id is
+  // our request slot there). Waits at most timeout_ms for the answer.
+  PingResult ping(uint32_t node, uint64_t timeout_ms);
   std::vector<uint64_t> counters();  // summed over attached nodes
   struct Occupancy { uint64_t capacity, free, used, free_chunks, active_chunks; };
   Occupancy occupancy();
@@ -343,6 +359,12 @@ class Pool {
                     uint64_t new_owner_slot);
   std::atomic<uint64_t> last_reap_ns_{0};
   std::function<bool()> intact_ = [this] { return mapping_intact(); };  // for the heartbeat
+  // admin RPC (rpc_admin.cpp): this node's mailbox responder thread, and one ping at a time
+  rpc::Channel admin_channel(uint32_t idx) const;
+  void start_admin_responder();
+  void stop_admin_responder();
+  std::shared_ptr<AdminResponder> responder_;
+  std::mutex ping_mu_;
 };
 
 uint64_t now_unix_ns();

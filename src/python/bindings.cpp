@@ -397,6 +397,8 @@ nb::list names_of(std::span<const NamedCode> table) {
 
 }  // namespace
 
+void bind_rpc(nb::module_& m);  // bindings_rpc.cpp
+
 NB_MODULE(_core, m) {
   m.doc() = "cxlkv core: a KV-cache block store in a shared-memory (CXL) pool";
 
@@ -560,6 +562,19 @@ NB_MODULE(_core, m) {
         d["active_chunks"] = r.active_chunks;
         return d;
       })
+      .def("ping", [](PyPool& pp, uint32_t node, uint64_t timeout_ms) {
+        OpGuard g(pp);
+        PingResult r;
+        {
+          nb::gil_scoped_release nogil;
+          r = g.p->ping(node, timeout_ms);
+        }
+        static const char* outcomes[] = {"answered", "not_attached", "timeout", "bad_reply"};
+        nb::dict d;
+        d["outcome"] = outcomes[r.outcome], d["node"] = r.node, d["rtt_ns"] = r.rtt_ns, d["epoch"] = r.epoch;
+        d["pid"] = r.pid, d["host_id"] = r.host_id, d["detail"] = r.detail;
+        return d;
+      }, "node"_a, "timeout_ms"_a = 1000, "One round trip through node `node`'s admin mailbox (shared-memory RPC).")
       .def("reap_dead_nodes", [](PyPool& pp) { OpGuard g(pp); nb::gil_scoped_release nogil; return g.p->reap_dead_nodes(); })
       .def("nodes", [](PyPool& pp) {
         OpGuard g(pp);
@@ -724,6 +739,7 @@ NB_MODULE(_core, m) {
   m.def("dtype_info", [](nb::handle dtype) { return dtype_dict(parse_dtype(str_of(dtype))); }, "dtype"_a,
         "The dtype named `dtype` (any alias, or an object whose str() is one, e.g. torch.bfloat16); ValueError otherwise.");
   m.def("backends", [] { return names_of(backend_names()); });
+  bind_rpc(m);
   m.def("layout_kinds", [] { return names_of(layout_kind_names()); });
   m.def("layout_fields", [] {
     nb::list out;

@@ -448,3 +448,17 @@ def test_demo_vllm():
     """Three vLLM servers (SmolLM2) and a five-turn conversation; it has no smaller setting."""
     r = ok(cxlkv_cli("demo", "--vllm", timeout=1100))
     assert "server B's first turn" in r.stdout
+
+
+def test_pool_ping_and_bench_rpc_smoke(pool_path, tmp_path):
+    """The shared-memory RPC commands through the installed CLI: this test process is attached
+    (its admin responder answers), and a tiny ``bench rpc`` prints every transport's keys."""
+    with cxlkv.Pool.create(pool_path, 16 << 20) as pool:
+        out = json_of(
+            ok(cxlkv_cli("pool", "ping", str(pool.node_id), pool_path, "--count", "2", "--json")),
+            {"node", "pid", "rtt_ns"},
+        )
+        assert out["node"] == pool.node_id and out["pid"] == os.getpid()
+    small = ["--iterations", "20", "--warmup", "2", "--depth", "2", "--batches", "4", "--dir", str(tmp_path)]
+    out = json_of(ok(cxlkv_cli("bench", "rpc", "--json", *small)), {"rpc_p50_ns", "tcp_p50_ns", "uds_p50_ns"})
+    assert out["rpc_p50_ns"] > 0

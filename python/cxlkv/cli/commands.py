@@ -7,7 +7,9 @@ into one line and an exit code.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import statistics
 import sys
 import time
 from typing import Any
@@ -244,3 +246,70 @@ def cmd_demo(args: argparse.Namespace) -> int:
     else:
         demo.print_demo_result(con, summary)
     return ExitCode.CHECK_FAILED if summary["verify_errors"] else ExitCode.OK
+
+
+# ---------------------------------------------------------------------------------------------
+# shared-memory RPC: pool ping, bench rpc (cxlkv.tools.rpc)
+
+
+def cmd_pool_ping(args: argparse.Namespace) -> int:
+    from cxlkv.tools import rpc
+
+    replies = rpc.ping(args.path, args.node, args.count, args.timeout_ms)  # PingFailed: exit 1
+    rtts = [r["rtt_ns"] for r in replies]
+    first = replies[0]
+    summary = {
+        "node": first["node"],
+        "pid": first["pid"],
+        "host_id": f"{first['host_id']:016x}",
+        "epoch": first["epoch"],
+        "count": len(rtts),
+        "rtt_ns": rtts,
+        "rtt_min_ns": min(rtts),
+        "rtt_median_ns": int(statistics.median(rtts)),
+    }
+    if args.json:
+        print(json.dumps(summary))
+        return ExitCode.OK
+    for i, r in enumerate(replies):
+        print(
+            f"reply from node {r['node']} (pid {r['pid']}, host {r['host_id']:016x}, "
+            f"epoch {r['epoch']}): seq={i + 1} rtt={r['rtt_ns'] / 1000:.1f} us"
+        )
+    print(
+        f"{len(rtts)} answered, rtt min/median {min(rtts) / 1000:.1f}/{statistics.median(rtts) / 1000:.1f} us"
+    )
+    return ExitCode.OK
+
+
+def cmd_bench_rpc(args: argparse.Namespace) -> int:
+    from cxlkv.tools import rpc
+
+    try:
+        res = rpc.bench_rpc(
+            args.iterations, args.warmup, args.depth, args.batches, args.backend, not args.no_pin, args.dir
+        )
+    except RuntimeError as e:
+        raise CommandError(f"bench rpc: {e}") from None
+    if args.json:
+        print(json.dumps(res))
+        return ExitCode.OK
+    print(
+        f"rpc round trips, 64-byte messages, depth 1 and {res['depth']} "
+        f"(server cpu {res['server_cpu']}, client cpu {res['client_cpu']})"
+    )
+    print(f"{'transport':<12}{'p50 ns':>10}{'p99 ns':>10}{'msg/s qd1':>14}{'msg/s deep':>14}")
+    for t in (*rpc.TRANSPORTS_CPP, "zmq"):
+        if res.get(f"{t}_p50_ns") is None:
+            print(f"{t:<12}{'n/a':>10}")
+            continue
+        print(
+            f"{t:<12}{res[f'{t}_p50_ns']:>10.0f}{res[f'{t}_p99_ns']:>10.0f}"
+            f"{res[f'{t}_msgs_per_s_qd1']:>14,.0f}{res[f'{t}_msgs_per_s_deep']:>14,.0f}"
+        )
+    print(
+        f"best socket ({res['best_socket']}) p50 / rpc p50 = {res['best_socket_p50_over_rpc_p50']:.1f}x; "
+        f"rpc p50 / line floor p50 = {res['rpc_p50_over_line_p50']:.2f}x"
+    )
+    print(f"zmq: {res['zmq_note']}")
+    return ExitCode.OK

@@ -22,12 +22,14 @@ from cxlkv.tools._common import GEOMETRIES
 from .commands import (
     cmd_bench_copy,
     cmd_bench_index,
+    cmd_bench_rpc,
     cmd_bench_vllm,
     cmd_demo,
     cmd_pool_check,
     cmd_pool_create,
     cmd_pool_destroy,
     cmd_pool_info,
+    cmd_pool_ping,
     cmd_pool_reap,
     cmd_pool_stats,
 )
@@ -206,6 +208,18 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", action="store_true", help="print one JSON object")
     r.set_defaults(func=cmd_pool_reap)
 
+    pg = psub.add_parser("ping", help="round trip through a node's admin mailbox (shared-memory RPC)")
+    pg.add_argument("node", type=_pos_int, help="node id, as listed by 'pool info'")
+    _pool_path_arg(pg, default_pool)
+    pg.add_argument(
+        "--count", type=_pos_int, default=3, help="round trips (default 3; the first wakes an idle responder)"
+    )
+    pg.add_argument(
+        "--timeout-ms", type=_pos_int, default=1000, help="wait per round trip, ms (default 1000)"
+    )
+    pg.add_argument("--json", action="store_true", help="print one JSON object")
+    pg.set_defaults(func=cmd_pool_ping)
+
     d = psub.add_parser("destroy", help="unlink a file pool / wipe a devdax pool header")
     _pool_path_arg(d, default_pool)
     d.add_argument(
@@ -283,6 +297,26 @@ def build_parser() -> argparse.ArgumentParser:
         "--pool-dir", default="/dev/shm", help="where the temporary pool lives (default /dev/shm)"
     )
     bi.set_defaults(func=cmd_bench_index)
+
+    br = bsub.add_parser(
+        "rpc", help="shared-memory RPC round trips vs TCP, Unix socket and ZeroMQ (same run)"
+    )
+    br.add_argument("--json", action="store_true", help="print one JSON object")
+    br.add_argument(
+        "--iterations", type=_pos_int, default=20000, help="timed depth-1 round trips (default 20000)"
+    )
+    br.add_argument("--warmup", type=_pos_int, default=2000, help="untimed round trips first (default 2000)")
+    br.add_argument("--depth", type=_pos_int, default=128, help="deep queue depth (default 128)")
+    br.add_argument("--batches", type=_pos_int, default=1000, help="timed batches at --depth (default 1000)")
+    br.add_argument(
+        "--backend",
+        choices=["coherent", "flush"],
+        default="coherent",
+        help="discipline of the rpc channel (default coherent)",
+    )
+    br.add_argument("--no-pin", action="store_true", help="do not pin server and client to two CPUs")
+    br.add_argument("--dir", default="/dev/shm", help="where the channel file lives (default /dev/shm)")
+    br.set_defaults(func=cmd_bench_rpc)
 
     bv = bsub.add_parser(
         "vllm",
