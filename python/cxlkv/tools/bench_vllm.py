@@ -23,6 +23,7 @@ Needs vLLM (scripts/setup-vllm.sh).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -144,6 +145,10 @@ def run(
 ) -> dict[str, Any]:
     """Runs every configuration of :data:`CONFIGS` in turn and returns the summary; progress
     lines (and a failed engine's last output) go to ``console`` (a rich Console), if given."""
+    if plot and importlib.util.find_spec("matplotlib") is None:
+        # Before the engines run, not after: a run takes many minutes and its results were lost
+        # once to a missing matplotlib at the very end.
+        raise CommandError("bench vllm --plot needs matplotlib: pip install matplotlib (or drop --plot)")
     if console is None:
         from rich.console import Console
 
