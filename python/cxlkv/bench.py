@@ -90,7 +90,7 @@ def _machine() -> dict[str, Any]:
     try:
         from cxlkv import _core  # type: ignore
 
-        for name in ("nt_copy_kernel", "cpu_features", "copy_threads"):
+        for name in ("nt_copy_kernel", "checksum_copy_kernel", "cpu_features", "copy_threads"):
             f = getattr(_core, name, None)
             if f is not None:
                 try:
