@@ -14,6 +14,11 @@
 #include "checksum.h"
 #include "pool.h"
 
+// The key hash, inlined into the lookup loops: the same XXH3-64 as xxh3() (check.cpp recomputes
+// homes with xxh3(); a mismatch would fail every check), without two calls per key.
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
 namespace cxlkv {
 
 using namespace format;
@@ -30,9 +35,11 @@ struct KeyHash {
   uint64_t home;
   uint32_t tag;
 };
+inline uint64_t key_hash64(const Key& k, uint32_t ns) { return XXH3_64bits_withSeed(k.data(), 32, ns); }
+inline uint32_t key_tag(uint64_t h) { return uint32_t(h >> 40) & 0xFFFFFF; }
 inline KeyHash key_hash(const Key& k, uint32_t ns, uint64_t mask) {
-  uint64_t h = xxh3(k.data(), 32, ns);
-  return {h & mask, uint32_t(h >> 40) & 0xFFFFFF};
+  uint64_t h = key_hash64(k, ns);
+  return {h & mask, key_tag(h)};
 }
 }  // namespace
 
@@ -46,7 +53,7 @@ bool Pool::snapshot(uint64_t slot, uint64_t word, IndexEntry* out) {
 }
 
 bool Pool::find(const NsHandle& ns, const Key& key, const uint64_t* hash, Found* out, const uint64_t* home_word) {
-  KeyHash kh = hash ? KeyHash{*hash & slot_mask_, uint32_t(*hash >> 40) & 0xFFFFFF} : key_hash(key, ns.id, slot_mask_);
+  KeyHash kh = hash ? KeyHash{*hash & slot_mask_, key_tag(*hash)} : key_hash(key, ns.id, slot_mask_);
   for (uint32_t i = 0; i < kMaxProbe; ++i) {
     uint64_t slot = (kh.home + i) & slot_mask_;
     uint64_t w = i == 0 && home_word ? *home_word : coh_.read(&entry(slot)->state);
@@ -135,6 +142,7 @@ bool Pool::is_pinned(uint64_t slot, uint32_t gen) {
 // touched together loses its tail before its head, and older chains go before newer ones.
 namespace {
 thread_local uint64_t t_batch_ms = 0;
+inline uint64_t access_hint(uint64_t ms, uint16_t depth) { return (ms << 16) | uint64_t(0xFFFF - depth); }
 }
 AccessStamp::AccessStamp(uint64_t ms) : prev_(t_batch_ms) { t_batch_ms = ms ? ms : now_mono_us() / 1000; }
 AccessStamp::~AccessStamp() { t_batch_ms = prev_; }
@@ -142,7 +150,7 @@ uint64_t AccessStamp::current() { return t_batch_ms; }
 
 void Pool::touch(uint64_t slot, uint16_t depth) {
   uint64_t ms = t_batch_ms ? t_batch_ms : now_mono_us() / 1000;
-  uint64_t v = (ms << 16) | uint64_t(0xFFFF - depth);
+  uint64_t v = access_hint(ms, depth);
   if (coh_.read_hint(access(slot)) != v) coh_.write_hint(access(slot), v);
 }
 
@@ -519,7 +527,7 @@ void Pool::read_homes(const NsHandle& ns, const Key* keys, size_t n, std::vector
   hashes.resize(n);
   home_words.resize(n);
   for (size_t i = 0; i < n; ++i) {
-    hashes[i] = xxh3(keys[i].data(), 32, ns.id);
+    hashes[i] = key_hash64(keys[i], ns.id);
     __builtin_prefetch(entry(hashes[i] & slot_mask_), 0, 3);
     __builtin_prefetch(access(hashes[i] & slot_mask_), 1, 3);  // touch() writes it afterwards
   }
@@ -529,24 +537,42 @@ void Pool::read_homes(const NsHandle& ns, const Key* keys, size_t n, std::vector
     // A key not at home (its home holds another tag, a tombstone, a writer) is probed on at the
     // next slot: another line, so prefetch it now. Branch-free: the home line itself otherwise.
     const uint8_t st = entry_state(w);
-    const bool on = st != kEmpty && !(st == kReady && entry_tag(w) == (uint32_t(hashes[i] >> 40) & 0xFFFFFF));
+    const bool on = st != kEmpty && !(st == kReady && entry_tag(w) == key_tag(hashes[i]));
     __builtin_prefetch(entry((home + on) & slot_mask_), 0, 3);
   }
 }
 
 size_t Pool::match_prefix(const NsHandle& ns, const Key* keys, size_t n) {
   AccessStamp stamp;
+  const uint64_t ms = AccessStamp::current();
   thread_local std::vector<uint64_t> hashes, home_words;
   read_homes(ns, keys, n, hashes, home_words);
-  size_t m = 0;
   thread_local std::vector<uint64_t> slots;
   slots.clear();
-  for (; m < n; ++m) {
+  for (size_t m = 0; m < n; ++m) {
+    // Fast path, the common case: the key is READY at its home. Its fields are compared in place
+    // and believed only if the state word is unchanged afterwards (what snapshot() does, without
+    // copying the entry); anything else takes find()'s full probe.
+    const uint64_t home = hashes[m] & slot_mask_, w = home_words[m];
+    if (entry_state(w) == kReady && entry_tag(w) == key_tag(hashes[m])) {
+      const IndexEntry* e = entry(home);
+      coh_.invalidate(e, sizeof *e);
+      const bool same = e->ns_id == ns.id && std::memcmp(e->key, keys[m].data(), 32) == 0;
+      std::atomic_thread_fence(std::memory_order_acquire);
+      if (same && coh_.read(&e->state) == w) {
+        slots.push_back(home);
+        continue;
+      }
+    }
     Found f;
     if (!find(ns, keys[m], &hashes[m], &f, &home_words[m])) break;
     slots.push_back(f.slot);
   }
-  for (size_t i = 0; i < slots.size(); ++i) touch(slots[i], uint16_t(std::min<size_t>(i, 0xFFFF)));
+  for (size_t i = 0; i < slots.size(); ++i) {  // touch(), with the batch's one time
+    uint64_t* a = access(slots[i]);
+    const uint64_t v = access_hint(ms, uint16_t(std::min<size_t>(i, 0xFFFF)));
+    if (coh_.read_hint(a) != v) coh_.write_hint(a, v);
+  }
   return slots.size();
 }
 
