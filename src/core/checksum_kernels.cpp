@@ -123,22 +123,32 @@ CXLKV_AVX512 void copy_hash_avx512(Acc& a, const uint8_t* secret, char* dst, con
   uint32_t s = a.stripe;
   const size_t hashed = k - (hold_last ? 1 : 0);
   __m512i cur = _mm512_setzero_si512(), prev = cur;
-  auto hash = [&](size_t j, __m512i d) {
-    prev = cur;
-    cur = d;
-    if (j >= hashed) return;
-    acc = stripe_avx512(acc, d, secret + 8 * s);
-    if (++s == kStripesPerBlock) {
-      acc = scramble_avx512(acc, secret + kScrambleKey);
-      s = 0;
-    }
-  };
+  // (a macro, not a lambda: a lambda does not inherit the target attribute and is not inlined)
+#define CXLKV_HASH_STRIPE(j, d)                                  \
+  do {                                                           \
+    prev = cur;                                                  \
+    cur = (d);                                                   \
+    if ((j) < hashed) {                                          \
+      acc = stripe_avx512(acc, cur, secret + 8 * s);             \
+      if (++s == kStripesPerBlock) {                             \
+        acc = scramble_avx512(acc, secret + kScrambleKey);       \
+        s = 0;                                                   \
+      }                                                          \
+    }                                                            \
+  } while (0)
   const size_t m = reinterpret_cast<uintptr_t>(dst) & 63;
+#ifndef CXLKV_PREFETCH_AHEAD
+  // Source lines requested 8 lines ahead: a 32 KiB fragment is a short stream that the hardware
+  // prefetcher picks up late. Gathering 64 fragments of 32 KiB per block, 128 MiB, one thread,
+  // medians of 6 A/B runs on the loaded 2-core VM: 1.18x -> 1.32x of one glibc memcpy of 128 MiB.
+#define CXLKV_PREFETCH_AHEAD 512
+#endif
   if (m == 0) {
     for (size_t j = 0; j < k; ++j) {
+      if (CXLKV_PREFETCH_AHEAD) _mm_prefetch(src + kStripe * j + CXLKV_PREFETCH_AHEAD, _MM_HINT_T0);
       __m512i d = _mm512_loadu_si512(src + kStripe * j);
       _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + kStripe * j), d);
-      hash(j, d);
+      CXLKV_HASH_STRIPE(j, d);
     }
   } else {
     const size_t head = 64 - m;  // bytes of stripe 0 before dst's first line boundary
@@ -158,16 +168,18 @@ CXLKV_AVX512 void copy_hash_avx512(Acc& a, const uint8_t* secret, char* dst, con
       const char* sl = src + head + kStripe * j;
       __m512i w;
       if (j + 1 < k) {
+        if (CXLKV_PREFETCH_AHEAD) _mm_prefetch(sl + CXLKV_PREFETCH_AHEAD, _MM_HINT_T0);
         w = _mm512_loadu_si512(sl);
         _mm512_stream_si512(reinterpret_cast<__m512i*>(dl), w);
       } else {  // the last stripe ends m bytes into this line
         w = _mm512_maskz_loadu_epi8(lower, sl);
         _mm512_mask_storeu_epi8(dl, lower, w);
       }
-      hash(j, _mm512_permutex2var_epi8(w_prev, idx, w));
+      CXLKV_HASH_STRIPE(j, _mm512_permutex2var_epi8(w_prev, idx, w));
       w_prev = w;
     }
   }
+#undef CXLKV_HASH_STRIPE
   _mm512_store_si512(a.v, acc);
   a.stripe = s;
   _mm512_storeu_si512(last, cur);
