@@ -20,12 +20,14 @@ static CpuFeatures detect() {
   __builtin_cpu_init();
   f.avx2 = __builtin_cpu_supports("avx2");
   f.avx512f = __builtin_cpu_supports("avx512f");
+  f.avx512bw = __builtin_cpu_supports("avx512bw");
+  f.avx512vbmi = __builtin_cpu_supports("avx512vbmi");
 #endif
   // CXLKV_CPU=portable|sse2|avx2 caps the kernels (to test fallbacks on a big machine).
   if (const char* cap = std::getenv("CXLKV_CPU")) {
     if (!std::strcmp(cap, "portable")) f = CpuFeatures{};
-    if (!std::strcmp(cap, "sse2")) f.avx2 = f.avx512f = false;
-    if (!std::strcmp(cap, "avx2")) f.avx512f = false;
+    if (!std::strcmp(cap, "sse2")) f.avx2 = f.avx512f = f.avx512bw = f.avx512vbmi = false;
+    if (!std::strcmp(cap, "avx2")) f.avx512f = f.avx512bw = f.avx512vbmi = false;
   }
   return f;
 }

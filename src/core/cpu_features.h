@@ -8,6 +8,8 @@ struct CpuFeatures {
   bool sse2 = false;
   bool avx2 = false;
   bool avx512f = false;
+  bool avx512bw = false;    // byte-masked loads/stores (the fused copy+hash kernel's edges)
+  bool avx512vbmi = false;  // two-register byte permute (its realignment to the hash's stripes)
   bool clflushopt = false;
   bool clwb = false;
 };

@@ -266,8 +266,11 @@ class Pool {
     uint64_t word;
     format::IndexEntry e;
   };
-  bool find(const NsHandle& ns, const Key& key, const uint64_t* hash, Found* out);  // hash: key_hash64 or null
-  void prefetch_homes(const NsHandle& ns, const Key* keys, size_t n, std::vector<uint64_t>& hashes);
+  // hash: key_hash64(key, ns) or null; home_word: the home slot's state word as read a moment ago by
+  // read_homes (snapshot re-checks it before anything is believed), or null to read it here.
+  bool find(const NsHandle& ns, const Key& key, const uint64_t* hash, Found* out, const uint64_t* home_word = nullptr);
+  void read_homes(const NsHandle& ns, const Key* keys, size_t n, std::vector<uint64_t>& hashes,
+                  std::vector<uint64_t>& home_words);
   void condemn(uint64_t slot, uint64_t ready_word);
   bool reclaim_condemned(uint64_t slot);
   bool writing_same_key(const NsHandle& ns, const Key& key, uint64_t slot, uint64_t writing_word);

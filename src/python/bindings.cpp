@@ -12,6 +12,7 @@
 #include <shared_mutex>
 
 #include "bench.h"
+#include "checksum.h"
 #include "cpu_features.h"
 #include "dtype.h"
 #include "layout.h"
@@ -784,6 +785,7 @@ NB_MODULE(_core, m) {
     return d;
   }, "Pool.create's defaults and limits: {option: {default, min, max}} (backend: {default}).");
   m.def("nt_copy_kernel", [] { return std::string(nt_copy_kernel_name()); });
+  m.def("checksum_copy_kernel", [] { return std::string(checksum_copy_kernel_name()); });
   m.def("set_copy_threads", [](unsigned n) { Pool::set_copy_threads(n); }, "n"_a);
   m.def("xxh3_64", [](nb::bytes b) { return xxh3(b.c_str(), b.size(), 0); });
 }

@@ -1,6 +1,7 @@
 // Copy path: the streaming-store kernel against memcpy for every small size and many
 // misalignments, and the batched gather/scatter (store/load) over vLLM's paged KV layouts.
 #include <numeric>
+#include <thread>
 
 #include "copy_kernels.h"
 #include "cpu_features.h"
@@ -168,6 +169,35 @@ TEST_P(CopyEngineTest, LargeBatchTakesThreadedPath) {
   auto r = pool_->check();
   EXPECT_TRUE(r.ok) << join(r.errors);
   EXPECT_EQ(r.ready_blocks, n);
+}
+
+// The copy threads are a persistent pool: many batches in a row, from two caller threads at once
+// (one of them gets the pool, the other starts its own threads), with more parts than before.
+TEST_P(CopyEngineTest, ThreadedBatchesRepeatFromTwoCallers) {
+  Pool::set_copy_threads(3);
+  const size_t n = 130;  // 130 x 32 KiB >= the 4 MiB threshold; two callers fit the 16 MiB pool
+  ASSERT_GE(n * ns_.block_bytes, 4 * MiB);
+  std::atomic<int> bad{0};
+  auto caller = [&](uint64_t base) {
+    PagedKv src(GetParam(), kLayers, kFrag, kNumBlocks), dst(GetParam(), kLayers, kFrag, kNumBlocks);
+    std::vector<int64_t> ids(n);
+    std::iota(ids.begin(), ids.end(), 0);
+    for (uint64_t round = 0; round < 12; ++round) {
+      src.randomize(base + round);
+      std::vector<Key> keys;
+      for (size_t i = 0; i < n; ++i) keys.push_back(key_of(base + round * 1000 + i));
+      if (pool_->store(ns_, keys.data(), n, src.fragments(), ids.data()) != n) ++bad;
+      if (pool_->load(ns_, keys.data(), n, dst.fragments(), ids.data()) != n) ++bad;
+      for (size_t i = 0; i < n; ++i)
+        if (dst.block(int64_t(i)) != src.block(int64_t(i))) ++bad;
+      for (const Key& k : keys) pool_->remove(ns_, k);
+    }
+  };
+  std::thread other(caller, 1'000'000);
+  caller(2'000'000);
+  other.join();
+  EXPECT_EQ(bad.load(), 0);
+  Pool::set_copy_threads(2);
 }
 
 TEST_P(CopyEngineTest, LoadStopsAtFirstMiss) {

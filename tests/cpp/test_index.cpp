@@ -144,6 +144,33 @@ TEST_F(IndexTest, MatchPrefix) {
   EXPECT_EQ(pool_->match_prefix(other, chain.data() + 1, 5), 0u);
 }
 
+// match_prefix's fast path (key READY at its home, compared in place) and its fallback (find's
+// probe) on a crowded index: keys displaced from home, tombstones, two namespaces. Its answer is
+// always the number of leading keys that contains() finds.
+TEST_F(IndexTest, MatchPrefixAgreesWithContainsOnACrowdedIndex) {
+  pool_.reset();
+  ::unlink(path_.c_str());
+  pool_ = create(opts(8 * MiB, 64 * KiB, 256));
+  const auto a = pool_->open_namespace(layout("a", 64)), b = pool_->open_namespace(layout("b", 64));
+  std::vector<Key> keys;
+  for (uint64_t i = 0; i < 200; ++i) keys.push_back(key_of(7000 + i));
+  size_t stored = 0;
+  for (uint64_t i = 0; i < keys.size(); ++i) {
+    stored += put(i % 5 == 4 ? b : a, keys[i], payload(i, 64));
+    if (i % 3 == 0 && i > 0) pool_->remove(a, keys[i - 1]);  // tombstones on the probe paths
+  }
+  ASSERT_GT(stored, 150u);
+  uint64_t s = 3;
+  for (int round = 0; round < 300; ++round) {
+    const auto& ns = round % 4 == 0 ? b : a;
+    std::vector<Key> q(1 + splitmix(s) % 64);
+    for (auto& k : q) k = keys[splitmix(s) % keys.size()];
+    size_t lead = 0;
+    while (lead < q.size() && pool_->contains(ns, q[lead])) ++lead;
+    ASSERT_EQ(pool_->match_prefix(ns, q.data(), q.size()), lead) << "round " << round;
+  }
+}
+
 TEST_F(IndexTest, AcquirePinsAgainstEviction) {
   const uint64_t cap = capacity();
   ASSERT_LT(cap, pool_->header().pin_slots);

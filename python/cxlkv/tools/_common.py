@@ -105,6 +105,7 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "numpy": np.__version__,
         "core_nt_copy_kernel": cxlkv._core.nt_copy_kernel(),
+        "core_checksum_copy_kernel": cxlkv._core.checksum_copy_kernel(),
     }
 
 
