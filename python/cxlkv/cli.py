@@ -615,6 +615,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the real thing: two vLLM servers (SmolLM2) sharing a pool, a multi-turn "
                          "conversation moved from one to the other, TTFT against plain vLLM (needs vLLM)")
     dm.set_defaults(func=cmd_demo)
+
+    from cxlkv import sim as _sim  # `cxlkv sim`: the multi-host proof (python/cxlkv/sim.py)
+
+    _sim.add_parser(sub)
     return p
 
 

@@ -27,7 +27,7 @@ bool Pool::claim_free_block(const NsHandle& ns, uint64_t chunk, uint64_t slot, u
       // stops any further drain, so one re-check after the claim is enough.
       uint64_t cw = coh_.read(chunk_word(chunk));
       if ((chunk_state(cw) != kChunkActive && chunk_state(cw) != kChunkDraining) || chunk_ns(cw) != ns.id) {
-        coh_.publish(d, 0);
+        coh_.publish_shared(d, 0);
         return false;
       }
       *block = b;
@@ -54,9 +54,11 @@ void Pool::init_chunk(const NsHandle& ns, uint64_t c) {
   // Descs of a never-used chunk are zero already; reset anyway so the invariant does not depend
   // on history (a drained chunk is all FENCED, a devdax may be reused across pools).
   uint64_t* d = block_desc(c, 0);
+  coh_.invalidate(d, desc_bytes_);  // multihost: write back zeros over fresh lines, not stale ones
+  coh_.check_fence();
   std::memset(d, 0, desc_bytes_);
   coh_.flush(d, desc_bytes_);
-  coh_.publish(chunk_word(c), make_chunk_word(kChunkActive, 0, ns.id));
+  coh_.publish_shared(chunk_word(c), make_chunk_word(kChunkActive, 0, ns.id));
 }
 
 // Takes a chunk from the namespace that holds the most chunks, if it holds more than `ns`:
@@ -129,10 +131,10 @@ bool Pool::drain_chunk(uint64_t c, uint64_t active_word, const NsHandle& donor, 
       uint64_t dw = coh_.read(d);
       if (dw == fenced) coh_.claim(d, dw, 0);
     }
-    coh_.publish(cw, active_word);
+    coh_.publish_shared(cw, active_word);
     return false;
   }
-  coh_.publish(cw, make_chunk_word(kChunkCarving, uint8_t(node_id_), ns.id));
+  coh_.publish_shared(cw, make_chunk_word(kChunkCarving, uint8_t(node_id_), ns.id));
   init_chunk(ns, c);
   return true;
 }
@@ -194,7 +196,9 @@ bool Pool::alloc_block(const NsHandle& ns, uint64_t slot, uint64_t* chunk, uint3
   return false;
 }
 
-void Pool::free_block(uint64_t chunk, uint32_t block) { coh_.publish(block_desc(chunk, block), 0); }
+// Block descs share lines (8 per line): publish_shared (a multihost write-back of the whole line
+// must not put back stale neighbours).
+void Pool::free_block(uint64_t chunk, uint32_t block) { coh_.publish_shared(block_desc(chunk, block), 0); }
 
 Pool::Occupancy Pool::occupancy() {
   Occupancy o{};

@@ -211,7 +211,7 @@ bool Pool::evict_victim(const Victim& c, const NsHandle* ns, uint64_t* out_chunk
     count(kEvictions);
     return false;
   }
-  coh_.publish(d, make_block_word(kBlockUsed, uint8_t(node_id_), my_epoch8(), new_owner_slot));
+  coh_.publish_shared(d, make_block_word(kBlockUsed, uint8_t(node_id_), my_epoch8(), new_owner_slot));
   coh_.publish(&entry(c.slot)->state, make_entry_word(kTombstone, 0, entry_gen(ev), entry_tag(ev)));
   *out_chunk = e.chunk;
   *out_block = e.block;
@@ -338,6 +338,7 @@ PutResult Pool::put_ex(const NsHandle& ns, const Key& key, const Piece* src, siz
     if (!coh_.claim(&entry(reuse)->state, reuse_word, writing)) continue;
     {  // name the key at once, so that other puts of it see it in flight (format.h)
       IndexEntry* e = entry(reuse);
+      coh_.check_fence();  // multihost: before plain stores (a dirty line reaches memory anyway)
       std::memcpy(e->key, key.data(), 32);
       e->ns_id = ns.id;
       coh_.flush(e, sizeof *e);
@@ -399,6 +400,7 @@ bool Pool::fill_claimed(const NsHandle& ns, const Key& key, const Piece* src, si
       count(kPutsFailed);
       return false;
     }
+    coh_.check_fence();
     e->chunk = uint32_t(chunk);  // written early so a reclaimer can find the block
     e->block = uint16_t(block);
     coh_.flush(e, sizeof *e);
@@ -409,6 +411,8 @@ bool Pool::fill_claimed(const NsHandle& ns, const Key& key, const Piece* src, si
       dst += src[i].bytes;
     }
     coh_.stream_fence();  // payload reaches memory before the entry can say READY
+    coh_.stream_written(block_payload(ns, chunk, block), total);
+    coh_.check_fence();
     e->depth = depth;
     e->length = uint32_t(total);
     e->checksum = hs.digest();
