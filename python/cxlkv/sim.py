@@ -33,7 +33,7 @@ def sim_binary() -> Path:
 
 
 def run(hosts: int = 3, seconds: float = 2.0, seed: int = 1, brk: str | None = None,
-        lease_ms: int = 100, backend: str = "multihost", crashes: bool = True,
+        lease_ms: int = 200, backend: str = "multihost", crashes: bool = True,
         pauses: bool = True) -> dict[str, Any]:
     """Runs one simulation and returns its result (ops, verified_reads, violations, ...)."""
     exe = sim_binary()
@@ -66,7 +66,7 @@ def add_parser(sub: Any) -> None:
                         "lock's ticket write-backs dropped; the run must then find violations")
     s.add_argument("--backend", choices=("multihost", "flush"), default="multihost",
                    help="pool backend under test (flush: the one-host discipline, not multi-host safe)")
-    s.add_argument("--lease-ms", type=int, default=100, help="heartbeat lease (default 100)")
+    s.add_argument("--lease-ms", type=int, default=200, help="heartbeat lease (default 200)")
     s.add_argument("--no-crashes", action="store_true", help="no random host crashes")
     s.add_argument("--no-pauses", action="store_true", help="no pauses past the lease")
     s.add_argument("--json", action="store_true", help="print the result as one JSON object")

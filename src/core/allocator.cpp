@@ -13,7 +13,9 @@ namespace cxlkv {
 
 using namespace format;
 
-bool Pool::claim_free_block(const NsHandle& ns, uint64_t chunk, uint64_t slot, uint32_t* block, uint32_t start) {
+// noinline: tests/cpp/repro/stale_alloc_repro.sh stops here under gdb with a condition on `chunk`.
+[[gnu::noinline]] bool Pool::claim_free_block(const NsHandle& ns, uint64_t chunk, uint64_t slot, uint32_t* block,
+                                              uint32_t start) {
   uint32_t n = ns.geo.blocks;
   uint64_t used = make_block_word(kBlockUsed, uint8_t(node_id_), my_epoch8(), slot);
   for (uint32_t i = 0; i < n; ++i) {

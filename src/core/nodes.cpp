@@ -77,7 +77,8 @@ void Pool::attach_node() {
       // An emulated host beats from its own thread (heartbeat_tick), so that a pause stops it.
       if (!emu_.base)
         heartbeat_ = liveness::start_heartbeat(s, node_word_, std::max<uint64_t>(lease_ns / 4, 1'000'000),
-                                               coh_.unarbitrated(), &fenced_, &intact_, &last_beat_ns_);
+                                               coh_.unarbitrated(), &fenced_, &intact_, &last_beat_ns_,
+                                               bakery_ ? lease_ns / 2 : 0);
       if (bakery_) check_host_slot_unique();
       return;
     }

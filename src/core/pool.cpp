@@ -297,11 +297,19 @@ void Pool::setup_arbiter(int want, bool observer) {
 }
 
 bool Pool::heartbeat_tick() {
+  // One beat at a time: a beat's own coherence calls may reach a point where the emulator ticks
+  // again (two writers of the heartbeat line would break its one-writer rule).
+  if (beating_.exchange(true, std::memory_order_acquire)) return true;
+  struct Done {
+    std::atomic<bool>& b;
+    ~Done() { b.store(false, std::memory_order_release); }
+  } done{beating_};
   if (!base_ || !node_id_) {  // not attached yet: nobody can declare us dead
     last_beat_ns_.store(liveness::mono_ns(), std::memory_order_release);
     return true;
   }
-  return liveness::beat(node_slot(node_id_ - 1), node_word_, coh_.unarbitrated(), &fenced_, &last_beat_ns_);
+  return liveness::beat(node_slot(node_id_ - 1), node_word_, coh_.unarbitrated(), &fenced_, &last_beat_ns_,
+                        bakery_ ? uint64_t(hdr_->lease_ms) * 1'000'000 / 2 : 0);
 }
 
 namespace {

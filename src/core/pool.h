@@ -335,6 +335,7 @@ class Pool {
   // multihost (arbiter.h): the cross-host lock and fence; the time before the last published beat
   std::unique_ptr<Bakery> bakery_;
   std::atomic<uint64_t> last_beat_ns_{0};
+  std::atomic<bool> beating_{false};  // heartbeat_tick re-entry guard
   uint32_t host_slot_ = 0;
   EmulatedHost emu_{};  // set for a simulated host only
   int want_slot_ = -1;  // OpenOptions::host_slot

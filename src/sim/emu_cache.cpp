@@ -4,6 +4,8 @@
 #include <chrono>
 #include <cstring>
 #include <thread>
+#include <execinfo.h>
+#include <cstdlib>
 
 namespace cxlkv::sim {
 
@@ -67,6 +69,7 @@ EmuCache::EmuCache(Memory& m, int host, uint64_t seed, const EmuConfig& cfg)
 void EmuCache::reboot() {
   crashed_ = crash_armed_ = false;
   force_crash_.store(false, std::memory_order_relaxed);
+  ticker_ = nullptr;
   pause_ms_ = 0;
   for (uint64_t l = 0; l < priv_.size() / 64; ++l) fetch_line(l);
 }
@@ -102,6 +105,7 @@ void EmuCache::wb_line(uint64_t line) {
   if (clobbered && !m_.excluded(line)) {
     m_.counters.lost_update.fetch_add(1, std::memory_order_relaxed);
     m_.report("lost update by host " + std::to_string(host_) + " at " + m_.region(line));
+    if (std::getenv("CXLKV_SIM_TRACE")) { void* bt[32]; int n = backtrace(bt, 32); backtrace_symbols_fd(bt, n, 2); }
   }
   std::memcpy(clean_.data() + line * 64, pv, 64);
   m_.counters.writebacks.fetch_add(1, std::memory_order_relaxed);
@@ -159,6 +163,18 @@ void EmuCache::at_point(const void* p, size_t n) {
     }
   }
   if (u(rng_) < cfg_.p_yield) std::this_thread::yield();
+  if (ticker_ && !in_tick_) {
+    uint64_t now = uint64_t(std::chrono::steady_clock::now().time_since_epoch().count());
+    if (now - last_tick_ns_ > tick_interval_ns_) {
+      last_tick_ns_ = now;
+      in_tick_ = true;
+      struct Reset {
+        bool& b;
+        ~Reset() { b = false; }
+      } reset{in_tick_};
+      ticker_();
+    }
+  }
 }
 
 void EmuCache::writeback(const void* p, size_t n, bool point) {
@@ -181,6 +197,7 @@ void EmuCache::invalidate(const void* p, size_t n, bool point) {
     if (dirty(l) && !m_.excluded(l)) {
       m_.counters.invalidate_dirty.fetch_add(1, std::memory_order_relaxed);
       m_.report("dirty line dropped by host " + std::to_string(host_) + " at " + m_.region(l));
+      if (std::getenv("CXLKV_SIM_TRACE")) { void* bt[32]; int n = backtrace(bt, 32); backtrace_symbols_fd(bt, n, 2); }
     }
     fetch_line(l);
   }

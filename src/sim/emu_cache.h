@@ -24,6 +24,7 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <random>
 #include <string>
@@ -93,6 +94,11 @@ class EmuCache final : public CacheModel {
   // End of a run: a host still inside an operation (a broken discipline can stall it for leases)
   // crashes at its next coherence call. Set from another thread.
   void force_crash() { force_crash_.store(true, std::memory_order_relaxed); }
+  // The host's heartbeat: run at coherence calls at most every interval_ns, as an independent
+  // heartbeat thread would (and, like it, not while the host is paused or crashed).
+  void set_ticker(std::function<void()> fn, uint64_t interval_ns) {
+    ticker_ = std::move(fn), tick_interval_ns_ = interval_ns;
+  }
   void arm_pause(uint64_t ms) { pause_ms_ = ms; }
   bool crashed() const { return crashed_; }
   uint64_t pauses() const { return pauses_; }
@@ -119,6 +125,9 @@ class EmuCache final : public CacheModel {
   uint32_t recent_n_ = 0;
   bool crashed_ = false, crash_armed_ = false;
   std::atomic<bool> force_crash_{false};
+  std::function<void()> ticker_;
+  uint64_t tick_interval_ns_ = 0, last_tick_ns_ = 0;
+  bool in_tick_ = false;
   uint64_t pause_ms_ = 0, pauses_ = 0;
 };
 

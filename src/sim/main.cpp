@@ -1,6 +1,7 @@
 // cxlkv-sim: the non-coherence emulator from the command line (`cxlkv sim` runs it).
 //   cxlkv-sim [--hosts N] [--seconds S] [--seed K] [--break flush|invalidate|lock] [--lease-ms MS]
 //             [--no-crashes] [--no-pauses]
+//   cxlkv-sim --bench OPS     cost of the multihost discipline vs coherent (bench_mh.h)
 // Prints one JSON object; exit status 0 (the caller judges `violations`), 2 on bad arguments.
 #include <cstdio>
 #include <cstdlib>
@@ -8,10 +9,12 @@
 #include <string>
 
 #include "errors.h"
+#include "bench_mh.h"
 #include "sim.h"
 
 int main(int argc, char** argv) {
   cxlkv::sim::SimOptions o;
+  int bench_ops = 0;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto val = [&]() -> std::string {
@@ -30,7 +33,8 @@ int main(int argc, char** argv) {
       else if (a == "--lease-ms") o.lease_ms = uint32_t(std::stoul(val()));
       else if (a == "--no-crashes") o.crashes = false;
       else if (a == "--no-pauses") o.pauses = false;
-      else if (a == "--json") {}  // the output is always JSON
+      else if (a == "--json") {}
+      else if (a == "--bench") bench_ops = std::stoi(val());  // the output is always JSON
       else {
         std::fprintf(stderr, "cxlkv-sim: unknown argument %s\n", a.c_str());
         return 2;
@@ -41,6 +45,10 @@ int main(int argc, char** argv) {
     }
   }
   try {
+    if (bench_ops > 0) {
+      std::printf("%s\n", cxlkv::sim::bench_multihost(bench_ops).c_str());
+      return 0;
+    }
     auto r = cxlkv::sim::run_sim(o);
     std::printf("%s\n", r.to_json(o).c_str());
   } catch (const cxlkv::ArgumentError& e) {

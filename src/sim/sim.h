@@ -18,7 +18,7 @@ struct SimOptions {
   // multihost, or flush: the one-host discipline (claim = CAS on the host's own cache), which the
   // emulator shows is not enough across hosts
   std::string backend = "multihost";
-  uint32_t lease_ms = 100;
+  uint32_t lease_ms = 200;  // long enough that a preempted thread of a loaded CI machine is not a pause
   bool crashes = true;
   bool pauses = true;
   uint64_t pool_bytes = 4ull << 20;
