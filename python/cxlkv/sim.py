@@ -33,7 +33,7 @@ def sim_binary() -> Path:
 
 
 def run(hosts: int = 3, seconds: float = 2.0, seed: int = 1, brk: str | None = None,
-        lease_ms: int = 200, backend: str = "multihost", crashes: bool = True,
+        lease_ms: int = 500, backend: str = "multihost", crashes: bool = True,
         pauses: bool = True) -> dict[str, Any]:
     """Runs one simulation and returns its result (ops, verified_reads, violations, ...)."""
     exe = sim_binary()
@@ -58,7 +58,7 @@ def run(hosts: int = 3, seconds: float = 2.0, seed: int = 1, brk: str | None = N
 def add_parser(sub: Any) -> None:
     """Registers ``cxlkv sim`` on the CLI's subcommand table."""
     s = sub.add_parser("sim", help="multi-host proof: simulated hosts without coherence, checked")
-    s.add_argument("--hosts", type=int, default=3, help="simulated hosts (default 3, at most 63)")
+    s.add_argument("--hosts", type=int, default=3, help="simulated hosts (default 3, at most 59)")
     s.add_argument("--seconds", type=float, default=2.0, help="run time (default 2)")
     s.add_argument("--seed", type=int, default=1, help="random seed (default 1)")
     s.add_argument("--break", dest="brk", choices=BREAKS, default=None,
@@ -66,7 +66,7 @@ def add_parser(sub: Any) -> None:
                         "lock's ticket write-backs dropped; the run must then find violations")
     s.add_argument("--backend", choices=("multihost", "flush"), default="multihost",
                    help="pool backend under test (flush: the one-host discipline, not multi-host safe)")
-    s.add_argument("--lease-ms", type=int, default=200, help="heartbeat lease (default 200)")
+    s.add_argument("--lease-ms", type=int, default=500, help="heartbeat lease (default 500)")
     s.add_argument("--no-crashes", action="store_true", help="no random host crashes")
     s.add_argument("--no-pauses", action="store_true", help="no pauses past the lease")
     s.add_argument("--json", action="store_true", help="print the result as one JSON object")

@@ -53,7 +53,10 @@ void Pool::attach_node() {
       auto* fx = node_fixed(i);
       uint64_t hw = coh_.read(&fx->pin_hw);
       if (hw > hdr_->pin_slots) hw = hdr_->pin_slots;
-      coh_.invalidate(node_area(i), sizeof(NodeAreaFixed) + hw * 8);  // fresh lines under our stores
+      // Fresh lines under all our later stores, up to pin_slots, not only pin_hw: a reclaimer
+      // cleared the pins of the last owner, and a stale line of ours would bring them back when we
+      // publish a neighbouring pin (found by the emulator).
+      coh_.invalidate(node_area(i), sizeof(NodeAreaFixed) + uint64_t(hdr_->pin_slots) * 8);
       std::memset(pins(i), 0, hw * 8);
       // Counters are kept across attachments: they accumulate per slot (one writer at a time),
       // so `pool stats` still counts the work of processes that have exited.
@@ -274,6 +277,7 @@ void Pool::reclaim_node(uint32_t idx, uint64_t reclaiming_word) {
   // 1. Pins: the dead node reads nothing any more.
   auto* fx = node_fixed(idx);
   uint64_t hw = std::min<uint64_t>(coh_.read(&fx->pin_hw), hdr_->pin_slots);
+  coh_.invalidate(pins(idx), hw * 8);  // multihost: write back zeros over its lines, not our stale copy
   for (uint64_t p = 0; p < hw; ++p) coh_.publish(&pins(idx)[p], 0);
   coh_.publish(&fx->pin_hw, 0);
   // 2. Index entries it was writing or evicting: free their block, then tombstone the slot.

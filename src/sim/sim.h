@@ -18,7 +18,7 @@ struct SimOptions {
   // multihost, or flush: the one-host discipline (claim = CAS on the host's own cache), which the
   // emulator shows is not enough across hosts
   std::string backend = "multihost";
-  uint32_t lease_ms = 200;  // long enough that a preempted thread of a loaded CI machine is not a pause
+  uint32_t lease_ms = 500;  // long: a thread starved on a loaded CI machine must not look paused
   bool crashes = true;
   bool pauses = true;
   uint64_t pool_bytes = 4ull << 20;
@@ -28,6 +28,9 @@ struct SimOptions {
 struct SimResult {
   uint64_t ops = 0, verified_reads = 0, crashes = 0, pauses = 0, fenced = 0, attaches = 0;
   uint64_t misses = 0, other_errors = 0, lock_skips = 0, evictions = 0, pause_deferred = 0;
+  // The final check could not run: its host was starved past half a lease (fenced) every time.
+  // Safe (a fence, not a violation), but the run then proved less: reported, never hidden.
+  bool check_incomplete = false;
   // violations, by kind (their sum is `violations`)
   std::map<std::string, uint64_t> kinds;
   uint64_t violations() const;
