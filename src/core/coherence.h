@@ -141,11 +141,13 @@ class Coherence {
   }
   void stream_fence() const { kernels::store_fence(); }
   // [p, p+n) was just written with streaming stores (Checksum::update_copy): on hardware they
-  // bypassed the cache already; a cache model pushes them to its memory now. A fenced node must
-  // not overwrite a block that may have been handed to another node.
+  // bypassed the cache already; a cache model pushes them to its memory now.
+  // The streaming stores are issued already (they cannot be recalled): a model gets them first;
+  // then the fence check stops a fenced writer before it publishes anything about them (a block
+  // handed to another node meanwhile is torn, and its checksum says so).
   void stream_written(const void* p, size_t n) const {
-    if (arb_) arb_->check_fence();
     if (model_) model_->streamed(p, n);
+    if (arb_) arb_->check_fence();
   }
 
  private:

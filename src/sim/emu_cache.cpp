@@ -53,6 +53,13 @@ void Memory::report(const std::string& what) {
   if (reports.size() < 6) reports.push_back(what);
 }
 
+bool Memory::payload(uint64_t line) const {
+  uint64_t off = line << 6;
+  if (off < h_.arena_off) return false;
+  uint64_t stride = chunk_desc_bytes(h_.chunk_bytes) + h_.chunk_bytes;
+  return (off - h_.arena_off) % stride >= chunk_desc_bytes(h_.chunk_bytes);
+}
+
 bool Memory::excluded(uint64_t line) const {
   if (line >= access_lo_ && line < access_hi_) return true;
   uint64_t off = line << 6;
@@ -102,7 +109,7 @@ void EmuCache::wb_line(uint64_t line) {
     if (mem != c && mem != p) clobbered = true;
     store_word(dst + w * 8, p);
   }
-  if (clobbered && !m_.excluded(line)) {
+  if (clobbered && !m_.excluded(line) && !m_.payload(line)) {
     m_.counters.lost_update.fetch_add(1, std::memory_order_relaxed);
     m_.report("lost update by host " + std::to_string(host_) + " at " + m_.region(line));
     if (std::getenv("CXLKV_SIM_TRACE")) { void* bt[32]; int n = backtrace(bt, 32); backtrace_symbols_fd(bt, n, 2); }
@@ -205,7 +212,8 @@ void EmuCache::invalidate(const void* p, size_t n, bool point) {
 
 void EmuCache::streamed(const void* p, size_t n) {
   if (crashed_) throw HostCrashed{};
-  at_point(p, n);
+  // Non-temporal stores are in flight already: they reach memory whatever happens next (the point
+  // comes after them), and only the bytes written, never a stale rest of a cached line.
   uint64_t first = line_of(p), last = line_of(static_cast<const char*>(p) + (n ? n - 1 : 0));
   for (uint64_t l = first; l <= last && l < priv_.size() / 64; ++l) {
     std::lock_guard<std::mutex> g(m_.line_mu(l));
@@ -218,6 +226,7 @@ void EmuCache::streamed(const void* p, size_t n) {
     std::memcpy(clean_.data() + l * 64, priv_.data() + l * 64, 64);
   }
   std::atomic_thread_fence(std::memory_order_seq_cst);
+  at_point(p, n);
 }
 
 void EmuCache::lock_entered(uint32_t k) {

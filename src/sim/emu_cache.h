@@ -13,7 +13,8 @@
 //
 // Detectors (all counted as violations by the checker, sim.h):
 //   lost_update       a write-back puts into memory a word that another host changed since this
-//                     host fetched the line (one-writer-per-line broken, or a stale line written)
+//                     host fetched the line (one-writer-per-line broken, or a stale line written);
+//                     metadata lines only (payload lines: see Memory::payload)
 //   invalidate_dirty  the host dropped a line holding its own unpublished stores
 //   lock_overlap      two hosts inside a critical section of one lock stripe at once
 // Lines that are lossy by design are excluded: access hints (many writers) and per-node counters.
@@ -53,6 +54,10 @@ class Memory {
   char* bytes() { return bytes_.data(); }
   uint64_t size() const { return bytes_.size(); }
   bool excluded(uint64_t line) const;  // lossy by design: not checked
+  // Payload lines: written with streaming stores only, so a host's `clean` copy of them is no
+  // baseline (it never fetched them); their integrity is checked end to end (every accepted read
+  // is verified against its (key, version); torn blocks must fail their checksum).
+  bool payload(uint64_t line) const;
   std::string region(uint64_t line) const;  // which pool area a line is in (reports)
   void report(const std::string& what);      // first few findings, with where
   std::vector<std::string> reports;
