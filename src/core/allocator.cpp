@@ -13,17 +13,20 @@ namespace cxlkv {
 
 using namespace format;
 
-// noinline: tests/cpp/repro/stale_alloc_repro.sh stops here under gdb with a condition on `chunk`.
-[[gnu::noinline]] bool Pool::claim_free_block(const NsHandle& ns, uint64_t chunk, uint64_t slot, uint32_t* block,
+// noipa (no inlining, no clones): tests/cpp/repro/stale_alloc_repro.sh stops here under gdb with a condition on `chunk`.
+[[gnu::noipa]] bool Pool::claim_free_block(const NsHandle& ns, uint64_t chunk, uint64_t slot, uint32_t* block,
                                               uint32_t start) {
   uint32_t n = ns.geo.blocks;
-  uint64_t used = make_block_word(kBlockUsed, uint8_t(node_id_), my_epoch8(), slot);
   for (uint32_t i = 0; i < n; ++i) {
     uint32_t b = (start + i) % n;
     uint64_t* d = block_desc(chunk, b);
     uint64_t w = coh_.read(d);
     if (w != 0) continue;
+    // Built here, not before the loop: the gdb reproducer's condition on `chunk` must not be
+    // evaluated inside an inlined helper at the function's first line.
+    const uint64_t used = make_block_word(kBlockUsed, uint8_t(node_id_), my_epoch8(), slot);
     if (coh_.claim(d, w, used)) {
+      coh_.fault("alloc.claimed");
       // The caller saw the chunk ACTIVE for `ns` before the scan; it may have been drained and
       // re-carved for another namespace since (its descs are zero again). Holding the desc now
       // stops any further drain, so one re-check after the claim is enough.
@@ -45,6 +48,7 @@ bool Pool::carve_chunk(const NsHandle& ns, uint64_t* out) {
     uint64_t w = coh_.read(cw);
     if (chunk_state(w) != kChunkFree) continue;
     if (!coh_.claim(cw, w, make_chunk_word(kChunkCarving, uint8_t(node_id_), ns.id))) continue;
+    coh_.fault("alloc.carving");
     init_chunk(ns, c);
     *out = c;
     return true;

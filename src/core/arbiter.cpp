@@ -27,6 +27,7 @@ struct Unlock {
 bool Coherence::locked_rmw(uint64_t* w, uint64_t& expected, uint64_t desired, bool compare) const {
   arb_->lock(w);
   Unlock u{arb_, w};
+  if (model_) model_->fault_point("lock.held");
   arb_->check_fence();
   // From here to the write-back nothing blocks: the fence check covers the store (arbiter.h).
   if (model_) model_->invalidate(w, sizeof *w, false);

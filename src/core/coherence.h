@@ -50,6 +50,8 @@ class CacheModel {
   // Oracle of the lock: called on entering and leaving a critical section of stripe k.
   virtual void lock_entered(uint32_t) {}
   virtual void lock_left(uint32_t) {}
+  // A named fault point of a protocol (insert, evict, alloc, lock): a test crashes the host there.
+  virtual void fault_point(const char*) {}
 };
 
 // Cross-host arbitration and fencing of one attachment (arbiter.h); multihost backend only.
@@ -133,6 +135,10 @@ class Coherence {
   void hw_evict(const void* p, size_t n) const {
     if (backend_ == Backend::multihost) kernels::flush_lines_sync(p, n);
     else kernels::evict_lines(p, n);
+  }
+  // Named fault point (tests: the cache model may crash the host here); free without a model.
+  void fault(const char* name) const {
+    if (model_) model_->fault_point(name);
   }
   void fence() const { kernels::full_fence(); }
   void stream_copy(void* dst, const void* src, size_t n) const {

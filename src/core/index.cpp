@@ -182,6 +182,7 @@ bool Pool::evict_victim(const Victim& c, const NsHandle* ns, uint64_t* out_chunk
   }
   uint64_t ev = make_entry_word(kEvicting, uint8_t(node_id_), entry_gen(w), entry_tag(w));
   if (!coh_.claim(&entry(c.slot)->state, w, ev)) return false;
+  coh_.fault("evict.claimed");
   if (is_pinned(c.slot, entry_gen(ev))) {
     coh_.publish(&entry(c.slot)->state, c.word);
     count(kEvictSkippedPinned);
@@ -343,6 +344,7 @@ PutResult Pool::put_ex(const NsHandle& ns, const Key& key, const Piece* src, siz
       e->ns_id = ns.id;
       coh_.flush(e, sizeof *e);
       coh_.fence();
+      coh_.fault("insert.claimed");
     }
     auto abandon = [&] {
       IndexEntry* e = entry(reuse);
@@ -412,6 +414,7 @@ bool Pool::fill_claimed(const NsHandle& ns, const Key& key, const Piece* src, si
     }
     coh_.stream_fence();  // payload reaches memory before the entry can say READY
     coh_.stream_written(block_payload(ns, chunk, block), total);
+    coh_.fault("insert.copied");
     coh_.check_fence();
     e->depth = depth;
     e->length = uint32_t(total);
@@ -547,6 +550,7 @@ bool Pool::remove(const NsHandle& ns, const Key& key) {
   if (is_pinned(f.slot, entry_gen(w))) return false;
   uint64_t ev = make_entry_word(kEvicting, uint8_t(node_id_), entry_gen(w), entry_tag(w));
   if (!coh_.claim(&entry(f.slot)->state, w, ev)) return false;
+  coh_.fault("evict.claimed");
   if (is_pinned(f.slot, entry_gen(ev))) {
     coh_.publish(&entry(f.slot)->state, f.word);
     return false;

@@ -75,6 +75,7 @@ EmuCache::EmuCache(Memory& m, int host, uint64_t seed, const EmuConfig& cfg)
 
 void EmuCache::reboot() {
   crashed_ = crash_armed_ = false;
+  fault_armed_.clear();
   force_crash_.store(false, std::memory_order_relaxed);
   ticker_ = nullptr;
   pause_ms_ = 0;
@@ -238,6 +239,16 @@ void EmuCache::lock_entered(uint32_t k) {
   }
   std::uniform_real_distribution<double> u(0, 1);
   if (u(rng_) < cfg_.p_cs_yield) std::this_thread::yield();  // widen the section: overlaps show
+}
+
+void EmuCache::fault_point(const char* name) {
+  if (crashed_) throw HostCrashed{};
+  if (fault_armed_.empty() || fault_armed_ != name) return;
+  fault_armed_.clear();
+  resolve_dirty_lines();
+  crashed_ = true;
+  ++fault_crashes_;
+  throw HostCrashed{};
 }
 
 void EmuCache::lock_left(uint32_t k) {

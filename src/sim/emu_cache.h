@@ -93,6 +93,9 @@ class EmuCache final : public CacheModel {
   bool drop_lock_writeback() const override { return cfg_.sw.no_lock_flush; }
   void lock_entered(uint32_t k) override;
   void lock_left(uint32_t k) override;
+  void fault_point(const char* name) override;
+  // Crash at the next pass through the named fault point (instead of a random coherence call).
+  void arm_fault(const std::string& name) { fault_armed_ = name; }
 
   // Driven by the simulation: the crash or pause happens at a later random coherence call.
   void arm_crash() { crash_armed_ = true; }
@@ -107,6 +110,7 @@ class EmuCache final : public CacheModel {
   void arm_pause(uint64_t ms) { pause_ms_ = ms; }
   bool crashed() const { return crashed_; }
   uint64_t pauses() const { return pauses_; }
+  uint64_t fault_crashes() const { return fault_crashes_; }
   // After a crash: the host reboots with an empty cache (private = clean = memory).
   void reboot();
   // Every dirty line is written back or lost (each with probability 1/2): a host that stops.
@@ -129,11 +133,12 @@ class EmuCache final : public CacheModel {
   std::array<uint64_t, 64> recent_{};
   uint32_t recent_n_ = 0;
   bool crashed_ = false, crash_armed_ = false;
+  std::string fault_armed_;
   std::atomic<bool> force_crash_{false};
   std::function<void()> ticker_;
   uint64_t tick_interval_ns_ = 0, last_tick_ns_ = 0;
   bool in_tick_ = false;
-  uint64_t pause_ms_ = 0, pauses_ = 0;
+  uint64_t pause_ms_ = 0, pauses_ = 0, fault_crashes_ = 0;
 };
 
 }  // namespace cxlkv::sim

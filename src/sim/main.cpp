@@ -30,6 +30,7 @@ int main(int argc, char** argv) {
       else if (a == "--seed") o.seed = std::stoull(val());
       else if (a == "--break") o.brk = val();
       else if (a == "--backend") o.backend = val();
+      else if (a == "--fault") o.fault = val();
       else if (a == "--lease-ms") o.lease_ms = uint32_t(std::stoul(val()));
       else if (a == "--no-crashes") o.crashes = false;
       else if (a == "--no-pauses") o.pauses = false;

@@ -23,10 +23,14 @@ struct SimOptions {
   bool pauses = true;
   uint64_t pool_bytes = 4ull << 20;
   std::string tmp_dir = "/dev/shm";
+  // Crash events hit this named fault point (insert.claimed, insert.copied, evict.claimed,
+  // alloc.claimed, alloc.carving, lock.held) instead of a random coherence call.
+  std::string fault;
 };
 
 struct SimResult {
   uint64_t ops = 0, verified_reads = 0, crashes = 0, pauses = 0, fenced = 0, attaches = 0;
+  uint64_t fault_crashes = 0;  // crashes at the named fault point
   uint64_t misses = 0, other_errors = 0, lock_skips = 0, evictions = 0, pause_deferred = 0;
   // The final check could not run: its host was starved past half a lease (fenced) every time.
   // Safe (a fence, not a violation), but the run then proved less: reported, never hidden.
