@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 BREAKS = ("flush", "invalidate", "lock")
+FAULTS = ("insert.claimed", "insert.copied", "evict.claimed", "alloc.claimed", "alloc.carving", "lock.held")
 
 
 def sim_binary() -> Path:
@@ -34,7 +35,7 @@ def sim_binary() -> Path:
 
 def run(hosts: int = 3, seconds: float = 2.0, seed: int = 1, brk: str | None = None,
         lease_ms: int = 500, backend: str = "multihost", crashes: bool = True,
-        pauses: bool = True) -> dict[str, Any]:
+        pauses: bool = True, fault: str | None = None) -> dict[str, Any]:
     """Runs one simulation and returns its result (ops, verified_reads, violations, ...)."""
     exe = sim_binary()
     if not exe.exists():
@@ -47,6 +48,8 @@ def run(hosts: int = 3, seconds: float = 2.0, seed: int = 1, brk: str | None = N
         cmd.append("--no-crashes")
     if not pauses:
         cmd.append("--no-pauses")
+    if fault:
+        cmd += ["--fault", fault]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds * 10 + 120)
     if out.returncode == 2:
         raise ValueError(out.stderr.strip().removeprefix("cxlkv-sim: "))
@@ -69,13 +72,15 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--lease-ms", type=int, default=500, help="heartbeat lease (default 500)")
     s.add_argument("--no-crashes", action="store_true", help="no random host crashes")
     s.add_argument("--no-pauses", action="store_true", help="no pauses past the lease")
+    s.add_argument("--fault", choices=FAULTS, default=None,
+                   help="crash hosts at this named fault point instead of at random calls")
     s.add_argument("--json", action="store_true", help="print the result as one JSON object")
     s.set_defaults(func=cmd_sim)
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
     r = run(args.hosts, args.seconds, args.seed, args.brk, args.lease_ms, args.backend,
-            not args.no_crashes, not args.no_pauses)
+            not args.no_crashes, not args.no_pauses, args.fault)
     expect_clean = args.brk is None and args.backend == "multihost"
     ok = (r["violations"] == 0) if expect_clean else (r["violations"] > 0)
     if args.json:

@@ -377,6 +377,9 @@ SimResult run_sim(const SimOptions& o) {
 
   S.done.reset(new std::atomic<bool>[size_t(o.hosts)]);
   for (int h = 0; h < o.hosts; ++h) S.done[h] = false;
+  // A named fault point is armed on one host from the start too: some (carving a chunk) are
+  // passed mostly early in a run.
+  if (!o.fault.empty() && o.crashes && o.hosts > 1) S.caches[mix(o.seed) % uint64_t(o.hosts)]->arm_fault(o.fault);
   std::vector<std::thread> ts;
   for (int h = 0; h < o.hosts; ++h) ts.emplace_back(host_main, std::ref(S), h);
   // Faults: every ~0.4 s one host is armed to crash or to pause past its lease at a random later
