@@ -21,6 +21,8 @@
 //
 // Test switches (negative controls): flushes become no-ops; invalidations are skipped; the lock's
 // ticket write-backs are dropped.
+// Debugging: CXLKV_SIM_TRACE=1 prints a backtrace to stderr at every lost update or dirty drop
+// (addr2line/c++filt turn it into the pool code path that did it).
 #pragma once
 #include <array>
 #include <atomic>
