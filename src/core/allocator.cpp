@@ -13,21 +13,26 @@ namespace cxlkv {
 
 using namespace format;
 
-bool Pool::claim_free_block(const NsHandle& ns, uint64_t chunk, uint64_t slot, uint32_t* block, uint32_t start) {
+// noipa (no inlining, no clones): tests/cpp/repro/stale_alloc_repro.sh stops here under gdb with a condition on `chunk`.
+[[gnu::noipa]] bool Pool::claim_free_block(const NsHandle& ns, uint64_t chunk, uint64_t slot, uint32_t* block,
+                                              uint32_t start) {
   uint32_t n = ns.geo.blocks;
-  uint64_t used = make_block_word(kBlockUsed, uint8_t(node_id_), my_epoch8(), slot);
   for (uint32_t i = 0; i < n; ++i) {
     uint32_t b = (start + i) % n;
     uint64_t* d = block_desc(chunk, b);
     uint64_t w = coh_.read(d);
     if (w != 0) continue;
+    // Built here, not before the loop: the gdb reproducer's condition on `chunk` must not be
+    // evaluated inside an inlined helper at the function's first line.
+    const uint64_t used = make_block_word(kBlockUsed, uint8_t(node_id_), my_epoch8(), slot);
     if (coh_.claim(d, w, used)) {
+      coh_.fault("alloc.claimed");
       // The caller saw the chunk ACTIVE for `ns` before the scan; it may have been drained and
       // re-carved for another namespace since (its descs are zero again). Holding the desc now
       // stops any further drain, so one re-check after the claim is enough.
       uint64_t cw = coh_.read(chunk_word(chunk));
       if ((chunk_state(cw) != kChunkActive && chunk_state(cw) != kChunkDraining) || chunk_ns(cw) != ns.id) {
-        coh_.publish(d, 0);
+        coh_.publish_shared(d, 0);
         return false;
       }
       *block = b;
@@ -43,6 +48,7 @@ bool Pool::carve_chunk(const NsHandle& ns, uint64_t* out) {
     uint64_t w = coh_.read(cw);
     if (chunk_state(w) != kChunkFree) continue;
     if (!coh_.claim(cw, w, make_chunk_word(kChunkCarving, uint8_t(node_id_), ns.id))) continue;
+    coh_.fault("alloc.carving");
     init_chunk(ns, c);
     *out = c;
     return true;
@@ -54,9 +60,11 @@ void Pool::init_chunk(const NsHandle& ns, uint64_t c) {
   // Descs of a never-used chunk are zero already; reset anyway so the invariant does not depend
   // on history (a drained chunk is all FENCED, a devdax may be reused across pools).
   uint64_t* d = block_desc(c, 0);
+  coh_.invalidate(d, desc_bytes_);  // multihost: write back zeros over fresh lines, not stale ones
+  coh_.check_fence();
   std::memset(d, 0, desc_bytes_);
   coh_.flush(d, desc_bytes_);
-  coh_.publish(chunk_word(c), make_chunk_word(kChunkActive, 0, ns.id));
+  coh_.publish_shared(chunk_word(c), make_chunk_word(kChunkActive, 0, ns.id));
 }
 
 // Takes a chunk from the namespace that holds the most chunks, if it holds more than `ns`:
@@ -129,10 +137,10 @@ bool Pool::drain_chunk(uint64_t c, uint64_t active_word, const NsHandle& donor, 
       uint64_t dw = coh_.read(d);
       if (dw == fenced) coh_.claim(d, dw, 0);
     }
-    coh_.publish(cw, active_word);
+    coh_.publish_shared(cw, active_word);
     return false;
   }
-  coh_.publish(cw, make_chunk_word(kChunkCarving, uint8_t(node_id_), ns.id));
+  coh_.publish_shared(cw, make_chunk_word(kChunkCarving, uint8_t(node_id_), ns.id));
   init_chunk(ns, c);
   return true;
 }
@@ -194,7 +202,9 @@ bool Pool::alloc_block(const NsHandle& ns, uint64_t slot, uint64_t* chunk, uint3
   return false;
 }
 
-void Pool::free_block(uint64_t chunk, uint32_t block) { coh_.publish(block_desc(chunk, block), 0); }
+// Block descs share lines (8 per line): publish_shared (a multihost write-back of the whole line
+// must not put back stale neighbours).
+void Pool::free_block(uint64_t chunk, uint32_t block) { coh_.publish_shared(block_desc(chunk, block), 0); }
 
 Pool::Occupancy Pool::occupancy() {
   Occupancy o{};

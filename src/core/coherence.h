@@ -16,6 +16,13 @@
 //             payloads go through streaming stores. claim is still a CAS here, which is only
 //             correct while all participants share one coherence domain; the multi-host backend
 //             replaces claim alone (lock-manager arbitration), nothing else in the protocols.
+//   multihost several hosts, no coherence and no atomic RMW between them (CXL 2.0): the flush
+//             discipline, plus claim and publish_shared as read-compare-store-write-back under a
+//             striped cross-host lock (Lamport's bakery on per-host lines, arbiter.h), plus the
+//             lease self-check (fencing) before every store that others may see.
+//
+// Tests plug a CacheModel (src/sim: a non-coherent cache emulator) under any backend: then
+// flush/invalidate/stream_written act on the model's private copy of the pool instead of the CPU.
 //
 // Protocol rule: no code outside this header may use an atomic read-modify-write on pool memory.
 #pragma once
@@ -27,25 +34,72 @@
 
 namespace cxlkv {
 
-enum class Backend : uint32_t { coherent = 1, flush = 2 };
+enum class Backend : uint32_t { coherent = 1, flush = 2, multihost = 3 };
+
+// A model of a non-coherent cache (tests only; src/sim/emu_cache.h). `point` marks a coherence
+// call where the model may act (random eviction, pause, crash); false inside a claim's critical
+// section, whose steps are one atomic action of the protocol.
+class CacheModel {
+ public:
+  virtual ~CacheModel() = default;
+  virtual void writeback(const void* p, size_t n, bool point) = 0;   // clwb/clflushopt + sfence
+  virtual void invalidate(const void* p, size_t n, bool point) = 0;  // clflushopt + mfence
+  virtual void streamed(const void* p, size_t n) = 0;                // non-temporal stores + sfence
+  // The cross-host lock's own ticket write-backs (a test switch drops them: a negative control).
+  virtual bool drop_lock_writeback() const { return false; }
+  // Oracle of the lock: called on entering and leaving a critical section of stripe k.
+  virtual void lock_entered(uint32_t) {}
+  virtual void lock_left(uint32_t) {}
+  // A named fault point of a protocol (insert, evict, alloc, lock): a test crashes the host there.
+  virtual void fault_point(const char*) {}
+};
+
+// Cross-host arbitration and fencing of one attachment (arbiter.h); multihost backend only.
+class Arbiter {
+ public:
+  virtual ~Arbiter() = default;
+  virtual void lock(const void* line) = 0;
+  virtual void unlock(const void* line) = 0;
+  // Throws FencedError once this attachment may have been declared dead by a peer (fencing).
+  virtual void check_fence() = 0;
+};
 
 class Coherence {
  public:
-  explicit Coherence(Backend b = Backend::coherent) : backend_(b) {}
+  explicit Coherence(Backend b = Backend::coherent, CacheModel* model = nullptr, Arbiter* arb = nullptr)
+      : backend_(b), model_(model), arb_(b == Backend::multihost ? arb : nullptr) {}
   Backend backend() const { return backend_; }
   bool needs_flush() const { return backend_ != Backend::coherent; }
+  CacheModel* model() const { return model_; }
+  // The same discipline without arbitration or fencing (the heartbeat: it must beat to stay
+  // alive, and it checks its own state word instead).
+  Coherence unarbitrated() const { return Coherence(backend_, model_, nullptr); }
 
   uint64_t read(const uint64_t* w) const {
-    if (needs_flush()) kernels::evict_lines(w, sizeof *w);
+    invalidate(w, sizeof *w);
     return std::atomic_ref<uint64_t>(*const_cast<uint64_t*>(w)).load(std::memory_order_acquire);
   }
   // Relaxed read for hints (access times): a stale value is harmless by design.
   uint64_t read_hint(const uint64_t* w) const {
     return std::atomic_ref<uint64_t>(*const_cast<uint64_t*>(w)).load(std::memory_order_relaxed);
   }
+  // For a word alone in its line or in a line only this node writes (one writer per line).
   void publish(uint64_t* w, uint64_t v) const {
+    if (arb_) arb_->check_fence();
     std::atomic_ref<uint64_t>(*w).store(v, std::memory_order_release);
-    if (needs_flush()) kernels::writeback_lines(w, sizeof *w);
+    flush(w, sizeof *w);
+  }
+  // For a word whose cache line other nodes write too (chunk map, block descriptors: 8 words per
+  // line): a plain write-back would put this host's stale copy of the neighbours back into memory.
+  void publish_shared(uint64_t* w, uint64_t v) const {
+    if (!arb_) return publish(w, v);
+    uint64_t dummy = 0;
+    locked_rmw(w, dummy, v, /*compare=*/false);
+  }
+  // Before plain stores to shared metadata that a flush will publish: a fenced node must stop
+  // before its stores, because a dirty line reaches memory whether or not it is flushed.
+  void check_fence() const {
+    if (arb_) arb_->check_fence();
   }
   // Batched publication (RPC, rpc.h): publish_deferred() stores and writes back the line but
   // leaves out the fence; one publish_fence() after a batch orders all of them.
@@ -66,10 +120,12 @@ class Coherence {
   }
   // On success the caller owns the word's transition; on failure `expected` holds what it saw.
   bool claim(uint64_t* w, uint64_t& expected, uint64_t desired) const {
-    if (needs_flush()) kernels::evict_lines(w, sizeof *w);
+    if (arb_) return locked_rmw(w, expected, desired, /*compare=*/true);
+    if (model_) model_->invalidate(w, sizeof *w, true);
+    else if (needs_flush()) hw_evict(w, sizeof *w);
     bool ok = std::atomic_ref<uint64_t>(*w).compare_exchange_strong(
         expected, desired, std::memory_order_seq_cst, std::memory_order_acquire);
-    if (ok && needs_flush()) kernels::writeback_lines(w, sizeof *w);
+    if (ok) flush(w, sizeof *w);
     return ok;
   }
   // Increment of a counter in this node's own area: only threads of the owning process write it,
@@ -78,17 +134,50 @@ class Coherence {
     std::atomic_ref<uint64_t>(*w).fetch_add(v, std::memory_order_relaxed);
   }
   void flush(const void* p, size_t n) const {
-    if (needs_flush()) kernels::writeback_lines(p, n);
+    if (model_) model_->writeback(p, n, true);
+    else if (needs_flush()) hw_writeback(p, n);
   }
   void invalidate(const void* p, size_t n) const {
-    if (needs_flush()) kernels::evict_lines(p, n);
+    if (model_) model_->invalidate(p, n, true);
+    else if (needs_flush()) hw_evict(p, n);
+  }
+  // multihost metadata uses clflush both ways (docs/ARCHITECTURE.md: clflush vs clflushopt).
+  void hw_writeback(const void* p, size_t n) const {
+    if (backend_ == Backend::multihost) kernels::flush_lines_sync(p, n);
+    else kernels::writeback_lines(p, n);
+  }
+  void hw_evict(const void* p, size_t n) const {
+    if (backend_ == Backend::multihost) kernels::flush_lines_sync(p, n);
+    else kernels::evict_lines(p, n);
+  }
+  // Named fault point (tests: the cache model may crash the host here); free without a model.
+  void fault(const char* name) const {
+    if (model_) model_->fault_point(name);
   }
   void fence() const { kernels::full_fence(); }
-  void stream_copy(void* dst, const void* src, size_t n) const { kernels::stream_copy(dst, src, n); }
+  void stream_copy(void* dst, const void* src, size_t n) const {
+    kernels::stream_copy(dst, src, n);
+    if (model_) model_->streamed(dst, n);
+  }
   void stream_fence() const { kernels::store_fence(); }
+  // [p, p+n) was just written with streaming stores (Checksum::update_copy): on hardware they
+  // bypassed the cache already; a cache model pushes them to its memory now.
+  // The streaming stores are issued already (they cannot be recalled): a model gets them first;
+  // then the fence check stops a fenced writer before it publishes anything about them (a block
+  // handed to another node meanwhile is torn, and its checksum says so).
+  void stream_written(const void* p, size_t n) const {
+    if (model_) model_->streamed(p, n);
+    if (arb_) arb_->check_fence();
+  }
 
  private:
+  // Lock the stripe of w's line, check the fence, drop the line, read, compare, store, write the
+  // line back, unlock (arbiter.cpp). Nothing between the fence check and the write-back may block.
+  bool locked_rmw(uint64_t* w, uint64_t& expected, uint64_t desired, bool compare) const;
+
   Backend backend_;
+  CacheModel* model_ = nullptr;
+  Arbiter* arb_ = nullptr;
 };
 
 }  // namespace cxlkv

@@ -111,6 +111,18 @@ void writeback_lines(const void* p, size_t n) {
 #endif
 }
 
+void flush_lines_sync(const void* p, size_t n) {
+#if defined(__x86_64__)
+  const char* b = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) & ~(kLine - 1));
+  const char* e = static_cast<const char*>(p) + n;
+  wb_clflush(b, e);
+  _mm_mfence();
+#else
+  (void)p, (void)n;
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+#endif
+}
+
 void evict_lines(const void* p, size_t n) {
 #if defined(__x86_64__)
   const char* b = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) & ~(kLine - 1));

@@ -20,5 +20,9 @@ void writeback_lines_nofence(const void* p, size_t n);
 // Write back and drop the lines covering [p, p+n), so the next load reads memory (clflushopt >
 // clflush). Ends with a fence.
 void evict_lines(const void* p, size_t n);
+// Write back and drop with clflush, which completes the eviction before it retires, then mfence.
+// The multihost backend's choice for metadata (TraCT §3.4: clflushopt + mfence let another host
+// read an old value after a lock release).
+void flush_lines_sync(const void* p, size_t n);
 
 }  // namespace cxlkv::kernels

@@ -28,6 +28,11 @@ struct OsError : Error {
   int err;
   OsError(int e, const std::string& what) : Error(what), err(e) {}
 };
+// This attachment may have been declared dead by a peer (multihost fencing: a pause past the
+// lease, or its node slot reclaimed): it publishes nothing more; open the pool again.
+struct FencedError : Error { using Error::Error; };
+// multihost: another live attachment uses this host slot (format::LockLine rows are per process).
+struct HostSlotBusyError : Error { using Error::Error; };
 // Caller passed a bad argument (wrong key length, buffer too small...): Python ValueError.
 struct ArgumentError : Error { using Error::Error; };
 

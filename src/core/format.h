@@ -6,6 +6,7 @@
 //
 //   [0, 4096)            PoolHeader: immutable after creation, checksummed
 //   [4096, 8192)         SharedWords: the few pool-wide mutable words, one cache line each
+//   [8192, ...)          LockLine[kLockStripes][lock_hosts]  multihost only (lock_hosts > 0)
 //   node_table_off       NodeSlot[max_nodes]          two lines per attached process
 //   node_area_off        NodeArea[max_nodes]          owner-written: pins, counters
 //   ns_table_off         NamespaceEntry[max_namespaces]
@@ -29,7 +30,11 @@ static_assert(std::endian::native == std::endian::little, "the pool format is li
 
 constexpr char kMagic[8] = {'C', 'X', 'L', 'K', 'V', 'P', 'L', '\0'};
 constexpr uint16_t kFormatMajor = 2;  // 2: NamespaceEntry of 512 bytes (source, dtype code), CONDEMNED entry state, node liveness by OFD lock + heartbeat lease
-constexpr uint16_t kFormatMinor = 1;  // 1: compat feature kCompatAdminMailbox (node areas end with an RPC mailbox)
+// Minor versions (each readable by 2.0 builds: they ignore what they do not know):
+// 1: compat feature kCompatAdminMailbox (node areas end with an RPC mailbox).
+// 2: multihost backend (3): the lock area between SharedWords and the node table (lock_hosts in
+//    the header, host_slot in NodeSlot). Older builds refuse backend 3 and ignore the zero fields.
+constexpr uint16_t kFormatMinor = 2;
 constexpr uint64_t kIncompatSupported = 0;  // no incompat features defined yet
 constexpr uint64_t kRoCompatSupported = 0;  // no ro_compat features defined yet
 // Compat features (an older reader may ignore them: it never looks past the pins of a node area).
@@ -83,7 +88,7 @@ struct PoolHeader {
   uint32_t pin_slots;
   uint64_t ns_table_off;
   uint32_t max_namespaces;
-  uint32_t reserved1;  // must be zero (a later format may give it a meaning)
+  uint32_t lock_hosts;  // multihost: host slots of the lock area (LockLine); 0 for other backends
   uint64_t index_off;
   uint64_t index_slots;  // power of two
   uint64_t access_off;
@@ -121,6 +126,29 @@ struct SharedWords {
   SharedLine init;
   SharedLine ns_lock;
 };
+
+// ---------------------------------------------------------------------------------------------
+// Lock area (multihost backend only): Lamport's bakery over plain loads and stores, no atomic
+// read-modify-write across hosts (docs/ARCHITECTURE.md "Multi-host CXL 2.0"). Claims and shared
+// publishes of a pool word take the stripe of the word's cache line (kLockStripes stripes). Line
+// (stripe k, host h) sits at kLockAreaOff + (k * lock_hosts + h) * 64 and is written ONLY by the
+// process attached as host slot h (one writer per line); everyone reads it after dropping it.
+//   choosing: 1 while h picks its ticket. number: h's ticket, 0 = not competing. choosing and
+//   number share the line, so `number = max + 1, choosing = 0` reaches memory in one write-back.
+//   node / node_word: the node slot (id, state word) h competes for, so a waiter can tell a host
+//   whose ticket and heartbeat stood still for a whole lease (dead, or fenced: skipped).
+constexpr size_t kLockAreaOff = kSharedWordsOff + kMetaAlign;  // 8192
+constexpr uint32_t kLockStripes = 16;
+constexpr uint32_t kMaxLockHosts = 64;
+constexpr uint32_t kLockHostsDefault = 16;
+struct alignas(kCacheLine) LockLine {
+  uint64_t choosing;
+  uint64_t number;
+  uint64_t node;
+  uint64_t node_word;
+  uint64_t pad[4];
+};
+static_assert(sizeof(LockLine) == 64);
 
 // ---------------------------------------------------------------------------------------------
 // Node slot: one per attachment, two cache lines. node id = slot index + 1. See
@@ -167,7 +195,8 @@ struct alignas(kCacheLine) NodeSlot {
   uint64_t host_id;         // liveness::host_id(): boot id hash (or CXLKV_HOST_ID)
   uint64_t lock_id;         // liveness::LockFile::lock_id: (st_dev, st_ino) hash; 0 = lease only
   uint64_t attach_unix_ns;  // display only
-  uint64_t pad0[2];
+  uint64_t host_slot;       // multihost: the attacher's row in the lock area (+1; 0 = none)
+  uint64_t pad0;
   // line 1: heartbeat line (owner only)
   alignas(kCacheLine) uint64_t beat;
   uint64_t beat_unix_ns;    // display only (wall clocks jump and differ between hosts)

@@ -174,6 +174,7 @@ bool Pool::evict_victim(const Victim& c, const NsHandle* ns, uint64_t* out_chunk
   }
   uint64_t ev = make_entry_word(kEvicting, uint8_t(node_id_), entry_gen(w), entry_tag(w));
   if (!coh_.claim(&entry(c.slot)->state, w, ev)) return false;
+  coh_.fault("evict.claimed");
   if (is_pinned(c.slot, entry_gen(ev))) {
     coh_.publish(&entry(c.slot)->state, c.word);
     count(kEvictSkippedPinned);
@@ -203,7 +204,7 @@ bool Pool::evict_victim(const Victim& c, const NsHandle* ns, uint64_t* out_chunk
     count(kEvictions);
     return false;
   }
-  coh_.publish(d, make_block_word(kBlockUsed, uint8_t(node_id_), my_epoch8(), new_owner_slot));
+  coh_.publish_shared(d, make_block_word(kBlockUsed, uint8_t(node_id_), my_epoch8(), new_owner_slot));
   coh_.publish(&entry(c.slot)->state, make_entry_word(kTombstone, 0, entry_gen(ev), entry_tag(ev)));
   *out_chunk = e.chunk;
   *out_block = e.block;
@@ -330,10 +331,12 @@ PutResult Pool::put_ex(const NsHandle& ns, const Key& key, const Piece* src, siz
     if (!coh_.claim(&entry(reuse)->state, reuse_word, writing)) continue;
     {  // name the key at once, so that other puts of it see it in flight (format.h)
       IndexEntry* e = entry(reuse);
+      coh_.check_fence();  // multihost: before plain stores (a dirty line reaches memory anyway)
       std::memcpy(e->key, key.data(), 32);
       e->ns_id = ns.id;
       coh_.flush(e, sizeof *e);
       coh_.fence();
+      coh_.fault("insert.claimed");
     }
     auto abandon = [&] {
       IndexEntry* e = entry(reuse);
@@ -391,6 +394,7 @@ bool Pool::fill_claimed(const NsHandle& ns, const Key& key, const Piece* src, si
       count(kPutsFailed);
       return false;
     }
+    coh_.check_fence();
     e->chunk = uint32_t(chunk);  // written early so a reclaimer can find the block
     e->block = uint16_t(block);
     coh_.flush(e, sizeof *e);
@@ -401,6 +405,9 @@ bool Pool::fill_claimed(const NsHandle& ns, const Key& key, const Piece* src, si
       dst += src[i].bytes;
     }
     coh_.stream_fence();  // payload reaches memory before the entry can say READY
+    coh_.stream_written(block_payload(ns, chunk, block), total);
+    coh_.fault("insert.copied");
+    coh_.check_fence();
     e->depth = depth;
     e->length = uint32_t(total);
     e->checksum = hs.digest();
@@ -567,6 +574,7 @@ bool Pool::remove(const NsHandle& ns, const Key& key) {
   if (is_pinned(f.slot, entry_gen(w))) return false;
   uint64_t ev = make_entry_word(kEvicting, uint8_t(node_id_), entry_gen(w), entry_tag(w));
   if (!coh_.claim(&entry(f.slot)->state, w, ev)) return false;
+  coh_.fault("evict.claimed");
   if (is_pinned(f.slot, entry_gen(ev))) {
     coh_.publish(&entry(f.slot)->state, f.word);
     return false;

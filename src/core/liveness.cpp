@@ -58,6 +58,8 @@ struct Beat {
   Coherence coh;
   std::atomic<bool>* fenced;
   const std::function<bool()>* intact;  // false once the pool file shrank: stop touching it
+  std::atomic<uint64_t>* last_beat;     // mono_ns taken before the last beat published (fencing)
+  uint64_t lapse_ns;                    // > 0: fence instead of beating after such a gap
 };
 struct State {
   std::mutex mu;  // guards everything below; held across fork() by the atfork handlers
@@ -98,17 +100,7 @@ void fork_child() {
 // into the lost pages would be a SIGBUS, and nothing of ours there matters any more).
 bool beat_once(Beat& b) {
   if (b.intact && !(*b.intact)()) return false;
-  uint64_t w = b.coh.read(&b.slot->state);
-  if (w != b.expected) {  // reclaimed while alive (paused past the lease, or a forced reap)
-    b.fenced->store(true, std::memory_order_release);
-    return false;
-  }
-  b.coh.invalidate(&b.slot->beat, sizeof(uint64_t) * 2);
-  b.slot->beat_unix_ns = uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                      std::chrono::system_clock::now().time_since_epoch()).count());
-  b.coh.publish(&b.slot->beat, b.slot->beat + 1);
-  b.coh.flush(&b.slot->beat_unix_ns, sizeof(uint64_t));
-  return true;
+  return beat(b.slot, b.expected, b.coh, b.fenced, b.last_beat, b.lapse_ns);
 }
 
 void heartbeat_loop() {
@@ -202,12 +194,35 @@ bool lock_held_by_other(const LockFile& f, uint64_t off) {
   return fl.l_type != F_UNLCK;
 }
 
+bool beat(NodeSlot* slot, uint64_t expected, const Coherence& coh, std::atomic<bool>* fenced,
+          std::atomic<uint64_t>* last_beat, uint64_t lapse_ns) {
+  if (fenced->load(std::memory_order_acquire)) return false;
+  if (last_beat && lapse_ns && mono_ns() - last_beat->load(std::memory_order_acquire) > lapse_ns) {
+    fenced->store(true, std::memory_order_release);
+    return false;
+  }
+  uint64_t w = coh.read(&slot->state);
+  if (w != expected) {  // reclaimed while alive (paused past the lease, or a forced reap)
+    fenced->store(true, std::memory_order_release);
+    return false;
+  }
+  const uint64_t before = mono_ns();  // conservative: the beat becomes visible after this
+  coh.invalidate(&slot->beat, sizeof(uint64_t) * 2);
+  slot->beat_unix_ns = uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                    std::chrono::system_clock::now().time_since_epoch()).count());
+  coh.publish(&slot->beat, slot->beat + 1);
+  coh.flush(&slot->beat_unix_ns, sizeof(uint64_t));
+  if (last_beat) last_beat->store(before, std::memory_order_release);
+  return true;
+}
+
 uint64_t start_heartbeat(NodeSlot* slot, uint64_t expected, uint64_t interval_ns, Coherence coh,
-                         std::atomic<bool>* fenced, const std::function<bool()>* intact) {
+                         std::atomic<bool>* fenced, const std::function<bool()>* intact,
+                         std::atomic<uint64_t>* last_beat, uint64_t lapse_ns) {
   State& s = state();
   std::lock_guard<std::mutex> g(s.mu);
   uint64_t h = s.next_handle++;
-  s.beats.push_back(Beat{h, slot, expected, interval_ns, mono_ns() + interval_ns, coh, fenced, intact});
+  s.beats.push_back(Beat{h, slot, expected, interval_ns, mono_ns() + interval_ns, coh, fenced, intact, last_beat, lapse_ns});
   if (!s.thread_running) {
     s.thread_running = true;
     std::thread(heartbeat_loop).detach();

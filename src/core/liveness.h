@@ -54,8 +54,17 @@ uint32_t domain_tag(uint64_t host_id, uint64_t lock_id);
 // Registers the heartbeat of one attachment with the process's heartbeat thread. Every interval
 // it checks that the slot's state word still equals `expected` (else the node was reclaimed:
 // *fenced is set and beating stops) and advances slot->beat. Unregister before unmapping.
+// last_beat (optional) receives the monotonic time taken just before each beat was published: the
+// multihost fence (arbiter.h) refuses to store once it is older than half a lease.
 uint64_t start_heartbeat(format::NodeSlot* slot, uint64_t expected, uint64_t interval_ns, Coherence coh,
-                         std::atomic<bool>* fenced, const std::function<bool()>* intact = nullptr);
+                         std::atomic<bool>* fenced, const std::function<bool()>* intact = nullptr,
+                         std::atomic<uint64_t>* last_beat = nullptr, uint64_t lapse_ns = 0);
+// One beat, as the heartbeat thread does it (the emulator's hosts call it from their own thread):
+// false, and *fenced set, once the slot's state word is no longer `expected`, or (lapse_ns > 0)
+// once the previous beat is older than lapse_ns: a node that stood still that long may have been
+// declared dead already, and a fresh beat must not un-fence it (multihost fencing, arbiter.h).
+bool beat(format::NodeSlot* slot, uint64_t expected, const Coherence& coh, std::atomic<bool>* fenced,
+          std::atomic<uint64_t>* last_beat, uint64_t lapse_ns = 0);
 void stop_heartbeat(uint64_t handle);
 
 uint64_t mono_ns();

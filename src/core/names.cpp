@@ -26,6 +26,7 @@ namespace {
 constexpr NamedCode kBackends[] = {
     {uint32_t(Backend::coherent), "coherent"},
     {uint32_t(Backend::flush), "flush"},
+    {uint32_t(Backend::multihost), "multihost"},
 };
 
 constexpr NamedCode kLayoutKinds[] = {

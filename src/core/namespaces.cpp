@@ -113,7 +113,12 @@ NsHandle Pool::open_namespace(const Layout& want) {
   struct Unlock {
     Pool* p;
     uint64_t* w;
-    ~Unlock() { p->coh_.publish(w, 0); }
+    ~Unlock() {
+      try {
+        p->coh_.publish(w, 0);
+      } catch (...) {  // fenced: the lock is broken by whoever reclaims this node
+      }
+    }
   } unlock{this, lock};
   if (lookup(&h)) return h;
   for (uint32_t id = 1; id <= hdr_->max_namespaces; ++id) {
@@ -121,6 +126,7 @@ NsHandle Pool::open_namespace(const Layout& want) {
     uint64_t w = coh_.read(&e->state);
     if (ns_state(w) != kNsFree) continue;
     if (!coh_.claim(&e->state, w, make_ns_word(kNsCreating, uint8_t(node_id_)))) continue;
+    coh_.check_fence();  // before the plain stores: a dirty line reaches memory flushed or not
     std::memset(reinterpret_cast<char*>(e) + 8, 0, sizeof *e - 8);
     e->fingerprint = fp;
     e->layout = want.fields();

@@ -32,6 +32,8 @@ void Pool::attach_node() {
   const uint64_t lease_ns = uint64_t(hdr_->lease_ms) * 1'000'000;
   const uint64_t deadline = liveness::mono_ns() + lease_ns + lease_ns / 4;
   for (;;) {
+    // Not attached yet: nobody can declare us dead, so the fence starts from now (multihost).
+    last_beat_ns_.store(liveness::mono_ns(), std::memory_order_release);
     for (uint32_t i = 0; i < hdr_->max_nodes; ++i) {
       NodeSlot* s = node_slot(i);
       uint64_t w = coh_.read(&s->state);
@@ -47,16 +49,23 @@ void Pool::attach_node() {
         continue;
       }
       // We own the slot: its area is ours to reset.
+      coh_.check_fence();
       auto* fx = node_fixed(i);
       uint64_t hw = coh_.read(&fx->pin_hw);
       if (hw > hdr_->pin_slots) hw = hdr_->pin_slots;
+      // Fresh lines under all our later stores, up to pin_slots, not only pin_hw: a reclaimer
+      // cleared the pins of the last owner, and a stale line of ours would bring them back when we
+      // publish a neighbouring pin (found by the emulator).
+      coh_.invalidate(node_area(i), sizeof(NodeAreaFixed) + uint64_t(hdr_->pin_slots) * 8);
       std::memset(pins(i), 0, hw * 8);
       // Counters are kept across attachments: they accumulate per slot (one writer at a time),
       // so `pool stats` still counts the work of processes that have exited.
       coh_.publish(&fx->pin_hw, 0);
       coh_.flush(node_area(i), sizeof(NodeAreaFixed) + hw * 8);
       coh_.invalidate(s, sizeof *s);
+      coh_.check_fence();
       s->pid = pid_;
+      s->host_slot = bakery_ ? host_slot_ + 1 : 0;
       s->pid_ns = pid_ns_inode();
       s->host_id = host_id_;
       s->lock_id = lock_.lock_id;
@@ -67,8 +76,14 @@ void Pool::attach_node() {
       node_word_ = make_node_word(kNodeAlive, domain_, node_epoch(claimed));
       coh_.publish(&s->state, node_word_);
       node_id_ = i + 1;
-      heartbeat_ = liveness::start_heartbeat(s, node_word_, std::max<uint64_t>(lease_ns / 4, 1'000'000), coh_, &fenced_, &intact_);
-      start_admin_responder();  // answers `pool ping` (rpc_admin.cpp)
+      if (bakery_) bakery_->set_node(node_id_, node_word_);
+      // An emulated host beats from its own thread (heartbeat_tick), so that a pause stops it.
+      if (!emu_.base)
+        heartbeat_ = liveness::start_heartbeat(s, node_word_, std::max<uint64_t>(lease_ns / 4, 1'000'000),
+                                               coh_.unarbitrated(), &fenced_, &intact_, &last_beat_ns_,
+                                               bakery_ ? lease_ns / 2 : 0);
+      if (bakery_) check_host_slot_unique();
+      if (!emu_.base) start_admin_responder();  // answers `pool ping` (rpc_admin.cpp)
       return;
     }
     uint64_t undecided = 0;
@@ -81,6 +96,28 @@ void Pool::attach_node() {
   throw NodeTableFullError("pool " + path_ + ": all " + std::to_string(hdr_->max_nodes) +
                            " node slots are taken by live processes (see `cxlkv pool info`; "
                            "`cxlkv pool reap NODE` reclaims one)");
+}
+
+// multihost: two live attachments on one host slot would share one bakery row, and the bakery
+// excludes nothing between them. Refuse the second (a race of two attaching at once is not
+// caught: host slots are configuration, see docs/ARCHITECTURE.md).
+void Pool::check_host_slot_unique() {
+  for (uint32_t i = 0; i < hdr_->max_nodes; ++i) {
+    if (i + 1 == node_id_) continue;
+    NodeSlot* s = node_slot(i);
+    uint64_t w = coh_.read(&s->state);
+    if (node_state(w) != kNodeAlive) continue;
+    coh_.invalidate(s, sizeof *s);
+    if (s->host_slot != host_slot_ + 1) continue;
+    {
+      std::lock_guard<std::mutex> g(reap_mu_);
+      if (judge(i, w).verdict == NodeInfo::kDead) continue;
+    }
+    uint32_t other = i + 1;
+    detach_node();
+    throw HostSlotBusyError("pool " + path_ + ": host slot " + std::to_string(host_slot_) + " is already used by node " +
+                        std::to_string(other) + "; give every process of a multihost pool its own slot (CXLKV_HOST_SLOT)");
+  }
 }
 
 void Pool::detach_node() {
@@ -242,6 +279,7 @@ void Pool::reclaim_node(uint32_t idx, uint64_t reclaiming_word) {
   // 1. Pins: the dead node reads nothing any more.
   auto* fx = node_fixed(idx);
   uint64_t hw = std::min<uint64_t>(coh_.read(&fx->pin_hw), hdr_->pin_slots);
+  coh_.invalidate(pins(idx), hw * 8);  // multihost: write back zeros over its lines, not our stale copy
   for (uint64_t p = 0; p < hw; ++p) coh_.publish(&pins(idx)[p], 0);
   coh_.publish(&fx->pin_hw, 0);
   // 2. Index entries it was writing or evicting: free their block, then tombstone the slot.

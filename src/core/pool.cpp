@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <chrono>
 #include <cstddef>
 #include <cstring>
@@ -68,6 +69,12 @@ void plan_geometry(PoolHeader& h, const CreateOptions& opt) {
   if (slots < 64 || slots > (1ull << 36)) throw ArgumentError("index_slots out of range");
 
   uint64_t off = kSharedWordsOff + kMetaAlign;
+  if (opt.backend == Backend::multihost) {
+    uint32_t hosts = opt.lock_hosts ? opt.lock_hosts : kLockHostsDefault;
+    if (hosts > kMaxLockHosts) throw ArgumentError("lock_hosts must be in 1.." + std::to_string(kMaxLockHosts));
+    h.lock_hosts = hosts;
+    off = round_up(kLockAreaOff + uint64_t(kLockStripes) * hosts * sizeof(LockLine), kMetaAlign);
+  }
   h.node_table_off = off;
   off = round_up(off + uint64_t(opt.max_nodes) * sizeof(NodeSlot), kMetaAlign);
   h.node_area_bytes = round_up(admin_mailbox_off(pin_slots) + admin_mailbox_bytes(opt.max_nodes), kMetaAlign);
@@ -159,7 +166,7 @@ std::unique_ptr<Pool> Pool::create(const std::string& path, const CreateOptions&
   h.header_bytes = sizeof(PoolHeader);
   h.compat = kCompatAdminMailbox;
   h.backend = uint32_t(opt.backend);
-  if (opt.backend != Backend::coherent && opt.backend != Backend::flush)
+  if (opt.backend != Backend::coherent && opt.backend != Backend::flush && opt.backend != Backend::multihost)
     throw ArgumentError("unknown backend");
   if (::getrandom(h.uuid, sizeof h.uuid, 0) != sizeof h.uuid) throw OsError(errno, "getrandom failed");
   h.created_unix_ns = now_unix_ns();
@@ -237,10 +244,73 @@ std::unique_ptr<Pool> Pool::open(const std::string& path, const OpenOptions& opt
   std::unique_ptr<Pool> p(new Pool());
   p->path_ = path;
   p->read_only_ = opt.read_only;
+  p->want_slot_ = opt.host_slot;
   p->map_ = Mapping::open_existing(path, opt.populate, opt.read_only, opt.allow_foreign_owner || opt.read_only,
                                    opt.allow_group);
   p->validate_and_attach(false, opt.attach && !opt.read_only);
   return p;
+}
+
+std::unique_ptr<Pool> Pool::open_emulated(const EmulatedHost& host, bool attach) {
+  if (!host.base || !host.model) throw ArgumentError("emulated host without memory or cache model");
+  std::unique_ptr<Pool> p(new Pool());
+  p->path_ = "emulated:host" + std::to_string(host.host_slot);
+  p->emu_ = host;
+  p->validate_and_attach(false, attach);
+  return p;
+}
+
+// multihost: the bakery over this attachment's host slot (arbiter.h), then every claim of coh_
+// goes through it. The slot comes from the caller, CXLKV_HOST_SLOT, or the host id.
+void Pool::setup_arbiter(int want, bool observer) {
+  const PoolHeader& h = *hdr_;
+  if (want < 0) {
+    if (const char* e = std::getenv("CXLKV_HOST_SLOT")) {
+      char* end = nullptr;
+      long v = std::strtol(e, &end, 10);
+      if (!*e || *end || v < 0 || v >= long(h.lock_hosts))
+        throw ArgumentError("CXLKV_HOST_SLOT must be in 0.." + std::to_string(h.lock_hosts - 1));
+      want = int(v);
+    } else if (h.lock_hosts == 1) {
+      want = 0;
+    } else {
+      // Default: the last row for observers (check, stats, reap), the others by host id.
+      want = observer ? int(h.lock_hosts - 1) : int(host_id_ % (h.lock_hosts - 1));
+    }
+  }
+  if (uint32_t(want) >= h.lock_hosts)
+    throw ArgumentError("host slot must be in 0.." + std::to_string(h.lock_hosts - 1));
+  host_slot_ = uint32_t(want);
+  last_beat_ns_.store(liveness::mono_ns(), std::memory_order_release);
+  Bakery::Config c;
+  c.base = base_;
+  c.hosts = h.lock_hosts;
+  c.slot = host_slot_;
+  c.max_nodes = h.max_nodes;
+  c.nodes = reinterpret_cast<NodeSlot*>(base_ + h.node_table_off);
+  c.lease_ns = uint64_t(h.lease_ms) * 1'000'000;
+  c.coh = Coherence(Backend::multihost, emu_.model);
+  c.fenced = &fenced_;
+  c.last_beat = &last_beat_ns_;
+  if (emu_.base) c.tick = [this] { heartbeat_tick(); };
+  bakery_ = std::make_unique<Bakery>(std::move(c));
+  coh_ = Coherence(Backend::multihost, emu_.model, bakery_.get());
+}
+
+bool Pool::heartbeat_tick() {
+  // One beat at a time: a beat's own coherence calls may reach a point where the emulator ticks
+  // again (two writers of the heartbeat line would break its one-writer rule).
+  if (beating_.exchange(true, std::memory_order_acquire)) return true;
+  struct Done {
+    std::atomic<bool>& b;
+    ~Done() { b.store(false, std::memory_order_release); }
+  } done{beating_};
+  if (!base_ || !node_id_) {  // not attached yet: nobody can declare us dead
+    last_beat_ns_.store(liveness::mono_ns(), std::memory_order_release);
+    return true;
+  }
+  return liveness::beat(node_slot(node_id_ - 1), node_word_, coh_.unarbitrated(), &fenced_, &last_beat_ns_,
+                        bakery_ ? uint64_t(hdr_->lease_ms) * 1'000'000 / 2 : 0);
 }
 
 namespace {
@@ -329,7 +399,8 @@ void Pool::check_truncated() const {
 
 void Pool::validate_and_attach(bool fresh, bool attach) {
   (void)fresh;
-  char* b = map_.base();
+  char* b = emu_.base ? emu_.base : map_.base();
+  const uint64_t mapped = emu_.base ? emu_.size : map_.size();
   // Validate a private copy: the shared header can change under us (F1), so every check below and
   // every later use reads the same bytes.
   std::memcpy(&hdr_copy_, b, sizeof hdr_copy_);
@@ -367,13 +438,16 @@ void Pool::validate_and_attach(bool fresh, bool attach) {
       h.stamp_node_slot != sizeof(NodeSlot) || h.stamp_node_area_fixed != sizeof(NodeAreaFixed) ||
       h.stamp_namespace != sizeof(NamespaceEntry) || h.stamp_index_entry != sizeof(IndexEntry))
     throw VersionError("pool " + P + " was created by a build with another memory layout (build stamp differs)");
-  if (h.pool_bytes > map_.size())
+  if (h.pool_bytes > mapped)
     throw TruncatedError("pool " + P + " is truncated: header says " + std::to_string(h.pool_bytes) +
-                         " bytes, the file has " + std::to_string(map_.size()));
+                         " bytes, the file has " + std::to_string(mapped));
   // Geometry: every area inside the pool, in order, without overlap.
   auto bad = [&](const char* what) { throw FormatError("pool " + P + " has an impossible geometry (" + what + ")"); };
-  if (h.backend != uint32_t(Backend::coherent) && h.backend != uint32_t(Backend::flush)) bad("backend");
-  if (h.reserved1 != 0) bad("reserved1 is not zero");
+  if (h.backend != uint32_t(Backend::coherent) && h.backend != uint32_t(Backend::flush) &&
+      h.backend != uint32_t(Backend::multihost))
+    bad("backend");
+  const bool multihost = h.backend == uint32_t(Backend::multihost);
+  if (multihost ? (h.lock_hosts == 0 || h.lock_hosts > kMaxLockHosts) : h.lock_hosts != 0) bad("lock_hosts");
   if (h.max_nodes == 0 || h.max_nodes > kMaxNodes) bad("max_nodes");
   if (h.lease_ms < kLeaseMsMin || h.lease_ms > kLeaseMsMax) bad("lease_ms");
   if (h.pin_slots == 0 || h.pin_slots > (1u << 20)) bad("pin_slots");
@@ -387,6 +461,7 @@ void Pool::validate_and_attach(bool fresh, bool attach) {
   if (h.node_area_bytes > h.pool_bytes / h.max_nodes) bad("node_area_bytes");  // F6: no wrap below
   // Overflow-safe: a forged header (the checksum is no authentication) must not wrap a product.
   uint64_t end = kSharedWordsOff + kMetaAlign;
+  if (multihost) end = kLockAreaOff + uint64_t(kLockStripes) * h.lock_hosts * sizeof(LockLine);
   auto area = [&](uint64_t off, uint64_t count, uint64_t each, const char* what) {
     uint64_t len, stop;
     if (__builtin_mul_overflow(count, each, &len) || __builtin_add_overflow(off, len, &stop)) bad(what);
@@ -401,13 +476,13 @@ void Pool::validate_and_attach(bool fresh, bool attach) {
   area(h.chunk_map_off, h.chunk_count, 8, "chunk map");
   uint64_t stride = chunk_desc_bytes(h.chunk_bytes) + h.chunk_bytes;
   area(h.arena_off, h.chunk_count, stride, "arena");
-  uint64_t init = Coherence(Backend::flush).read(&sw->init.word);  // valid for any backend
+  uint64_t init = Coherence(Backend::flush, emu_.model).read(&sw->init.word);  // valid for any backend
   if (init != kInitReady)
     throw NotReadyError("pool " + P + " was never completely initialized (its creator died or is still running); remove it (cxlkv pool destroy --force) and re-create it");
 
   base_ = b;
   hdr_ = &hdr_copy_;
-  coh_ = Coherence(Backend(h.backend));
+  coh_ = Coherence(Backend(h.backend), emu_.model);
   entries_ = reinterpret_cast<IndexEntry*>(b + h.index_off);
   access_ = reinterpret_cast<uint64_t*>(b + h.access_off);
   slot_mask_ = h.index_slots - 1;
@@ -418,11 +493,12 @@ void Pool::validate_and_attach(bool fresh, bool attach) {
   // Liveness identity (nodes.cpp, liveness.h): this kernel, and the lock descriptor by which the
   // nodes of this kernel judge each other. An observer (attach=false) judges but takes no slot; a
   // read-only inspection judges for display only and reclaims nothing.
-  host_id_ = liveness::host_id();
-  lock_ = liveness::open_lock_file(path_, map_.file_dev(), map_.file_ino());
+  host_id_ = emu_.base ? emu_.host_id : liveness::host_id();
+  if (!emu_.base) lock_ = liveness::open_lock_file(path_, map_.file_dev(), map_.file_ino());
   domain_ = liveness::domain_tag(host_id_, lock_.lock_id);
   watch_.assign(h.max_nodes, Watch{});
   if (read_only_) return;
+  if (multihost) setup_arbiter(emu_.base ? emu_.host_slot : want_slot_, !attach);
   reap_dead_nodes();
   if (attach) attach_node();
   check_truncated();
@@ -442,7 +518,20 @@ void Pool::ensure_usable() const {
   check_truncated();
 }
 
+void Pool::abandon() {
+  fenced_.store(true, std::memory_order_release);
+  liveness::stop_heartbeat(heartbeat_);
+  heartbeat_ = 0;
+  node_id_ = 0;
+  if (fork_generation_ == fork_generation()) liveness::close_lock_file(lock_);
+  lock_ = liveness::LockFile{};
+  base_ = nullptr;
+  hdr_ = nullptr;
+  map_ = Mapping();
+}
+
 bool Pool::mapping_intact() const {
+  if (emu_.base) return base_ != nullptr;
   if (!base_ || map_.truncated()) return false;
   if (map_.devdax() || lock_.fd < 0) return true;  // a device does not shrink; no fd to ask
   struct stat st;  // lock_.fd names the mapped inode (checked when it was opened)
@@ -503,6 +592,7 @@ std::vector<uint64_t> Pool::counters() {
   std::vector<uint64_t> sum(kCounterCount, 0);
   for (uint32_t i = 0; i < hdr_->max_nodes; ++i) {  // every slot: counters outlive attachments
     auto* f = node_fixed(i);
+    if (i + 1 != node_id_) coh_.invalidate(f->counters, sizeof f->counters);  // others' lines only
     for (uint32_t c = 0; c < kCounterCount; ++c) sum[c] += coh_.read_hint(&f->counters[c]);
   }
   return sum;

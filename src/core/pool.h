@@ -12,6 +12,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "arbiter.h"
 #include "checksum.h"
 #include "coherence.h"
 #include "errors.h"
@@ -32,6 +33,7 @@ struct CreateOptions {
   uint32_t max_namespaces = 64;
   Backend backend = Backend::coherent;
   uint32_t lease_ms = format::kLeaseMsDefault;  // heartbeat lease for nodes of another kernel
+  uint32_t lock_hosts = 0;    // multihost: host slots of the lock area; 0: kLockHostsDefault
   bool allow_foreign_owner = false;  // with exist_ok: see OpenOptions
   bool allow_group = false;
 };
@@ -66,6 +68,19 @@ struct OpenOptions {
   // false: an observer (check, info, stats, reap, destroy): no node slot, so it works on a full
   // node table; it may still reclaim dead nodes; it cannot open namespaces.
   bool attach = true;
+  // multihost: this process's row in the lock area, 0..lock_hosts-1; -1: CXLKV_HOST_SLOT, else
+  // derived from the host id. Every attached process of a multihost pool needs its own slot.
+  int host_slot = -1;
+};
+
+// A simulated host of the non-coherence emulator (src/sim): the pool is its private copy of the
+// shared region, every flush/invalidate goes through `model`. Test only.
+struct EmulatedHost {
+  char* base = nullptr;  // this host's private copy of the pool
+  uint64_t size = 0;
+  CacheModel* model = nullptr;
+  uint64_t host_id = 0;  // liveness identity (lease only: no lock file)
+  int host_slot = 0;
 };
 
 struct DestroyOptions {
@@ -147,10 +162,20 @@ class Pool {
   static std::unique_ptr<Pool> open(const std::string& path, bool populate = false, bool attach = true);
   static std::unique_ptr<Pool> open(const std::string& path, const OpenOptions& opt);
   static void destroy(const std::string& path, const DestroyOptions& opt = {});
+  // Attaches a simulated host to an emulated region (tests; src/sim). The region must hold a pool
+  // created by create(); heartbeats are this host's own business (heartbeat_tick).
+  static std::unique_ptr<Pool> open_emulated(const EmulatedHost& host, bool attach = true);
+  // One heartbeat of an emulated host (the heartbeat thread does it for real attachments).
+  bool heartbeat_tick();
+  uint32_t host_slot() const { return host_slot_; }
+  const Bakery* bakery() const { return bakery_.get(); }
   // Node ids (1-based) whose slot is not FREE after reaping the dead ones, with their pids.
   std::vector<std::pair<uint32_t, uint32_t>> attached_nodes();
   ~Pool();
   void close();
+  // Forgets this attachment without one more store into the pool (a crashed or fenced simulated
+  // host; or a process that knows it was fenced): peers reclaim its node by lease.
+  void abandon();
   bool closed() const { return !base_; }
   // Throws if the pool is closed, or if this attachment was inherited through fork(): the child
   // does not own the parent's node slot and must open the pool itself.
@@ -162,7 +187,7 @@ class Pool {
 
   // --- identity ---------------------------------------------------------------------------
   const std::string& path() const { return path_; }
-  uint64_t size() const { return map_.size(); }
+  uint64_t size() const { return emu_.base ? emu_.size : map_.size(); }
   uint32_t node_id() const { return node_id_; }
   const format::PoolHeader& header() const { return *hdr_; }  // the private validated copy
   bool read_only() const { return read_only_; }
@@ -325,7 +350,16 @@ class Pool {
   liveness::LockFile lock_;
   uint32_t domain_ = 0;
   uint64_t heartbeat_ = 0;          // handle with the process heartbeat thread
-  std::atomic<bool> fenced_{false};  // this node was reclaimed while alive (L3)
+  std::atomic<bool> fenced_{false};  // this node was reclaimed while alive (L3), or fenced itself
+  // multihost (arbiter.h): the cross-host lock and fence; the time before the last published beat
+  std::unique_ptr<Bakery> bakery_;
+  std::atomic<uint64_t> last_beat_ns_{0};
+  std::atomic<bool> beating_{false};  // heartbeat_tick re-entry guard
+  uint32_t host_slot_ = 0;
+  EmulatedHost emu_{};  // set for a simulated host only
+  int want_slot_ = -1;  // OpenOptions::host_slot
+  void setup_arbiter(int want_slot, bool observer);
+  void check_host_slot_unique();
   std::mutex reap_mu_;               // one reclaim at a time per lock descriptor
   struct Watch {                     // lease observations of this judge, per slot
     uint64_t word = 0, beat = 0, since_ns = 0;

@@ -325,6 +325,8 @@ nb::dict info_dict(Pool& p) {
   d["file_ino"] = p.file_ino();
   d["read_only"] = p.read_only();
   d["lease_ms"] = h.lease_ms;
+  d["lock_hosts"] = h.lock_hosts;  // multihost: rows of the lock area (0 otherwise)
+  d["host_slot"] = h.lock_hosts ? int64_t(p.host_slot()) : int64_t(-1);
   d["nt_copy_kernel"] = nt_copy_kernel_name();
   return d;
 }
@@ -456,9 +458,10 @@ NB_MODULE(_core, m) {
           "create",
           [](const std::string& path, uint64_t size, uint64_t chunk_bytes, uint64_t index_slots, uint32_t max_nodes,
              uint32_t pin_slots, uint32_t max_namespaces, const std::string& backend, bool exist_ok,
-             uint32_t lease_ms, bool allow_foreign_owner, bool allow_group) {
+             uint32_t lease_ms, bool allow_foreign_owner, bool allow_group, uint32_t lock_hosts) {
             CreateOptions o;
             o.lease_ms = lease_ms;
+            o.lock_hosts = lock_hosts;
             o.allow_foreign_owner = allow_foreign_owner, o.allow_group = allow_group;
             o.size = size, o.chunk_bytes = chunk_bytes, o.index_slots = index_slots;
             o.max_nodes = max_nodes, o.pin_slots = pin_slots, o.max_namespaces = max_namespaces;
@@ -478,12 +481,13 @@ NB_MODULE(_core, m) {
           "pin_slots"_a = kCreateDefaults.pin_slots, "max_namespaces"_a = kCreateDefaults.max_namespaces,
           "backend"_a = backend_name(kCreateDefaults.backend), "exist_ok"_a = false,
           "lease_ms"_a = kCreateDefaults.lease_ms, "allow_foreign_owner"_a = false,
-          "allow_group"_a = false, nb::rv_policy::take_ownership)
+          "allow_group"_a = false, "lock_hosts"_a = kCreateDefaults.lock_hosts, nb::rv_policy::take_ownership)
       .def_static(
           "open",
           [](const std::string& path, bool populate, bool read_only, bool attach, bool allow_foreign_owner,
-             bool allow_group) {
+             bool allow_group, int host_slot) {
             OpenOptions o;
+            o.host_slot = host_slot;
             o.populate = populate, o.read_only = read_only, o.attach = attach;
             o.allow_foreign_owner = allow_foreign_owner, o.allow_group = allow_group;
             auto* pp = new PyPool();
@@ -497,7 +501,7 @@ NB_MODULE(_core, m) {
             return pp;
           },
           "path"_a, "populate"_a = false, "read_only"_a = false, "attach"_a = true, "allow_foreign_owner"_a = false,
-          "allow_group"_a = false, nb::rv_policy::take_ownership)
+          "allow_group"_a = false, "host_slot"_a = -1, nb::rv_policy::take_ownership)
       .def_static("destroy", [](const std::string& path, bool ignore_attached, bool remove_invalid) {
             DestroyOptions o;
             o.ignore_attached = ignore_attached, o.remove_invalid = remove_invalid;

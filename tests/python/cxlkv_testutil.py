@@ -47,7 +47,7 @@ HEADER_FIELDS = {
     "pin_slots": (108, "<I"),
     "ns_table_off": (112, "<Q"),
     "max_namespaces": (120, "<I"),
-    "reserved1": (124, "<I"),
+    "lock_hosts": (124, "<I"),
     "index_off": (128, "<Q"),
     "index_slots": (136, "<Q"),
     "access_off": (144, "<Q"),

@@ -158,10 +158,11 @@ def test_unknown_ro_compat_feature_opens_read_only_only(pool_path):
     assert r.returncode == 0, (r.stdout, r.stderr)
 
 
-def test_reserved_header_field_must_be_zero(pool_path):
+def test_lock_hosts_must_be_zero_outside_multihost(pool_path):
+    # The field that was reserved1 (must be zero) is lock_hosts now: zero unless multihost.
     make_file_pool(pool_path)
-    tu.patch_header_field(pool_path, "reserved1", 7)
-    with pytest.raises(cxlkv.PoolFormatError, match="reserved1"):
+    tu.patch_header_field(pool_path, "lock_hosts", 7)
+    with pytest.raises(cxlkv.PoolFormatError, match="lock_hosts"):
         cxlkv.Pool.open(pool_path)
     assert_cli_rejects(pool_path)
 

@@ -462,3 +462,13 @@ def test_pool_ping_and_bench_rpc_smoke(pool_path, tmp_path):
     small = ["--iterations", "20", "--warmup", "2", "--depth", "2", "--batches", "4", "--dir", str(tmp_path)]
     out = json_of(ok(cxlkv_cli("bench", "rpc", "--json", *small)), {"rpc_p50_ns", "tcp_p50_ns", "uds_p50_ns"})
     assert out["rpc_p50_ns"] > 0
+
+
+def test_sim_smoke():
+    """``cxlkv sim``: a short clean run through the installed CLI (the proof itself, many seeds and
+    every negative control, is tests/cpp/test_multihost.cpp and tests/python/test_sim.py)."""
+    out = json_of(
+        ok(cxlkv_cli("sim", "--hosts", "2", "--seconds", "0.5", "--seed", "3", "--json")),
+        {"ops", "verified_reads", "violations", "crashes", "pauses"},
+    )
+    assert out["violations"] == 0 and out["ops"] > 0

@@ -313,3 +313,44 @@ def cmd_bench_rpc(args: argparse.Namespace) -> int:
     )
     print(f"zmq: {res['zmq_note']}")
     return ExitCode.OK
+
+
+# ---------------------------------------------------------------------------------------------
+# sim: the multi-host proof (cxlkv.tools.sim, the cxlkv-sim emulator)
+
+
+def cmd_sim(args: argparse.Namespace) -> int:
+    from cxlkv.tools import sim
+
+    r = sim.run(
+        args.hosts,
+        args.seconds,
+        args.seed,
+        args.brk,
+        args.lease_ms,
+        args.backend,
+        not args.no_crashes,
+        not args.no_pauses,
+        args.fault,
+    )
+    expect_clean = args.brk is None and args.backend == "multihost"
+    ok = (r["violations"] == 0) if expect_clean else (r["violations"] > 0)
+    if args.json:
+        print(json.dumps(r))
+    else:
+        kinds = ", ".join(f"{k} {v}" for k, v in r["violation_kinds"].items() if v) or "none"
+        print(
+            f"{r['hosts']} hosts, {r['seconds']} s, seed {r['seed']}, backend {r['backend']}, "
+            f"break {r['break'] or '-'}"
+        )
+        print(
+            f"ops {r['ops']}  verified reads {r['verified_reads']}  crashes {r['crashes']}  "
+            f"pauses {r['pauses']}  fenced {r['fenced']}  lock skips {r['lock_skips']}"
+        )
+        print(f"violations {r['violations']} ({kinds})")
+        for n in r.get("notes", [])[:6]:
+            print(f"  {n}")
+    if not ok:
+        what = "violations found" if expect_clean else "the negative control was NOT caught"
+        raise CommandError(f"sim: {what}", exit_code=ExitCode.CHECK_FAILED)
+    return ExitCode.OK

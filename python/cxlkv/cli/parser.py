@@ -18,6 +18,7 @@ from cxlkv.errors import exit_codes_text
 from cxlkv.paths import default_pool_path
 from cxlkv.sizes import parse_size
 from cxlkv.tools._common import GEOMETRIES
+from cxlkv.tools.sim import BREAKS, FAULTS
 
 from .commands import (
     cmd_bench_copy,
@@ -32,6 +33,7 @@ from .commands import (
     cmd_pool_ping,
     cmd_pool_reap,
     cmd_pool_stats,
+    cmd_sim,
 )
 
 __all__ = ["build_parser"]
@@ -357,4 +359,31 @@ def build_parser() -> argparse.ArgumentParser:
         "conversation moved from one to the other, TTFT against plain vLLM (needs vLLM)",
     )
     dm.set_defaults(func=cmd_demo)
+    # sim ----------------------------------------------------------------------------------------
+    sm = sub.add_parser("sim", help="multi-host proof: simulated hosts without coherence, checked")
+    sm.add_argument("--hosts", type=_pos_int, default=3, help="simulated hosts (default 3, at most 59)")
+    sm.add_argument("--seconds", type=_pos_float, default=2.0, help="run time (default 2)")
+    sm.add_argument("--seed", type=int, default=1, help="random seed (default 1)")
+    sm.add_argument(
+        "--break",
+        dest="brk",
+        choices=BREAKS,
+        default=None,
+        help="negative control: flushes as no-ops, invalidations skipped, or the lock's ticket "
+        "write-backs dropped; the run must then find violations (exit 1 if it does not)",
+    )
+    sm.add_argument(
+        "--backend",
+        choices=("multihost", "flush"),
+        default="multihost",
+        help="pool backend under test (flush: the one-host discipline, not multi-host safe)",
+    )
+    sm.add_argument("--lease-ms", type=_pos_int, default=500, help="heartbeat lease (default 500)")
+    sm.add_argument("--no-crashes", action="store_true", help="no random host crashes")
+    sm.add_argument("--no-pauses", action="store_true", help="no pauses past the lease")
+    sm.add_argument(
+        "--fault", choices=FAULTS, default=None, help="crash hosts at this named fault point instead"
+    )
+    sm.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    sm.set_defaults(func=cmd_sim)
     return p
