@@ -173,7 +173,7 @@ def bench_rpc(
     directory: str = "/dev/shm",
 ) -> dict:
     """Every transport in one run; flat keys ``<transport>_<metric>`` plus the socket/rpc ratio."""
-    from . import _core
+    from cxlkv import _core
 
     out: dict = {
         "depth": depth,
