@@ -14,7 +14,7 @@ echo "== C++ core tests (GoogleTest)"
 cmake -S . -B build/gtest -G Ninja -DCXLKV_BUILD_TESTS=ON -DCXLKV_BUILD_PYTHON=OFF \
       -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 cmake --build build/gtest
-(cd build/gtest && ctest --output-on-failure -j2)
+(cd build/gtest && ctest --output-on-failure -j2 --timeout 600)
 
 echo "== C++ core tests under AddressSanitizer + UndefinedBehaviorSanitizer"
 # StaleChunkAllocRace is left out here: its script links its own gdb-driven binary against the
@@ -23,7 +23,7 @@ cmake -S . -B build/asan -G Ninja -DCXLKV_BUILD_TESTS=ON -DCXLKV_BUILD_PYTHON=OF
       -DCXLKV_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 cmake --build build/asan
 (cd build/asan && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
-   ctest --output-on-failure -j2 -E '^StaleChunkAllocRace$')
+   ctest --output-on-failure -j2 --timeout 600 -E '^StaleChunkAllocRace$')
 
 echo "== Python tests (pytest; includes the format fuzzer, the live-corruption probe and the model"
 echo "   state machine: their seeds are printed, CXLKV_FUZZ_SEED=<seed> replays one)"

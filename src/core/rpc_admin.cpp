@@ -46,6 +46,7 @@ uint64_t mono_ns() { return liveness::mono_ns(); }
 struct AdminResponder {
   std::mutex mu;
   std::condition_variable cv;
+  bool started = false;  // the thread is in its loop: from here on it allocates nothing
   bool stop = false;
   bool exited = false;
 };
@@ -67,11 +68,20 @@ void Pool::start_admin_responder() {
   std::function<bool()>* intact = &intact_;
   Coherence coh = coh_;
   // Detached: a forked child that inherits this Pool has no such thread and must not join one.
-  std::thread([st, ch, state_word, me, expected_word, fenced, intact, coh]() mutable {
+  // Everything the thread needs is allocated here, and attach returns only once the thread is in
+  // its loop: a fork() right after open (a worker pool, a test) must never copy a heap lock held
+  // by a thread that is still starting (ASan's allocator is not fork-safe; a child hung on it).
+  const uint32_t n = ch.slots();
+  std::vector<uint64_t> answered(n);
+  for (uint32_t c = 0; c < n; ++c) answered[c] = ch.answered_seq(c);
+  std::thread([st, ch, state_word, me, expected_word, fenced, intact, coh, n,
+               answered = std::move(answered)]() mutable {
     ::pthread_setname_np(::pthread_self(), "cxlkv-admin");
-    const uint32_t n = ch.slots();
-    std::vector<uint64_t> answered(n);
-    for (uint32_t c = 0; c < n; ++c) answered[c] = ch.answered_seq(c);
+    {
+      std::lock_guard<std::mutex> g(st->mu);
+      st->started = true;
+    }
+    st->cv.notify_all();
     rpc::Backoff backoff;
     uint64_t hot_until = 0;
     uint8_t buf[rpc::kInlineBytes];
@@ -124,6 +134,8 @@ void Pool::start_admin_responder() {
     st->exited = true;
     st->cv.notify_all();
   }).detach();
+  std::unique_lock<std::mutex> g(st->mu);
+  st->cv.wait(g, [&] { return st->started; });
 }
 
 void Pool::stop_admin_responder() {
