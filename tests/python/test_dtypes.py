@@ -103,11 +103,11 @@ def test_unknown_dtype_is_a_value_error_naming_the_allowed_ones(bad):
 
 def test_kind_and_backend_names_come_from_the_core(make_pool):
     assert _core.layout_kinds() == ["dense", "mla", "opaque"]
-    assert _core.backends() == ["coherent", "flush"]
+    assert _core.backends() == ["coherent", "flush", "multihost"]  # the emulator is not one: test-only
     assert layout("bf16", kind="MLA").kind == "mla"
     with pytest.raises(ValueError, match="unknown layout kind 'sparse'; allowed: dense, mla, opaque"):
         layout("bf16", kind="sparse")
-    with pytest.raises(ValueError, match="unknown backend 'cxl'; allowed: coherent, flush"):
+    with pytest.raises(ValueError, match="unknown backend 'cxl'; allowed: coherent, flush, multihost"):
         make_pool(backend="cxl")
 
 
