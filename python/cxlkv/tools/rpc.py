@@ -7,7 +7,7 @@ answers from a small responder thread) and prints each round trip with the respo
 ``bench rpc`` measures round trips between two real processes over the shared-memory channel and,
 in the same run, over a bare cache-line bounce (``line``: the floor of any shared-memory round
 trip), TCP loopback and a Unix socket, each both blocking and busy-polled
-(``*_spin``; all timed in C++ with the same 64-byte echo protocol, see src/core/rpc_bench.h), and
+(``*_spin``; all timed in C++ with the same 64-byte echo protocol, see src/bench/rpc_bench.h), and
 ZeroMQ ipc (pyzmq, timed in Python: labelled as such). The ratio is against the best of them.
 """
 
