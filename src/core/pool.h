@@ -38,6 +38,12 @@ struct CreateOptions {
   bool allow_group = false;
 };
 
+// Fills the geometry fields of `h` (area offsets, node/pin/namespace/index/chunk counts, lock area
+// for multihost) for a pool of opt.size bytes; the zero options are derived from the size.
+// Throws ArgumentError when an option is out of range or the size cannot hold the metadata plus
+// one chunk. Pure: no I/O (geometry.cpp; table tests in tests/cpp/test_geometry.cpp).
+void plan_geometry(format::PoolHeader& h, const CreateOptions& opt);
+
 // One node slot as a judge sees it (`pool info`, `pool reap`): the verdict and its evidence.
 struct NodeInfo {
   uint32_t id = 0;            // node id (slot + 1)
