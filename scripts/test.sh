@@ -43,3 +43,6 @@ bash "$ROOT/scripts/setup-vllm.sh" "$VENV"
 # The connector's unit tests (fake scheduler, no engine) need vLLM importable: run them here.
 python -m pytest tests/python/test_connector_unit.py -q -p no:cacheprovider "$@"
 python -m pytest tests/vllm -q -p no:cacheprovider "$@"
+# Every CLI command runs in CI at least once: the two that start vLLM engines (`bench vllm` with the
+# tiny model and one turn, `demo --vllm`) run here, now that vLLM is importable (~5-8 min).
+python -m pytest tests/python/test_cli_smoke.py -q -p no:cacheprovider -k "bench_vllm_tiny or demo_vllm" "$@"
