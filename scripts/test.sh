@@ -6,9 +6,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/bootstrap.sh"
 cd "$ROOT"
 
-echo "== style (ruff lint + format, mypy on the API and the connector: seconds)"
-# The C++ joins (`scripts/style.sh --cpp`: clang-format --dry-run -Werror) once it is formatted.
-bash "$ROOT/scripts/style.sh"
+echo "== style (ruff lint + format, mypy on the API and the connector, clang-format: seconds)"
+bash "$ROOT/scripts/style.sh" --cpp
 
 echo "== C++ core tests (GoogleTest)"
 cmake -S . -B build/gtest -G Ninja -DCXLKV_BUILD_TESTS=ON -DCXLKV_BUILD_PYTHON=OFF \

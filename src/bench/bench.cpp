@@ -20,7 +20,8 @@ double pct(std::vector<uint32_t>& v, double p) {
 }
 Key make_key(uint64_t seed, uint64_t i) {
   Key k{};
-  uint64_t a = xxh3(&i, 8, seed), b = xxh3(&i, 8, seed + 1), c = xxh3(&i, 8, seed + 2), d = xxh3(&i, 8, seed + 3);
+  uint64_t a = xxh3(&i, 8, seed), b = xxh3(&i, 8, seed + 1), c = xxh3(&i, 8, seed + 2),
+           d = xxh3(&i, 8, seed + 3);
   std::memcpy(k.data(), &a, 8), std::memcpy(k.data() + 8, &b, 8);
   std::memcpy(k.data() + 16, &c, 8), std::memcpy(k.data() + 24, &d, 8);
   return k;
@@ -53,12 +54,20 @@ double line_read_p50(uint64_t bytes, uint64_t hops, uint64_t seed) {
 }  // namespace
 
 std::vector<std::pair<const char*, double>> IndexBenchResult::fields() const {
-  return {{"inserts", double(inserts)}, {"lookups", double(lookups)}, {"lookup_p50_ns", lookup_p50_ns},
-          {"lookup_p99_ns", lookup_p99_ns}, {"lookup_mean_ns", lookup_mean_ns}, {"insert_p50_ns", insert_p50_ns},
-          {"insert_p99_ns", insert_p99_ns}, {"lookups_per_s", lookups_per_s}, {"inserts_per_s", inserts_per_s},
-          {"line_read_p50_ns", line_read_p50_ns}, {"prefix256_match_ns_per_key", prefix256_match_ns_per_key},
+  return {{"inserts", double(inserts)},
+          {"lookups", double(lookups)},
+          {"lookup_p50_ns", lookup_p50_ns},
+          {"lookup_p99_ns", lookup_p99_ns},
+          {"lookup_mean_ns", lookup_mean_ns},
+          {"insert_p50_ns", insert_p50_ns},
+          {"insert_p99_ns", insert_p99_ns},
+          {"lookups_per_s", lookups_per_s},
+          {"inserts_per_s", inserts_per_s},
+          {"line_read_p50_ns", line_read_p50_ns},
+          {"prefix256_match_ns_per_key", prefix256_match_ns_per_key},
           {"prefix256_acquire_ns_per_key", prefix256_acquire_ns_per_key},
-          {"lookup_vs_line_read", lookup_vs_line_read}, {"prefix256_vs_line_read", prefix256_vs_line_read}};
+          {"lookup_vs_line_read", lookup_vs_line_read},
+          {"prefix256_vs_line_read", prefix256_vs_line_read}};
 }
 
 IndexBenchResult bench_index(Pool& pool, const NsHandle& ns, uint64_t inserts, uint64_t lookups,
@@ -75,7 +84,8 @@ IndexBenchResult bench_index(Pool& pool, const NsHandle& ns, uint64_t inserts, u
   for (uint64_t i = 0; i < inserts; ++i) {
     auto a = Clock::now();
     if (pool.put(ns, keys[i], &piece, 1, 0)) ++r.inserts;
-    ins_ns.push_back(uint32_t(std::min<int64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - a).count(), UINT32_MAX)));
+    ins_ns.push_back(uint32_t(std::min<int64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - a).count(), UINT32_MAX)));
   }
   double ins_s = std::chrono::duration<double>(Clock::now() - t0).count();
   r.inserts_per_s = ins_s > 0 ? double(inserts) / ins_s : 0;
@@ -84,7 +94,8 @@ IndexBenchResult bench_index(Pool& pool, const NsHandle& ns, uint64_t inserts, u
 
   // Keep only keys that are resident (eviction may have dropped some if the pool is small).
   std::vector<Key> present;
-  for (auto& k : keys) if (pool.contains(ns, k)) present.push_back(k);
+  for (auto& k : keys)
+    if (pool.contains(ns, k)) present.push_back(k);
   if (present.empty()) return r;
   std::mt19937_64 rng(seed);
   std::vector<uint32_t> order(std::max<uint64_t>(lookups, 1));
@@ -108,7 +119,8 @@ IndexBenchResult bench_index(Pool& pool, const NsHandle& ns, uint64_t inserts, u
   r.lookup_mean_ns = sum / double(lat.size());
   r.lookup_p50_ns = pct(lat, 0.50);
   r.lookup_p99_ns = pct(lat, 0.99);
-  r.line_read_p50_ns = line_read_p50(pool.header().index_slots * sizeof(format::IndexEntry), order.size(), seed);
+  r.line_read_p50_ns =
+      line_read_p50(pool.header().index_slots * sizeof(format::IndexEntry), order.size(), seed);
   if (r.line_read_p50_ns > 0) r.lookup_vs_line_read = r.lookup_p50_ns / r.line_read_p50_ns;
 
   // Batched prefix match of 256 random present keys per call (independent home lines, as the
@@ -128,8 +140,11 @@ IndexBenchResult bench_index(Pool& pool, const NsHandle& ns, uint64_t inserts, u
       auto pins = pool.acquire(ns, batch.data(), kPrefix);
       auto c1 = Clock::now();
       pool.release(pins);
-      if (m == kPrefix) per_match.push_back(uint32_t(std::chrono::duration_cast<std::chrono::nanoseconds>(b - a).count()));
-      if (pins.size() == kPrefix) per_acquire.push_back(uint32_t(std::chrono::duration_cast<std::chrono::nanoseconds>(c1 - c0).count()));
+      if (m == kPrefix)
+        per_match.push_back(uint32_t(std::chrono::duration_cast<std::chrono::nanoseconds>(b - a).count()));
+      if (pins.size() == kPrefix)
+        per_acquire.push_back(
+            uint32_t(std::chrono::duration_cast<std::chrono::nanoseconds>(c1 - c0).count()));
     }
     r.prefix256_match_ns_per_key = pct(per_match, 0.50) / kPrefix;
     r.prefix256_acquire_ns_per_key = pct(per_acquire, 0.50) / kPrefix;

@@ -34,7 +34,8 @@ constexpr uint32_t kPrefetchAhead = 8;  // request lines fetched ahead of the se
 
 uint64_t now_ns() {
   return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                      std::chrono::steady_clock::now().time_since_epoch()).count());
+                      std::chrono::steady_clock::now().time_since_epoch())
+                      .count());
 }
 
 // The payload of message `seq`: every byte depends on seq, so a stale or misrouted echo fails.
@@ -128,7 +129,9 @@ class RpcTransport : public Transport {
     // mapping (MAP_SHARED survives fork), nothing is left behind on a crash.
     std::string tmpl = dir_ + "/cxlkv-rpc-bench-XXXXXX";
     int fd = ::mkstemp(tmpl.data());
-    if (fd < 0) throw OsError(errno, "bench rpc: cannot create a channel file in " + dir_ + ": " + std::strerror(errno));
+    if (fd < 0)
+      throw OsError(errno,
+                    "bench rpc: cannot create a channel file in " + dir_ + ": " + std::strerror(errno));
     ::unlink(tmpl.c_str());
     bytes_ = (sizeof(rpc::ChannelHeader) + rpc::body_bytes(depth) + 4095) / 4096 * 4096;
     if (::ftruncate(fd, off_t(bytes_)) != 0) {
@@ -160,8 +163,10 @@ class RpcTransport : public Transport {
         if (c + kPrefetchAhead < n) __builtin_prefetch(ch.req(c + kPrefetchAhead));
         rpc::Poll p = ch.poll_request(c, answered[c], &seq, &op, buf, &len);
         if (p == rpc::Poll::kEmpty) continue;
-        if (p == rpc::Poll::kBadLine) ch.respond(c, seq, 1, nullptr, 0);
-        else ch.respond(c, seq, 0, buf, len);  // the echo
+        if (p == rpc::Poll::kBadLine)
+          ch.respond(c, seq, 1, nullptr, 0);
+        else
+          ch.respond(c, seq, 0, buf, len);  // the echo
         answered[c] = seq;
         ++served;
         stop |= p == rpc::Poll::kReady && op == kOpStop;
@@ -205,7 +210,8 @@ class RpcTransport : public Transport {
         uint32_t status, len;
         rpc::Poll p = ch_.poll_response(s, seqs_[s], &status, buf, &len);
         if (p != rpc::Poll::kEmpty) {
-          if (p != rpc::Poll::kReady || status != 0 || (!stopping && (len != kPayload || !matches(buf, seqs_[s]))))
+          if (p != rpc::Poll::kReady || status != 0 ||
+              (!stopping && (len != kPayload || !matches(buf, seqs_[s]))))
             fail("rpc slot " + std::to_string(s) + ": wrong echo for seq " + std::to_string(seqs_[s]));
           break;
         }
@@ -260,7 +266,8 @@ class LineTransport : public Transport {
   void bounce(uint64_t v, uint64_t deadline) {
     std::atomic_ref<uint64_t>(region_[0]).store(v, std::memory_order_release);
     rpc::Backoff backoff;
-    for (uint64_t spin = 0; std::atomic_ref<uint64_t>(region_[8]).load(std::memory_order_acquire) != v; ++spin) {
+    for (uint64_t spin = 0; std::atomic_ref<uint64_t>(region_[8]).load(std::memory_order_acquire) != v;
+         ++spin) {
       backoff.wait();
       if ((spin & 1023) == 1023 && now_ns() > deadline) fail("line: the peer did not answer in time");
     }
@@ -299,7 +306,8 @@ void recv_all(int fd, void* p, size_t n, bool spin) {
       continue;
     }
     backoff.reset();
-    if (r <= 0) fail(r == 0 ? "the server closed the connection" : std::string("recv: ") + std::strerror(errno));
+    if (r <= 0)
+      fail(r == 0 ? "the server closed the connection" : std::string("recv: ") + std::strerror(errno));
     c += r, n -= size_t(r);
   }
 }
@@ -315,7 +323,8 @@ class SocketTransport : public Transport {
     frames_.resize(depth);
     if (!tcp_) {
       int sv[2];
-      if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) throw OsError(errno, "bench rpc: socketpair");
+      if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0)
+        throw OsError(errno, "bench rpc: socketpair");
       client_ = sv[0], server_ = sv[1];
       return;
     }
@@ -420,7 +429,8 @@ struct Phase {
 };
 
 // One server process, `rounds` timed round trips of `n` messages each.
-Phase run_phase(const std::string& name, const Options& opt, uint32_t n, uint32_t rounds, int scpu, int ccpu) {
+Phase run_phase(const std::string& name, const Options& opt, uint32_t n, uint32_t rounds, int scpu,
+                int ccpu) {
   auto t = make(name, opt);
   t->prepare(n);
   pid_t pid = ::fork();
@@ -461,13 +471,17 @@ Phase run_phase(const std::string& name, const Options& opt, uint32_t n, uint32_
 }  // namespace
 
 std::vector<std::pair<const char*, double>> Result::fields() const {
-  return {{"p50_ns", p50_ns}, {"p99_ns", p99_ns}, {"msgs_per_s_qd1", msgs_per_s_qd1},
-          {"batch_p50_ns", batch_p50_ns}, {"msgs_per_s_deep", msgs_per_s_deep}};
+  return {{"p50_ns", p50_ns},
+          {"p99_ns", p99_ns},
+          {"msgs_per_s_qd1", msgs_per_s_qd1},
+          {"batch_p50_ns", batch_p50_ns},
+          {"msgs_per_s_deep", msgs_per_s_deep}};
 }
 
 Result run(const std::string& transport, const Options& opt) {
   if (opt.iterations == 0 || opt.batches == 0 || opt.depth == 0 || opt.depth > rpc::kMaxSlots)
-    throw ArgumentError("bench rpc: iterations, batches and depth (<= " + std::to_string(rpc::kMaxSlots) + ") must be positive");
+    throw ArgumentError("bench rpc: iterations, batches and depth (<= " + std::to_string(rpc::kMaxSlots) +
+                        ") must be positive");
   (void)make(transport, opt);  // reject an unknown name before forking anything
   Result r;
   r.transport = transport;

@@ -23,10 +23,10 @@
 namespace cxlkv::rpcbench {
 
 struct Options {
-  uint32_t iterations = 20000;  // timed depth-1 round trips
-  uint32_t warmup = 2000;       // untimed round trips before each phase
-  uint32_t depth = 128;         // the deep queue depth
-  uint32_t batches = 2000;      // timed batches at `depth`
+  uint32_t iterations = 20000;          // timed depth-1 round trips
+  uint32_t warmup = 2000;               // untimed round trips before each phase
+  uint32_t depth = 128;                 // the deep queue depth
+  uint32_t batches = 2000;              // timed batches at `depth`
   Backend backend = Backend::coherent;  // rpc channel discipline
   std::string dir = "/dev/shm";         // where the rpc channel file lives (unlinked at once)
   bool pin = true;                      // server and client on two different CPUs if allowed
@@ -41,7 +41,8 @@ struct Result {
   std::vector<std::pair<const char*, double>> fields() const;
 };
 
-// transport: "rpc", "line", "tcp", "uds", "tcp_spin" or "uds_spin". Throws cxlkv::Error when a phase fails or times out.
+// transport: "rpc", "line", "tcp", "uds", "tcp_spin" or "uds_spin". Throws cxlkv::Error when a phase fails or
+// times out.
 Result run(const std::string& transport, const Options& opt);
 
 }  // namespace cxlkv::rpcbench

@@ -13,9 +13,10 @@ namespace cxlkv {
 
 using namespace format;
 
-// noipa (no inlining, no clones): tests/cpp/repro/stale_alloc_repro.sh stops here under gdb with a condition on `chunk`.
+// noipa (no inlining, no clones): tests/cpp/repro/stale_alloc_repro.sh stops here under gdb with a condition
+// on `chunk`.
 [[gnu::noipa]] bool Pool::claim_free_block(const NsHandle& ns, uint64_t chunk, uint64_t slot, uint32_t* block,
-                                              uint32_t start) {
+                                           uint32_t start) {
   uint32_t n = ns.geo.blocks;
   for (uint32_t i = 0; i < n; ++i) {
     uint32_t b = (start + i) % n;
@@ -212,7 +213,10 @@ Pool::Occupancy Pool::occupancy() {
   for (auto& [h, l] : list_namespaces()) geo[h.id] = h.geo;
   for (uint64_t c = 0; c < hdr_->chunk_count; ++c) {
     uint64_t w = coh_.read(chunk_word(c));
-    if (chunk_state(w) == kChunkFree) { ++o.free_chunks; continue; }
+    if (chunk_state(w) == kChunkFree) {
+      ++o.free_chunks;
+      continue;
+    }
     if (chunk_state(w) != kChunkActive) continue;  // CARVING/DRAINING: changing hands
     ++o.active_chunks;
     uint32_t ns = chunk_ns(w);

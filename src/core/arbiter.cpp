@@ -30,16 +30,20 @@ bool Coherence::locked_rmw(uint64_t* w, uint64_t& expected, uint64_t desired, bo
   if (model_) model_->fault_point("lock.held");
   arb_->check_fence();
   // From here to the write-back nothing blocks: the fence check covers the store (arbiter.h).
-  if (model_) model_->invalidate(w, sizeof *w, false);
-  else hw_evict(w, sizeof *w);
+  if (model_)
+    model_->invalidate(w, sizeof *w, false);
+  else
+    hw_evict(w, sizeof *w);
   uint64_t cur = std::atomic_ref<uint64_t>(*w).load(std::memory_order_acquire);
   if (compare && cur != expected) {
     expected = cur;
     return false;
   }
   std::atomic_ref<uint64_t>(*w).store(desired, std::memory_order_release);
-  if (model_) model_->writeback(w, sizeof *w, false);
-  else hw_writeback(w, sizeof *w);
+  if (model_)
+    model_->writeback(w, sizeof *w, false);
+  else
+    hw_writeback(w, sizeof *w);
   return true;
 }
 
@@ -66,8 +70,9 @@ void Bakery::check_fence() {
   uint64_t last = c_.last_beat->load(std::memory_order_acquire);
   if (liveness::mono_ns() - last > c_.lease_ns / 2) {
     c_.fenced->store(true, std::memory_order_release);
-    throw FencedError("this node's heartbeat lapsed for half a lease (paused?): a peer may have declared it "
-                      "dead, so it stores nothing more; open the pool again");
+    throw FencedError(
+        "this node's heartbeat lapsed for half a lease (paused?): a peer may have declared it "
+        "dead, so it stores nothing more; open the pool again");
   }
 }
 
@@ -110,7 +115,8 @@ void Bakery::lock(const void* addr) {
         // also stands still belongs to a dead or paused host: skip it (that host fences itself
         // before any further store, see check_fence).
         uint64_t t = liveness::mono_ns();
-        if (since == 0 || now.choosing != seen.choosing || now.number != seen.number || now.node != seen.node) {
+        if (since == 0 || now.choosing != seen.choosing || now.number != seen.number ||
+            now.node != seen.node) {
           seen = now, since = t, beat0 = holder_beat(now.node);
         } else if (t - since > c_.lease_ns) {
           if (holder_beat(now.node) == beat0) {
@@ -119,8 +125,10 @@ void Bakery::lock(const void* addr) {
           }
           since = t, beat0 = holder_beat(now.node);
         }
-        if (++spins % 64 == 0) std::this_thread::yield();
-        else relax();
+        if (++spins % 64 == 0)
+          std::this_thread::yield();
+        else
+          relax();
         if (c_.tick && t - last_tick > 1'000'000) {
           c_.tick();
           last_tick = t;
@@ -130,7 +138,10 @@ void Bakery::lock(const void* addr) {
   } catch (...) {
     LockLine* me = line(k, c_.slot);
     me->number = 0, me->choosing = 0;
-    try { write_back(me); } catch (...) {}
+    try {
+      write_back(me);
+    } catch (...) {
+    }
     --depth_[k];
     local_[k].unlock();
     throw;
@@ -144,7 +155,10 @@ void Bakery::unlock(const void* addr) {
   LockLine* me = line(k, c_.slot);
   me->number = 0;
   me->choosing = 0;
-  try { write_back(me); } catch (...) {}
+  try {
+    write_back(me);
+  } catch (...) {
+  }
   --depth_[k];
   local_[k].unlock();
 }

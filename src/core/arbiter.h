@@ -28,16 +28,16 @@ namespace cxlkv {
 class Bakery final : public Arbiter {
  public:
   struct Config {
-    char* base = nullptr;          // pool base as this attachment maps it
-    uint32_t hosts = 0;            // lock_hosts of the header
-    uint32_t slot = 0;             // this attachment's host slot
+    char* base = nullptr;  // pool base as this attachment maps it
+    uint32_t hosts = 0;    // lock_hosts of the header
+    uint32_t slot = 0;     // this attachment's host slot
     uint32_t max_nodes = 0;
     format::NodeSlot* nodes = nullptr;  // node table (to read a ticket holder's beat)
     uint64_t lease_ns = 0;
-    Coherence coh;                 // unarbitrated: flush/invalidate of lock lines
+    Coherence coh;  // unarbitrated: flush/invalidate of lock lines
     std::atomic<bool>* fenced = nullptr;
     std::atomic<uint64_t>* last_beat = nullptr;
-    std::function<void()> tick;    // called while waiting (emulated hosts beat from their thread)
+    std::function<void()> tick;  // called while waiting (emulated hosts beat from their thread)
   };
   explicit Bakery(Config c) : c_(std::move(c)) {}
   void set_node(uint32_t node, uint64_t node_word) { node_ = node, node_word_ = node_word; }
@@ -50,7 +50,8 @@ class Bakery final : public Arbiter {
 
  private:
   format::LockLine* line(uint32_t stripe, uint32_t host) const {
-    return reinterpret_cast<format::LockLine*>(c_.base + format::kLockAreaOff) + (uint64_t(stripe) * c_.hosts + host);
+    return reinterpret_cast<format::LockLine*>(c_.base + format::kLockAreaOff) +
+           (uint64_t(stripe) * c_.hosts + host);
   }
   void write_back(format::LockLine* l) const;
   bool holder_silent(const format::LockLine& seen, uint64_t beat_then) const;

@@ -41,7 +41,8 @@ CheckReport Pool::check() {
   for (auto& [h, l] : list_namespaces()) ns[h.id] = h;
   for (uint32_t id = 1; id <= hdr_->max_namespaces; ++id) {
     uint64_t w = coh_.read(&ns_entry(id)->state);
-    if (ns_state(w) == kNsCreating && !node_alive(ns_node(w))) err("namespace " + std::to_string(id) + " stuck in CREATING");
+    if (ns_state(w) == kNsCreating && !node_alive(ns_node(w)))
+      err("namespace " + std::to_string(id) + " stuck in CREATING");
     if (ns_state(w) > kNsReady) err("namespace " + std::to_string(id) + " has an invalid state");
     uint64_t bb = ns_entry(id)->layout.block_bytes;
     if (ns_state(w) == kNsReady && (bb == 0 || bb > kMaxBlockBytes))
@@ -64,7 +65,10 @@ CheckReport Pool::check() {
     if (st == kEmpty || st == kTombstone) continue;
     if (st == kCondemned && reclaim_condemned(slot)) continue;  // freed now that nothing pins it
     if (st == kCondemned) continue;  // still pinned by a reader: counted with the blocks below
-    if (st > kCondemned) { err("index slot " + std::to_string(slot) + " has invalid state " + std::to_string(st)); continue; }
+    if (st > kCondemned) {
+      err("index slot " + std::to_string(slot) + " has invalid state " + std::to_string(st));
+      continue;
+    }
     if (st == kWriting || st == kEvicting) {
       if (!node_alive(entry_node(w))) suspects.push_back(slot);
       continue;
@@ -73,13 +77,24 @@ CheckReport Pool::check() {
     if (!snapshot(slot, w, &e)) continue;
     const std::string at = "index slot " + std::to_string(slot);
     auto it = ns.find(e.ns_id);
-    if (it == ns.end()) { findings.push_back({slot, w, at + " names unknown namespace " + std::to_string(e.ns_id)}); continue; }
-    if (!validate_ref(it->second, e)) { findings.push_back({slot, w, at + " points outside its namespace's chunks (chunk " + std::to_string(e.chunk) + ", block " + std::to_string(e.block) + ")"}); continue; }
+    if (it == ns.end()) {
+      findings.push_back({slot, w, at + " names unknown namespace " + std::to_string(e.ns_id)});
+      continue;
+    }
+    if (!validate_ref(it->second, e)) {
+      findings.push_back({slot, w,
+                          at + " points outside its namespace's chunks (chunk " + std::to_string(e.chunk) +
+                              ", block " + std::to_string(e.block) + ")"});
+      continue;
+    }
     uint64_t dw = coh_.read(block_desc(e.chunk, e.block));
     if (block_state(dw) != kBlockUsed || block_slot(dw) != slot)
-      findings.push_back({slot, w, at + " points to block " + std::to_string(e.chunk) + ":" + std::to_string(e.block) + " whose descriptor does not point back"});
+      findings.push_back({slot, w,
+                          at + " points to block " + std::to_string(e.chunk) + ":" + std::to_string(e.block) +
+                              " whose descriptor does not point back"});
     const uint64_t home = key_hash(e.key, e.ns_id, slot_mask_).home;
-    if (((slot - home) & slot_mask_) >= kMaxProbe) findings.push_back({slot, w, at + " is outside its key's probe window"});
+    if (((slot - home) & slot_mask_) >= kMaxProbe)
+      findings.push_back({slot, w, at + " is outside its key's probe window"});
     if (!keys.emplace(e.ns_id, std::string(reinterpret_cast<char*>(e.key), 32)).second) ++r.duplicate_keys;
   }
 
@@ -88,33 +103,58 @@ CheckReport Pool::check() {
   for (uint64_t c = 0; c < hdr_->chunk_count; ++c) {
     uint64_t w = coh_.read(chunk_word(c));
     uint8_t st = chunk_state(w);
-    if (st == kChunkFree) { ++r.free_chunks; continue; }
+    if (st == kChunkFree) {
+      ++r.free_chunks;
+      continue;
+    }
     if (st == kChunkCarving || st == kChunkDraining) {
-      if (!node_alive(chunk_node(w))) err("chunk " + std::to_string(c) + (st == kChunkCarving ? " stuck in CARVING" : " stuck in DRAINING"));
+      if (!node_alive(chunk_node(w)))
+        err("chunk " + std::to_string(c) +
+            (st == kChunkCarving ? " stuck in CARVING" : " stuck in DRAINING"));
       continue;  // changing hands right now: its blocks are counted once it is ACTIVE again
     }
-    if (st != kChunkActive) { err("chunk " + std::to_string(c) + " has invalid state"); continue; }
+    if (st != kChunkActive) {
+      err("chunk " + std::to_string(c) + " has invalid state");
+      continue;
+    }
     ++r.active_chunks;
     auto it = ns.find(chunk_ns(w));
-    if (it == ns.end()) { err("chunk " + std::to_string(c) + " belongs to unknown namespace " + std::to_string(chunk_ns(w))); continue; }
+    if (it == ns.end()) {
+      err("chunk " + std::to_string(c) + " belongs to unknown namespace " + std::to_string(chunk_ns(w)));
+      continue;
+    }
     const NsHandle& h = it->second;
     r.capacity_blocks += h.geo.blocks;
     for (uint32_t b = 0; b < desc_bytes_ / 8; ++b) {
       uint64_t dw = coh_.read(block_desc(c, b));
-      if (b >= h.geo.blocks) { if (dw) err("descriptor beyond the chunk's blocks is in use"); continue; }
-      if (dw == 0) { ++r.free_blocks; continue; }
+      if (b >= h.geo.blocks) {
+        if (dw) err("descriptor beyond the chunk's blocks is in use");
+        continue;
+      }
+      if (dw == 0) {
+        ++r.free_blocks;
+        continue;
+      }
       uint64_t slot = block_slot(dw);
-      if (block_state(dw) != kBlockUsed || slot > slot_mask_) { err("block " + std::to_string(c) + ":" + std::to_string(b) + " has an invalid descriptor"); continue; }
+      if (block_state(dw) != kBlockUsed || slot > slot_mask_) {
+        err("block " + std::to_string(c) + ":" + std::to_string(b) + " has an invalid descriptor");
+        continue;
+      }
       uint64_t ew = coh_.read(&entry(slot)->state);
       IndexEntry e;
       bool snap = snapshot(slot, ew, &e);
       bool back = snap && e.chunk == c && e.block == b;
       uint8_t est = entry_state(ew);
-      if (back && est == kReady) ++r.ready_blocks;
-      else if (back && est == kCondemned) ++r.condemned_blocks;
-      else if (back && (est == kWriting || est == kEvicting)) ++r.inflight_blocks;
-      else if (incarnation_alive(block_node(dw), block_epoch(dw))) ++r.inflight_blocks;  // owner is between two steps
-      else leak_suspects.emplace_back(c, b);
+      if (back && est == kReady)
+        ++r.ready_blocks;
+      else if (back && est == kCondemned)
+        ++r.condemned_blocks;
+      else if (back && (est == kWriting || est == kEvicting))
+        ++r.inflight_blocks;
+      else if (incarnation_alive(block_node(dw), block_epoch(dw)))
+        ++r.inflight_blocks;  // owner is between two steps
+      else
+        leak_suspects.emplace_back(c, b);
     }
   }
 
@@ -128,16 +168,21 @@ CheckReport Pool::check() {
     uint8_t st = entry_state(w);
     if ((st == kWriting || st == kEvicting) && !node_alive(entry_node(w))) {
       ++r.stuck_entries;
-      err("index slot " + std::to_string(slot) + " stuck in " + (st == kWriting ? "WRITING" : "EVICTING") + " by dead node " + std::to_string(entry_node(w)));
+      err("index slot " + std::to_string(slot) + " stuck in " + (st == kWriting ? "WRITING" : "EVICTING") +
+          " by dead node " + std::to_string(entry_node(w)));
     }
   }
   for (auto [c, b] : leak_suspects) {
     uint64_t dw = coh_.read(block_desc(c, b));
-    if (dw == 0) { ++r.free_blocks; continue; }
+    if (dw == 0) {
+      ++r.free_blocks;
+      continue;
+    }
     uint64_t slot = block_slot(dw);
     IndexEntry e;
     uint64_t ew = coh_.read(&entry(slot)->state);
-    if (snapshot(slot, ew, &e) && e.chunk == c && e.block == b && entry_state(ew) >= kWriting && entry_state(ew) <= kEvicting) {
+    if (snapshot(slot, ew, &e) && e.chunk == c && e.block == b && entry_state(ew) >= kWriting &&
+        entry_state(ew) <= kEvicting) {
       (entry_state(ew) == kReady ? r.ready_blocks : r.inflight_blocks)++;
       continue;
     }
@@ -146,14 +191,17 @@ CheckReport Pool::check() {
       continue;
     }
     ++r.leaked_blocks;
-    err("block " + std::to_string(c) + ":" + std::to_string(b) + " is leaked (used, but no index entry points to it)");
+    err("block " + std::to_string(c) + ":" + std::to_string(b) +
+        " is leaked (used, but no index entry points to it)");
   }
-  if (r.capacity_blocks != r.free_blocks + r.ready_blocks + r.inflight_blocks + r.condemned_blocks + r.leaked_blocks)
-    err("accounting: capacity " + std::to_string(r.capacity_blocks) + " != free " + std::to_string(r.free_blocks) +
-        " + ready " + std::to_string(r.ready_blocks) + " + in flight " + std::to_string(r.inflight_blocks) +
-        " + condemned " + std::to_string(r.condemned_blocks));
+  if (r.capacity_blocks !=
+      r.free_blocks + r.ready_blocks + r.inflight_blocks + r.condemned_blocks + r.leaked_blocks)
+    err("accounting: capacity " + std::to_string(r.capacity_blocks) + " != free " +
+        std::to_string(r.free_blocks) + " + ready " + std::to_string(r.ready_blocks) + " + in flight " +
+        std::to_string(r.inflight_blocks) + " + condemned " + std::to_string(r.condemned_blocks));
   if (r.condemned_blocks)
-    r.warnings.push_back(std::to_string(r.condemned_blocks) + " blocks failed their checksum and wait for their readers' pins to be released");
+    r.warnings.push_back(std::to_string(r.condemned_blocks) +
+                         " blocks failed their checksum and wait for their readers' pins to be released");
 
   // Pins: only attached nodes may hold pins.
   for (uint32_t i = 0; i < hdr_->max_nodes; ++i) {
@@ -168,7 +216,10 @@ CheckReport Pool::check() {
       }
     }
   }
-  if (r.duplicate_keys) r.warnings.push_back(std::to_string(r.duplicate_keys) + " keys are stored twice (a benign race between two writers; the copy is reclaimed by eviction)");
+  if (r.duplicate_keys)
+    r.warnings.push_back(
+        std::to_string(r.duplicate_keys) +
+        " keys are stored twice (a benign race between two writers; the copy is reclaimed by eviction)");
   return r;
 }
 

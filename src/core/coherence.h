@@ -121,8 +121,10 @@ class Coherence {
   // On success the caller owns the word's transition; on failure `expected` holds what it saw.
   bool claim(uint64_t* w, uint64_t& expected, uint64_t desired) const {
     if (arb_) return locked_rmw(w, expected, desired, /*compare=*/true);
-    if (model_) model_->invalidate(w, sizeof *w, true);
-    else if (needs_flush()) hw_evict(w, sizeof *w);
+    if (model_)
+      model_->invalidate(w, sizeof *w, true);
+    else if (needs_flush())
+      hw_evict(w, sizeof *w);
     bool ok = std::atomic_ref<uint64_t>(*w).compare_exchange_strong(
         expected, desired, std::memory_order_seq_cst, std::memory_order_acquire);
     if (ok) flush(w, sizeof *w);
@@ -134,21 +136,29 @@ class Coherence {
     std::atomic_ref<uint64_t>(*w).fetch_add(v, std::memory_order_relaxed);
   }
   void flush(const void* p, size_t n) const {
-    if (model_) model_->writeback(p, n, true);
-    else if (needs_flush()) hw_writeback(p, n);
+    if (model_)
+      model_->writeback(p, n, true);
+    else if (needs_flush())
+      hw_writeback(p, n);
   }
   void invalidate(const void* p, size_t n) const {
-    if (model_) model_->invalidate(p, n, true);
-    else if (needs_flush()) hw_evict(p, n);
+    if (model_)
+      model_->invalidate(p, n, true);
+    else if (needs_flush())
+      hw_evict(p, n);
   }
   // multihost metadata uses clflush both ways (docs/ARCHITECTURE.md: clflush vs clflushopt).
   void hw_writeback(const void* p, size_t n) const {
-    if (backend_ == Backend::multihost) kernels::flush_lines_sync(p, n);
-    else kernels::writeback_lines(p, n);
+    if (backend_ == Backend::multihost)
+      kernels::flush_lines_sync(p, n);
+    else
+      kernels::writeback_lines(p, n);
   }
   void hw_evict(const void* p, size_t n) const {
-    if (backend_ == Backend::multihost) kernels::flush_lines_sync(p, n);
-    else kernels::evict_lines(p, n);
+    if (backend_ == Backend::multihost)
+      kernels::flush_lines_sync(p, n);
+    else
+      kernels::evict_lines(p, n);
   }
   // Named fault point (tests: the cache model may crash the host here); free without a model.
   void fault(const char* name) const {

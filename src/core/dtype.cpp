@@ -6,7 +6,8 @@
 namespace cxlkv {
 
 namespace {
-#define CXLKV_DTYPE_NAMES(name, code, bytes, ...) constexpr const char* k_names_##name[] = {#name, __VA_ARGS__};
+#define CXLKV_DTYPE_NAMES(name, code, bytes, ...) \
+  constexpr const char* k_names_##name[] = {#name, __VA_ARGS__};
 CXLKV_DTYPES(CXLKV_DTYPE_NAMES)
 #undef CXLKV_DTYPE_NAMES
 

@@ -29,7 +29,8 @@ namespace cxlkv::format {
 static_assert(std::endian::native == std::endian::little, "the pool format is little-endian");
 
 constexpr char kMagic[8] = {'C', 'X', 'L', 'K', 'V', 'P', 'L', '\0'};
-constexpr uint16_t kFormatMajor = 2;  // 2: NamespaceEntry of 512 bytes (source, dtype code), CONDEMNED entry state, node liveness by OFD lock + heartbeat lease
+constexpr uint16_t kFormatMajor = 2;  // 2: NamespaceEntry of 512 bytes (source, dtype code), CONDEMNED entry
+                                      // state, node liveness by OFD lock + heartbeat lease
 // Minor versions (each readable by 2.0 builds: they ignore what they do not know):
 // 1: compat feature kCompatAdminMailbox (node areas end with an RPC mailbox).
 // 2: multihost backend (3): the lock area between SharedWords and the node table (lock_hosts in
@@ -45,7 +46,7 @@ constexpr size_t kCacheLine = 64;
 constexpr size_t kHeaderBytes = 4096;
 constexpr size_t kSharedWordsOff = 4096;
 constexpr size_t kMetaAlign = 4096;
-constexpr uint32_t kMaxProbe = 128;            // linear-probe window: bounds every lookup
+constexpr uint32_t kMaxProbe = 128;             // linear-probe window: bounds every lookup
 constexpr uint32_t kMaxBlocksPerChunk = 65535;  // BlockRef.block is 16 bits
 constexpr uint32_t kMaxNodes = 254;             // node ids 1..254 fit the 8-bit owner fields
 // Pin slots per node (the default of pool creation). The vLLM connector leases a request's whole
@@ -57,7 +58,7 @@ constexpr uint32_t kDefaultPinSlots = 4096;
 constexpr uint32_t kMaxNamespaces = 4096;
 constexpr uint32_t kModelIdBytes = 96;
 constexpr uint32_t kNameBytes = 96;
-constexpr uint32_t kSourceBytes = 256;  // NamespaceEntry.source: up to 255 bytes + NUL
+constexpr uint32_t kSourceBytes = 256;              // NamespaceEntry.source: up to 255 bytes + NUL
 constexpr uint64_t kMaxBlockBytes = 0xFFFFFFFFull;  // NamespaceEntry.block_bytes in 1..this
 
 // ---------------------------------------------------------------------------------------------
@@ -78,7 +79,7 @@ struct PoolHeader {
   uint8_t uuid[16];
   uint64_t created_unix_ns;
   uint64_t pool_bytes;
-  uint32_t backend;  // Backend
+  uint32_t backend;   // Backend
   uint32_t lease_ms;  // heartbeat lease of nodes judged across kernels (see NodeSlot), kLeaseMs..
   // geometry
   uint64_t node_table_off;
@@ -199,7 +200,7 @@ struct alignas(kCacheLine) NodeSlot {
   uint64_t pad0;
   // line 1: heartbeat line (owner only)
   alignas(kCacheLine) uint64_t beat;
-  uint64_t beat_unix_ns;    // display only (wall clocks jump and differ between hosts)
+  uint64_t beat_unix_ns;  // display only (wall clocks jump and differ between hosts)
   uint64_t pad1[6];
 };
 static_assert(sizeof(NodeSlot) == 128);
@@ -221,29 +222,32 @@ inline uint64_t make_node_word(uint8_t st, uint32_t domain, uint32_t epoch) {
 // stats() (the sum over all slots) still counts processes that have exited.
 // The ONE list of counters: X(enum name, name shown by `pool stats`, meaning). Append only: a
 // counter's position is its index in NodeAreaFixed.counters of existing pools.
-#define CXLKV_COUNTERS(X)                                                                        \
-  X(kHits, hits, "lookups that delivered a block")                                               \
-  X(kMisses, misses, "lookups that found nothing usable")                                        \
-  X(kPuts, puts, "blocks stored")                                                                \
-  X(kPutsPresent, puts_present, "puts of a key already stored")                                  \
-  X(kPutsFailed, puts_failed, "puts that found no block to allocate or evict")                   \
-  X(kEvictions, evictions, "blocks evicted to make room")                                        \
-  X(kChecksumFailures, checksum_failures, "reads whose delivered bytes failed the checksum")     \
-  X(kBytesStored, bytes_stored, "payload bytes stored")                                          \
-  X(kBytesLoaded, bytes_loaded, "payload bytes delivered")                                       \
-  X(kDeletes, deletes, "entries deleted")                                                        \
-  X(kReclaimedNodes, reclaimed_nodes, "dead nodes reclaimed")                                    \
-  X(kEvictSkippedPinned, evict_skipped_pinned, "eviction candidates skipped: pinned")            \
-  X(kCorruptEntries, corrupt_entries, "entries dropped as corrupt")                              \
-  X(kCondemnedEntries, condemned, "entries taken out after a checksum failure (kCondemned)")     \
-  X(kPinsExhausted, pins_exhausted, "gets/acquires that found no free pin slot")                 \
+#define CXLKV_COUNTERS(X)                                                                    \
+  X(kHits, hits, "lookups that delivered a block")                                           \
+  X(kMisses, misses, "lookups that found nothing usable")                                    \
+  X(kPuts, puts, "blocks stored")                                                            \
+  X(kPutsPresent, puts_present, "puts of a key already stored")                              \
+  X(kPutsFailed, puts_failed, "puts that found no block to allocate or evict")               \
+  X(kEvictions, evictions, "blocks evicted to make room")                                    \
+  X(kChecksumFailures, checksum_failures, "reads whose delivered bytes failed the checksum") \
+  X(kBytesStored, bytes_stored, "payload bytes stored")                                      \
+  X(kBytesLoaded, bytes_loaded, "payload bytes delivered")                                   \
+  X(kDeletes, deletes, "entries deleted")                                                    \
+  X(kReclaimedNodes, reclaimed_nodes, "dead nodes reclaimed")                                \
+  X(kEvictSkippedPinned, evict_skipped_pinned, "eviction candidates skipped: pinned")        \
+  X(kCorruptEntries, corrupt_entries, "entries dropped as corrupt")                          \
+  X(kCondemnedEntries, condemned, "entries taken out after a checksum failure (kCondemned)") \
+  X(kPinsExhausted, pins_exhausted, "gets/acquires that found no free pin slot")             \
   X(kPutsInFlight, puts_in_flight, "puts that found the key being written by a live node")
+// The formatter cannot see that the X-macro's expansion ends with a comma.
+// clang-format off
 enum Counter : uint32_t {
 #define CXLKV_COUNTER_ENUM(id, name, what) id,
   CXLKV_COUNTERS(CXLKV_COUNTER_ENUM)
 #undef CXLKV_COUNTER_ENUM
   kCounterCount
 };
+// clang-format on
 struct alignas(kCacheLine) NodeAreaFixed {
   uint64_t pin_hw;  // pins at index >= pin_hw are all zero
   uint64_t pad0[7];
@@ -273,15 +277,15 @@ inline uint64_t pin_value(uint64_t slot, uint32_t gen) { return ((slot + 1) << 2
 // X(type, name, codec, default, min, max): codec = how the value is named in text: number
 // (decimal), dtype (dtype.h codes), kind (LayoutKind names, names.h). min/max bound what a caller
 // may ask for; values read from a pool are bounded again before they steer anything.
-#define CXLKV_LAYOUT_FIELDS(X)                                                  \
-  X(uint64_t, block_bytes, number, 0, 1, format::kMaxBlockBytes)                \
-  X(uint32_t, dtype, dtype, 1 /* bf16 */, 1, 0xFFFFFFFFu)                       \
-  X(uint32_t, kind, kind, 1 /* kLayoutDense */, 1, 0xFFFFFFFFu)                 \
-  X(uint32_t, num_layers, number, 1, 1, 0xFFFFFFFFu)                            \
-  X(uint32_t, num_kv_heads, number, 1, 1, 0xFFFFFFFFu)                          \
-  X(uint32_t, head_size, number, 1, 1, 0xFFFFFFFFu)                             \
-  X(uint32_t, tokens_per_block, number, 16, 1, 0xFFFFFFFFu)                     \
-  X(uint32_t, tp_rank, number, 0, 0, 0xFFFFFFFEu)                               \
+#define CXLKV_LAYOUT_FIELDS(X)                                   \
+  X(uint64_t, block_bytes, number, 0, 1, format::kMaxBlockBytes) \
+  X(uint32_t, dtype, dtype, 1 /* bf16 */, 1, 0xFFFFFFFFu)        \
+  X(uint32_t, kind, kind, 1 /* kLayoutDense */, 1, 0xFFFFFFFFu)  \
+  X(uint32_t, num_layers, number, 1, 1, 0xFFFFFFFFu)             \
+  X(uint32_t, num_kv_heads, number, 1, 1, 0xFFFFFFFFu)           \
+  X(uint32_t, head_size, number, 1, 1, 0xFFFFFFFFu)              \
+  X(uint32_t, tokens_per_block, number, 16, 1, 0xFFFFFFFFu)      \
+  X(uint32_t, tp_rank, number, 0, 0, 0xFFFFFFFEu)                \
   X(uint32_t, tp_size, number, 1, 1, 0xFFFFFFFFu)
 
 // Plain and fixed-width; copied whole into and out of the entry. Nothing hashes its raw bytes (the
@@ -292,7 +296,8 @@ struct LayoutFields {
 #undef CXLKV_LAYOUT_MEMBER
 };
 constexpr size_t kLayoutFieldSpace = 48;  // room for LayoutFields in NamespaceEntry's first line
-static_assert(sizeof(LayoutFields) <= kLayoutFieldSpace, "layout fields outgrew their line: grow NamespaceEntry");
+static_assert(sizeof(LayoutFields) <= kLayoutFieldSpace,
+              "layout fields outgrew their line: grow NamespaceEntry");
 
 // Namespace entry: identifies one model/KV layout. 512 bytes, 8 cache lines.
 // state word = [state:8][node:8][reserved:48]; FREE(0) -> CREATING(node) -> READY. Written under
@@ -345,7 +350,12 @@ inline uint64_t make_ns_word(uint8_t st, uint8_t node) {
 // tag = 24 bits of the key hash, so probes skip most foreign slots without reading the key.
 // Readers: read state, read fields, re-read state; equal words => consistent snapshot (seqlock).
 enum EntryState : uint8_t {
-  kEmpty = 0, kWriting = 1, kReady = 2, kEvicting = 3, kTombstone = 4, kCondemned = 5
+  kEmpty = 0,
+  kWriting = 1,
+  kReady = 2,
+  kEvicting = 3,
+  kTombstone = 4,
+  kCondemned = 5
 };
 struct alignas(kCacheLine) IndexEntry {
   uint64_t state;
@@ -353,8 +363,8 @@ struct alignas(kCacheLine) IndexEntry {
   uint32_t ns_id;
   uint32_t chunk;
   uint16_t block;
-  uint16_t depth;  // position in its prefix chain, as the writer knew it (eviction hint)
-  uint32_t length; // payload bytes (<= namespace block_bytes)
+  uint16_t depth;     // position in its prefix chain, as the writer knew it (eviction hint)
+  uint32_t length;    // payload bytes (<= namespace block_bytes)
   uint64_t checksum;  // XXH3_64 of the payload
 };
 static_assert(sizeof(IndexEntry) == 64);
@@ -363,8 +373,7 @@ inline uint8_t entry_node(uint64_t w) { return uint8_t(w >> 48); }
 inline uint32_t entry_gen(uint64_t w) { return uint32_t(w >> 24) & 0xFFFFFF; }
 inline uint32_t entry_tag(uint64_t w) { return uint32_t(w) & 0xFFFFFF; }
 inline uint64_t make_entry_word(uint8_t st, uint8_t node, uint32_t gen, uint32_t tag) {
-  return (uint64_t(st) << 56) | (uint64_t(node) << 48) | (uint64_t(gen & 0xFFFFFF) << 24) |
-         (tag & 0xFFFFFF);
+  return (uint64_t(st) << 56) | (uint64_t(node) << 48) | (uint64_t(gen & 0xFFFFFF) << 24) | (tag & 0xFFFFFF);
 }
 
 // Access hints: access[slot] = [ms:48][0xFFFF - depth:16]: the millisecond of the last use, then
@@ -407,7 +416,8 @@ inline uint8_t block_node(uint64_t w) { return uint8_t(w >> 48); }
 inline uint64_t block_slot(uint64_t w) { return w & ((1ull << 40) - 1); }
 inline uint8_t block_epoch(uint64_t w) { return uint8_t(w >> 40); }
 inline uint64_t make_block_word(uint8_t st, uint8_t node, uint8_t epoch, uint64_t slot) {
-  return (uint64_t(st) << 56) | (uint64_t(node) << 48) | (uint64_t(epoch) << 40) | (slot & ((1ull << 40) - 1));
+  return (uint64_t(st) << 56) | (uint64_t(node) << 48) | (uint64_t(epoch) << 40) |
+         (slot & ((1ull << 40) - 1));
 }
 
 // A chunk is [desc area | payload]. The desc area is sized at creation for blocks of

@@ -51,7 +51,8 @@ void plan_geometry(PoolHeader& h, const CreateOptions& opt) {
   uint64_t off = kSharedWordsOff + kMetaAlign;
   if (opt.backend == Backend::multihost) {
     uint32_t hosts = opt.lock_hosts ? opt.lock_hosts : kLockHostsDefault;
-    if (hosts > kMaxLockHosts) throw ArgumentError("lock_hosts must be in 1.." + std::to_string(kMaxLockHosts));
+    if (hosts > kMaxLockHosts)
+      throw ArgumentError("lock_hosts must be in 1.." + std::to_string(kMaxLockHosts));
     h.lock_hosts = hosts;
     off = round_up(kLockAreaOff + uint64_t(kLockStripes) * hosts * sizeof(LockLine), kMetaAlign);
   }
@@ -79,7 +80,8 @@ void plan_geometry(PoolHeader& h, const CreateOptions& opt) {
       if (o.chunk_bytes > 64 * 1024 && o.chunk_bytes < chunk) return plan_geometry(h, o);
     }
     throw ArgumentError("pool size " + std::to_string(size) + " is too small for its metadata (" +
-                        std::to_string(off) + " bytes) plus one chunk of " + std::to_string(stride) + " bytes");
+                        std::to_string(off) + " bytes) plus one chunk of " + std::to_string(stride) +
+                        " bytes");
   }
   h.chunk_count = count;
   h.chunk_bytes = chunk;

@@ -36,7 +36,8 @@ bool Pool::snapshot(uint64_t slot, uint64_t word, IndexEntry* out) {
   return coh_.read(&e->state) == word;
 }
 
-bool Pool::find(const NsHandle& ns, const Key& key, const uint64_t* hash, Found* out, const uint64_t* home_word) {
+bool Pool::find(const NsHandle& ns, const Key& key, const uint64_t* hash, Found* out,
+                const uint64_t* home_word) {
   KeyHash kh = hash ? key_hash_split(*hash, slot_mask_) : key_hash(key.data(), ns.id, slot_mask_);
   for (uint32_t i = 0; i < kMaxProbe; ++i) {
     uint64_t slot = (kh.home + i) & slot_mask_;
@@ -127,7 +128,7 @@ bool Pool::is_pinned(uint64_t slot, uint32_t gen) {
 namespace {
 thread_local uint64_t t_batch_ms = 0;
 inline uint64_t access_hint(uint64_t ms, uint16_t depth) { return (ms << 16) | uint64_t(0xFFFF - depth); }
-}
+}  // namespace
 AccessStamp::AccessStamp(uint64_t ms) : prev_(t_batch_ms) { t_batch_ms = ms ? ms : now_mono_us() / 1000; }
 AccessStamp::~AccessStamp() { t_batch_ms = prev_; }
 uint64_t AccessStamp::current() { return t_batch_ms; }
@@ -232,7 +233,8 @@ bool Pool::evict_in_window(uint64_t home) {
 // older than kVictimMaxAgeUs with up to kVictimSample candidates read from a moving hand; each
 // candidate is re-validated (state word and access hint unchanged) before it is evicted, so a
 // block touched since the sample is not evicted on stale information.
-bool Pool::evict_from_queue(const NsHandle& ns, uint64_t* out_chunk, uint32_t* out_block, uint64_t new_owner_slot) {
+bool Pool::evict_from_queue(const NsHandle& ns, uint64_t* out_chunk, uint32_t* out_block,
+                            uint64_t new_owner_slot) {
   constexpr size_t kVictimSample = 1024;
   constexpr uint64_t kVictimMaxAgeUs = 100'000;
   std::lock_guard<std::mutex> g(victim_mu_);
@@ -363,7 +365,8 @@ PutResult Pool::put_ex(const NsHandle& ns, const Key& key, const Piece* src, siz
       return lost;
     }
     try {
-      return fill_claimed(ns, key, src, n, depth, total, reuse, gen, kh.tag) ? PutResult::stored : PutResult::failed;
+      return fill_claimed(ns, key, src, n, depth, total, reuse, gen, kh.tag) ? PutResult::stored
+                                                                             : PutResult::failed;
     } catch (...) {
       finish_evict(reuse, writing);  // never leave a WRITING entry or its block behind
       throw;

@@ -20,7 +20,9 @@ struct KeyHash {
   uint64_t home;
   uint32_t tag;
 };
-inline uint64_t key_hash64(const uint8_t* key32, uint32_t ns_id) { return XXH3_64bits_withSeed(key32, 32, ns_id); }
+inline uint64_t key_hash64(const uint8_t* key32, uint32_t ns_id) {
+  return XXH3_64bits_withSeed(key32, 32, ns_id);
+}
 inline uint32_t key_tag(uint64_t h) { return uint32_t(h >> 40) & 0xFFFFFF; }
 inline KeyHash key_hash_split(uint64_t h, uint64_t slot_mask) { return {h & slot_mask, key_tag(h)}; }
 inline KeyHash key_hash(const uint8_t* key32, uint32_t ns_id, uint64_t slot_mask) {

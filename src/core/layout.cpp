@@ -11,9 +11,13 @@ using format::LayoutFields;
 
 namespace {
 constexpr LayoutFieldDesc kFields[] = {
-#define CXLKV_LAYOUT_DESC(type, fname, codec, dflt, lo, hi)                            \
-  {#fname, FieldCodec::codec, uint64_t(dflt), uint64_t(lo), uint64_t(hi),              \
-   [](const LayoutFields& l) { return uint64_t(l.fname); },                            \
+#define CXLKV_LAYOUT_DESC(type, fname, codec, dflt, lo, hi) \
+  {#fname,                                                  \
+   FieldCodec::codec,                                       \
+   uint64_t(dflt),                                          \
+   uint64_t(lo),                                            \
+   uint64_t(hi),                                            \
+   [](const LayoutFields& l) { return uint64_t(l.fname); }, \
    [](LayoutFields& l, uint64_t v) { l.fname = type(v); }},
     CXLKV_LAYOUT_FIELDS(CXLKV_LAYOUT_DESC)
 #undef CXLKV_LAYOUT_DESC
@@ -45,8 +49,8 @@ std::string LayoutFieldDesc::print(uint64_t v) const {
 }
 
 void throw_out_of_range(const LayoutFieldDesc& f, const std::string& got) {
-  throw ArgumentError(std::string(f.name) + " must be in " + std::to_string(f.min) + ".." + std::to_string(f.max) +
-                      ", got " + got);
+  throw ArgumentError(std::string(f.name) + " must be in " + std::to_string(f.min) + ".." +
+                      std::to_string(f.max) + ", got " + got);
 }
 
 void set_layout_field(LayoutFields& l, const LayoutFieldDesc& f, uint64_t v) {
@@ -57,7 +61,11 @@ void set_layout_field(LayoutFields& l, const LayoutFieldDesc& f, uint64_t v) {
 uint64_t natural_block_bytes(const LayoutFields& l) {
   const DTypeInfo* d = find_dtype(l.dtype);
   if (!d) throw ArgumentError("unknown dtype code " + std::to_string(l.dtype));
-  uint64_t factors[] = {l.tokens_per_block, l.num_layers, l.head_size, d->bytes, l.kind == format::kLayoutDense ? 2u : 1u,
+  uint64_t factors[] = {l.tokens_per_block,
+                        l.num_layers,
+                        l.head_size,
+                        d->bytes,
+                        l.kind == format::kLayoutDense ? 2u : 1u,
                         l.kind == format::kLayoutDense ? l.num_kv_heads : 1u};
   uint64_t bytes = 1;
   for (uint64_t f : factors)
@@ -76,10 +84,11 @@ void check_layout(const LayoutFields& l) {
     if (v < f.min || v > f.max) throw_out_of_range(f, std::to_string(v));
   }
   if (!find_dtype(l.dtype)) throw ArgumentError("unknown dtype code " + std::to_string(l.dtype));
-  if (!code_known(layout_kind_names(), l.kind)) throw ArgumentError("unknown layout kind code " + std::to_string(l.kind));
+  if (!code_known(layout_kind_names(), l.kind))
+    throw ArgumentError("unknown layout kind code " + std::to_string(l.kind));
   if (l.tp_rank >= l.tp_size)
-    throw ArgumentError("tp_rank must be in [0, tp_size): tp_rank " + std::to_string(l.tp_rank) + ", tp_size " +
-                        std::to_string(l.tp_size));
+    throw ArgumentError("tp_rank must be in [0, tp_size): tp_rank " + std::to_string(l.tp_rank) +
+                        ", tp_size " + std::to_string(l.tp_size));
 }
 
 uint64_t layout_fingerprint(const std::string& model_id, const LayoutFields& l) {

@@ -12,8 +12,8 @@
 namespace cxlkv {
 
 struct Layout : format::LayoutFields {
-  Layout();                  // every field at its default (format.h)
-  std::string name;          // namespace identity (unique in a pool)
+  Layout();          // every field at its default (format.h)
+  std::string name;  // namespace identity (unique in a pool)
   std::string model_id;
   // Provenance shown to operators (what model_id was derived from); not part of the identity:
   // opening an existing namespace with another source opens it and keeps the stored source.

@@ -26,7 +26,8 @@ using namespace format;
 
 uint64_t mono_ns() {
   return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                      std::chrono::steady_clock::now().time_since_epoch()).count());
+                      std::chrono::steady_clock::now().time_since_epoch())
+                      .count());
 }
 
 uint64_t host_id() {
@@ -209,7 +210,8 @@ bool beat(NodeSlot* slot, uint64_t expected, const Coherence& coh, std::atomic<b
   const uint64_t before = mono_ns();  // conservative: the beat becomes visible after this
   coh.invalidate(&slot->beat, sizeof(uint64_t) * 2);
   slot->beat_unix_ns = uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                    std::chrono::system_clock::now().time_since_epoch()).count());
+                                    std::chrono::system_clock::now().time_since_epoch())
+                                    .count());
   coh.publish(&slot->beat, slot->beat + 1);
   coh.flush(&slot->beat_unix_ns, sizeof(uint64_t));
   if (last_beat) last_beat->store(before, std::memory_order_release);
@@ -222,7 +224,8 @@ uint64_t start_heartbeat(NodeSlot* slot, uint64_t expected, uint64_t interval_ns
   State& s = state();
   std::lock_guard<std::mutex> g(s.mu);
   uint64_t h = s.next_handle++;
-  s.beats.push_back(Beat{h, slot, expected, interval_ns, mono_ns() + interval_ns, coh, fenced, intact, last_beat, lapse_ns});
+  s.beats.push_back(Beat{h, slot, expected, interval_ns, mono_ns() + interval_ns, coh, fenced, intact,
+                         last_beat, lapse_ns});
   if (!s.thread_running) {
     s.thread_running = true;
     std::thread(heartbeat_loop).detach();

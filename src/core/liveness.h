@@ -14,8 +14,8 @@
 // not exist in the child, so a child never keeps its parent's node alive.
 #pragma once
 #include <atomic>
-#include <functional>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "coherence.h"

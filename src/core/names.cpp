@@ -39,7 +39,8 @@ constexpr NamedCode kLayoutKinds[] = {
 uint32_t parse_code(std::span<const NamedCode> table, std::string_view text, const char* what) {
   for (const auto& row : table)
     if (name_equals(text, row.name)) return row.code;
-  throw ArgumentError("unknown " + std::string(what) + " " + quoted_input(text) + "; allowed: " + canonical_names(table));
+  throw ArgumentError("unknown " + std::string(what) + " " + quoted_input(text) +
+                      "; allowed: " + canonical_names(table));
 }
 
 std::string code_name(std::span<const NamedCode> table, uint32_t code) {

@@ -34,12 +34,16 @@ bool code_known(std::span<const NamedCode> table, uint32_t code);
 
 // Backend (coherence.h): how pool metadata is kept coherent.
 std::span<const NamedCode> backend_names();
-inline Backend parse_backend(std::string_view s) { return Backend(parse_code(backend_names(), s, "backend")); }
+inline Backend parse_backend(std::string_view s) {
+  return Backend(parse_code(backend_names(), s, "backend"));
+}
 inline std::string backend_name(Backend b) { return code_name(backend_names(), uint32_t(b)); }
 
 // LayoutKind (format.h): how a namespace's blocks are laid out.
 std::span<const NamedCode> layout_kind_names();
-inline uint32_t parse_layout_kind(std::string_view s) { return parse_code(layout_kind_names(), s, "layout kind"); }
+inline uint32_t parse_layout_kind(std::string_view s) {
+  return parse_code(layout_kind_names(), s, "layout kind");
+}
 inline std::string layout_kind_name(uint32_t k) { return code_name(layout_kind_names(), k); }
 
 }  // namespace cxlkv

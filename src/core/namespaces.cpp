@@ -19,8 +19,8 @@ std::string fixed_str(const char* p, size_t n) { return std::string(p, strnlen(p
 // read back) and of control characters (which a terminal would execute when `pool info` prints).
 void check_text(const char* field, const std::string& s, size_t capacity) {
   if (s.size() >= capacity)
-    throw ArgumentError(std::string(field) + " must be at most " + std::to_string(capacity - 1) + " bytes, got " +
-                        std::to_string(s.size()));
+    throw ArgumentError(std::string(field) + " must be at most " + std::to_string(capacity - 1) +
+                        " bytes, got " + std::to_string(s.size()));
   for (unsigned char c : s)
     if (c < 0x20 || c == 0x7f)
       throw ArgumentError(std::string(field) + " must not contain NUL or control characters");
@@ -71,7 +71,8 @@ NsHandle Pool::open_namespace(const Layout& want) {
   if (read_only_) throw Error("pool " + path_ + " was opened read-only; namespaces cannot be opened");
   check_text("namespace name", want.name, kNameBytes);
   check_text("model_id", want.model_id, kModelIdBytes);
-  if (!node_id_) throw Error("pool " + path_ + " was opened as an observer (attach=false): it cannot open namespaces");
+  if (!node_id_)
+    throw Error("pool " + path_ + " was opened as an observer (attach=false): it cannot open namespaces");
   if (want.name.empty() || want.name.size() >= kNameBytes)
     throw ArgumentError("namespace name must have 1.." + std::to_string(kNameBytes - 1) + " bytes");
   if (want.model_id.size() >= kModelIdBytes)
@@ -80,8 +81,9 @@ NsHandle Pool::open_namespace(const Layout& want) {
   check_layout(want.fields());
   auto geo = chunk_geometry(hdr_->chunk_bytes, want.block_bytes);
   if (geo.blocks == 0)
-    throw ArgumentError("a block of " + std::to_string(want.block_bytes) + " bytes does not fit in this pool's chunks of " +
-                        std::to_string(hdr_->chunk_bytes) + " bytes; create the pool with a larger chunk size");
+    throw ArgumentError("a block of " + std::to_string(want.block_bytes) +
+                        " bytes does not fit in this pool's chunks of " + std::to_string(hdr_->chunk_bytes) +
+                        " bytes; create the pool with a larger chunk size");
   uint64_t fp = layout_fingerprint(want.model_id, want.fields());
 
   auto lookup = [&](NsHandle* h) -> bool {
@@ -90,8 +92,9 @@ NsHandle Pool::open_namespace(const Layout& want) {
       NamespaceEntry* e = ns_entry(handle.id);
       std::string diff = layout_diff(want, layout);
       if (e->fingerprint != fp || !diff.empty())
-        throw LayoutMismatchError("namespace '" + want.name + "' exists in pool " + path_ +
-                                  " with another KV layout: " + (diff.empty() ? "fingerprint differs" : diff));
+        throw LayoutMismatchError(
+            "namespace '" + want.name + "' exists in pool " + path_ +
+            " with another KV layout: " + (diff.empty() ? "fingerprint differs" : diff));
       *h = handle;
       return true;
     }
@@ -107,7 +110,9 @@ NsHandle Pool::open_namespace(const Layout& want) {
     if (coh_.claim(lock, expected, node_id_)) break;
     if (spins % 100 == 0) break_stale_ns_lock();  // F13: a holder that can never release it
     if (spins % 100 == 99) reap_dead_nodes();
-    if (spins > 100000) throw Error("pool " + path_ + ": namespace table lock held too long by node " + std::to_string(expected));
+    if (spins > 100000)
+      throw Error("pool " + path_ + ": namespace table lock held too long by node " +
+                  std::to_string(expected));
     std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
   struct Unlock {
@@ -141,7 +146,8 @@ NsHandle Pool::open_namespace(const Layout& want) {
     h.name = want.name;
     return h;
   }
-  throw NamespaceTableFullError("pool " + path_ + ": all " + std::to_string(hdr_->max_namespaces) + " namespace slots are in use");
+  throw NamespaceTableFullError("pool " + path_ + ": all " + std::to_string(hdr_->max_namespaces) +
+                                " namespace slots are in use");
 }
 
 }  // namespace cxlkv

@@ -115,8 +115,9 @@ void Pool::check_host_slot_unique() {
     }
     uint32_t other = i + 1;
     detach_node();
-    throw HostSlotBusyError("pool " + path_ + ": host slot " + std::to_string(host_slot_) + " is already used by node " +
-                        std::to_string(other) + "; give every process of a multihost pool its own slot (CXLKV_HOST_SLOT)");
+    throw HostSlotBusyError("pool " + path_ + ": host slot " + std::to_string(host_slot_) +
+                            " is already used by node " + std::to_string(other) +
+                            "; give every process of a multihost pool its own slot (CXLKV_HOST_SLOT)");
   }
 }
 
@@ -329,7 +330,9 @@ void Pool::reclaim_node(uint32_t idx, uint64_t reclaiming_word) {
         uint64_t ew = coh_.read(&e->state);
         uint8_t st = entry_state(ew);
         coh_.invalidate(e, sizeof *e);
-        if ((st == kReady || st == kWriting || st == kEvicting || st == kCondemned) && e->chunk == c && e->block == b) continue;
+        if ((st == kReady || st == kWriting || st == kEvicting || st == kCondemned) && e->chunk == c &&
+            e->block == b)
+          continue;
       }
       coh_.claim(d, dw, 0);
     }

@@ -3,19 +3,18 @@
 
 #include <dirent.h>
 #include <fcntl.h>
-#include <signal.h>
 #include <pthread.h>
+#include <signal.h>
 #include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
-#include <cstdlib>
 #include <chrono>
 #include <cstddef>
+#include <cstdlib>
 #include <cstring>
-
 
 namespace cxlkv {
 
@@ -23,11 +22,13 @@ using namespace format;
 
 uint64_t now_unix_ns() {
   return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                      std::chrono::system_clock::now().time_since_epoch()).count());
+                      std::chrono::system_clock::now().time_since_epoch())
+                      .count());
 }
 uint64_t now_mono_us() {
   return uint64_t(std::chrono::duration_cast<std::chrono::microseconds>(
-                      std::chrono::steady_clock::now().time_since_epoch()).count());
+                      std::chrono::steady_clock::now().time_since_epoch())
+                      .count());
 }
 
 namespace {
@@ -94,7 +95,8 @@ std::unique_ptr<Pool> Pool::create(const std::string& path, const CreateOptions&
   if (::getrandom(h.uuid, sizeof h.uuid, 0) != sizeof h.uuid) throw OsError(errno, "getrandom failed");
   h.created_unix_ns = now_unix_ns();
   if (opt.lease_ms < kLeaseMsMin || opt.lease_ms > kLeaseMsMax)
-    throw ArgumentError("lease_ms must be in " + std::to_string(kLeaseMsMin) + ".." + std::to_string(kLeaseMsMax));
+    throw ArgumentError("lease_ms must be in " + std::to_string(kLeaseMsMin) + ".." +
+                        std::to_string(kLeaseMsMax));
   h.lease_ms = opt.lease_ms;
   fill_stamp(h);
 
@@ -127,7 +129,8 @@ std::unique_ptr<Pool> Pool::create(const std::string& path, const CreateOptions&
     uint8_t r[4];
     (void)::getrandom(r, sizeof r, 0);
     char suffix[64];
-    std::snprintf(suffix, sizeof suffix, ".init-%d-%02x%02x%02x%02x", int(::getpid()), r[0], r[1], r[2], r[3]);
+    std::snprintf(suffix, sizeof suffix, ".init-%d-%02x%02x%02x%02x", int(::getpid()), r[0], r[1], r[2],
+                  r[3]);
     tmp = path + suffix;
     m = Mapping::create_file(tmp, opt.size);  // zero-filled: every state word starts FREE/EMPTY
   }
@@ -168,8 +171,8 @@ std::unique_ptr<Pool> Pool::open(const std::string& path, const OpenOptions& opt
   p->path_ = path;
   p->read_only_ = opt.read_only;
   p->want_slot_ = opt.host_slot;
-  p->map_ = Mapping::open_existing(path, opt.populate, opt.read_only, opt.allow_foreign_owner || opt.read_only,
-                                   opt.allow_group);
+  p->map_ = Mapping::open_existing(path, opt.populate, opt.read_only,
+                                   opt.allow_foreign_owner || opt.read_only, opt.allow_group);
   p->validate_and_attach(false, opt.attach && !opt.read_only);
   return p;
 }
@@ -239,7 +242,8 @@ bool Pool::heartbeat_tick() {
 namespace {
 std::string describe_nodes(const std::vector<std::pair<uint32_t, uint32_t>>& nodes) {
   std::string s;
-  for (auto [id, pid] : nodes) s += (s.empty() ? "" : ", ") + ("node " + std::to_string(id) + " (pid " + std::to_string(pid) + ")");
+  for (auto [id, pid] : nodes)
+    s += (s.empty() ? "" : ", ") + ("node " + std::to_string(id) + " (pid " + std::to_string(pid) + ")");
   return s;
 }
 }  // namespace
@@ -275,16 +279,19 @@ void Pool::destroy(const std::string& path, const DestroyOptions& opt) {
   }
   if (Mapping::is_devdax_path(path)) {
     struct stat st;
-    if (::stat(path.c_str(), &st) != 0) throw OsError(errno, "cannot stat " + path + ": " + std::strerror(errno));
+    if (::stat(path.c_str(), &st) != 0)
+      throw OsError(errno, "cannot stat " + path + ": " + std::strerror(errno));
     if (!S_ISCHR(st.st_mode))
-      throw FormatError(path + " is not a devdax character device; not wiping it (remove a regular file with rm)");
+      throw FormatError(path +
+                        " is not a devdax character device; not wiping it (remove a regular file with rm)");
     if (!p) throw FormatError(path + " does not hold a valid cxlkv pool; not wiping it");
   }
   if (p && !opt.ignore_attached) {
     auto live = p->attached_nodes();
     if (!live.empty())
-      throw Error("pool " + path + " is in use by " + std::to_string(live.size()) + " attached process(es): " +
-                  describe_nodes(live) + "; stop them first, or force it (CLI: --ignore-attached)");
+      throw Error("pool " + path + " is in use by " + std::to_string(live.size()) +
+                  " attached process(es): " + describe_nodes(live) +
+                  "; stop them first, or force it (CLI: --ignore-attached)");
   }
   if (Mapping::is_devdax_path(path)) {
     char* b = p->base_;
@@ -299,11 +306,13 @@ void Pool::destroy(const std::string& path, const DestroyOptions& opt) {
   if (!p) {
     // remove_invalid: the file must at least be a regular file (never a device or a directory).
     struct stat st;
-    if (::lstat(path.c_str(), &st) != 0) throw OsError(errno, "cannot stat " + path + ": " + std::strerror(errno));
+    if (::lstat(path.c_str(), &st) != 0)
+      throw OsError(errno, "cannot stat " + path + ": " + std::strerror(errno));
     if (!S_ISREG(st.st_mode)) throw FormatError(path + " is not a regular file; not deleting it");
   }
   p.reset();
-  if (::unlink(path.c_str()) != 0) throw OsError(errno, "cannot delete " + path + ": " + std::strerror(errno));
+  if (::unlink(path.c_str()) != 0)
+    throw OsError(errno, "cannot delete " + path + ": " + std::strerror(errno));
 }
 
 bool Pool::file_replaced() const {
@@ -315,7 +324,8 @@ bool Pool::file_replaced() const {
 void Pool::check_truncated() const {
   if (!map_.truncated()) return;
   struct stat st;
-  std::string now = ::stat(path_.c_str(), &st) == 0 ? std::to_string(uint64_t(st.st_size)) + " bytes" : "missing";
+  std::string now =
+      ::stat(path_.c_str(), &st) == 0 ? std::to_string(uint64_t(st.st_size)) + " bytes" : "missing";
   throw TruncatedError("pool " + path_ + " was truncated while mapped (now " + now + ", mapped " +
                        std::to_string(map_.size()) + " bytes); close it and re-open or re-create the pool");
 }
@@ -334,16 +344,20 @@ void Pool::validate_and_attach(bool fresh, bool attach) {
     static const char zero[8] = {};
     uint64_t init = Coherence(Backend::flush).read(&sw->init.word);
     if (std::memcmp(h.magic, zero, 8) == 0 && init == kInitBusy)
-      throw NotReadyError("pool " + P + " was never completely initialized (its creator died or is still running); remove it (cxlkv pool destroy --force) and re-create it");
+      throw NotReadyError("pool " + P +
+                          " was never completely initialized (its creator died or is still running); remove "
+                          "it (cxlkv pool destroy --force) and re-create it");
     throw FormatError(P + " is not a cxlkv pool (bad magic)");
   }
   if (h.major > kFormatMajor)
-    throw VersionError("pool " + P + " has format " + std::to_string(h.major) + "." + std::to_string(h.minor) +
-                       ", newer than this cxlkv build supports (" + std::to_string(kFormatMajor) + ".x)");
+    throw VersionError("pool " + P + " has format " + std::to_string(h.major) + "." +
+                       std::to_string(h.minor) + ", newer than this cxlkv build supports (" +
+                       std::to_string(kFormatMajor) + ".x)");
   if (h.major < kFormatMajor)
     throw VersionError("pool " + P + " has an old format " + std::to_string(h.major) + ".x; re-create it");
   if (h.header_bytes != sizeof(PoolHeader))
-    throw FormatError("pool " + P + " header has " + std::to_string(h.header_bytes) + " bytes, expected " + std::to_string(sizeof(PoolHeader)));
+    throw FormatError("pool " + P + " header has " + std::to_string(h.header_bytes) + " bytes, expected " +
+                      std::to_string(sizeof(PoolHeader)));
   if (h.checksum != header_checksum(h))
     throw FormatError("pool " + P + " header checksum mismatch: the header is corrupt");
   if (h.incompat & ~kIncompatSupported) {
@@ -360,12 +374,15 @@ void Pool::validate_and_attach(bool fresh, bool attach) {
   if (h.stamp_cache_line != kCacheLine || h.stamp_header != sizeof(PoolHeader) ||
       h.stamp_node_slot != sizeof(NodeSlot) || h.stamp_node_area_fixed != sizeof(NodeAreaFixed) ||
       h.stamp_namespace != sizeof(NamespaceEntry) || h.stamp_index_entry != sizeof(IndexEntry))
-    throw VersionError("pool " + P + " was created by a build with another memory layout (build stamp differs)");
+    throw VersionError("pool " + P +
+                       " was created by a build with another memory layout (build stamp differs)");
   if (h.pool_bytes > mapped)
     throw TruncatedError("pool " + P + " is truncated: header says " + std::to_string(h.pool_bytes) +
                          " bytes, the file has " + std::to_string(mapped));
   // Geometry: every area inside the pool, in order, without overlap.
-  auto bad = [&](const char* what) { throw FormatError("pool " + P + " has an impossible geometry (" + what + ")"); };
+  auto bad = [&](const char* what) {
+    throw FormatError("pool " + P + " has an impossible geometry (" + what + ")");
+  };
   if (h.backend != uint32_t(Backend::coherent) && h.backend != uint32_t(Backend::flush) &&
       h.backend != uint32_t(Backend::multihost))
     bad("backend");
@@ -375,11 +392,14 @@ void Pool::validate_and_attach(bool fresh, bool attach) {
   if (h.lease_ms < kLeaseMsMin || h.lease_ms > kLeaseMsMax) bad("lease_ms");
   if (h.pin_slots == 0 || h.pin_slots > (1u << 20)) bad("pin_slots");
   if (h.max_namespaces == 0 || h.max_namespaces > kMaxNamespaces) bad("max_namespaces");
-  if (h.index_slots < 64 || (h.index_slots & (h.index_slots - 1)) || h.index_slots > (1ull << 36)) bad("index_slots");
+  if (h.index_slots < 64 || (h.index_slots & (h.index_slots - 1)) || h.index_slots > (1ull << 36))
+    bad("index_slots");
   if (h.chunk_bytes < 65536 || h.chunk_bytes % kMetaAlign || h.chunk_bytes > (1ull << 40)) bad("chunk_bytes");
-  if (h.node_area_bytes < sizeof(NodeAreaFixed) + uint64_t(h.pin_slots) * 8 || h.node_area_bytes % kMetaAlign) bad("node_area_bytes");
+  if (h.node_area_bytes < sizeof(NodeAreaFixed) + uint64_t(h.pin_slots) * 8 || h.node_area_bytes % kMetaAlign)
+    bad("node_area_bytes");
   if ((h.compat & kCompatAdminMailbox) &&
-      h.node_area_bytes < admin_mailbox_off(h.pin_slots) + admin_mailbox_bytes(h.max_nodes)) bad("node_area_bytes (admin mailbox)");
+      h.node_area_bytes < admin_mailbox_off(h.pin_slots) + admin_mailbox_bytes(h.max_nodes))
+    bad("node_area_bytes (admin mailbox)");
   if (h.chunk_count == 0 || h.chunk_count > (1ull << 32)) bad("chunk_count");
   if (h.node_area_bytes > h.pool_bytes / h.max_nodes) bad("node_area_bytes");  // F6: no wrap below
   // Overflow-safe: a forged header (the checksum is no authentication) must not wrap a product.
@@ -401,7 +421,9 @@ void Pool::validate_and_attach(bool fresh, bool attach) {
   area(h.arena_off, h.chunk_count, stride, "arena");
   uint64_t init = Coherence(Backend::flush, emu_.model).read(&sw->init.word);  // valid for any backend
   if (init != kInitReady)
-    throw NotReadyError("pool " + P + " was never completely initialized (its creator died or is still running); remove it (cxlkv pool destroy --force) and re-create it");
+    throw NotReadyError("pool " + P +
+                        " was never completely initialized (its creator died or is still running); remove it "
+                        "(cxlkv pool destroy --force) and re-create it");
 
   base_ = b;
   hdr_ = &hdr_copy_;
@@ -428,16 +450,21 @@ void Pool::validate_and_attach(bool fresh, bool attach) {
 }
 
 Pool::~Pool() {
-  try { close(); } catch (...) {}
+  try {
+    close();
+  } catch (...) {
+  }
 }
 
 void Pool::ensure_usable() const {
   if (!base_) throw Error("pool " + path_ + " is closed");
   if (fenced_.load(std::memory_order_acquire))
     throw Error("pool " + path_ + ": node " + std::to_string(node_id_) +
-                " of this process was reclaimed by another process (judged dead, or reaped with --force); open the pool again");
+                " of this process was reclaimed by another process (judged dead, or reaped with --force); "
+                "open the pool again");
   if (fork_generation_ != fork_generation())
-    throw Error("pool " + path_ + ": this attachment was inherited through fork(); open the pool again in the child process");
+    throw Error("pool " + path_ +
+                ": this attachment was inherited through fork(); open the pool again in the child process");
   check_truncated();
 }
 
@@ -488,7 +515,8 @@ char* Pool::node_area(uint32_t idx) const {
   return base_ + hdr_->node_area_off + uint64_t(idx) * hdr_->node_area_bytes;
 }
 NamespaceEntry* Pool::ns_entry(uint32_t id) const {
-  if (id == 0 || id > hdr_->max_namespaces) throw CorruptError("namespace id " + std::to_string(id) + " out of range");
+  if (id == 0 || id > hdr_->max_namespaces)
+    throw CorruptError("namespace id " + std::to_string(id) + " out of range");
   return reinterpret_cast<NamespaceEntry*>(base_ + hdr_->ns_table_off) + (id - 1);
 }
 uint64_t* Pool::chunk_word(uint64_t chunk) const {
@@ -503,7 +531,8 @@ uint64_t* Pool::block_desc(uint64_t chunk, uint32_t block) const {
 char* Pool::block_payload(const NsHandle& ns, uint64_t chunk, uint32_t block) const {
   if (chunk >= hdr_->chunk_count || block >= ns.geo.blocks)
     throw CorruptError("block " + std::to_string(chunk) + ":" + std::to_string(block) + " out of range");
-  return base_ + hdr_->arena_off + chunk * chunk_stride_ + desc_bytes_ + uint64_t(block) * ns.geo.block_stride;
+  return base_ + hdr_->arena_off + chunk * chunk_stride_ + desc_bytes_ +
+         uint64_t(block) * ns.geo.block_stride;
 }
 
 void Pool::count(Counter c, uint64_t v) {

@@ -26,14 +26,14 @@ namespace cxlkv {
 
 struct CreateOptions {
   uint64_t size = 0;
-  uint64_t chunk_bytes = 0;   // 0: derived from size
-  uint64_t index_slots = 0;   // 0: derived from size
+  uint64_t chunk_bytes = 0;  // 0: derived from size
+  uint64_t index_slots = 0;  // 0: derived from size
   uint32_t max_nodes = 64;
-  uint32_t pin_slots = 0;     // 0: derived from size, at most format::kDefaultPinSlots
+  uint32_t pin_slots = 0;  // 0: derived from size, at most format::kDefaultPinSlots
   uint32_t max_namespaces = 64;
   Backend backend = Backend::coherent;
   uint32_t lease_ms = format::kLeaseMsDefault;  // heartbeat lease for nodes of another kernel
-  uint32_t lock_hosts = 0;    // multihost: host slots of the lock area; 0: kLockHostsDefault
+  uint32_t lock_hosts = 0;           // multihost: host slots of the lock area; 0: kLockHostsDefault
   bool allow_foreign_owner = false;  // with exist_ok: see OpenOptions
   bool allow_group = false;
 };
@@ -46,22 +46,22 @@ void plan_geometry(format::PoolHeader& h, const CreateOptions& opt);
 
 // One node slot as a judge sees it (`pool info`, `pool reap`): the verdict and its evidence.
 struct NodeInfo {
-  uint32_t id = 0;            // node id (slot + 1)
-  uint8_t state = 0;          // format::NodeState
+  uint32_t id = 0;    // node id (slot + 1)
+  uint8_t state = 0;  // format::NodeState
   uint32_t epoch = 0;
   uint64_t pid = 0, pid_ns = 0, attach_unix_ns = 0, beat = 0, beat_unix_ns = 0;
-  bool self = false;          // this attachment
-  bool same_kernel = false;   // judged by the kernel lock (same host_id and lock file)
-  bool lock_held = false;     // same_kernel only: someone holds the slot's lock
-  uint64_t silent_ms = 0;     // lease only: how long this judge has seen (state, beat) unchanged
+  bool self = false;         // this attachment
+  bool same_kernel = false;  // judged by the kernel lock (same host_id and lock file)
+  bool lock_held = false;    // same_kernel only: someone holds the slot's lock
+  uint64_t silent_ms = 0;    // lease only: how long this judge has seen (state, beat) unchanged
   uint64_t lease_ms = 0;
   enum Verdict { kFree, kAlive, kDead, kUndecided } verdict = kFree;
-  std::string evidence;       // one line, e.g. "lock held (same kernel)"
+  std::string evidence;  // one line, e.g. "lock held (same kernel)"
 };
 
 // How Pool::open maps and trusts an existing pool (F11, F23).
 struct OpenOptions {
-  bool populate = false;             // fault the whole mapping in now
+  bool populate = false;  // fault the whole mapping in now
   // Inspect only (pool info): O_RDONLY, a private copy-on-write mapping, no node slot, no reap;
   // works for a reader without write access. Namespaces cannot be opened. The owner check is
   // skipped: nothing of ours is put into the pool.
@@ -255,7 +255,9 @@ class Pool {
   // our request slot there). Waits at most timeout_ms for the answer.
   PingResult ping(uint32_t node, uint64_t timeout_ms);
   std::vector<uint64_t> counters();  // summed over attached nodes
-  struct Occupancy { uint64_t capacity, free, used, free_chunks, active_chunks; };
+  struct Occupancy {
+    uint64_t capacity, free, used, free_chunks, active_chunks;
+  };
   Occupancy occupancy();
 
  private:
@@ -273,15 +275,17 @@ class Pool {
   // The byte of the pool file locked for slot idx (L1). Locks live beyond any data (locks need
   // no bytes) in a 256-byte range per host id, so simulated hosts (CXLKV_HOST_ID) on one kernel
   // do not see each other's locks, exactly as separate kernels would not.
-  uint64_t lock_offset(uint32_t idx) const {
-    return (1ull << 48) + (host_id_ & 0xFFFFF) * 256 + idx;
-  }
+  uint64_t lock_offset(uint32_t idx) const { return (1ull << 48) + (host_id_ & 0xFFFFF) * 256 + idx; }
 
   // bounds-checked accessors: throw CorruptError on an out-of-range value read from the pool
   format::NodeSlot* node_slot(uint32_t idx) const;
   char* node_area(uint32_t idx) const;
-  format::NodeAreaFixed* node_fixed(uint32_t idx) const { return reinterpret_cast<format::NodeAreaFixed*>(node_area(idx)); }
-  uint64_t* pins(uint32_t idx) const { return reinterpret_cast<uint64_t*>(node_area(idx) + sizeof(format::NodeAreaFixed)); }
+  format::NodeAreaFixed* node_fixed(uint32_t idx) const {
+    return reinterpret_cast<format::NodeAreaFixed*>(node_area(idx));
+  }
+  uint64_t* pins(uint32_t idx) const {
+    return reinterpret_cast<uint64_t*>(node_area(idx) + sizeof(format::NodeAreaFixed));
+  }
   format::NamespaceEntry* ns_entry(uint32_t id) const;  // 1-based id
   format::IndexEntry* entry(uint64_t slot) const { return entries_ + (slot & slot_mask_); }
   uint64_t* access(uint64_t slot) const { return access_ + (slot & slot_mask_); }
@@ -289,7 +293,9 @@ class Pool {
   uint64_t* block_desc(uint64_t chunk, uint32_t block) const;
   char* block_payload(const NsHandle& ns, uint64_t chunk, uint32_t block) const;
   uint64_t chunk_stride() const { return chunk_stride_; }
-  format::SharedWords* shared() const { return reinterpret_cast<format::SharedWords*>(base_ + format::kSharedWordsOff); }
+  format::SharedWords* shared() const {
+    return reinterpret_cast<format::SharedWords*>(base_ + format::kSharedWordsOff);
+  }
 
   // index internals (index.cpp)
   struct Found {
@@ -299,7 +305,8 @@ class Pool {
   };
   // hash: key_hash64(key, ns) or null; home_word: the home slot's state word as read a moment ago by
   // read_homes (snapshot re-checks it before anything is believed), or null to read it here.
-  bool find(const NsHandle& ns, const Key& key, const uint64_t* hash, Found* out, const uint64_t* home_word = nullptr);
+  bool find(const NsHandle& ns, const Key& key, const uint64_t* hash, Found* out,
+            const uint64_t* home_word = nullptr);
   void read_homes(const NsHandle& ns, const Key* keys, size_t n, std::vector<uint64_t>& hashes,
                   std::vector<uint64_t>& home_words);
   void condemn(uint64_t slot, uint64_t ready_word);
@@ -355,7 +362,7 @@ class Pool {
   // liveness (nodes.cpp)
   liveness::LockFile lock_;
   uint32_t domain_ = 0;
-  uint64_t heartbeat_ = 0;          // handle with the process heartbeat thread
+  uint64_t heartbeat_ = 0;           // handle with the process heartbeat thread
   std::atomic<bool> fenced_{false};  // this node was reclaimed while alive (L3), or fenced itself
   // multihost (arbiter.h): the cross-host lock and fence; the time before the last published beat
   std::unique_ptr<Bakery> bakery_;
@@ -366,8 +373,8 @@ class Pool {
   int want_slot_ = -1;  // OpenOptions::host_slot
   void setup_arbiter(int want_slot, bool observer);
   void check_host_slot_unique();
-  std::mutex reap_mu_;               // one reclaim at a time per lock descriptor
-  struct Watch {                     // lease observations of this judge, per slot
+  std::mutex reap_mu_;  // one reclaim at a time per lock descriptor
+  struct Watch {        // lease observations of this judge, per slot
     uint64_t word = 0, beat = 0, since_ns = 0;
     bool valid = false;
   };
@@ -380,9 +387,9 @@ class Pool {
   std::atomic<uint64_t> lease_pins_{0};  // pins held by this process's leases (see lease_cap)
   std::mutex alloc_mu_;
   struct NsAlloc {
-    uint64_t home = ~0ull;       // chunk this node allocates from first
-    uint32_t cursor = 0;         // where the last scan of the home chunk stopped
-    uint64_t steal_after_us = 0; // a scan of other chunks found nothing: skip scans until then
+    uint64_t home = ~0ull;        // chunk this node allocates from first
+    uint32_t cursor = 0;          // where the last scan of the home chunk stopped
+    uint64_t steal_after_us = 0;  // a scan of other chunks found nothing: skip scans until then
   };
   std::unordered_map<uint32_t, NsAlloc> alloc_;  // by namespace id; process-local
   std::atomic<uint64_t> evict_hand_{0};
@@ -397,7 +404,8 @@ class Pool {
   };
   std::mutex victim_mu_;
   std::unordered_map<uint32_t, VictimQueue> victims_;
-  bool evict_from_queue(const NsHandle& ns, uint64_t* out_chunk, uint32_t* out_block, uint64_t new_owner_slot);
+  bool evict_from_queue(const NsHandle& ns, uint64_t* out_chunk, uint32_t* out_block,
+                        uint64_t new_owner_slot);
   bool evict_victim(const Victim& c, const NsHandle* ns, uint64_t* out_chunk, uint32_t* out_block,
                     uint64_t new_owner_slot);
   std::atomic<uint64_t> last_reap_ns_{0};

@@ -15,8 +15,10 @@
 namespace cxlkv::rpc {
 
 Channel Channel::format(void* region, size_t bytes, uint32_t slots, Backend b) {
-  if (slots == 0 || slots > kMaxSlots) throw ArgumentError("rpc channel slots must be in 1.." + std::to_string(kMaxSlots));
-  if (reinterpret_cast<uintptr_t>(region) % format::kCacheLine) throw ArgumentError("rpc channel region must be 64-byte aligned");
+  if (slots == 0 || slots > kMaxSlots)
+    throw ArgumentError("rpc channel slots must be in 1.." + std::to_string(kMaxSlots));
+  if (reinterpret_cast<uintptr_t>(region) % format::kCacheLine)
+    throw ArgumentError("rpc channel region must be 64-byte aligned");
   if (bytes < sizeof(ChannelHeader) + body_bytes(slots))
     throw ArgumentError("rpc channel region of " + std::to_string(bytes) + " bytes is too small for " +
                         std::to_string(slots) + " slots");
@@ -35,15 +37,18 @@ Channel Channel::format(void* region, size_t bytes, uint32_t slots, Backend b) {
 }
 
 Channel Channel::attach(void* region, size_t bytes) {
-  if (reinterpret_cast<uintptr_t>(region) % format::kCacheLine) throw ArgumentError("rpc channel region must be 64-byte aligned");
+  if (reinterpret_cast<uintptr_t>(region) % format::kCacheLine)
+    throw ArgumentError("rpc channel region must be 64-byte aligned");
   if (bytes < sizeof(ChannelHeader)) throw CorruptError("rpc channel region too small for its header");
   Coherence probe(Backend::flush);  // valid for any backend: drop stale copies, then read
   auto* shared = static_cast<ChannelHeader*>(region);
   if (probe.read(&shared->magic) != kChannelMagic) throw CorruptError("not an rpc channel (bad magic)");
   ChannelHeader h;
   std::memcpy(&h, shared, sizeof h);  // a private copy: later scribbles cannot steer us
-  if (h.version != kChannelVersion) throw CorruptError("rpc channel version " + std::to_string(h.version) + " unknown");
-  if (h.slots == 0 || h.slots > kMaxSlots) throw CorruptError("rpc channel slot count " + std::to_string(h.slots) + " out of range");
+  if (h.version != kChannelVersion)
+    throw CorruptError("rpc channel version " + std::to_string(h.version) + " unknown");
+  if (h.slots == 0 || h.slots > kMaxSlots)
+    throw CorruptError("rpc channel slot count " + std::to_string(h.slots) + " out of range");
   if (h.backend != uint32_t(Backend::coherent) && h.backend != uint32_t(Backend::flush))
     throw CorruptError("rpc channel backend " + std::to_string(h.backend) + " unknown");
   if (bytes - sizeof(ChannelHeader) < body_bytes(h.slots))
@@ -60,8 +65,11 @@ Line* Channel::resp(uint32_t i) const {
   return reinterpret_cast<Line*>(body_) + slots_ + i;
 }
 
-void Channel::write_line(const Coherence& coh, Line* l, uint64_t seq, uint32_t op, const void* p, uint32_t len) {
-  if (len > kInlineBytes) throw ArgumentError("rpc payload of " + std::to_string(len) + " bytes exceeds " + std::to_string(kInlineBytes));
+void Channel::write_line(const Coherence& coh, Line* l, uint64_t seq, uint32_t op, const void* p,
+                         uint32_t len) {
+  if (len > kInlineBytes)
+    throw ArgumentError("rpc payload of " + std::to_string(len) + " bytes exceeds " +
+                        std::to_string(kInlineBytes));
   // Plain stores for the body, then the seq with release semantics and the line's write-back:
   // the seq is the last store to the line, so whatever copy of the line carries it carries all.
   l->op = op;
@@ -107,7 +115,8 @@ void Channel::post(uint32_t i, uint64_t seq, uint32_t op, const void* payload, u
 }
 
 void Channel::refresh_responses(uint32_t first, uint32_t n) const {
-  if (n == 0 || first >= slots_ || n > slots_ - first) throw ArgumentError("rpc response range out of bounds");
+  if (n == 0 || first >= slots_ || n > slots_ - first)
+    throw ArgumentError("rpc response range out of bounds");
   coh_.invalidate(resp(first), size_t(n) * sizeof(Line));
 }
 
@@ -125,7 +134,8 @@ void Channel::refresh_requests(uint32_t first, uint32_t n) const {
   coh_.invalidate(req(first), size_t(n) * sizeof(Line));
 }
 
-Poll Channel::poll_request(uint32_t i, uint64_t answered, uint64_t* seq, uint32_t* op, void* out, uint32_t* len) const {
+Poll Channel::poll_request(uint32_t i, uint64_t answered, uint64_t* seq, uint32_t* op, void* out,
+                           uint32_t* len) const {
   const Line* l = req(i);
   uint64_t s = coh_.read_after_invalidate(&l->seq);
   if (s == 0 || s == answered) return Poll::kEmpty;

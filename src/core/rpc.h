@@ -95,7 +95,8 @@ class Channel {
   // ---- server side (the only writer of resp[]) ----
   void refresh_requests(uint32_t first, uint32_t n) const;
   // kReady when req[i].seq is neither 0 nor `answered`: seq/op/payload copied out.
-  Poll poll_request(uint32_t i, uint64_t answered, uint64_t* seq, uint32_t* op, void* out, uint32_t* len) const;
+  Poll poll_request(uint32_t i, uint64_t answered, uint64_t* seq, uint32_t* op, void* out,
+                    uint32_t* len) const;
   void respond(uint32_t i, uint64_t seq, uint32_t status, const void* payload, uint32_t len);
   uint64_t answered_seq(uint32_t i) const;  // resp[i].seq as published (restart of a server)
 
@@ -104,7 +105,8 @@ class Channel {
   Line* resp(uint32_t i) const;
 
  private:
-  static void write_line(const Coherence& coh, Line* l, uint64_t seq, uint32_t op, const void* p, uint32_t len);
+  static void write_line(const Coherence& coh, Line* l, uint64_t seq, uint32_t op, const void* p,
+                         uint32_t len);
   Poll read_line(const Line* l, uint64_t* seq, uint32_t* op, void* out, uint32_t* len) const;
   char* body_ = nullptr;
   uint32_t slots_ = 0;

@@ -37,7 +37,8 @@ struct PingReply {
   uint64_t pid, host_id;
 };
 static_assert(sizeof(PingReply) <= rpc::kInlineBytes);
-static_assert(admin_mailbox_bytes(kMaxNodes) == rpc::body_bytes(kMaxNodes), "format.h's mailbox size is rpc's");
+static_assert(admin_mailbox_bytes(kMaxNodes) == rpc::body_bytes(kMaxNodes),
+              "format.h's mailbox size is rpc's");
 
 uint64_t mono_ns() { return liveness::mono_ns(); }
 }  // namespace
@@ -96,7 +97,8 @@ void Pool::start_admin_responder() {
       }
       // Stop answering once this node is fenced (L3) or the pool file shrank under us.
       if (sweep % kSweepsPerHealthCheck == 0 || mono_ns() >= hot_until) {
-        if (fenced->load(std::memory_order_acquire) || !(*intact)() || coh.read(state_word) != expected_word) break;
+        if (fenced->load(std::memory_order_acquire) || !(*intact)() || coh.read(state_word) != expected_word)
+          break;
       }
       ch.refresh_requests(0, n);
       uint32_t served = 0;
@@ -151,9 +153,11 @@ PingResult Pool::ping(uint32_t node, uint64_t timeout_ms) {
   ensure_usable();
   if (!node_id_) throw ArgumentError("ping needs an attached pool: our node id names our request slot");
   if (node == 0 || node > hdr_->max_nodes)
-    throw ArgumentError("node " + std::to_string(node) + " out of range 1.." + std::to_string(hdr_->max_nodes));
+    throw ArgumentError("node " + std::to_string(node) + " out of range 1.." +
+                        std::to_string(hdr_->max_nodes));
   if (!has_admin_mailbox())
-    throw VersionError("pool " + path_ + " has no admin mailbox (created by an older cxlkv); re-create it to use ping");
+    throw VersionError("pool " + path_ +
+                       " has no admin mailbox (created by an older cxlkv); re-create it to use ping");
   std::lock_guard<std::mutex> g(ping_mu_);  // one request at a time in our slot
   PingResult res;
   res.node = node;
@@ -183,10 +187,12 @@ PingResult Pool::ping(uint32_t node, uint64_t timeout_ms) {
       res.rtt_ns = mono_ns() - t0;
       PingReply r{};
       if (p == rpc::Poll::kReady && status == kStatusOk && len == sizeof r) std::memcpy(&r, buf, sizeof r);
-      if (p != rpc::Poll::kReady || status != kStatusOk || len != sizeof r || r.nonce != q.nonce || r.node != node) {
+      if (p != rpc::Poll::kReady || status != kStatusOk || len != sizeof r || r.nonce != q.nonce ||
+          r.node != node) {
         res.outcome = PingResult::kBadReply;
         res.detail = "node " + std::to_string(node) + " answered with a malformed reply (status " +
-                     std::to_string(p == rpc::Poll::kReady ? status : 0xFFFFFFFFu) + ", " + std::to_string(len) + " bytes)";
+                     std::to_string(p == rpc::Poll::kReady ? status : 0xFFFFFFFFu) + ", " +
+                     std::to_string(len) + " bytes)";
         return res;
       }
       res.outcome = PingResult::kAnswered;

@@ -84,7 +84,9 @@ struct Buffer {
     if (PyObject_GetBuffer(obj.ptr(), &view, flags) != 0) throw nb::python_error();
     held = true;
   }
-  ~Buffer() { if (held) PyBuffer_Release(&view); }
+  ~Buffer() {
+    if (held) PyBuffer_Release(&view);
+  }
   char* data() const { return static_cast<char*>(view.buf); }
   uint64_t size() const { return uint64_t(view.len); }
 };
@@ -92,7 +94,8 @@ struct Buffer {
 Key to_key(nb::handle obj) {
   Buffer b(obj, false);
   if (b.size() != 32)
-    throw ArgumentError("keys must be exactly 32 bytes (vLLM block hashes are 32-byte digests), got " + std::to_string(b.size()));
+    throw ArgumentError("keys must be exactly 32 bytes (vLLM block hashes are 32-byte digests), got " +
+                        std::to_string(b.size()));
   Key k;
   std::memcpy(k.data(), b.data(), 32);
   return k;
@@ -136,15 +139,15 @@ std::vector<int64_t> to_ids(nb::handle seq) {
     int overflow = 0;
     long long id = PyLong_AsLongLongAndOverflow(v.ptr(), &overflow);
     if (overflow)
-      throw ArgumentError("block id " + std::string(nb::str(v).c_str()) + " at position " + std::to_string(i) +
-                          " out of range");
+      throw ArgumentError("block id " + std::string(nb::str(v).c_str()) + " at position " +
+                          std::to_string(i) + " out of range");
     out.push_back(int64_t(id));
     ++i;
   }
   return out;
 }
 
-using AnyArray = nb::ndarray<nb::device::cpu>;      // writable (scatter targets)
+using AnyArray = nb::ndarray<nb::device::cpu>;         // writable (scatter targets)
 using RoArray = nb::ndarray<nb::ro, nb::device::cpu>;  // read-only allowed (gather sources)
 
 // A block holds at most this many fragments (one per index combination of the dims before
@@ -179,13 +182,15 @@ template <class Array>
 ArrayGeometry geometry_of(const Array& a, int block_dim) {
   int nd = int(a.ndim());
   if (block_dim < 0) block_dim += nd;
-  if (block_dim < 0 || block_dim >= nd) throw ArgumentError("block_dim out of range for an array of " + std::to_string(nd) + " dims");
+  if (block_dim < 0 || block_dim >= nd)
+    throw ArgumentError("block_dim out of range for an array of " + std::to_string(nd) + " dims");
   uint64_t item = uint64_t(a.itemsize());
   uint64_t inner = item;
   for (int d = nd - 1; d > block_dim; --d) {
     uint64_t stride_bytes;
-    if (a.shape(d) > 1 && (a.stride(d) < 0 || __builtin_mul_overflow(uint64_t(a.stride(d)), item, &stride_bytes) ||
-                           stride_bytes != inner))
+    if (a.shape(d) > 1 &&
+        (a.stride(d) < 0 || __builtin_mul_overflow(uint64_t(a.stride(d)), item, &stride_bytes) ||
+         stride_bytes != inner))
       throw ArgumentError("the dims after block_dim must be contiguous (C order)");
     inner = mul_or_throw(inner, uint64_t(a.shape(d)), "the bytes per fragment");
   }
@@ -214,13 +219,14 @@ void add_fragments(const Array& a, const ArrayGeometry& g, std::vector<Fragment>
 // Reads the sources once, checks the sizes (overflow-safe) against the namespace's block size
 // BEFORE any per-row fragment exists, then builds the fragments and checks the block ids.
 template <class Array>
-ArraySet<Array> fragments_of(nb::handle sources, int block_dim, const std::vector<int64_t>& ids, const NsHandle& ns,
-                             const char* role) {
+ArraySet<Array> fragments_of(nb::handle sources, int block_dim, const std::vector<int64_t>& ids,
+                             const NsHandle& ns, const char* role) {
   ArraySet<Array> set;
   for (nb::handle s : sources) {
     Array a;
     if (!nb::try_cast(s, a))
-      throw ArgumentError(std::string(role) + " must be " + (std::is_same_v<Array, AnyArray> ? "writable " : "") +
+      throw ArgumentError(std::string(role) + " must be " +
+                          (std::is_same_v<Array, AnyArray> ? "writable " : "") +
                           "CPU arrays (buffer protocol or DLPack), got " + py_type_name(s));
     set.arrays.push_back(std::move(a));
   }
@@ -237,15 +243,18 @@ ArraySet<Array> fragments_of(nb::handle sources, int block_dim, const std::vecto
       throw ArgumentError("the arrays' bytes per block overflow 64 bits");
   }
   if (total != ns.block_bytes)
-    throw ArgumentError("fragments add up to " + std::to_string(total) + " bytes per block, the namespace '" + ns.name +
-                        "' stores blocks of " + std::to_string(ns.block_bytes) + " bytes");
+    throw ArgumentError("fragments add up to " + std::to_string(total) + " bytes per block, the namespace '" +
+                        ns.name + "' stores blocks of " + std::to_string(ns.block_bytes) + " bytes");
   if (count > kMaxFragmentsPerBlock)
     throw ArgumentError("the arrays split a block into " + std::to_string(count) + " fragments; at most " +
-                        std::to_string(kMaxFragmentsPerBlock) + " are supported (make the dims after block_dim larger)");
+                        std::to_string(kMaxFragmentsPerBlock) +
+                        " are supported (make the dims after block_dim larger)");
   set.frags.reserve(size_t(count));
   for (size_t i = 0; i < set.arrays.size(); ++i) add_fragments(set.arrays[i], geo[i], set.frags);
   for (int64_t id : ids)
-    if (id < 0 || id >= nblocks) throw ArgumentError("block id " + std::to_string(id) + " out of range (arrays hold " + std::to_string(nblocks) + " blocks)");
+    if (id < 0 || id >= nblocks)
+      throw ArgumentError("block id " + std::to_string(id) + " out of range (arrays hold " +
+                          std::to_string(nblocks) + " blocks)");
   return set;
 }
 
@@ -419,7 +428,8 @@ NB_MODULE(_core, m) {
   static nb::object corrupt_error = make("PoolCorruptError", "cxlkv.PoolCorruptError", base_error);
   static nb::object layout_error = make("LayoutMismatchError", "cxlkv.LayoutMismatchError", base_error);
   static nb::object nodefull_error = make("NodeTableFullError", "cxlkv.NodeTableFullError", base_error);
-  static nb::object nsfull_error = make("NamespaceTableFullError", "cxlkv.NamespaceTableFullError", base_error);
+  static nb::object nsfull_error =
+      make("NamespaceTableFullError", "cxlkv.NamespaceTableFullError", base_error);
 
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     // Messages may quote bytes read from the pool (names, model ids): decode them without failing,
@@ -434,31 +444,42 @@ NB_MODULE(_core, m) {
     };
     try {
       std::rethrow_exception(p);
-    } catch (const FormatError& e) { raise(format_error.ptr(), e.what());
-    } catch (const VersionError& e) { raise(version_error.ptr(), e.what());
-    } catch (const TruncatedError& e) { raise(truncated_error.ptr(), e.what());
-    } catch (const NotReadyError& e) { raise(notready_error.ptr(), e.what());
-    } catch (const CorruptError& e) { raise(corrupt_error.ptr(), e.what());
-    } catch (const LayoutMismatchError& e) { raise(layout_error.ptr(), e.what());
-    } catch (const NodeTableFullError& e) { raise(nodefull_error.ptr(), e.what());
-    } catch (const NamespaceTableFullError& e) { raise(nsfull_error.ptr(), e.what());
-    } catch (const ArgumentError& e) { raise(PyExc_ValueError, e.what());
+    } catch (const FormatError& e) {
+      raise(format_error.ptr(), e.what());
+    } catch (const VersionError& e) {
+      raise(version_error.ptr(), e.what());
+    } catch (const TruncatedError& e) {
+      raise(truncated_error.ptr(), e.what());
+    } catch (const NotReadyError& e) {
+      raise(notready_error.ptr(), e.what());
+    } catch (const CorruptError& e) {
+      raise(corrupt_error.ptr(), e.what());
+    } catch (const LayoutMismatchError& e) {
+      raise(layout_error.ptr(), e.what());
+    } catch (const NodeTableFullError& e) {
+      raise(nodefull_error.ptr(), e.what());
+    } catch (const NamespaceTableFullError& e) {
+      raise(nsfull_error.ptr(), e.what());
+    } catch (const ArgumentError& e) {
+      raise(PyExc_ValueError, e.what());
     } catch (const OsError& e) {
       // OSError(errno, msg) becomes FileNotFoundError, PermissionError... by errno.
       PyObject* msg = text(e.what());
       PyObject* args = msg ? Py_BuildValue("(iN)", e.err, msg) : nullptr;
       if (args) PyErr_SetObject(PyExc_OSError, args);
       Py_XDECREF(args);
-    } catch (const Error& e) { raise(base_error.ptr(), e.what());
+    } catch (const Error& e) {
+      raise(base_error.ptr(), e.what());
     }
   });
 
   nb::class_<PyPool>(m, "Pool")
       .def_static(
           "create",
-          [](const std::string& path, uint64_t size, uint64_t chunk_bytes, uint64_t index_slots, uint32_t max_nodes,
-             uint32_t pin_slots, uint32_t max_namespaces, const std::string& backend, bool exist_ok,
-             uint32_t lease_ms, bool allow_foreign_owner, bool allow_group, uint32_t lock_hosts) {
+          [](const std::string& path, uint64_t size, uint64_t chunk_bytes, uint64_t index_slots,
+             uint32_t max_nodes, uint32_t pin_slots, uint32_t max_namespaces, const std::string& backend,
+             bool exist_ok, uint32_t lease_ms, bool allow_foreign_owner, bool allow_group,
+             uint32_t lock_hosts) {
             CreateOptions o;
             o.lease_ms = lease_ms;
             o.lock_hosts = lock_hosts;
@@ -480,8 +501,8 @@ NB_MODULE(_core, m) {
           "index_slots"_a = kCreateDefaults.index_slots, "max_nodes"_a = kCreateDefaults.max_nodes,
           "pin_slots"_a = kCreateDefaults.pin_slots, "max_namespaces"_a = kCreateDefaults.max_namespaces,
           "backend"_a = backend_name(kCreateDefaults.backend), "exist_ok"_a = false,
-          "lease_ms"_a = kCreateDefaults.lease_ms, "allow_foreign_owner"_a = false,
-          "allow_group"_a = false, "lock_hosts"_a = kCreateDefaults.lock_hosts, nb::rv_policy::take_ownership)
+          "lease_ms"_a = kCreateDefaults.lease_ms, "allow_foreign_owner"_a = false, "allow_group"_a = false,
+          "lock_hosts"_a = kCreateDefaults.lock_hosts, nb::rv_policy::take_ownership)
       .def_static(
           "open",
           [](const std::string& path, bool populate, bool read_only, bool attach, bool allow_foreign_owner,
@@ -500,110 +521,136 @@ NB_MODULE(_core, m) {
             }
             return pp;
           },
-          "path"_a, "populate"_a = false, "read_only"_a = false, "attach"_a = true, "allow_foreign_owner"_a = false,
-          "allow_group"_a = false, "host_slot"_a = -1, nb::rv_policy::take_ownership)
-      .def_static("destroy", [](const std::string& path, bool ignore_attached, bool remove_invalid) {
+          "path"_a, "populate"_a = false, "read_only"_a = false, "attach"_a = true,
+          "allow_foreign_owner"_a = false, "allow_group"_a = false, "host_slot"_a = -1,
+          nb::rv_policy::take_ownership)
+      .def_static(
+          "destroy",
+          [](const std::string& path, bool ignore_attached, bool remove_invalid) {
             DestroyOptions o;
             o.ignore_attached = ignore_attached, o.remove_invalid = remove_invalid;
             Pool::destroy(path, o);
-          }, "path"_a, "ignore_attached"_a = false, "remove_invalid"_a = false)
-      .def("file_replaced", [](PyPool& pp) {  // usable on a truncated pool too: no ensure_usable
-        std::shared_lock<std::shared_mutex> g(pp.mu);
-        if (!pp.pool || pp.pool->closed()) throw Error("pool is closed");
-        return pp.pool->file_replaced();
-      })
-      .def("close", [](PyPool& pp) {
-        nb::gil_scoped_release nogil;
-        std::unique_lock<std::shared_mutex> g(pp.mu);
-        if (pp.pool) pp.pool->close();
-      })
+          },
+          "path"_a, "ignore_attached"_a = false, "remove_invalid"_a = false)
+      .def("file_replaced",
+           [](PyPool& pp) {  // usable on a truncated pool too: no ensure_usable
+             std::shared_lock<std::shared_mutex> g(pp.mu);
+             if (!pp.pool || pp.pool->closed()) throw Error("pool is closed");
+             return pp.pool->file_replaced();
+           })
+      .def("close",
+           [](PyPool& pp) {
+             nb::gil_scoped_release nogil;
+             std::unique_lock<std::shared_mutex> g(pp.mu);
+             if (pp.pool) pp.pool->close();
+           })
       .def_prop_ro("closed", [](PyPool& pp) { return !pp.pool || pp.pool->closed(); })
       .def_prop_ro("path", [](PyPool& pp) { return pp.get().path(); })
       .def_prop_ro("size", [](PyPool& pp) { return pp.get().size(); })
       .def_prop_ro("node_id", [](PyPool& pp) { return pp.get().node_id(); })
       .def_prop_ro("backend", [](PyPool& pp) { return backend_name(pp.get().backend()); })
-      .def("info", [](PyPool& pp) { OpGuard g(pp); return info_dict(*g.p); })
-      .def("counters", [](PyPool& pp) {
-        OpGuard g(pp);
-        std::vector<uint64_t> c;
-        Pool::Occupancy o;
-        {
-          nb::gil_scoped_release nogil;
-          c = g.p->counters();
-          o = g.p->occupancy();
-        }
-        nb::dict d;
-        for (uint32_t i = 0; i < format::kCounterCount; ++i) d[kCounterNames[i]] = c[i];
-        d["capacity_blocks"] = o.capacity;
-        d["free_blocks"] = o.free;
-        d["used_blocks"] = o.used;
-        d["free_chunks"] = o.free_chunks;
-        d["active_chunks"] = o.active_chunks;
-        return d;
-      })
-      .def("check", [](PyPool& pp) {
-        OpGuard g(pp);
-        CheckReport r;
-        {
-          nb::gil_scoped_release nogil;
-          r = g.p->check();
-        }
-        nb::dict d, blocks;
-        d["ok"] = r.ok;
-        d["errors"] = r.errors;
-        d["warnings"] = r.warnings;
-        d["reclaimed_nodes"] = r.reclaimed_nodes;
-        blocks["capacity"] = r.capacity_blocks;
-        blocks["free"] = r.free_blocks;
-        blocks["ready"] = r.ready_blocks;
-        blocks["in_flight"] = r.inflight_blocks;
-        blocks["leaked"] = r.leaked_blocks;
-        blocks["condemned"] = r.condemned_blocks;
-        d["blocks"] = blocks;
-        d["stuck_entries"] = r.stuck_entries;
-        d["orphan_pins"] = r.orphan_pins;
-        d["duplicate_keys"] = r.duplicate_keys;
-        d["free_chunks"] = r.free_chunks;
-        d["active_chunks"] = r.active_chunks;
-        return d;
-      })
-      .def("ping", [](PyPool& pp, uint32_t node, uint64_t timeout_ms) {
-        OpGuard g(pp);
-        PingResult r;
-        {
-          nb::gil_scoped_release nogil;
-          r = g.p->ping(node, timeout_ms);
-        }
-        static const char* outcomes[] = {"answered", "not_attached", "timeout", "bad_reply"};
-        nb::dict d;
-        d["outcome"] = outcomes[r.outcome], d["node"] = r.node, d["rtt_ns"] = r.rtt_ns, d["epoch"] = r.epoch;
-        d["pid"] = r.pid, d["host_id"] = r.host_id, d["detail"] = r.detail;
-        return d;
-      }, "node"_a, "timeout_ms"_a = 1000, "One round trip through node `node`'s admin mailbox (shared-memory RPC).")
-      .def("reap_dead_nodes", [](PyPool& pp) { OpGuard g(pp); nb::gil_scoped_release nogil; return g.p->reap_dead_nodes(); })
-      .def("nodes", [](PyPool& pp) {
-        OpGuard g(pp);
-        std::vector<NodeInfo> v;
-        {
-          nb::gil_scoped_release nogil;
-          v = g.p->nodes();
-        }
-        nb::list out;
-        for (const auto& n : v) out.append(node_dict(n));
-        return out;
-      })
-      .def("reap_node", [](PyPool& pp, uint32_t node, bool force) {
-        OpGuard g(pp);
-        NodeInfo n;
-        bool reclaimed = false;
-        {
-          nb::gil_scoped_release nogil;
-          n = g.p->reap_node(node, force, &reclaimed);
-        }
-        nb::dict d = node_dict(n);
-        d["reclaimed"] = reclaimed;
-        return d;
-      }, "node"_a, "force"_a = false)
+      .def("info",
+           [](PyPool& pp) {
+             OpGuard g(pp);
+             return info_dict(*g.p);
+           })
+      .def("counters",
+           [](PyPool& pp) {
+             OpGuard g(pp);
+             std::vector<uint64_t> c;
+             Pool::Occupancy o;
+             {
+               nb::gil_scoped_release nogil;
+               c = g.p->counters();
+               o = g.p->occupancy();
+             }
+             nb::dict d;
+             for (uint32_t i = 0; i < format::kCounterCount; ++i) d[kCounterNames[i]] = c[i];
+             d["capacity_blocks"] = o.capacity;
+             d["free_blocks"] = o.free;
+             d["used_blocks"] = o.used;
+             d["free_chunks"] = o.free_chunks;
+             d["active_chunks"] = o.active_chunks;
+             return d;
+           })
+      .def("check",
+           [](PyPool& pp) {
+             OpGuard g(pp);
+             CheckReport r;
+             {
+               nb::gil_scoped_release nogil;
+               r = g.p->check();
+             }
+             nb::dict d, blocks;
+             d["ok"] = r.ok;
+             d["errors"] = r.errors;
+             d["warnings"] = r.warnings;
+             d["reclaimed_nodes"] = r.reclaimed_nodes;
+             blocks["capacity"] = r.capacity_blocks;
+             blocks["free"] = r.free_blocks;
+             blocks["ready"] = r.ready_blocks;
+             blocks["in_flight"] = r.inflight_blocks;
+             blocks["leaked"] = r.leaked_blocks;
+             blocks["condemned"] = r.condemned_blocks;
+             d["blocks"] = blocks;
+             d["stuck_entries"] = r.stuck_entries;
+             d["orphan_pins"] = r.orphan_pins;
+             d["duplicate_keys"] = r.duplicate_keys;
+             d["free_chunks"] = r.free_chunks;
+             d["active_chunks"] = r.active_chunks;
+             return d;
+           })
+      .def(
+          "ping",
+          [](PyPool& pp, uint32_t node, uint64_t timeout_ms) {
+            OpGuard g(pp);
+            PingResult r;
+            {
+              nb::gil_scoped_release nogil;
+              r = g.p->ping(node, timeout_ms);
+            }
+            static const char* outcomes[] = {"answered", "not_attached", "timeout", "bad_reply"};
+            nb::dict d;
+            d["outcome"] = outcomes[r.outcome], d["node"] = r.node, d["rtt_ns"] = r.rtt_ns,
+            d["epoch"] = r.epoch;
+            d["pid"] = r.pid, d["host_id"] = r.host_id, d["detail"] = r.detail;
+            return d;
+          },
+          "node"_a, "timeout_ms"_a = 1000,
+          "One round trip through node `node`'s admin mailbox (shared-memory RPC).")
+      .def("reap_dead_nodes",
+           [](PyPool& pp) {
+             OpGuard g(pp);
+             nb::gil_scoped_release nogil;
+             return g.p->reap_dead_nodes();
+           })
+      .def("nodes",
+           [](PyPool& pp) {
+             OpGuard g(pp);
+             std::vector<NodeInfo> v;
+             {
+               nb::gil_scoped_release nogil;
+               v = g.p->nodes();
+             }
+             nb::list out;
+             for (const auto& n : v) out.append(node_dict(n));
+             return out;
+           })
+      .def(
+          "reap_node",
+          [](PyPool& pp, uint32_t node, bool force) {
+            OpGuard g(pp);
+            NodeInfo n;
+            bool reclaimed = false;
+            {
+              nb::gil_scoped_release nogil;
+              n = g.p->reap_node(node, force, &reclaimed);
+            }
+            nb::dict d = node_dict(n);
+            d["reclaimed"] = reclaimed;
+            return d;
+          },
+          "node"_a, "force"_a = false)
       .def(
           "open_namespace",
           [](PyPool& pp, const std::string& name, nb::handle layout) {
@@ -634,98 +681,130 @@ NB_MODULE(_core, m) {
       .def_prop_ro("name", [](PyNamespace& n) { return pool_str(n.h.name); })
       .def_prop_ro("block_bytes", [](PyNamespace& n) { return n.h.block_bytes; })
       .def_prop_ro("blocks_per_chunk", [](PyNamespace& n) { return n.h.geo.blocks; })
-      .def("put", [](PyNamespace& n, nb::handle key, nb::handle data, uint32_t depth) {
-        Key k = to_key(key);
-        Buffer b(data, false);
-        OpGuard g(*n.owner);
-        Piece p{b.data(), b.size()};
-        nb::gil_scoped_release nogil;
-        return g.p->put(n.h, k, &p, 1, uint16_t(std::min<uint32_t>(depth, 0xFFFF)));
-      }, "key"_a, "data"_a, "depth"_a = 0)
-      .def("get", [](PyNamespace& n, nb::handle key, nb::handle out) {
-        Key k = to_key(key);
-        Buffer b(out, true);
-        OpGuard g(*n.owner);
-        Piece p{b.data(), b.size()};
-        nb::gil_scoped_release nogil;
-        return g.p->get(n.h, k, &p, 1, nullptr);
-      }, "key"_a, "out"_a)
-      .def("get_bytes", [](PyNamespace& n, nb::handle key) -> nb::object {
-        Key k = to_key(key);
-        std::string buf(n.h.block_bytes, '\0');
-        uint64_t len = 0;
-        bool ok;
-        {
-          OpGuard g(*n.owner);
-          Piece p{buf.data(), buf.size()};
-          nb::gil_scoped_release nogil;
-          ok = g.p->get(n.h, k, &p, 1, &len);
-        }
-        if (!ok) return nb::none();
-        return nb::bytes(buf.data(), len);
-      }, "key"_a)
-      .def("contains", [](PyNamespace& n, nb::handle key) {
-        Key k = to_key(key);
-        OpGuard g(*n.owner);
-        nb::gil_scoped_release nogil;
-        return g.p->contains(n.h, k);
-      }, "key"_a)
-      .def("match_prefix", [](PyNamespace& n, nb::handle keys) {
-        auto ks = to_keys(keys);
-        OpGuard g(*n.owner);
-        nb::gil_scoped_release nogil;
-        return g.p->match_prefix(n.h, ks.data(), ks.size());
-      }, "keys"_a)
-      .def("delete", [](PyNamespace& n, nb::handle key) {
-        Key k = to_key(key);
-        OpGuard g(*n.owner);
-        nb::gil_scoped_release nogil;
-        return g.p->remove(n.h, k);
-      }, "key"_a)
-      .def("store", [](PyNamespace& n, nb::handle keys, nb::handle sources, nb::handle block_ids, int block_dim, uint32_t start_depth) {
-        auto ks = to_keys(keys);
-        auto ids = to_ids(block_ids);
-        if (ids.size() != ks.size()) throw ArgumentError("keys and block_ids differ in length");
-        auto src = fragments_of<RoArray>(sources, block_dim, ids, n.h, "store sources");
-        OpGuard g(*n.owner);
-        nb::gil_scoped_release nogil;  // `src` holds the arrays until the copy returns
-        return g.p->store(n.h, ks.data(), ks.size(), src.frags, ids.data(), start_depth);
-      }, "keys"_a, "sources"_a, "block_ids"_a, "block_dim"_a = 0, "start_depth"_a = 0)
-      .def("load", [](PyNamespace& n, nb::handle keys, nb::handle sources, nb::handle block_ids, int block_dim) {
-        auto ks = to_keys(keys);
-        auto ids = to_ids(block_ids);
-        if (ids.size() != ks.size()) throw ArgumentError("keys and block_ids differ in length");
-        auto dst = fragments_of<AnyArray>(sources, block_dim, ids, n.h, "load targets");
-        OpGuard g(*n.owner);
-        nb::gil_scoped_release nogil;  // `dst` holds the arrays until the copy returns
-        return g.p->load(n.h, ks.data(), ks.size(), dst.frags, ids.data());
-      }, "keys"_a, "sources"_a, "block_ids"_a, "block_dim"_a = 0)
-      .def("acquire", [](PyNamespace& n, nb::handle keys) {
-        auto ks = to_keys(keys);
-        auto* lease = new PyLease{n.owner, {}, {}};
-        {
-          OpGuard g(*n.owner);
-          nb::gil_scoped_release nogil;
-          lease->pins = g.p->acquire(n.h, ks.data(), ks.size());
-        }
-        // The keys as read and checked above: the iterable is not read a second time.
-        for (size_t i = 0; i < lease->pins.size() && i < ks.size(); ++i)
-          lease->keys.push_back(nb::bytes(reinterpret_cast<const char*>(ks[i].data()), ks[i].size()));
-        return lease;
-      }, "keys"_a, nb::keep_alive<0, 1>(), nb::rv_policy::take_ownership)
-      .def("bench_index", [](PyNamespace& n, uint64_t inserts, uint64_t lookups, uint64_t payload_bytes, uint64_t seed, double seconds) {
-        OpGuard g(*n.owner);
-        IndexBenchResult r;
-        {
-          nb::gil_scoped_release nogil;
-          r = bench_index(*g.p, n.h, inserts, lookups, payload_bytes, seed, seconds);
-        }
-        nb::dict d;
-        for (const auto& [k, v] : r.fields()) d[k] = v;
-        d["inserts"] = r.inserts, d["lookups"] = r.lookups;  // counts stay ints
-        return d;
-      }, "inserts"_a, "lookups"_a, "payload_bytes"_a = 64, "seed"_a = 1, "seconds"_a = 1.0,
-      "Core-side index benchmark (timed in C++): inserts fresh keys, then looks them up.");
+      .def(
+          "put",
+          [](PyNamespace& n, nb::handle key, nb::handle data, uint32_t depth) {
+            Key k = to_key(key);
+            Buffer b(data, false);
+            OpGuard g(*n.owner);
+            Piece p{b.data(), b.size()};
+            nb::gil_scoped_release nogil;
+            return g.p->put(n.h, k, &p, 1, uint16_t(std::min<uint32_t>(depth, 0xFFFF)));
+          },
+          "key"_a, "data"_a, "depth"_a = 0)
+      .def(
+          "get",
+          [](PyNamespace& n, nb::handle key, nb::handle out) {
+            Key k = to_key(key);
+            Buffer b(out, true);
+            OpGuard g(*n.owner);
+            Piece p{b.data(), b.size()};
+            nb::gil_scoped_release nogil;
+            return g.p->get(n.h, k, &p, 1, nullptr);
+          },
+          "key"_a, "out"_a)
+      .def(
+          "get_bytes",
+          [](PyNamespace& n, nb::handle key) -> nb::object {
+            Key k = to_key(key);
+            std::string buf(n.h.block_bytes, '\0');
+            uint64_t len = 0;
+            bool ok;
+            {
+              OpGuard g(*n.owner);
+              Piece p{buf.data(), buf.size()};
+              nb::gil_scoped_release nogil;
+              ok = g.p->get(n.h, k, &p, 1, &len);
+            }
+            if (!ok) return nb::none();
+            return nb::bytes(buf.data(), len);
+          },
+          "key"_a)
+      .def(
+          "contains",
+          [](PyNamespace& n, nb::handle key) {
+            Key k = to_key(key);
+            OpGuard g(*n.owner);
+            nb::gil_scoped_release nogil;
+            return g.p->contains(n.h, k);
+          },
+          "key"_a)
+      .def(
+          "match_prefix",
+          [](PyNamespace& n, nb::handle keys) {
+            auto ks = to_keys(keys);
+            OpGuard g(*n.owner);
+            nb::gil_scoped_release nogil;
+            return g.p->match_prefix(n.h, ks.data(), ks.size());
+          },
+          "keys"_a)
+      .def(
+          "delete",
+          [](PyNamespace& n, nb::handle key) {
+            Key k = to_key(key);
+            OpGuard g(*n.owner);
+            nb::gil_scoped_release nogil;
+            return g.p->remove(n.h, k);
+          },
+          "key"_a)
+      .def(
+          "store",
+          [](PyNamespace& n, nb::handle keys, nb::handle sources, nb::handle block_ids, int block_dim,
+             uint32_t start_depth) {
+            auto ks = to_keys(keys);
+            auto ids = to_ids(block_ids);
+            if (ids.size() != ks.size()) throw ArgumentError("keys and block_ids differ in length");
+            auto src = fragments_of<RoArray>(sources, block_dim, ids, n.h, "store sources");
+            OpGuard g(*n.owner);
+            nb::gil_scoped_release nogil;  // `src` holds the arrays until the copy returns
+            return g.p->store(n.h, ks.data(), ks.size(), src.frags, ids.data(), start_depth);
+          },
+          "keys"_a, "sources"_a, "block_ids"_a, "block_dim"_a = 0, "start_depth"_a = 0)
+      .def(
+          "load",
+          [](PyNamespace& n, nb::handle keys, nb::handle sources, nb::handle block_ids, int block_dim) {
+            auto ks = to_keys(keys);
+            auto ids = to_ids(block_ids);
+            if (ids.size() != ks.size()) throw ArgumentError("keys and block_ids differ in length");
+            auto dst = fragments_of<AnyArray>(sources, block_dim, ids, n.h, "load targets");
+            OpGuard g(*n.owner);
+            nb::gil_scoped_release nogil;  // `dst` holds the arrays until the copy returns
+            return g.p->load(n.h, ks.data(), ks.size(), dst.frags, ids.data());
+          },
+          "keys"_a, "sources"_a, "block_ids"_a, "block_dim"_a = 0)
+      .def(
+          "acquire",
+          [](PyNamespace& n, nb::handle keys) {
+            auto ks = to_keys(keys);
+            auto* lease = new PyLease{n.owner, {}, {}};
+            {
+              OpGuard g(*n.owner);
+              nb::gil_scoped_release nogil;
+              lease->pins = g.p->acquire(n.h, ks.data(), ks.size());
+            }
+            // The keys as read and checked above: the iterable is not read a second time.
+            for (size_t i = 0; i < lease->pins.size() && i < ks.size(); ++i)
+              lease->keys.push_back(nb::bytes(reinterpret_cast<const char*>(ks[i].data()), ks[i].size()));
+            return lease;
+          },
+          "keys"_a, nb::keep_alive<0, 1>(), nb::rv_policy::take_ownership)
+      .def(
+          "bench_index",
+          [](PyNamespace& n, uint64_t inserts, uint64_t lookups, uint64_t payload_bytes, uint64_t seed,
+             double seconds) {
+            OpGuard g(*n.owner);
+            IndexBenchResult r;
+            {
+              nb::gil_scoped_release nogil;
+              r = bench_index(*g.p, n.h, inserts, lookups, payload_bytes, seed, seconds);
+            }
+            nb::dict d;
+            for (const auto& [k, v] : r.fields()) d[k] = v;
+            d["inserts"] = r.inserts, d["lookups"] = r.lookups;  // counts stay ints
+            return d;
+          },
+          "inserts"_a, "lookups"_a, "payload_bytes"_a = 64, "seed"_a = 1, "seconds"_a = 1.0,
+          "Core-side index benchmark (timed in C++): inserts fresh keys, then looks them up.");
 
   nb::class_<PyLease>(m, "Lease")
       .def("release", &PyLease::release)
@@ -736,58 +815,75 @@ NB_MODULE(_core, m) {
 
   // The core's name tables (dtype.h, names.h, format.h's layout field list): the Python package
   // and the CLI read them from here and write none of their own.
-  m.def("dtypes", [] {
-    nb::list out;
-    for (const auto& d : dtype_table()) out.append(dtype_dict(d));
-    return out;
-  }, "Every KV dtype: canonical name, code, bytes per element, aliases.");
-  m.def("dtype_info", [](nb::handle dtype) { return dtype_dict(parse_dtype(str_of(dtype))); }, "dtype"_a,
-        "The dtype named `dtype` (any alias, or an object whose str() is one, e.g. torch.bfloat16); ValueError otherwise.");
+  m.def(
+      "dtypes",
+      [] {
+        nb::list out;
+        for (const auto& d : dtype_table()) out.append(dtype_dict(d));
+        return out;
+      },
+      "Every KV dtype: canonical name, code, bytes per element, aliases.");
+  m.def(
+      "dtype_info", [](nb::handle dtype) { return dtype_dict(parse_dtype(str_of(dtype))); }, "dtype"_a,
+      "The dtype named `dtype` (any alias, or an object whose str() is one, e.g. torch.bfloat16); ValueError "
+      "otherwise.");
   m.def("backends", [] { return names_of(backend_names()); });
   bind_rpc(m);
   m.def("layout_kinds", [] { return names_of(layout_kind_names()); });
-  m.def("layout_fields", [] {
-    nb::list out;
-    for (const auto& f : layout_field_table()) {
-      nb::dict d;
-      d["name"] = f.name;
-      d["codec"] = f.codec == FieldCodec::number ? "number" : f.codec == FieldCodec::dtype ? "dtype" : "kind";
-      d["default"] = field_value(f, f.default_value);
-      d["min"] = f.min;
-      d["max"] = f.max;
-      out.append(d);
-    }
-    return out;
-  }, "The KV layout fields of a namespace identity, in fingerprint order.");
-  m.def("normalize_layout", [](nb::handle layout) {
-    Layout l = layout_from(layout);
-    nb::dict d;
-    for (const auto& f : layout_field_table()) d[f.name] = field_value(f, f.get(l));
-    return d;
-  }, "layout"_a, "Validates a KVLayout-like object as open_namespace would; returns its fields in canonical form.");
+  m.def(
+      "layout_fields",
+      [] {
+        nb::list out;
+        for (const auto& f : layout_field_table()) {
+          nb::dict d;
+          d["name"] = f.name;
+          d["codec"] = f.codec == FieldCodec::number  ? "number"
+                       : f.codec == FieldCodec::dtype ? "dtype"
+                                                      : "kind";
+          d["default"] = field_value(f, f.default_value);
+          d["min"] = f.min;
+          d["max"] = f.max;
+          out.append(d);
+        }
+        return out;
+      },
+      "The KV layout fields of a namespace identity, in fingerprint order.");
+  m.def(
+      "normalize_layout",
+      [](nb::handle layout) {
+        Layout l = layout_from(layout);
+        nb::dict d;
+        for (const auto& f : layout_field_table()) d[f.name] = field_value(f, f.get(l));
+        return d;
+      },
+      "layout"_a,
+      "Validates a KVLayout-like object as open_namespace would; returns its fields in canonical form.");
   // Pool creation's defaults (CreateOptions{}) and limits (format.h), for the Python API's
   // signature and the CLI's help: {option: {"default", "min", "max"}}; a default of 0 means
   // "derived from the size" (max None: no limit named in format.h).
-  m.def("create_options", [] {
-    auto row = [](uint64_t def, uint64_t lo, std::optional<uint64_t> hi) {
-      nb::dict d;
-      d["default"] = def;
-      d["min"] = lo;
-      d["max"] = hi ? nb::cast(*hi) : nb::none();
-      return d;
-    };
-    nb::dict d;
-    d["chunk_bytes"] = row(kCreateDefaults.chunk_bytes, 0, std::nullopt);
-    d["index_slots"] = row(kCreateDefaults.index_slots, 0, std::nullopt);
-    d["max_nodes"] = row(kCreateDefaults.max_nodes, 1, format::kMaxNodes);
-    d["pin_slots"] = row(kCreateDefaults.pin_slots, 0, std::nullopt);
-    d["max_namespaces"] = row(kCreateDefaults.max_namespaces, 1, format::kMaxNamespaces);
-    d["lease_ms"] = row(kCreateDefaults.lease_ms, format::kLeaseMsMin, format::kLeaseMsMax);
-    nb::dict backend;
-    backend["default"] = backend_name(kCreateDefaults.backend);
-    d["backend"] = backend;
-    return d;
-  }, "Pool.create's defaults and limits: {option: {default, min, max}} (backend: {default}).");
+  m.def(
+      "create_options",
+      [] {
+        auto row = [](uint64_t def, uint64_t lo, std::optional<uint64_t> hi) {
+          nb::dict d;
+          d["default"] = def;
+          d["min"] = lo;
+          d["max"] = hi ? nb::cast(*hi) : nb::none();
+          return d;
+        };
+        nb::dict d;
+        d["chunk_bytes"] = row(kCreateDefaults.chunk_bytes, 0, std::nullopt);
+        d["index_slots"] = row(kCreateDefaults.index_slots, 0, std::nullopt);
+        d["max_nodes"] = row(kCreateDefaults.max_nodes, 1, format::kMaxNodes);
+        d["pin_slots"] = row(kCreateDefaults.pin_slots, 0, std::nullopt);
+        d["max_namespaces"] = row(kCreateDefaults.max_namespaces, 1, format::kMaxNamespaces);
+        d["lease_ms"] = row(kCreateDefaults.lease_ms, format::kLeaseMsMin, format::kLeaseMsMax);
+        nb::dict backend;
+        backend["default"] = backend_name(kCreateDefaults.backend);
+        d["backend"] = backend;
+        return d;
+      },
+      "Pool.create's defaults and limits: {option: {default, min, max}} (backend: {default}).");
   m.def("nt_copy_kernel", [] { return std::string(nt_copy_kernel_name()); });
   m.def("checksum_copy_kernel", [] { return std::string(checksum_copy_kernel_name()); });
   m.def("set_copy_threads", [](unsigned n) { Pool::set_copy_threads(n); }, "n"_a);

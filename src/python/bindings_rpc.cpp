@@ -9,8 +9,10 @@ namespace nb = nanobind;
 using namespace nb::literals;
 
 void bind_rpc(nb::module_& m) {
-  m.def("bench_rpc", [](const std::string& transport, uint32_t iterations, uint32_t warmup, uint32_t depth,
-                        uint32_t batches, const std::string& backend, const std::string& dir, bool pin) {
+  m.def(
+      "bench_rpc",
+      [](const std::string& transport, uint32_t iterations, uint32_t warmup, uint32_t depth, uint32_t batches,
+         const std::string& backend, const std::string& dir, bool pin) {
         cxlkv::rpcbench::Options o;
         o.iterations = iterations, o.warmup = warmup, o.depth = depth, o.batches = batches;
         o.backend = cxlkv::parse_backend(backend);

@@ -102,7 +102,8 @@ uint64_t bench_lock(uint32_t hosts, uint32_t threads, int iters, double* per_sec
       c.fenced = &lb.fenced;
       c.last_beat = &lb.beat;
       Bakery bk(std::move(c));
-      char* word = lb.mem.data() + format::kLockAreaOff + size_t(format::kLockStripes) * hosts * 64;  // one stripe for all
+      char* word = lb.mem.data() + format::kLockAreaOff +
+                   size_t(format::kLockStripes) * hosts * 64;  // one stripe for all
       while (!go.load()) std::this_thread::yield();
       lat[t].reserve(size_t(iters));
       for (int i = 0; i < iters; ++i) {

@@ -1,11 +1,11 @@
 // The non-coherent cache emulator (emu_cache.h).
 #include "emu_cache.h"
 
+#include <execinfo.h>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <thread>
-#include <execinfo.h>
-#include <cstdlib>
 
 namespace cxlkv::sim {
 
@@ -13,7 +13,8 @@ using namespace format;
 
 namespace {
 inline uint64_t load_word(const char* p) {
-  return std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(const_cast<char*>(p))).load(std::memory_order_relaxed);
+  return std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(const_cast<char*>(p)))
+      .load(std::memory_order_relaxed);
 }
 inline void store_word(char* p, uint64_t v) {
   std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(p)).store(v, std::memory_order_relaxed);
@@ -34,17 +35,28 @@ std::string Memory::region(uint64_t line) const {
   const char* r = "payload";
   uint64_t base = 0;
   uint64_t stride = chunk_desc_bytes(h_.chunk_bytes) + h_.chunk_bytes;
-  if (off < kSharedWordsOff) r = "header";
-  else if (off < kLockAreaOff) r = "shared words", base = kSharedWordsOff;
-  else if (off < h_.node_table_off) r = "lock area", base = kLockAreaOff;
-  else if (off < h_.node_area_off) r = "node table", base = h_.node_table_off;
-  else if (off < h_.ns_table_off) r = "node areas", base = h_.node_area_off;
-  else if (off < h_.index_off) r = "namespace table", base = h_.ns_table_off;
-  else if (in(h_.index_off, h_.index_slots * 64)) r = "index", base = h_.index_off;
-  else if (off < h_.chunk_map_off) r = "access hints", base = h_.access_off;
-  else if (off < h_.arena_off) r = "chunk map", base = h_.chunk_map_off;
-  else if ((off - h_.arena_off) % stride < chunk_desc_bytes(h_.chunk_bytes)) r = "block descs", base = h_.arena_off;
-  else base = h_.arena_off;
+  if (off < kSharedWordsOff)
+    r = "header";
+  else if (off < kLockAreaOff)
+    r = "shared words", base = kSharedWordsOff;
+  else if (off < h_.node_table_off)
+    r = "lock area", base = kLockAreaOff;
+  else if (off < h_.node_area_off)
+    r = "node table", base = h_.node_table_off;
+  else if (off < h_.ns_table_off)
+    r = "node areas", base = h_.node_area_off;
+  else if (off < h_.index_off)
+    r = "namespace table", base = h_.ns_table_off;
+  else if (in(h_.index_off, h_.index_slots * 64))
+    r = "index", base = h_.index_off;
+  else if (off < h_.chunk_map_off)
+    r = "access hints", base = h_.access_off;
+  else if (off < h_.arena_off)
+    r = "chunk map", base = h_.chunk_map_off;
+  else if ((off - h_.arena_off) % stride < chunk_desc_bytes(h_.chunk_bytes))
+    r = "block descs", base = h_.arena_off;
+  else
+    base = h_.arena_off;
   return std::string(r) + " +" + std::to_string(off - base);
 }
 
@@ -113,15 +125,17 @@ void EmuCache::wb_line(uint64_t line) {
   if (clobbered && !m_.excluded(line) && !m_.payload(line)) {
     m_.counters.lost_update.fetch_add(1, std::memory_order_relaxed);
     m_.report("lost update by host " + std::to_string(host_) + " at " + m_.region(line));
-    if (std::getenv("CXLKV_SIM_TRACE")) { void* bt[32]; int n = backtrace(bt, 32); backtrace_symbols_fd(bt, n, 2); }
+    if (std::getenv("CXLKV_SIM_TRACE")) {
+      void* bt[32];
+      int n = backtrace(bt, 32);
+      backtrace_symbols_fd(bt, n, 2);
+    }
   }
   std::memcpy(clean_.data() + line * 64, pv, 64);
   m_.counters.writebacks.fetch_add(1, std::memory_order_relaxed);
 }
 
-void EmuCache::note(uint64_t line) {
-  recent_[recent_n_++ % recent_.size()] = line;
-}
+void EmuCache::note(uint64_t line) { recent_[recent_n_++ % recent_.size()] = line; }
 
 uint64_t EmuCache::dirty_checked_lines() {
   uint64_t n = 0;
@@ -133,8 +147,10 @@ uint64_t EmuCache::dirty_checked_lines() {
 void EmuCache::resolve_dirty_lines() {
   for (uint64_t l = 0; l < priv_.size() / 64; ++l) {
     if (!dirty(l)) continue;
-    if (rng_() & 1) wb_line(l);
-    else fetch_line(l);
+    if (rng_() & 1)
+      wb_line(l);
+    else
+      fetch_line(l);
   }
 }
 
@@ -162,11 +178,14 @@ void EmuCache::at_point(const void* p, size_t n) {
   }
   if (u(rng_) < cfg_.p_evict) {
     uint64_t lines = priv_.size() / 64;
-    uint64_t l = (recent_n_ && u(rng_) < 0.7) ? recent_[rng_() % std::min<uint64_t>(recent_n_, recent_.size())]
-                                               : rng_() % lines;
+    uint64_t l = (recent_n_ && u(rng_) < 0.7)
+                     ? recent_[rng_() % std::min<uint64_t>(recent_n_, recent_.size())]
+                     : rng_() % lines;
     if (l < lines) {
-      if (dirty(l)) wb_line(l);
-      else fetch_line(l);
+      if (dirty(l))
+        wb_line(l);
+      else
+        fetch_line(l);
       m_.counters.evictions.fetch_add(1, std::memory_order_relaxed);
     }
   }
@@ -205,7 +224,11 @@ void EmuCache::invalidate(const void* p, size_t n, bool point) {
     if (dirty(l) && !m_.excluded(l)) {
       m_.counters.invalidate_dirty.fetch_add(1, std::memory_order_relaxed);
       m_.report("dirty line dropped by host " + std::to_string(host_) + " at " + m_.region(l));
-      if (std::getenv("CXLKV_SIM_TRACE")) { void* bt[32]; int n = backtrace(bt, 32); backtrace_symbols_fd(bt, n, 2); }
+      if (std::getenv("CXLKV_SIM_TRACE")) {
+        void* bt[32];
+        int n = backtrace(bt, 32);
+        backtrace_symbols_fd(bt, n, 2);
+      }
     }
     fetch_line(l);
   }
@@ -234,8 +257,8 @@ void EmuCache::lock_entered(uint32_t k) {
   int prev = m_.holder[k].exchange(host_);
   if (prev != -1) {
     m_.counters.lock_overlap.fetch_add(1, std::memory_order_relaxed);
-    m_.report("lock overlap: hosts " + std::to_string(prev) + " and " + std::to_string(host_) + " in stripe " +
-              std::to_string(k));
+    m_.report("lock overlap: hosts " + std::to_string(prev) + " and " + std::to_string(host_) +
+              " in stripe " + std::to_string(k));
   }
   std::uniform_real_distribution<double> u(0, 1);
   if (u(rng_) < cfg_.p_cs_yield) std::this_thread::yield();  // widen the section: overlaps show

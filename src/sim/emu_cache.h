@@ -61,7 +61,7 @@ class Memory {
   // is verified against its (key, version); torn blocks must fail their checksum).
   bool payload(uint64_t line) const;
   std::string region(uint64_t line) const;  // which pool area a line is in (reports)
-  void report(const std::string& what);      // first few findings, with where
+  void report(const std::string& what);     // first few findings, with where
   std::vector<std::string> reports;
   std::mutex reports_mu;
   std::mutex& line_mu(uint64_t line) { return mu_[line % mu_.size()]; }

@@ -8,8 +8,8 @@
 #include <cstring>
 #include <string>
 
-#include "errors.h"
 #include "bench_mh.h"
+#include "errors.h"
 #include "sim.h"
 
 int main(int argc, char** argv) {
@@ -25,17 +25,27 @@ int main(int argc, char** argv) {
       return argv[++i];
     };
     try {
-      if (a == "--hosts") o.hosts = std::stoi(val());
-      else if (a == "--seconds") o.seconds = std::stod(val());
-      else if (a == "--seed") o.seed = std::stoull(val());
-      else if (a == "--break") o.brk = val();
-      else if (a == "--backend") o.backend = val();
-      else if (a == "--fault") o.fault = val();
-      else if (a == "--lease-ms") o.lease_ms = uint32_t(std::stoul(val()));
-      else if (a == "--no-crashes") o.crashes = false;
-      else if (a == "--no-pauses") o.pauses = false;
-      else if (a == "--json") {}
-      else if (a == "--bench") bench_ops = std::stoi(val());  // the output is always JSON
+      if (a == "--hosts")
+        o.hosts = std::stoi(val());
+      else if (a == "--seconds")
+        o.seconds = std::stod(val());
+      else if (a == "--seed")
+        o.seed = std::stoull(val());
+      else if (a == "--break")
+        o.brk = val();
+      else if (a == "--backend")
+        o.backend = val();
+      else if (a == "--fault")
+        o.fault = val();
+      else if (a == "--lease-ms")
+        o.lease_ms = uint32_t(std::stoul(val()));
+      else if (a == "--no-crashes")
+        o.crashes = false;
+      else if (a == "--no-pauses")
+        o.pauses = false;
+      else if (a == "--json") {
+      } else if (a == "--bench")
+        bench_ops = std::stoi(val());  // the output is always JSON
       else {
         std::fprintf(stderr, "cxlkv-sim: unknown argument %s\n", a.c_str());
         return 2;

@@ -23,7 +23,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 using format::PoolHeader;
-constexpr uint32_t kKeys = 256;     // keys of the main namespace
+constexpr uint32_t kKeys = 256;  // keys of the main namespace
 constexpr uint64_t kBlockBytes = 1024;
 
 uint64_t mix(uint64_t x) {
@@ -58,10 +58,10 @@ std::vector<char> payload(uint32_t ns_tag, uint32_t k, uint64_t v, uint64_t bloc
 // What the checker knows of one key of the main namespace (its own bookkeeping, coherent).
 struct KeyState {
   std::mutex mu;
-  uint64_t cur_v = 0;                     // puts use this version
-  uint32_t inflight = 0;                  // puts running now (any version)
-  uint64_t last_put_end = 0;              // seq at which the last put returned
-  std::map<uint64_t, uint64_t> removed;   // version -> seq at which its removal began
+  uint64_t cur_v = 0;                    // puts use this version
+  uint32_t inflight = 0;                 // puts running now (any version)
+  uint64_t last_put_end = 0;             // seq at which the last put returned
+  std::map<uint64_t, uint64_t> removed;  // version -> seq at which its removal began
 };
 
 struct Shared {
@@ -71,7 +71,8 @@ struct Shared {
   std::vector<KeyState> keys{kKeys};
   std::atomic<uint64_t> seq{1};
   std::atomic<bool> stop{false};
-  std::atomic<uint64_t> ops{0}, verified{0}, misses{0}, crashes{0}, fenced{0}, attaches{0}, other{0}, skips{0};
+  std::atomic<uint64_t> ops{0}, verified{0}, misses{0}, crashes{0}, fenced{0}, attaches{0}, other{0},
+      skips{0};
   std::atomic<uint64_t> wrong_payload{0}, stale_read{0};
   std::mutex notes_mu;
   std::vector<std::string> notes;
@@ -246,8 +247,10 @@ void host_loop(Shared& S, int h) {
         Piece dst{buf.data(), buf.size()};
         uint64_t len = 0;
         if (pool->get(aux[i], key, &dst, 1, &len)) {
-          if (len != p.size() || std::memcmp(buf.data(), p.data(), len) != 0) ++S.wrong_payload;
-          else ++S.verified;
+          if (len != p.size() || std::memcmp(buf.data(), p.data(), len) != 0)
+            ++S.wrong_payload;
+          else
+            ++S.verified;
         }
       }
       ++S.ops;
@@ -288,8 +291,8 @@ void host_loop(Shared& S, int h) {
 }
 
 std::vector<char> make_image(const SimOptions& o, PoolHeader* hdr) {
-  std::string path = o.tmp_dir + "/cxlkv-sim-" + std::to_string(::getpid()) + "-" + std::to_string(o.seed) + "-" +
-                     std::to_string(mix(uint64_t(Clock::now().time_since_epoch().count())) % 1000000);
+  std::string path = o.tmp_dir + "/cxlkv-sim-" + std::to_string(::getpid()) + "-" + std::to_string(o.seed) +
+                     "-" + std::to_string(mix(uint64_t(Clock::now().time_since_epoch().count())) % 1000000);
   CreateOptions c;
   c.size = o.pool_bytes;
   c.chunk_bytes = 128 * 1024;
@@ -310,11 +313,17 @@ std::vector<char> make_image(const SimOptions& o, PoolHeader* hdr) {
       *hdr = p->header();
       p->close();
     } catch (...) {
-      if (prev.empty()) ::unsetenv("CXLKV_HOST_SLOT"); else ::setenv("CXLKV_HOST_SLOT", prev.c_str(), 1);
+      if (prev.empty())
+        ::unsetenv("CXLKV_HOST_SLOT");
+      else
+        ::setenv("CXLKV_HOST_SLOT", prev.c_str(), 1);
       ::unlink(path.c_str());
       throw;
     }
-    if (prev.empty()) ::unsetenv("CXLKV_HOST_SLOT"); else ::setenv("CXLKV_HOST_SLOT", prev.c_str(), 1);
+    if (prev.empty())
+      ::unsetenv("CXLKV_HOST_SLOT");
+    else
+      ::setenv("CXLKV_HOST_SLOT", prev.c_str(), 1);
   }
   std::vector<char> img(o.pool_bytes);
   std::ifstream f(path, std::ios::binary);
@@ -334,13 +343,17 @@ uint64_t SimResult::violations() const {
 
 std::string SimResult::to_json(const SimOptions& o) const {
   std::ostringstream s;
-  s << "{\"hosts\": " << o.hosts << ", \"seconds\": " << o.seconds << ", \"seed\": " << o.seed << ", \"break\": "
-    << (o.brk.empty() ? "null" : "\"" + o.brk + "\"") << ", \"backend\": \"" << o.backend << "\", \"lease_ms\": " << o.lease_ms << ", \"ops\": " << ops
-    << ", \"verified_reads\": " << verified_reads << ", \"misses\": " << misses << ", \"violations\": " << violations()
-    << ", \"crashes\": " << crashes << ", \"fault\": " << (o.fault.empty() ? "null" : "\"" + o.fault + "\"")
+  s << "{\"hosts\": " << o.hosts << ", \"seconds\": " << o.seconds << ", \"seed\": " << o.seed
+    << ", \"break\": " << (o.brk.empty() ? "null" : "\"" + o.brk + "\"") << ", \"backend\": \"" << o.backend
+    << "\", \"lease_ms\": " << o.lease_ms << ", \"ops\": " << ops
+    << ", \"verified_reads\": " << verified_reads << ", \"misses\": " << misses
+    << ", \"violations\": " << violations() << ", \"crashes\": " << crashes
+    << ", \"fault\": " << (o.fault.empty() ? "null" : "\"" + o.fault + "\"")
     << ", \"fault_crashes\": " << fault_crashes << ", \"pauses\": " << pauses << ", \"fenced\": " << fenced
-    << ", \"attaches\": " << attaches << ", \"lock_skips\": " << lock_skips << ", \"evictions\": " << evictions
-    << ", \"pause_deferred\": " << pause_deferred << ", \"check_incomplete\": " << (check_incomplete ? "true" : "false") << ", \"other_errors\": " << other_errors << ", \"violation_kinds\": {";
+    << ", \"attaches\": " << attaches << ", \"lock_skips\": " << lock_skips
+    << ", \"evictions\": " << evictions << ", \"pause_deferred\": " << pause_deferred
+    << ", \"check_incomplete\": " << (check_incomplete ? "true" : "false")
+    << ", \"other_errors\": " << other_errors << ", \"violation_kinds\": {";
   bool first = true;
   for (auto& [k, v] : kinds) {
     s << (first ? "" : ", ") << "\"" << k << "\": " << v;
@@ -367,7 +380,8 @@ SimResult run_sim(const SimOptions& o) {
   S.cfg.sw.no_flush = o.brk == "flush";
   S.cfg.sw.no_invalidate = o.brk == "invalidate";
   S.cfg.sw.no_lock_flush = o.brk == "lock";
-  if (o.backend != "multihost" && o.backend != "flush") throw ArgumentError("backend must be multihost or flush");
+  if (o.backend != "multihost" && o.backend != "flush")
+    throw ArgumentError("backend must be multihost or flush");
   if (!o.brk.empty() && o.brk != "flush" && o.brk != "invalidate" && o.brk != "lock")
     throw ArgumentError("break must be one of flush, invalidate, lock");
   format::PoolHeader hdr{};
@@ -379,7 +393,8 @@ SimResult run_sim(const SimOptions& o) {
   for (int h = 0; h < o.hosts; ++h) S.done[h] = false;
   // A named fault point is armed on one host from the start too: some (carving a chunk) are
   // passed mostly early in a run.
-  if (!o.fault.empty() && o.crashes && o.hosts > 1) S.caches[mix(o.seed) % uint64_t(o.hosts)]->arm_fault(o.fault);
+  if (!o.fault.empty() && o.crashes && o.hosts > 1)
+    S.caches[mix(o.seed) % uint64_t(o.hosts)]->arm_fault(o.fault);
   std::vector<std::thread> ts;
   for (int h = 0; h < o.hosts; ++h) ts.emplace_back(host_main, std::ref(S), h);
   // Faults: every ~0.4 s one host is armed to crash or to pause past its lease at a random later
@@ -389,13 +404,16 @@ SimResult run_sim(const SimOptions& o) {
   int event = 0;
   while (Clock::now() < end) {
     std::this_thread::sleep_for(std::chrono::milliseconds(std::min<int64_t>(
-        400, std::max<int64_t>(1, std::chrono::duration_cast<std::chrono::milliseconds>(end - Clock::now()).count()))));
+        400, std::max<int64_t>(
+                 1, std::chrono::duration_cast<std::chrono::milliseconds>(end - Clock::now()).count()))));
     if (Clock::now() >= end || o.hosts < 2) continue;
     EmuCache& c = *S.caches[rng() % uint64_t(o.hosts)];
     bool crash = (event++ % 2) == 0;
     if (crash && o.crashes) {
-      if (o.fault.empty()) c.arm_crash();
-      else c.arm_fault(o.fault);
+      if (o.fault.empty())
+        c.arm_crash();
+      else
+        c.arm_fault(o.fault);
     }
     if (!crash && o.pauses) c.arm_pause(uint64_t(o.lease_ms) * 3 / 2);
   }
@@ -404,7 +422,8 @@ SimResult run_sim(const SimOptions& o) {
   // it in lease waits) crashes at its next coherence call.
   const auto grace = Clock::now() + std::chrono::seconds(1);
   for (int h = 0; h < o.hosts; ++h) {
-    while (!S.done[h].load() && Clock::now() < grace) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    while (!S.done[h].load() && Clock::now() < grace)
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
     if (!S.done[h].load()) S.caches[h]->force_crash();
   }
   for (auto& t : ts) t.join();

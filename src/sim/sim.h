@@ -14,7 +14,7 @@ struct SimOptions {
   int hosts = 3;
   double seconds = 2.0;
   uint64_t seed = 1;
-  std::string brk;         // "", "flush", "invalidate", "lock"
+  std::string brk;  // "", "flush", "invalidate", "lock"
   // multihost, or flush: the one-host discipline (claim = CAS on the host's own cache), which the
   // emulator shows is not enough across hosts
   std::string backend = "multihost";

@@ -117,7 +117,8 @@ inline uint64_t verify_ready_entries(Pool& pool, const std::string& path, int ns
     uint64_t id = id_of(e->key);
     EXPECT_LT(id, kWorkingSet);
     bool hit = false;
-    EXPECT_TRUE(get_and_verify(pool, it->second, id, buf, want, &hit)) << "wrong bytes for " << it->second.spec.name << "/" << id;
+    EXPECT_TRUE(get_and_verify(pool, it->second, id, buf, want, &hit))
+        << "wrong bytes for " << it->second.spec.name << "/" << id;
     if (!hit) {
       uint64_t cw = e->chunk < raw.hdr().chunk_count ? raw.chunk_word(e->chunk) : ~0ull;
       ADD_FAILURE() << "READY " << it->second.spec.name << "/" << id << " (ns " << e->ns_id << ", slot " << s

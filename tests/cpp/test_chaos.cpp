@@ -68,15 +68,18 @@ TEST_F(ChaosTest, SigkillWorkersThenCheckClean) {
     while (std::chrono::steady_clock::now() < until) {
       bool hit = false;
       uint64_t id = rng() % kWorkingSet;
-      if (!get_and_verify(*pool, ns, id, buf, want, &hit)) ADD_FAILURE() << "parent read wrong bytes for " << id;
+      if (!get_and_verify(*pool, ns, id, buf, want, &hit))
+        ADD_FAILURE() << "parent read wrong bytes for " << id;
     }
     size_t victim = rng() % live.size();
     pid_t pid = live[victim];
     live.erase(live.begin() + long(victim));
     ::kill(pid, SIGKILL);
     int code = wait_exit(pid);  // reaped at once: a zombie would look alive
-    if (code == 128 + SIGKILL) ++kills;
-    else ++bad_exits;  // workers never exit on their own
+    if (code == 128 + SIGKILL)
+      ++kills;
+    else
+      ++bad_exits;  // workers never exit on their own
   }
   for (pid_t pid : live) {
     ::kill(pid, SIGKILL);

@@ -29,9 +29,7 @@ struct Buffers {
   std::vector<char> src_raw, dst_raw;
 };
 
-std::string kernel_trace() {
-  return std::string("copy kernel ") + checksum_copy_kernel_name();
-}
+std::string kernel_trace() { return std::string("copy kernel ") + checksum_copy_kernel_name(); }
 
 // One update_copy of n bytes at the given misalignments: dst gets exactly the bytes, nothing
 // around them changes, and the digest is XXH3_64bits of them.
@@ -67,7 +65,8 @@ TEST(Checksum, EverySmallSizeAndMisalignmentMatchesXxh3) {
 TEST(Checksum, LargeSizesMatchXxh3) {
   SCOPED_TRACE(kernel_trace());
   for (size_t n : {1023ul, 1024ul, 1025ul, 2047ul, 4096ul, 4160ul, 65536ul + 13, 2 * MiB, 3 * MiB + 77})
-    for (size_t off : {0ul, 16ul, 45ul}) EXPECT_TRUE(one_copy(n, off, (off * 7) % 64)) << "n=" << n << " off=" << off;
+    for (size_t off : {0ul, 16ul, 45ul})
+      EXPECT_TRUE(one_copy(n, off, (off * 7) % 64)) << "n=" << n << " off=" << off;
 }
 
 // Any split of the input into pieces (of 0, 1, 63, 64, 65, ... bytes), through update_copy or
@@ -84,7 +83,8 @@ TEST(Checksum, AnySplitIntoPiecesMatchesXxh3) {
     Checksum c;
     size_t at = 0;
     while (at < n) {
-      size_t t = std::min(n - at, rng() % 2 ? piece_sizes[rng() % std::size(piece_sizes)] : size_t(rng() % 3000));
+      size_t t =
+          std::min(n - at, rng() % 2 ? piece_sizes[rng() % std::size(piece_sizes)] : size_t(rng() % 3000));
       if (rng() % 4 == 0) {
         std::memcpy(d + at, s + at, t);
         c.update(s + at, t);

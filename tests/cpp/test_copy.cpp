@@ -18,7 +18,9 @@ TEST(StreamCopy, MatchesMemcpyForAllSizesAndAlignments) {
   uint64_t s = 42;
   for (auto& c : src) c = char(splitmix(s));
   // 64-byte aligned bases so the misalignments are what they say.
-  auto align = [](char* p) { return reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63)); };
+  auto align = [](char* p) {
+    return reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63));
+  };
   std::vector<char> src_buf(src.size() + 64), dst_buf(dst.size() + 64);
   char* sb = align(src_buf.data());
   char* db = align(dst_buf.data());
@@ -68,16 +70,19 @@ TEST(CacheLineKernels, WritebackAndEvictKeepContents) {
 struct PagedKv {
   enum Kind { kCuda, kCpu };
   PagedKv(Kind k, uint32_t layers, uint64_t frag, uint64_t num_blocks)
-      : kind(k), frag(frag), num_blocks(num_blocks), layer(layers, std::vector<char>(2 * num_blocks * frag, 0)) {}
+      : kind(k),
+        frag(frag),
+        num_blocks(num_blocks),
+        layer(layers, std::vector<char>(2 * num_blocks * frag, 0)) {}
   std::vector<Fragment> fragments() {
     std::vector<Fragment> f;
     for (auto& l : layer) {
       auto base = reinterpret_cast<uintptr_t>(l.data());
       if (kind == kCuda) {
-        f.push_back({base, int64_t(frag), frag});                         // K[b]
-        f.push_back({base + num_blocks * frag, int64_t(frag), frag});     // V[b]
+        f.push_back({base, int64_t(frag), frag});                      // K[b]
+        f.push_back({base + num_blocks * frag, int64_t(frag), frag});  // V[b]
       } else {
-        f.push_back({base, int64_t(2 * frag), 2 * frag});                 // [K|V][b]
+        f.push_back({base, int64_t(2 * frag), 2 * frag});  // [K|V][b]
       }
     }
     return f;

@@ -97,7 +97,8 @@ TEST_F(FormatTest, HeaderRoundTrip) {
   EXPECT_GE(h.arena_off, h.chunk_map_off + h.chunk_count * 8);
   EXPECT_EQ(h.arena_off % 65536, 0u);
   EXPECT_GT(h.chunk_count, 0u);
-  EXPECT_LE(h.arena_off + h.chunk_count * (format::chunk_desc_bytes(h.chunk_bytes) + h.chunk_bytes), h.pool_bytes);
+  EXPECT_LE(h.arena_off + h.chunk_count * (format::chunk_desc_bytes(h.chunk_bytes) + h.chunk_bytes),
+            h.pool_bytes);
 
   // The header in the file is byte-identical to what the pool reports.
   PoolHeader f = read_header();
@@ -115,9 +116,10 @@ TEST_F(FormatTest, HeaderRoundTrip) {
 
 TEST(ChunkGeometry, Invariants) {
   const uint64_t chunks[] = {64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB};
-  std::vector<uint64_t> blocks = {1, 2, 63, 64, 65, 100, 127, 128, 1000, 1023, 1024, 1025, 4095,
-                                  4096, 4097, 12345, 16 * KiB, 64 * KiB, 100 * KiB, 1 * MiB,
-                                  2 * MiB, 2 * MiB + 1, 3 * MiB, 16 * MiB, 64 * MiB};
+  std::vector<uint64_t> blocks = {1,           2,       63,       64,       65,        100,     127,
+                                  128,         1000,    1023,     1024,     1025,      4095,    4096,
+                                  4097,        12345,   16 * KiB, 64 * KiB, 100 * KiB, 1 * MiB, 2 * MiB,
+                                  2 * MiB + 1, 3 * MiB, 16 * MiB, 64 * MiB};
   for (uint64_t b = 8; b < 70000; b = b * 3 / 2 + 7) blocks.push_back(b);
   for (uint64_t cb : chunks) {
     const uint64_t desc = format::chunk_desc_bytes(cb);
@@ -204,10 +206,12 @@ TEST_F(FormatTest, OlderMajorIsVersionError) {
 
 TEST_F(FormatTest, NewerMinorAndUnknownCompatBitsStillOpen) {
   make_pool();
-  patch_header([](PoolHeader& h) {
-    h.minor += 1;
-    h.compat |= 1ull << 40;
-  }, true);
+  patch_header(
+      [](PoolHeader& h) {
+        h.minor += 1;
+        h.compat |= 1ull << 40;
+      },
+      true);
   auto p = Pool::open(path_);
   EXPECT_TRUE(p->check().ok);
 }
@@ -232,10 +236,12 @@ TEST_F(FormatTest, ImpossibleGeometryIsFormatError) {
 TEST_F(FormatTest, F6ForgedNodeAreaBytesIsFormatError) {
   for (uint64_t nab : {1ull << 58, 1ull << 63, ~0ull & ~4095ull}) {
     make_pool();
-    patch_header([&](PoolHeader& h) {
-      h.max_nodes = 64;
-      h.node_area_bytes = nab;
-    }, true);
+    patch_header(
+        [&](PoolHeader& h) {
+          h.max_nodes = 64;
+          h.node_area_bytes = nab;
+        },
+        true);
     expect_open_throws<FormatError>(path_);
     ::unlink(path_.c_str());
   }

@@ -135,11 +135,11 @@ TEST(Geometry, ExplicitOptionsAreKeptOrRefused) {
   refused([](CreateOptions& c) { c.max_nodes = 0; });
   refused([](CreateOptions& c) { c.max_nodes = format::kMaxNodes + 1; });
   refused([](CreateOptions& c) { c.max_namespaces = 0; });
-  refused([](CreateOptions& c) { c.index_slots = 5000; });        // not a power of two
+  refused([](CreateOptions& c) { c.index_slots = 5000; });           // not a power of two
   refused([](CreateOptions& c) { c.chunk_bytes = 64 * 1024 + 1; });  // not a 4 KiB multiple
   refused([](CreateOptions& c) { c.chunk_bytes = 32 * 1024; });      // below 64 KiB
   refused([](CreateOptions& c) { c.pin_slots = (1u << 20) + 1; });
-  refused([](CreateOptions& c) { c.size = 256 * 1024; });           // no room for one chunk
+  refused([](CreateOptions& c) { c.size = 256 * 1024; });  // no room for one chunk
 }
 
 }  // namespace

@@ -228,7 +228,8 @@ TEST_F(IndexTest, PartialPinsLeaveVictims) {
   auto pins = pool_->acquire(ns_, keys.data(), cap - 4);  // 4 unpinned blocks remain evictable
   ASSERT_EQ(pins.size(), cap - 4);
   for (uint64_t id = cap; id < cap + 4; ++id)
-    EXPECT_TRUE(put(ns_, key_of(id), payload(id, kBlock))) << "put " << id - cap << " with unpinned victims left";
+    EXPECT_TRUE(put(ns_, key_of(id), payload(id, kBlock)))
+        << "put " << id - cap << " with unpinned victims left";
   for (uint64_t id = 0; id < cap - 4; ++id) ASSERT_TRUE(pool_->contains(ns_, keys[id]));
   pool_->release(pins);
 }

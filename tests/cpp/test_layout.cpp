@@ -89,7 +89,8 @@ TEST(LayoutFields, EveryFieldEntersTheFingerprintAndTheDiff) {
   }
   EXPECT_EQ(layout_diff(base, base), "");
   Layout named = sample("fp16");
-  EXPECT_NE(layout_diff(base, named).find("dtype bf16 != fp16"), std::string::npos) << layout_diff(base, named);
+  EXPECT_NE(layout_diff(base, named).find("dtype bf16 != fp16"), std::string::npos)
+      << layout_diff(base, named);
 }
 
 TEST(LayoutFields, NaturalBlockBytesAndChecks) {

@@ -46,7 +46,8 @@ sim::SimResult run(int hosts, double seconds, uint64_t seed, const std::string& 
 int caught_in(const std::string& brk, const std::string& backend = "multihost", int hosts = 3,
               double seconds = 0.8) {
   int caught = 0;
-  for (uint64_t seed = 11; seed < 19 && caught < 2; ++seed) caught += run(hosts, seconds, seed, brk, backend).violations() > 0;
+  for (uint64_t seed = 11; seed < 19 && caught < 2; ++seed)
+    caught += run(hosts, seconds, seed, brk, backend).violations() > 0;
   return caught;
 }
 
@@ -93,8 +94,8 @@ TEST_P(FaultPoint, CrashThereAndRecover) {
   EXPECT_FALSE(r.check_incomplete);
 }
 INSTANTIATE_TEST_SUITE_P(Emulator, FaultPoint,
-                         ::testing::Values("insert.claimed", "insert.copied", "evict.claimed", "alloc.claimed",
-                                           "alloc.carving", "lock.held"));
+                         ::testing::Values("insert.claimed", "insert.copied", "evict.claimed",
+                                           "alloc.claimed", "alloc.carving", "lock.held"));
 
 TEST_F(Multihost, RealMemoryPutGetAndSlots) {
   CreateOptions c;

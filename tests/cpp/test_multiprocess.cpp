@@ -28,7 +28,8 @@ class MultiProcessTest : public PoolTest {
     RawMap raw(path_);
     std::map<uint32_t, uint64_t> m;
     for (uint64_t c = 0; c < raw.hdr().chunk_count; ++c)
-      if (format::chunk_state(raw.chunk_word(c)) == format::kChunkActive) ++m[format::chunk_ns(raw.chunk_word(c))];
+      if (format::chunk_state(raw.chunk_word(c)) == format::kChunkActive)
+        ++m[format::chunk_ns(raw.chunk_word(c))];
     return m;
   }
 
@@ -40,7 +41,8 @@ class MultiProcessTest : public PoolTest {
 TEST_F(MultiProcessTest, RandomOpsFromFourProcesses) {
   ASSERT_LT(capacity_, kWorkingSet) << "the working set must not fit";
   std::vector<pid_t> kids;
-  for (uint64_t i = 0; i < 4; ++i) kids.push_back(spawn([&] { return random_worker(path_, 1000 + i, 20000); }));
+  for (uint64_t i = 0; i < 4; ++i)
+    kids.push_back(spawn([&] { return random_worker(path_, 1000 + i, 20000); }));
   for (pid_t pid : kids) EXPECT_EQ(wait_exit(pid), 0) << "1 = wrong bytes read, 2 = exception, >128 = signal";
   EXPECT_EQ(pool_->reap_dead_nodes(), 0u);  // all children closed cleanly
   auto r = pool_->check();
@@ -75,7 +77,8 @@ TEST_F(MultiProcessTest, TwoNamespacesShareAFullPool) {
 // check() run while other processes work must not report their in-flight states as errors.
 TEST_F(MultiProcessTest, CheckWhileOthersWork) {
   std::vector<pid_t> kids;
-  for (uint64_t i = 0; i < 3; ++i) kids.push_back(spawn([&] { return random_worker(path_, 2000 + i, 15000); }));
+  for (uint64_t i = 0; i < 3; ++i)
+    kids.push_back(spawn([&] { return random_worker(path_, 2000 + i, 15000); }));
   int checks = 0, running = int(kids.size());
   std::vector<int> status(kids.size(), -1);
   while (running > 0) {
@@ -88,7 +91,8 @@ TEST_F(MultiProcessTest, CheckWhileOthersWork) {
       if (status[k] < 0 && ::waitpid(kids[k], &status[k], WNOHANG) == kids[k]) --running;
   }
   for (int st : status)
-    EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << "exit " << WEXITSTATUS(st) << " (1 = wrong bytes, 2 = exception)";
+    EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0)
+        << "exit " << WEXITSTATUS(st) << " (1 = wrong bytes, 2 = exception)";
   EXPECT_GE(checks, 2);
   expect_clean(pool_->check());
 }
@@ -103,7 +107,8 @@ TEST(MultiProcessFlush, RandomOpsWithFlushBackend) {
   auto pool = Pool::create(path, o, false);
   ASSERT_EQ(pool->backend(), Backend::flush);
   std::vector<pid_t> kids;
-  for (uint64_t i = 0; i < 3; ++i) kids.push_back(spawn([&] { return random_worker(path, 3000 + i, 8000, 0, 2); }));
+  for (uint64_t i = 0; i < 3; ++i)
+    kids.push_back(spawn([&] { return random_worker(path, 3000 + i, 8000, 0, 2); }));
   for (pid_t pid : kids) EXPECT_EQ(wait_exit(pid), 0) << "1 = wrong bytes read, 2 = exception, >128 = signal";
   auto r = pool->check();
   expect_clean(r);
@@ -139,7 +144,8 @@ TEST_F(MultiProcessTest, ForkedChildDoesNotDetachParent) {
     }
     return code;
   });
-  EXPECT_EQ(wait_exit(pid), 0) << "10 = inherited pool usable, 11 = same node id, 12 = pin lost, 13 = exception";
+  EXPECT_EQ(wait_exit(pid), 0)
+      << "10 = inherited pool usable, 11 = same node id, 12 = pin lost, 13 = exception";
   EXPECT_FALSE(pool_->closed());
   pool_->ensure_usable();
   auto r = pool_->check();

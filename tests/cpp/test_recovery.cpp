@@ -152,7 +152,10 @@ TEST_F(RecoveryTest, HalfDoneOperationsOfADeadNodeAreUndone) {
     for (uint64_t ch = 0; ch < hd.chunk_count && c == ~0ull; ++ch) {
       if (chunk_state(raw.chunk_word(ch)) != kChunkActive) continue;
       for (uint32_t k = 0; k < ns_.geo.blocks; ++k)
-        if (raw.block_desc(ch, k) == 0) { c = ch, b = k; break; }
+        if (raw.block_desc(ch, k) == 0) {
+          c = ch, b = k;
+          break;
+        }
     }
     ASSERT_NE(c, ~0ull);
     const auto* slots = reinterpret_cast<const NodeSlot*>(raw.base() + hd.node_table_off);
@@ -172,12 +175,14 @@ TEST_F(RecoveryTest, HalfDoneOperationsOfADeadNodeAreUndone) {
     for (uint64_t ch = 0; ch < hd.chunk_count && c2 == ~0ull; ++ch)
       if (raw.chunk_word(ch) == 0) c2 = ch;
     ASSERT_NE(c2, ~0ull);
-    reinterpret_cast<uint64_t*>(raw.base() + hd.chunk_map_off)[c2] = make_chunk_word(kChunkCarving, n, ns_.id);
+    reinterpret_cast<uint64_t*>(raw.base() + hd.chunk_map_off)[c2] =
+        make_chunk_word(kChunkCarving, n, ns_.id);
     // (4) Killed while holding a pin on key 5.
     uint64_t s5 = slot_of(raw, 5);
     char* area = raw.base() + hd.node_area_off + uint64_t(n - 1) * hd.node_area_bytes;
     auto* fx = reinterpret_cast<NodeAreaFixed*>(area);
-    reinterpret_cast<uint64_t*>(area + sizeof(NodeAreaFixed))[0] = pin_value(s5, entry_gen(raw.entry(s5)->state));
+    reinterpret_cast<uint64_t*>(area + sizeof(NodeAreaFixed))[0] =
+        pin_value(s5, entry_gen(raw.entry(s5)->state));
     fx->pin_hw = 1;
     // (5) Killed while draining the chunk of key 6 for another namespace: it had evicted key 6
     //     (entry tombstoned, desc FENCED(n)) and not yet reached the chunk's other blocks.
@@ -189,7 +194,8 @@ TEST_F(RecoveryTest, HalfDoneOperationsOfADeadNodeAreUndone) {
     raw.entry(s6)->state = make_entry_word(kTombstone, 0, entry_gen(w), entry_tag(w));
     reinterpret_cast<uint64_t*>(raw.base() + hd.arena_off + c6 * raw.chunk_stride())[b6] =
         make_block_word(kBlockFenced, n, epoch8, 0);
-    reinterpret_cast<uint64_t*>(raw.base() + hd.chunk_map_off)[c6] = make_chunk_word(kChunkDraining, n, ns_.id);
+    reinterpret_cast<uint64_t*>(raw.base() + hd.chunk_map_off)[c6] =
+        make_chunk_word(kChunkDraining, n, ns_.id);
   }
   // While the node lives, all this is legitimately in flight.
   auto live = pool_->check();

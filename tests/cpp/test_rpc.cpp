@@ -44,7 +44,8 @@ TEST(Rpc, SingleThreadedOrderingAndEcho) {
     uint32_t op, len;
     // Nothing posted: nothing pending.
     server.refresh_requests(0, 4);
-    for (uint32_t s = 0; s < 4; ++s) EXPECT_EQ(server.poll_request(s, answered[s], &seq, &op, out, &len), rpc::Poll::kEmpty);
+    for (uint32_t s = 0; s < 4; ++s)
+      EXPECT_EQ(server.poll_request(s, answered[s], &seq, &op, out, &len), rpc::Poll::kEmpty);
     // A batch of 3 (one fence), payload lengths 0, 10, 48.
     const uint32_t lens[3] = {0, 10, 48};
     for (uint32_t s = 0; s < 3; ++s) {
@@ -74,7 +75,8 @@ TEST(Rpc, SingleThreadedOrderingAndEcho) {
     client.refresh_responses(0, 3);
     for (uint32_t s = 0; s < 3; ++s) {
       uint32_t st;
-      EXPECT_EQ(client.poll_response(s, 99, &st, out, &len), rpc::Poll::kEmpty) << "an older seq must not match";
+      EXPECT_EQ(client.poll_response(s, 99, &st, out, &len), rpc::Poll::kEmpty)
+          << "an older seq must not match";
       ASSERT_EQ(client.poll_response(s, 100 + s, &st, out, &len), rpc::Poll::kReady);
       EXPECT_EQ(st, 0u);
       EXPECT_EQ(len, lens[s]);
@@ -82,7 +84,8 @@ TEST(Rpc, SingleThreadedOrderingAndEcho) {
     }
     // Answered requests are not served again.
     server.refresh_requests(0, 4);
-    for (uint32_t s = 0; s < 4; ++s) EXPECT_EQ(server.poll_request(s, answered[s], &seq, &op, out, &len), rpc::Poll::kEmpty);
+    for (uint32_t s = 0; s < 4; ++s)
+      EXPECT_EQ(server.poll_request(s, answered[s], &seq, &op, out, &len), rpc::Poll::kEmpty);
   }
 }
 
@@ -218,15 +221,16 @@ TEST(Rpc, TwoProcessRoundTripsVerifyEveryPayload) {
           ASSERT_EQ(st, op);
           ASSERT_EQ(len, (seqs[s] + s) % (rpc::kInlineBytes + 1));
           fill(in, seqs[s] * 1000 + s, rpc::kInlineBytes);
-          for (uint32_t k = 0; k < len; ++k) ASSERT_EQ(out[k], uint8_t(~in[k])) << "slot " << s << " seq " << seqs[s];
+          for (uint32_t k = 0; k < len; ++k)
+            ASSERT_EQ(out[k], uint8_t(~in[k])) << "slot " << s << " seq " << seqs[s];
           done[s] = true, --left, ++checked;
         }
         backoff.wait();
       }
     };
-    for (int i = 0; i < 2000; ++i) batch(1, 1);       // depth 1
-    for (int i = 0; i < 300; ++i) batch(kSlots, 1);   // depth 32, one fence per batch
-    batch(1, 2);                                      // stop
+    for (int i = 0; i < 2000; ++i) batch(1, 1);      // depth 1
+    for (int i = 0; i < 300; ++i) batch(kSlots, 1);  // depth 32, one fence per batch
+    batch(1, 2);                                     // stop
     int status = 0;
     ASSERT_EQ(::waitpid(pid, &status, 0), pid);
     EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "server status " << status;

@@ -109,8 +109,10 @@ TEST_F(ThreadsTest, PinnedKeyNeverMisses) {
   const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(500);
   while (std::chrono::steady_clock::now() < until) {
     Piece p{out.data(), out.size()};
-    if (!pool->get(ns, k, &p, 1, nullptr)) ++misses;
-    else if (out != v) ++wrong;
+    if (!pool->get(ns, k, &p, 1, nullptr))
+      ++misses;
+    else if (out != v)
+      ++wrong;
     if (!pool->contains(ns, k)) ++absent;
   }
   stop = true;

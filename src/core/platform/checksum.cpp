@@ -1,7 +1,7 @@
 #include "checksum.h"
 
-#include <xxhash.h>
 #include <xxh_x86dispatch.h>
+#include <xxhash.h>
 
 #include <algorithm>
 #include <cstring>
@@ -39,7 +39,7 @@ void Checksum::feed(char* d, const char* s, size_t n) {
   if (n == 0) return;
   if (total_ < kHead) {
     size_t t = std::min<size_t>(n, kHead - total_);
-    std::memcpy(head_ + total_, s, t);           // the one read of these source bytes
+    std::memcpy(head_ + total_, s, t);             // the one read of these source bytes
     if (kCopy) std::memcpy(d, head_ + total_, t);  // deliver what was read
     advance(t);
     if (n == 0) return;

@@ -37,10 +37,10 @@ class Checksum {
 
   xxh3k::Acc acc_;
   uint64_t total_ = 0;
-  uint32_t pend_len_ = 0;                // bytes of the current stripe seen, not yet accumulated
-  alignas(64) uint8_t pend_[64];          // the current stripe (accumulated once more input follows)
-  alignas(64) uint8_t prev_[64];          // the last accumulated stripe (the final stripe overlaps it)
-  alignas(64) uint8_t head_[kHead];       // the first kHead bytes (XXH3 hashes short inputs apart)
+  uint32_t pend_len_ = 0;            // bytes of the current stripe seen, not yet accumulated
+  alignas(64) uint8_t pend_[64];     // the current stripe (accumulated once more input follows)
+  alignas(64) uint8_t prev_[64];     // the last accumulated stripe (the final stripe overlaps it)
+  alignas(64) uint8_t head_[kHead];  // the first kHead bytes (XXH3 hashes short inputs apart)
 };
 
 }  // namespace cxlkv

@@ -22,7 +22,7 @@ constexpr uint64_t kP32_1 = 0x9E3779B1u, kP32_2 = 0x85EBCA77u, kP32_3 = 0xC2B2AE
 constexpr uint64_t kP64_1 = 0x9E3779B185EBCA87ull, kP64_2 = 0xC2B2AE3D27D4EB4Full;
 constexpr uint64_t kP64_3 = 0x165667B19E3779F9ull, kP64_4 = 0x85EBCA77C2B2AE63ull;
 constexpr uint64_t kP64_5 = 0x27D4EB2F165667C5ull;
-constexpr size_t kScrambleKey = kSecretBytes - kStripe;     // 128
+constexpr size_t kScrambleKey = kSecretBytes - kStripe;        // 128
 constexpr size_t kLastStripeKey = kSecretBytes - kStripe - 7;  // 121
 constexpr size_t kMergeKey = 11;
 
@@ -124,17 +124,17 @@ CXLKV_AVX512 void copy_hash_avx512(Acc& a, const uint8_t* secret, char* dst, con
   const size_t hashed = k - (hold_last ? 1 : 0);
   __m512i cur = _mm512_setzero_si512(), prev = cur;
   // (a macro, not a lambda: a lambda does not inherit the target attribute and is not inlined)
-#define CXLKV_HASH_STRIPE(j, d)                                  \
-  do {                                                           \
-    prev = cur;                                                  \
-    cur = (d);                                                   \
-    if ((j) < hashed) {                                          \
-      acc = stripe_avx512(acc, cur, secret + 8 * s);             \
-      if (++s == kStripesPerBlock) {                             \
-        acc = scramble_avx512(acc, secret + kScrambleKey);       \
-        s = 0;                                                   \
-      }                                                          \
-    }                                                            \
+#define CXLKV_HASH_STRIPE(j, d)                            \
+  do {                                                     \
+    prev = cur;                                            \
+    cur = (d);                                             \
+    if ((j) < hashed) {                                    \
+      acc = stripe_avx512(acc, cur, secret + 8 * s);       \
+      if (++s == kStripesPerBlock) {                       \
+        acc = scramble_avx512(acc, secret + kScrambleKey); \
+        s = 0;                                             \
+      }                                                    \
+    }                                                      \
   } while (0)
   const size_t m = reinterpret_cast<uintptr_t>(dst) & 63;
 #ifndef CXLKV_PREFETCH_AHEAD
@@ -153,9 +153,9 @@ CXLKV_AVX512 void copy_hash_avx512(Acc& a, const uint8_t* secret, char* dst, con
   } else {
     const size_t head = 64 - m;  // bytes of stripe 0 before dst's first line boundary
     const __m512i idx = _mm512_add_epi8(
-        _mm512_set_epi8(63, 62, 61, 60, 59, 58, 57, 56, 55, 54, 53, 52, 51, 50, 49, 48, 47, 46, 45, 44, 43, 42, 41,
-                        40, 39, 38, 37, 36, 35, 34, 33, 32, 31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18,
-                        17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+        _mm512_set_epi8(63, 62, 61, 60, 59, 58, 57, 56, 55, 54, 53, 52, 51, 50, 49, 48, 47, 46, 45, 44, 43,
+                        42, 41, 40, 39, 38, 37, 36, 35, 34, 33, 32, 31, 30, 29, 28, 27, 26, 25, 24, 23, 22,
+                        21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
         _mm512_set1_epi8(char(m)));  // byte i of the stripe is byte i + m of (w[j-1] : w[j])
     const __mmask64 upper = ~0ull << m, lower = ~upper;
     // w[-1]: the line of dst that holds the stripe's first `head` bytes, as its bytes m..63.

@@ -30,8 +30,8 @@ using HashFn = void (*)(Acc& a, const uint8_t* secret, const char* src, size_t k
 // caller does not know yet whether more input follows). Each source byte is loaded once; the
 // stored bytes and the hashed bytes are the same registers. Writes what it stored of stripe k-1
 // to last[64] and, if before != nullptr and k >= 2, of stripe k-2 to before[64]. No fence.
-using CopyHashFn = void (*)(Acc& a, const uint8_t* secret, char* dst, const char* src, size_t k, bool hold_last,
-                            uint8_t* last, uint8_t* before);
+using CopyHashFn = void (*)(Acc& a, const uint8_t* secret, char* dst, const char* src, size_t k,
+                            bool hold_last, uint8_t* last, uint8_t* before);
 
 HashFn pick_hash();
 // nullptr where the CPU has no fused kernel (then the caller copies through a bounce buffer).

@@ -94,9 +94,12 @@ void writeback_lines_nofence(const void* p, size_t n) {
   const char* b = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) & ~(kLine - 1));
   const char* e = static_cast<const char*>(p) + n;
   const auto& f = cpu_features();
-  if (f.clwb) wb_clwb(b, e);
-  else if (f.clflushopt) wb_clflushopt(b, e);
-  else wb_clflush(b, e);
+  if (f.clwb)
+    wb_clwb(b, e);
+  else if (f.clflushopt)
+    wb_clflushopt(b, e);
+  else
+    wb_clflush(b, e);
 #else
   (void)p, (void)n;
 #endif
@@ -127,8 +130,10 @@ void evict_lines(const void* p, size_t n) {
 #if defined(__x86_64__)
   const char* b = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) & ~(kLine - 1));
   const char* e = static_cast<const char*>(p) + n;
-  if (cpu_features().clflushopt) wb_clflushopt(b, e);
-  else wb_clflush(b, e);
+  if (cpu_features().clflushopt)
+    wb_clflushopt(b, e);
+  else
+    wb_clflush(b, e);
   _mm_mfence();
 #else
   (void)p, (void)n;

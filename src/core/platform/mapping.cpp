@@ -29,7 +29,9 @@ constexpr uint64_t kDevdaxAlign = 2ull << 20;
 
 struct Fd {
   int fd = -1;
-  ~Fd() { if (fd >= 0) ::close(fd); }
+  ~Fd() {
+    if (fd >= 0) ::close(fd);
+  }
 };
 
 // Maps `len` bytes of fd at an address aligned to `align`.
@@ -80,7 +82,7 @@ struct GuardSlot {
 };
 GuardSlot g_guard[kGuardSlots];
 std::mutex g_guard_mu;  // registration only; never taken in the handler
-struct sigaction g_prev_bus {};
+struct sigaction g_prev_bus{};
 uintptr_t g_page = 4096;
 
 void on_sigbus(int sig, siginfo_t* si, void* uc) {
@@ -107,7 +109,7 @@ void on_sigbus(int sig, siginfo_t* si, void* uc) {
     return;
   }
   (void)uc;
-  struct sigaction dfl {};
+  struct sigaction dfl{};
   dfl.sa_handler = SIG_DFL;
   ::sigemptyset(&dfl.sa_mask);
   ::sigaction(SIGBUS, &dfl, nullptr);
@@ -117,12 +119,12 @@ void on_sigbus(int sig, siginfo_t* si, void* uc) {
 // Installs on_sigbus unless it is the current handler: again at every pool mapping, so that a
 // handler installed later (e.g. Python's faulthandler) does not see pool faults first.
 void install_sigbus_handler() {
-  struct sigaction cur {};
+  struct sigaction cur{};
   ::sigaction(SIGBUS, nullptr, &cur);
   if ((cur.sa_flags & SA_SIGINFO) && cur.sa_sigaction == on_sigbus) return;
   g_page = uintptr_t(::sysconf(_SC_PAGESIZE));
   g_prev_bus = cur;
-  struct sigaction sa {};
+  struct sigaction sa{};
   sa.sa_sigaction = on_sigbus;
   sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
   ::sigemptyset(&sa.sa_mask);
@@ -170,9 +172,7 @@ Mapping& Mapping::operator=(Mapping&& o) noexcept {
 
 Mapping::~Mapping() { release(); }
 
-bool Mapping::is_devdax_path(const std::string& path) {
-  return path.rfind("/dev/dax", 0) == 0;
-}
+bool Mapping::is_devdax_path(const std::string& path) { return path.rfind("/dev/dax", 0) == 0; }
 
 uint64_t devdax_size(const std::string& path) {
   struct stat st;
@@ -208,12 +208,14 @@ void check_owner(const struct stat& st, const std::string& path, bool allow_grou
   bool group_ok = allow_group && in_my_groups(st.st_gid);
   const std::string hint = "; pass allow_foreign_owner=True (CLI: --allow-foreign-owner) if this is intended";
   if (st.st_uid != me && st.st_uid != 0 && !group_ok)
-    throw OsError(EPERM, "pool " + path + " is owned by uid " + std::to_string(st.st_uid) + ", not by this user (uid " +
-                             std::to_string(me) + "): that user can read and corrupt its KV; refusing it" + hint);
+    throw OsError(EPERM, "pool " + path + " is owned by uid " + std::to_string(st.st_uid) +
+                             ", not by this user (uid " + std::to_string(me) +
+                             "): that user can read and corrupt its KV; refusing it" + hint);
   if (st.st_mode & S_IWOTH) {
     char mode[8];
     std::snprintf(mode, sizeof mode, "%04o", unsigned(st.st_mode & 07777));
-    throw OsError(EPERM, "pool " + path + " is writable by every user (mode " + mode + "); refusing it" + hint);
+    throw OsError(EPERM,
+                  "pool " + path + " is writable by every user (mode " + mode + "); refusing it" + hint);
   }
   if ((st.st_mode & S_IWGRP) && st.st_uid != me && !group_ok)
     throw OsError(EPERM, "pool " + path + " is writable by group " + std::to_string(st.st_gid) +
@@ -221,8 +223,8 @@ void check_owner(const struct stat& st, const std::string& path, bool allow_grou
 }
 }  // namespace
 
-Mapping Mapping::open_existing(const std::string& path, bool populate, bool read_only, bool allow_foreign_owner,
-                               bool allow_group) {
+Mapping Mapping::open_existing(const std::string& path, bool populate, bool read_only,
+                               bool allow_foreign_owner, bool allow_group) {
   Mapping m;
   Fd fd;
   fd.fd = ::open(path.c_str(), (read_only ? O_RDONLY : O_RDWR) | O_CLOEXEC | O_NOFOLLOW);
@@ -231,7 +233,8 @@ Mapping Mapping::open_existing(const std::string& path, bool populate, bool read
     if (e == ENOENT && is_devdax_path(path)) throw OsError(e, "devdax device " + path + " does not exist");
     if (e == ENOENT) throw OsError(e, "pool " + path + " does not exist");
     if (e == EISDIR) throw OsError(e, path + " is a directory, not a pool");
-    if (e == ELOOP) throw OsError(e, "pool " + path + " is a symbolic link; refusing to follow it (open its target)");
+    if (e == ELOOP)
+      throw OsError(e, "pool " + path + " is a symbolic link; refusing to follow it (open its target)");
     throw_os(e, "cannot open pool", path);
   }
   struct stat st;
@@ -257,8 +260,9 @@ Mapping Mapping::open_existing(const std::string& path, bool populate, bool read
   if (!m.devdax_ && !read_only && uint64_t(st.st_blocks) * 512 < size) {
     int e = ::posix_fallocate(fd.fd, 0, off_t(size));
     if (e != 0)
-      throw OsError(e, "pool " + path + " is a sparse file (" + std::to_string(uint64_t(st.st_blocks) * 512) + " of " +
-                           std::to_string(size) + " bytes allocated) and its holes cannot be allocated: " + std::strerror(e));
+      throw OsError(e, "pool " + path + " is a sparse file (" + std::to_string(uint64_t(st.st_blocks) * 512) +
+                           " of " + std::to_string(size) +
+                           " bytes allocated) and its holes cannot be allocated: " + std::strerror(e));
   }
   if (read_only) {
     // Private copy-on-write: an inspecting process never writes the pool, even by mistake.

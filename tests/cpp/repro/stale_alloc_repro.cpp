@@ -8,16 +8,25 @@
 //   check PATH  : prints check() findings
 #include <signal.h>
 #include "../test_util.h"
-using namespace cxlkv; using namespace cxlkv::test;
+using namespace cxlkv;
+using namespace cxlkv::test;
 int main(int argc, char** argv) {
   std::string mode = argv[1], path = argv[2];
   if (mode == "setup") {
     std::unique_ptr<Pool> p;
-    for (uint64_t s = 300 * KiB; ; s += 4 * KiB) {
-      CreateOptions o; o.size = s; o.chunk_bytes = 64 * KiB; o.index_slots = 1024;
-      try { p = Pool::create(path, o, false); } catch (const ArgumentError&) { continue; }
+    for (uint64_t s = 300 * KiB;; s += 4 * KiB) {
+      CreateOptions o;
+      o.size = s;
+      o.chunk_bytes = 64 * KiB;
+      o.index_slots = 1024;
+      try {
+        p = Pool::create(path, o, false);
+      } catch (const ArgumentError&) {
+        continue;
+      }
       if (p->header().chunk_count == 2) break;
-      p.reset(); unlink(path.c_str());
+      p.reset();
+      unlink(path.c_str());
     }
     auto x = p->open_namespace(layout("X", 16 * KiB));
     std::vector<char> v(16 * KiB, 'x');
