@@ -127,6 +127,12 @@ class KVLayout:
         for f in ("dtype", "kind", "block_bytes"):
             object.__setattr__(self, f, canonical[f])
 
+    @classmethod
+    def from_info(cls, info: dict) -> KVLayout:
+        """The layout of a ``Pool.namespaces()`` entry (or any dict holding the fields; other keys
+        are ignored): the field list is the dataclass's, written once."""
+        return cls(**{f.name: info[f.name] for f in dataclasses.fields(cls) if f.name in info})
+
     @property
     def dtype_bytes(self) -> int:
         return dtype_bytes(self.dtype)
