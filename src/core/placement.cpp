@@ -19,7 +19,8 @@ NsHandle Pool::bind_device(const NsHandle& ns, int device) const {
   if (device < 0) return h;
   if (uint32_t(device) >= stripes_.devices)
     throw ArgumentError("device " + std::to_string(device) + " out of range: pool " + path_ + " has " +
-                        std::to_string(stripes_.devices) + " device(s), 0.." + std::to_string(stripes_.devices - 1));
+                        std::to_string(stripes_.devices) + " device(s), 0.." +
+                        std::to_string(stripes_.devices - 1));
   if (!stripes_.striped()) return h;  // one device: every block is on it
   if (ns.geo.block_stride > stripes_.stripe)
     throw ArgumentError("namespace '" + ns.name + "': a block of " + std::to_string(ns.geo.block_stride) +
@@ -31,7 +32,8 @@ NsHandle Pool::bind_device(const NsHandle& ns, int device) const {
 
 bool Pool::block_on_device(const NsHandle& ns, uint64_t chunk, uint32_t block) const {
   if (ns.device < 0) return true;
-  uint64_t off = hdr_->arena_off + chunk * chunk_stride_ + desc_bytes_ + uint64_t(block) * ns.geo.block_stride;
+  uint64_t off =
+      hdr_->arena_off + chunk * chunk_stride_ + desc_bytes_ + uint64_t(block) * ns.geo.block_stride;
   return range_device(stripes_, off, ns.geo.block_stride) == ns.device;
 }
 
@@ -62,7 +64,7 @@ std::vector<DeviceUse> Pool::device_usage() {
     out[d].device_bytes = device_need_bytes(stripes_, hdr_->pool_bytes, d);
   }
   // Bytes of [off, off + len) on each device (a block may cross a stripe boundary).
-  auto spread = [&](uint64_t off, uint64_t len, uint64_t DeviceUse::*field) {
+  auto spread = [&](uint64_t off, uint64_t len, uint64_t DeviceUse::* field) {
     while (len) {
       uint64_t take = stripes_.striped() ? std::min(len, stripes_.stripe - off % stripes_.stripe) : len;
       out[stripe_device(stripes_, off)].*field += take;

@@ -225,6 +225,8 @@ class Pool {
   NsHandle open_namespace(const Layout& layout);
   // --- device interleaving (placement.cpp, striped_pool.cpp) --------------------------------
   const StripeGeometry& stripes() const { return stripes_; }
+  // The mapped devices of a striped pool (device 0 first); empty for a single-device pool.
+  const std::vector<MappedDevice>& device_files() const { return map_.devices(); }
   // The handle with its blocks placed on `device` only (-1: anywhere). Throws ArgumentError for a
   // device out of range, or a block larger than a stripe (it could never lie on one device).
   NsHandle bind_device(const NsHandle& ns, int device) const;

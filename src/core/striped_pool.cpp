@@ -44,7 +44,8 @@ std::unique_ptr<Pool> Pool::create_striped(const std::string& spec, PoolHeader h
   }
   for (size_t k = 1; k < paths.size(); ++k)
     if (!devdax && ::access(paths[k].c_str(), F_OK) == 0)
-      throw OsError(EEXIST, "device " + paths[k] + " of the new pool already exists (left by another pool?); " +
+      throw OsError(EEXIST, "device " + paths[k] +
+                                " of the new pool already exists (left by another pool?); " +
                                 "remove it first");
   h.minor = pool_minor(true);
   h.incompat |= kIncompatStriped;
@@ -56,7 +57,8 @@ std::unique_ptr<Pool> Pool::create_striped(const std::string& spec, PoolHeader h
     uint8_t r[4];
     (void)::getrandom(r, sizeof r, 0);
     char suffix[64];
-    std::snprintf(suffix, sizeof suffix, ".init-%d-%02x%02x%02x%02x", int(::getpid()), r[0], r[1], r[2], r[3]);
+    std::snprintf(suffix, sizeof suffix, ".init-%d-%02x%02x%02x%02x", int(::getpid()), r[0], r[1], r[2],
+                  r[3]);
     for (auto& p : tmp) p += suffix;
   }
   Mapping m = Mapping::create_striped(tmp, t, h.uuid, h.pool_bytes);
@@ -139,7 +141,8 @@ void Pool::destroy_striped(const std::string& spec, const DestroyOptions& opt) {
       throw OsError(errno, "cannot stat " + path + ": " + std::strerror(errno));
     }
     if (!S_ISREG(st.st_mode)) throw FormatError(path + " is not a regular file; not deleting it");
-    if (::unlink(path.c_str()) != 0) throw OsError(errno, "cannot delete " + path + ": " + std::strerror(errno));
+    if (::unlink(path.c_str()) != 0)
+      throw OsError(errno, "cannot delete " + path + ": " + std::strerror(errno));
   }
 }
 

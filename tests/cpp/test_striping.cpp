@@ -19,11 +19,11 @@ TEST(Striping, ArithmeticByTable) {
     uint32_t device;
     uint64_t device_off;
   } rows[] = {
-      {0, 0, 0},                                    // stripe 0: device 0 from its start (the header)
-      {MiB + 5, 1, 4096 + 5},                       // stripe 1: device 1 after its label
-      {2 * MiB, 2, 4096},                           // stripe 2
-      {3 * MiB + 7, 0, MiB + 7},                    // stripe 3: device 0's second stripe
-      {7 * MiB + 100, 1, 4096 + 2 * MiB + 100},     // stripe 7: device 1's third stripe
+      {0, 0, 0},                                 // stripe 0: device 0 from its start (the header)
+      {MiB + 5, 1, 4096 + 5},                    // stripe 1: device 1 after its label
+      {2 * MiB, 2, 4096},                        // stripe 2
+      {3 * MiB + 7, 0, MiB + 7},                 // stripe 3: device 0's second stripe
+      {7 * MiB + 100, 1, 4096 + 2 * MiB + 100},  // stripe 7: device 1's third stripe
   };
   for (const Row& r : rows) {
     EXPECT_EQ(stripe_device(g, r.off), r.device) << r.off;
@@ -128,7 +128,8 @@ TEST_F(StripedPoolTest, BytesLieOnTheDevicesTheStripesName) {
       std::memcpy(got.data() + done, part.data(), take);
       done += take;
     }
-    ASSERT_EQ(0, std::memcmp(got.data(), want.data(), bb)) << "block " << id << " is not where the stripes say";
+    ASSERT_EQ(0, std::memcmp(got.data(), want.data(), bb))
+        << "block " << id << " is not where the stripes say";
     Piece pc{back.data(), bb};
     uint64_t n = 0;
     ASSERT_TRUE(p->get(ns, key_of(id), &pc, 1, &n));

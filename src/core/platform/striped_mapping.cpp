@@ -69,7 +69,8 @@ char* map_stripes(const StripeGeometry& g, uint64_t pool_bytes, const std::vecto
                   bool populate, bool private_copy, const std::string& what) {
   check_map_budget(stripe_count(g, pool_bytes), what);
   const uint64_t align = std::min<uint64_t>(g.stripe, kDevdaxAlign);
-  void* r = ::mmap(nullptr, pool_bytes + align, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  void* r =
+      ::mmap(nullptr, pool_bytes + align, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (r == MAP_FAILED) throw_os(errno, "cannot reserve address space for " + what);
   uintptr_t rb = reinterpret_cast<uintptr_t>(r);
   uintptr_t a = (rb + align - 1) & ~(align - 1);
@@ -98,13 +99,15 @@ std::string join(const std::vector<std::string>& v) {
 
 std::string uuid_text(const uint8_t* u) {
   char b[40];
-  std::snprintf(b, sizeof b, "%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0], u[1],
-                u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
+  std::snprintf(b, sizeof b, "%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0],
+                u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14],
+                u[15]);
   return b;
 }
 
 // Opens one device of a striped pool, applying open_existing's rules (no symlink, owner policy).
-MappedDevice open_device(const std::string& path, bool read_only, bool allow_foreign_owner, bool allow_group) {
+MappedDevice open_device(const std::string& path, bool read_only, bool allow_foreign_owner,
+                         bool allow_group) {
   MappedDevice d;
   d.path = path;
   d.fd = ::open(path.c_str(), (read_only ? O_RDONLY : O_RDWR) | O_CLOEXEC | O_NOFOLLOW);
@@ -181,8 +184,8 @@ void plan_stripes(StripeTable& t, uint64_t pool_bytes, uint32_t devices, uint64_
   if (devdax && stripe % kDevdaxAlign)
     throw ArgumentError("a pool striped over devdax devices needs a stripe size that is a multiple of 2 MiB");
   if (pool_bytes % stripe || pool_bytes < uint64_t(devices) * stripe)
-    throw ArgumentError("a striped pool's size must be a multiple of the stripe size (" + std::to_string(stripe) +
-                        ") holding at least one stripe per device");
+    throw ArgumentError("a striped pool's size must be a multiple of the stripe size (" +
+                        std::to_string(stripe) + ") holding at least one stripe per device");
   std::memset(&t, 0, sizeof t);
   std::memcpy(t.magic, kStripeMagic, 8);
   t.device_count = devices;
@@ -201,11 +204,14 @@ std::string stripe_table_problem(const StripeTable& t, uint64_t pool_bytes) {
   if (t.device_count < 2 || t.device_count > kMaxDevices) return "device count";
   if (!pow2(t.stripe_bytes) || t.stripe_bytes < kStripeBytesMin || t.stripe_bytes > kStripeBytesMax)
     return "stripe size";
-  if (t.label_bytes < kDeviceLabelBytes || t.label_bytes > kDevdaxAlign || t.label_bytes % 4096) return "label size";
-  if (pool_bytes % t.stripe_bytes || pool_bytes / t.stripe_bytes < t.device_count) return "pool size vs stripes";
+  if (t.label_bytes < kDeviceLabelBytes || t.label_bytes > kDevdaxAlign || t.label_bytes % 4096)
+    return "label size";
+  if (pool_bytes % t.stripe_bytes || pool_bytes / t.stripe_bytes < t.device_count)
+    return "pool size vs stripes";
   StripeGeometry g = stripe_geometry(t);
   for (uint32_t d = 0; d < kMaxDevices; ++d)
-    if (t.device_bytes[d] != (d < t.device_count ? device_need_bytes(g, pool_bytes, d) : 0)) return "device sizes";
+    if (t.device_bytes[d] != (d < t.device_count ? device_need_bytes(g, pool_bytes, d) : 0))
+      return "device sizes";
   return "";
 }
 
@@ -237,7 +243,8 @@ Mapping Mapping::open_striped(const std::vector<std::string>& paths, bool popula
     if (h.checksum != xxh3(&h, offsetof(PoolHeader, checksum)))
       throw FormatError("pool " + P + " header checksum mismatch: the header is corrupt");
     if (!(h.incompat & kIncompatStriped))
-      throw FormatError("pool " + P + ": " + paths[0] + " holds a single-device pool; open it by that path alone");
+      throw FormatError("pool " + P + ": " + paths[0] +
+                        " holds a single-device pool; open it by that path alone");
     StripeTable t;
     std::memcpy(&t, page + kStripeTableOff, sizeof t);
     std::string bad = stripe_table_problem(t, h.pool_bytes);
@@ -249,29 +256,35 @@ Mapping Mapping::open_striped(const std::vector<std::string>& paths, bool popula
     for (uint32_t k = 0; k < t.device_count; ++k) {
       MappedDevice& d = m.devices_[k];
       if (d.devdax && (t.stripe_bytes % kDevdaxAlign || t.label_bytes % kDevdaxAlign))
-        throw FormatError("pool " + P + ": device " + d.path + " is devdax but the stripes are not 2 MiB aligned");
+        throw FormatError("pool " + P + ": device " + d.path +
+                          " is devdax but the stripes are not 2 MiB aligned");
       if (k > 0) {
         DeviceLabel l;
         read_head(d.fd, d.devdax, &l, sizeof l, d.path);
         if (std::memcmp(l.magic, kLabelMagic, 8) != 0 || l.checksum != device_label_checksum(l)) {
           if (std::memcmp(l.magic, kMagic, 8) == 0)
-            throw FormatError("pool " + P + ": " + d.path + " holds a pool header, so it is a first device, " +
-                              "not device " + std::to_string(k) + "; list the devices in order");
-          throw FormatError("pool " + P + ": " + d.path + " is not a device of a striped cxlkv pool (no valid label)");
+            throw FormatError("pool " + P + ": " + d.path +
+                              " holds a pool header, so it is a first device, " + "not device " +
+                              std::to_string(k) + "; list the devices in order");
+          throw FormatError("pool " + P + ": " + d.path +
+                            " is not a device of a striped cxlkv pool (no valid label)");
         }
         if (std::memcmp(l.pool_uuid, h.uuid, 16) != 0)
           throw FormatError("pool " + P + ": device " + d.path + " belongs to another pool (uuid " +
                             uuid_text(l.pool_uuid) + ", not " + uuid_text(h.uuid) + ")");
         if (l.device_index != k)
           throw FormatError("pool " + P + ": " + d.path + " is device " + std::to_string(l.device_index) +
-                            " of this pool, given as device " + std::to_string(k) + "; list the devices in order");
-        if (l.device_count != t.device_count || l.stripe_bytes != t.stripe_bytes || l.pool_bytes != h.pool_bytes ||
-            l.label_bytes != t.label_bytes)
-          throw FormatError("pool " + P + ": the label of " + d.path + " disagrees with the pool's stripe table");
+                            " of this pool, given as device " + std::to_string(k) +
+                            "; list the devices in order");
+        if (l.device_count != t.device_count || l.stripe_bytes != t.stripe_bytes ||
+            l.pool_bytes != h.pool_bytes || l.label_bytes != t.label_bytes)
+          throw FormatError("pool " + P + ": the label of " + d.path +
+                            " disagrees with the pool's stripe table");
       }
       if (d.need_bytes < t.device_bytes[k])
-        throw TruncatedError("pool " + P + " is truncated: device " + d.path + " has " + std::to_string(d.need_bytes) +
-                             " bytes, the pool needs " + std::to_string(t.device_bytes[k]));
+        throw TruncatedError("pool " + P + " is truncated: device " + d.path + " has " +
+                             std::to_string(d.need_bytes) + " bytes, the pool needs " +
+                             std::to_string(t.device_bytes[k]));
       d.need_bytes = t.device_bytes[k];
     }
     m.geo_ = g;
@@ -299,8 +312,9 @@ Mapping Mapping::create_striped(const std::vector<std::string>& tmp_paths, const
       if (is_devdax_path(path)) {
         d = open_device(path, false, true, false);
         if (d.need_bytes < t.device_bytes[k])
-          throw ArgumentError("devdax device " + path + " has " + std::to_string(d.need_bytes) + " bytes, device " +
-                              std::to_string(k) + " of this pool needs " + std::to_string(t.device_bytes[k]));
+          throw ArgumentError("devdax device " + path + " has " + std::to_string(d.need_bytes) +
+                              " bytes, device " + std::to_string(k) + " of this pool needs " +
+                              std::to_string(t.device_bytes[k]));
       } else {
         d.path = path;
         d.fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);

@@ -12,9 +12,9 @@
 namespace cxlkv {
 
 struct StripeGeometry {
-  uint32_t devices = 1;     // 1: not striped (stripe and label unused)
-  uint64_t stripe = 0;      // stripe bytes
-  uint64_t label = 0;       // label area before the stripes of devices 1..devices-1
+  uint32_t devices = 1;  // 1: not striped (stripe and label unused)
+  uint64_t stripe = 0;   // stripe bytes
+  uint64_t label = 0;    // label area before the stripes of devices 1..devices-1
   bool striped() const { return devices > 1; }
 };
 
