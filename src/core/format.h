@@ -477,7 +477,13 @@ constexpr uint32_t kMaxDevices = 16;
 constexpr uint64_t kStripeBytesDefault = 2ull << 20;  // Beluga's software interleaving granularity
 constexpr uint64_t kStripeBytesMin = 64ull << 10;
 constexpr uint64_t kStripeBytesMax = 1ull << 30;
-constexpr uint64_t kDeviceLabelBytes = 4096;  // label area of a file device (a devdax one: 2 MiB)
+// Label area of devices 1..: label_bytes = min(stripe_bytes, kLabelAlignMax), so every stripe's
+// offset on its device is as aligned as its address in the range (devdax maps 2 MiB-aligned
+// offsets only; tmpfs huge pages need the same alignment in the file as in memory).
+constexpr uint64_t kLabelAlignMax = 2ull << 20;
+constexpr uint64_t label_bytes_for(uint64_t stripe_bytes) {
+  return stripe_bytes < kLabelAlignMax ? stripe_bytes : kLabelAlignMax;
+}
 constexpr char kStripeMagic[8] = {'C', 'X', 'L', 'K', 'V', 'S', 'T', '\0'};
 constexpr char kLabelMagic[8] = {'C', 'X', 'L', 'K', 'V', 'D', 'V', '\0'};
 struct StripeTable {
@@ -485,7 +491,7 @@ struct StripeTable {
   uint32_t device_count;               // 2..kMaxDevices
   uint32_t table_bytes;                // sizeof(StripeTable)
   uint64_t stripe_bytes;               // power of two in kStripeBytesMin..kStripeBytesMax; divides pool_bytes
-  uint64_t label_bytes;                // label area at the start of devices 1..count-1; multiple of 4 KiB
+  uint64_t label_bytes;                // label area at the start of devices 1..: label_bytes_for(stripe)
   uint64_t device_bytes[kMaxDevices];  // bytes each device must have (label + its stripes); 0 past count
   uint64_t checksum;                   // XXH3_64 of the bytes before it
 };

@@ -153,14 +153,17 @@ struct StripeRow {
   uint64_t device_bytes[3];
 };
 const StripeRow kStripeRows[] = {
-    // 64 MiB over 2 files at 2 MiB: 16 stripes each; device 1 carries a 4 KiB label.
-    {64 * MiB, 0, 2, false, 64 * MiB, {32 * MiB, 32 * MiB + 4096, 0}},
+    // 64 MiB over 2 files at 2 MiB: 16 stripes each; device 1 starts with a 2 MiB label area
+    // (min(stripe, 2 MiB): its stripes' file offsets are 2 MiB aligned like their addresses).
+    {64 * MiB, 0, 2, false, 64 * MiB, {32 * MiB, 34 * MiB, 0}},
     // 30 MiB + 100 KiB over 3 at 2 MiB: cut to 30 MiB = 15 stripes, 5 per device.
-    {30 * MiB + 102400, 2 * MiB, 3, false, 30 * MiB, {10 * MiB, 10 * MiB + 4096, 10 * MiB + 4096}},
-    // 7 stripes of 1 MiB over 3: devices hold 3, 2, 2 stripes.
-    {7 * MiB, MiB, 3, false, 7 * MiB, {3 * MiB, 2 * MiB + 4096, 2 * MiB + 4096}},
-    // devdax: the label takes a whole 2 MiB (the device's mapping alignment).
-    {64 * MiB, 2 * MiB, 2, true, 64 * MiB, {32 * MiB, 34 * MiB, 0}},
+    {30 * MiB + 102400, 2 * MiB, 3, false, 30 * MiB, {10 * MiB, 12 * MiB, 12 * MiB}},
+    // 7 stripes of 1 MiB over 3: devices hold 3, 2, 2 stripes; a 1 MiB label.
+    {7 * MiB, MiB, 3, false, 7 * MiB, {3 * MiB, 3 * MiB, 3 * MiB}},
+    // 256 KiB stripes: a 256 KiB label.
+    {4 * MiB, 256 * 1024, 2, false, 4 * MiB, {2 * MiB, 2 * MiB + 256 * 1024, 0}},
+    // devdax: the same rule (stripes are 2 MiB multiples there).
+    {64 * MiB, 4 * MiB, 2, true, 64 * MiB, {32 * MiB, 34 * MiB, 0}},
 };
 
 TEST(Geometry, StripedPoolsByTable) {

@@ -199,7 +199,9 @@ TEST_F(StripedPoolTest, ForgedStripeTableIsRefused) {
   {
     RawMap raw(dev_[0]);  // the first device's bytes start with the pool: header, then the table
     auto* t = reinterpret_cast<StripeTable*>(raw.base() + format::kStripeTableOff);
-    t->stripe_bytes = 512 * KiB;  // consistent by itself (same device sizes), re-sealed
+    t->stripe_bytes = 512 * KiB;  // consistent by itself (label and sizes to match), re-sealed
+    t->label_bytes = format::label_bytes_for(t->stripe_bytes);
+    for (uint32_t d = 0; d < 2; ++d) t->device_bytes[d] = device_need_bytes(stripe_geometry(*t), 24 * MiB, d);
     t->checksum = stripe_table_checksum(*t);
   }
   std::string err = open_error(spec({dev_[0], dev_[1]}));

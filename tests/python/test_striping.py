@@ -221,3 +221,40 @@ def test_the_pool_guard_watches_every_device(devices):
         assert devs[1] in (guard.cause or "")
     finally:
         pool.close()
+
+
+def test_a_device_truncated_under_a_live_pool_raises(devices):
+    devs = devices(2)
+    pool = cxlkv.Pool.create(devs, "16MiB", chunk_size="1MiB", stripe_size="256KiB")
+    try:
+        ns = pool.namespace(LAYOUT)
+        for i in range(50):
+            assert ns.put(key(i), payload(i, ns.block_bytes))
+        on_device_1 = [i for i in range(50) if ns.locate(key(i))["device"] == 1]
+        assert on_device_1
+        os.truncate(devs[1], 256 * KiB)  # the label only: every stripe of device 1 is gone
+        # The read that hits the lost pages gets zeros (a miss, never wrong bytes: the SIGBUS
+        # guard covers the whole range); the next call says what happened.
+        assert ns.get_bytes(key(on_device_1[0])) is None
+        with pytest.raises(cxlkv.PoolTruncatedError, match="a device shrank"):
+            ns.get_bytes(key(0))
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize(
+    "choice, rank, count, want",
+    [(None, 3, 4, None), ("tp_rank", 5, 4, 1), (2, 0, 4, 2), ("3", 0, 4, 3), ("tp_rank", 5, 1, None)],
+)
+def test_the_connectors_device_choice(choice, rank, count, want):
+    from cxlkv.integrations.placement import placement_device
+
+    assert placement_device(choice, rank, count) == want
+
+
+@pytest.mark.parametrize("choice", [4, -1, "rank", 1.5, True])
+def test_the_connectors_device_choice_refuses(choice):
+    from cxlkv.integrations.placement import placement_device
+
+    with pytest.raises(ValueError):
+        placement_device(choice, 0, 4)

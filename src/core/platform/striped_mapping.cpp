@@ -191,7 +191,7 @@ void plan_stripes(StripeTable& t, uint64_t pool_bytes, uint32_t devices, uint64_
   t.device_count = devices;
   t.table_bytes = sizeof(StripeTable);
   t.stripe_bytes = stripe;
-  t.label_bytes = devdax ? kDevdaxAlign : kDeviceLabelBytes;
+  t.label_bytes = label_bytes_for(stripe);
   StripeGeometry g = stripe_geometry(t);
   for (uint32_t d = 0; d < devices; ++d) t.device_bytes[d] = device_need_bytes(g, pool_bytes, d);
   t.checksum = stripe_table_checksum(t);
@@ -204,7 +204,7 @@ std::string stripe_table_problem(const StripeTable& t, uint64_t pool_bytes) {
   if (t.device_count < 2 || t.device_count > kMaxDevices) return "device count";
   if (!pow2(t.stripe_bytes) || t.stripe_bytes < kStripeBytesMin || t.stripe_bytes > kStripeBytesMax)
     return "stripe size";
-  if (t.label_bytes < kDeviceLabelBytes || t.label_bytes > kDevdaxAlign || t.label_bytes % 4096)
+  if (t.label_bytes != label_bytes_for(t.stripe_bytes))
     return "label size";
   if (pool_bytes % t.stripe_bytes || pool_bytes / t.stripe_bytes < t.device_count)
     return "pool size vs stripes";
