@@ -91,10 +91,20 @@ def cmd_pool_info(args: argparse.Namespace) -> int:
     else:
         con = make_console()
         render_mapping(con, f"pool {args.path}", info)
-        render_rows(con, "devices", devices)
+        render_rows(con, "devices", [_device_row(d) for d in devices])
         render_namespaces(con, namespaces)
         render_rows(con, "nodes", _node_rows(nodes))
     return ExitCode.OK
+
+
+def _device_row(d: dict) -> dict:
+    """One device as shown to a person (identity fields stay in --json)."""
+    return {
+        "device": d["index"],
+        "path": d["path"],
+        "pool share": format_size(d["pool_bytes"]),
+        "used / carved": f"{format_size(d['used_bytes'])} / {format_size(d['capacity_bytes'])}",
+    }
 
 
 def cmd_pool_stats(args: argparse.Namespace) -> int:

@@ -444,8 +444,10 @@ def print_copy_result(console, result: dict[str, Any]) -> None:
             ),
             (
                 "striped store / load GB/s",
-                lambda r: f"{r['striped']['store_gbps']:.2f} / {r['striped']['load_gbps']:.2f} "
-                f"({r['striped']['devices']} files)",
+                lambda r: (
+                    f"{r['striped']['store_gbps']:.2f} / {r['striped']['load_gbps']:.2f} "
+                    f"({r['striped']['devices']} files)"
+                ),
             ),
             (
                 "striped / single file",

@@ -204,8 +204,7 @@ std::string stripe_table_problem(const StripeTable& t, uint64_t pool_bytes) {
   if (t.device_count < 2 || t.device_count > kMaxDevices) return "device count";
   if (!pow2(t.stripe_bytes) || t.stripe_bytes < kStripeBytesMin || t.stripe_bytes > kStripeBytesMax)
     return "stripe size";
-  if (t.label_bytes != label_bytes_for(t.stripe_bytes))
-    return "label size";
+  if (t.label_bytes != label_bytes_for(t.stripe_bytes)) return "label size";
   if (pool_bytes % t.stripe_bytes || pool_bytes / t.stripe_bytes < t.device_count)
     return "pool size vs stripes";
   StripeGeometry g = stripe_geometry(t);
