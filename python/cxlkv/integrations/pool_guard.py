@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -87,7 +88,7 @@ class PoolGuard:
                 return f"{what} cannot be stat'ed ({e.strerror})"
             if (st.st_dev, st.st_ino) != identity:
                 return f"{what} was replaced by another file"
-            if st.st_size < size:
+            if stat.S_ISREG(st.st_mode) and st.st_size < size:  # a devdax device has no file size
                 self.truncated = True
                 return f"{what} was truncated to {st.st_size} bytes (mapped {size})"
         replaced = getattr(self.pool, "file_replaced", None)
