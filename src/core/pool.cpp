@@ -54,6 +54,8 @@ uint64_t fork_generation() {
   (void)registered;
   return g_fork_generation.load(std::memory_order_relaxed);
 }
+}  // namespace
+
 // A creator killed mid-way leaves `<path>.init-<pid>-<rand>` behind (the pool never appeared at
 // `path`). Remove those whose creator is gone, so they do not pin /dev/shm memory forever.
 void remove_stale_init_files(const std::string& path) {
@@ -71,6 +73,8 @@ void remove_stale_init_files(const std::string& path) {
   }
   ::closedir(d);
 }
+
+namespace {
 
 OpenOptions open_options_of(const CreateOptions& c) {
   OpenOptions o;

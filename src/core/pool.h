@@ -49,6 +49,10 @@ void plan_geometry(format::PoolHeader& h, const CreateOptions& opt);
 void plan_striped_geometry(format::PoolHeader& h, format::StripeTable& t, const CreateOptions& opt,
                            uint32_t devices, bool devdax);
 
+// Removes `<path>.init-<pid>-<rand>` files whose creator process is gone (pool.cpp): what a
+// creator killed mid-way left behind, for a single-file pool and for each device of a striped one.
+void remove_stale_init_files(const std::string& path);
+
 // One node slot as a judge sees it (`pool info`, `pool reap`): the verdict and its evidence.
 struct NodeInfo {
   uint32_t id = 0;    // node id (slot + 1)

@@ -54,6 +54,7 @@ std::unique_ptr<Pool> Pool::create_striped(const std::string& spec, PoolHeader h
 
   std::vector<std::string> tmp = paths;
   if (!devdax) {
+    for (auto& p : paths) remove_stale_init_files(p);
     uint8_t r[4];
     (void)::getrandom(r, sizeof r, 0);
     char suffix[64];

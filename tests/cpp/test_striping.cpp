@@ -277,6 +277,21 @@ TEST_F(StripedPoolTest, DestroyRemovesEveryDevice) {
   for (auto& d : dev_) EXPECT_NE(::access(d.c_str(), F_OK), 0) << d;
 }
 
+// A striped creator killed mid-way leaves `<device>.init-<pid>-<rand>` files; the next create of
+// those devices removes the ones whose creator is gone (pid 999999999 exceeds any pid_max).
+TEST_F(StripedPoolTest, CreateSweepsADeadCreatorsTemporaryFiles) {
+  std::vector<std::string> stale;
+  for (auto& d : dev_) {
+    stale.push_back(d + ".init-999999999-0badf00d");
+    int fd = ::open(stale.back().c_str(), O_CREAT | O_WRONLY, 0600);
+    ASSERT_GE(fd, 0);
+    ::close(fd);
+  }
+  create(3).reset();
+  for (auto& s : stale) EXPECT_NE(::access(s.c_str(), F_OK), 0) << s << " was left behind";
+  for (auto& s : stale) ::unlink(s.c_str());
+}
+
 TEST_F(StripedPoolTest, CreateRefusesALeftoverDevice) {
   {
     int fd = ::open(dev_[1].c_str(), O_CREAT | O_WRONLY, 0600);
