@@ -258,3 +258,41 @@ def test_the_connectors_device_choice_refuses(choice):
 
     with pytest.raises(ValueError):
         placement_device(choice, 0, 4)
+
+
+def test_forged_tables_and_labels_never_open_wrong(devices):
+    """The stripe table (device 0, byte 1024) and the labels (devices 1.., byte 0) are untrusted:
+    random bytes written into them, re-sealed with a valid checksum half of the time, either are
+    refused with a cxlkv error or open a pool that still reads back every block."""
+    import random
+
+    devs = devices(3)
+    with cxlkv.Pool.create(devs, "24MiB", chunk_size="1MiB", stripe_size="256KiB") as pool:
+        ns = pool.namespace(LAYOUT)
+        for i in range(30):
+            assert ns.put(key(i), payload(i, ns.block_bytes))
+    regions = [(devs[0], 1024, 168), (devs[1], 0, 64), (devs[2], 0, 64)]  # (file, offset, bytes)
+    originals = [read_device(p, off, n) for p, off, n in regions]
+    rng = random.Random(9)
+    refused = 0
+    for trial in range(150):
+        which = rng.randrange(len(regions))
+        path, off, n = regions[which]
+        forged = bytearray(originals[which])
+        for _ in range(rng.randint(1, 4)):
+            forged[rng.randrange(n - 8)] = rng.randrange(256)  # any field but the checksum
+        if trial % 2:  # re-seal: the fields themselves must be refused
+            forged[n - 8 :] = cxlkv._core.xxh3_64(bytes(forged[: n - 8])).to_bytes(8, "little")
+        with open(path, "r+b") as f:
+            f.seek(off)
+            f.write(forged)
+        try:
+            with cxlkv.Pool.open(devs) as pool:
+                ns = pool.namespace(LAYOUT)
+                assert all(ns.get_bytes(key(i)) == payload(i, ns.block_bytes) for i in range(30))
+        except (cxlkv.CxlkvError, ValueError, OSError):
+            refused += 1
+        with open(path, "r+b") as f:
+            f.seek(off)
+            f.write(originals[which])
+    assert refused > 100, refused
