@@ -39,6 +39,23 @@ TEST(Striping, ArithmeticByTable) {
   EXPECT_EQ(range_device(one, 0, 1ull << 40), 0);
 }
 
+// The numbers ARCHITECTURE.md gives: a 64 GiB pool at 2 MiB stripes takes 32768 maps whatever
+// the device count, which fits the default vm.max_map_count (65530); 128 GiB does not.
+TEST(Striping, MapBudget) {
+  const uint64_t kDefaultLimit = 65530;
+  StripeGeometry four{4, 2 * MiB, 2 * MiB};
+  const uint64_t gib64 = 64ull << 30;
+  uint64_t maps = 0;
+  for (uint32_t d = 0; d < 4; ++d) maps += device_stripes(four, gib64, d);
+  EXPECT_EQ(maps, 32768u);
+  EXPECT_EQ(device_stripes(four, gib64, 3), 8192u);
+  EXPECT_EQ(map_budget_problem(maps, 1000, kDefaultLimit, "p"), "");
+  std::string err = map_budget_problem(2 * maps, 1000, kDefaultLimit, "pool p");
+  EXPECT_NE(err.find("pool p needs 65536 memory maps"), std::string::npos) << err;
+  EXPECT_NE(err.find("larger stripe size"), std::string::npos) << err;
+  EXPECT_NE(map_budget_problem(maps, kDefaultLimit - 100, kDefaultLimit, "p"), "");  // already full
+}
+
 TEST(Striping, DeviceListSyntax) {
   EXPECT_EQ(split_device_list("/a").size(), 1u);
   auto v = split_device_list("/a,/b,/c");

@@ -56,12 +56,8 @@ void check_map_budget(uint64_t need, const std::string& what) {
   uint64_t used = 0;
   std::ifstream maps("/proc/self/maps");
   for (std::string line; std::getline(maps, line);) ++used;
-  if (used + need + 256 <= limit) return;  // 256: room for the libraries' own maps
-  throw OsError(ENOMEM, what + " needs " + std::to_string(need) +
-                            " memory maps (one per stripe) and this process has " +
-                            std::to_string(limit > used ? limit - used : 0) + " of vm.max_map_count " +
-                            std::to_string(limit) +
-                            " left; raise vm.max_map_count (sysctl) or use a larger stripe size");
+  std::string problem = map_budget_problem(need, used, limit, what);
+  if (!problem.empty()) throw OsError(ENOMEM, problem);
 }
 
 // Reserves an aligned range and maps every stripe into it. Throws (and unmaps) on failure.
@@ -161,6 +157,13 @@ std::vector<std::string> split_device_list(const std::string& spec) {
   for (auto& p : out)
     if (!seen.insert(p).second) throw ArgumentError("device " + p + " is listed twice in '" + spec + "'");
   return out;
+}
+
+std::string map_budget_problem(uint64_t need, uint64_t used, uint64_t limit, const std::string& what) {
+  if (used + need + 256 <= limit) return "";  // 256: room for the libraries' own maps
+  return what + " needs " + std::to_string(need) + " memory maps (one per stripe) and this process has " +
+         std::to_string(limit > used ? limit - used : 0) + " of vm.max_map_count " + std::to_string(limit) +
+         " left; raise vm.max_map_count (sysctl) or use a larger stripe size";
 }
 
 uint64_t stripe_table_checksum(const StripeTable& t) { return xxh3(&t, offsetof(StripeTable, checksum)); }

@@ -63,6 +63,10 @@ void plan_stripes(format::StripeTable& t, uint64_t pool_bytes, uint32_t devices,
 // device sizes equal to what the geometry needs. Returns "" or a one-line reason.
 std::string stripe_table_problem(const format::StripeTable& t, uint64_t pool_bytes);
 StripeGeometry stripe_geometry(const format::StripeTable& t);
+// A striped range takes one memory map per stripe (neighbours are on different devices, so none
+// merge). "" if `need` more maps fit a process that holds `used` of `limit` (vm.max_map_count,
+// 256 kept for the libraries), else the one-line reason with both ways out.
+std::string map_budget_problem(uint64_t need, uint64_t used, uint64_t limit, const std::string& what);
 uint64_t stripe_table_checksum(const format::StripeTable& t);
 uint64_t device_label_checksum(const format::DeviceLabel& l);
 
