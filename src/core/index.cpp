@@ -238,7 +238,7 @@ bool Pool::evict_from_queue(const NsHandle& ns, uint64_t* out_chunk, uint32_t* o
   constexpr size_t kVictimSample = 1024;
   constexpr uint64_t kVictimMaxAgeUs = 100'000;
   std::lock_guard<std::mutex> g(victim_mu_);
-  VictimQueue& q = victims_[ns.id];
+  VictimQueue& q = victims_[placement_key(ns)];
   for (int refill = 0; refill < 2; ++refill) {
     uint64_t now = now_mono_us();
     if (q.v.empty() || now - q.filled_us > kVictimMaxAgeUs || refill) {
@@ -251,6 +251,8 @@ bool Pool::evict_from_queue(const NsHandle& ns, uint64_t* out_chunk, uint32_t* o
         if (entry_state(w) != kReady && entry_state(w) != kCondemned) continue;
         IndexEntry e;
         if (!snapshot(slot, w, &e) || e.ns_id != ns.id) continue;
+        // A device-bound handle takes over only blocks on its device (placement.cpp).
+        if (ns.device >= 0 && (!validate_ref(ns, e) || !block_on_device(ns, e.chunk, e.block))) continue;
         q.v.push_back({entry_state(w) == kCondemned ? 0 : coh_.read_hint(access(slot)), slot, w});
       }
       evict_hand_.store(from + i, std::memory_order_relaxed);
