@@ -443,8 +443,10 @@ def test_slow_host_is_fenced_then_reattaches(point, pool_path, hosts):
 
 
 # ------------------------------------------------------------------------------------------------
-# Found by these tests in the cross-host lock (arbiter.cpp, another change owns it): kept here as
-# strict xfails, so each turns into a failure, to remove the marker, once its fix lands.
+# Found by these tests in the cross-host lock (arbiter.cpp). A reclaimed ticket holder whose node
+# slot a live attachment reuses used to block its stripe (Bakery::lock now voids the ticket of a
+# holder whose node slot changed). Still open, kept as a strict xfail (it fails, so that the marker
+# is removed, once fixed): an attach behind a ticket that names no node.
 
 BUG_LEASE_MS = 300
 PUTTER = textwrap.dedent("""
@@ -474,14 +476,9 @@ def _putter(pool_path: str, host: str, slot: int, mode: str, fault: str | None =
     return subprocess.Popen([sys.executable, "-c", PUTTER, mode], stdout=subprocess.PIPE, text=True, env=env)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Bakery::lock skips a ticket only when the holder's node slot's beat stands still for a "
-    "lease: a live attachment that reuses a reclaimed holder's node slot beats there, so the dead "
-    "ticket blocks its stripe until the holder's host slot is attached again",
-)
 @pytest.mark.timeout(60)
 def test_reclaimed_lock_holder_does_not_block_when_its_node_slot_is_reused(pool_path, hosts):
+    """Regression: the put blocked until B exited (forever, for a B that stays)."""
     h = hosts(BUG_LEASE_MS, tag="bug-a")
     h.create(pool_path, 16 * MiB, chunk_size=1 * MiB).close()
     h.start(pool_path)
