@@ -464,6 +464,22 @@ def test_pool_ping_and_bench_rpc_smoke(pool_path, tmp_path):
     assert out["rpc_p50_ns"] > 0
 
 
+def test_bench_failover_smoke(scratch_pool_dir):
+    """``bench failover``: two tiny leases, two kills each, through the installed CLI. The result
+    names each lease beside its times (and their ratio), and the pools are removed after."""
+    tiny = ["--lease-ms", "100,200", "--trials", "2", "--json", "--pool-dir", scratch_pool_dir]
+    out = json_of(
+        ok(cxlkv_cli("bench", "failover", *tiny)),
+        {"bench", "leases", "seed", "percentile_method", "machine"},
+    )
+    assert [r["lease_ms"] for r in out["leases"]] == [100, 200]
+    for r in out["leases"]:
+        assert r["trials"] == 2 and len(r["samples_ms"]) == 2
+        assert 0 < r["reclaimed_p50_ms"] <= r["reclaimed_max_ms"]
+        assert r["p50_over_lease"] == round(r["reclaimed_p50_ms"] / r["lease_ms"], 3)
+    assert os.listdir(scratch_pool_dir) == [], "bench failover left its pools behind"
+
+
 def test_sim_smoke():
     """``cxlkv sim``: a short clean run through the installed CLI (the proof itself, many seeds and
     every negative control, is tests/cpp/test_multihost.cpp and tests/python/test_sim.py)."""

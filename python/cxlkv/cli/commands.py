@@ -228,6 +228,19 @@ def cmd_bench_index(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+def cmd_bench_failover(args: argparse.Namespace) -> int:
+    from cxlkv.tools import failover
+
+    result = failover.bench_failover(
+        args.lease_ms, args.trials, pool_dir=args.pool_dir, seed=args.seed, quiet=args.json
+    )
+    if args.json:
+        print_json(result)
+    else:
+        failover.print_result(make_console(), result)
+    return ExitCode.OK
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     if args.vllm:
         _require_vllm("demo --vllm")
