@@ -74,6 +74,22 @@ def _procs_arg(text: str) -> list[int]:
     return out
 
 
+def _backend_args(p: argparse.ArgumentParser) -> None:
+    """--backend / --compare-backends of bench copy and bench index."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument(
+        "--backend",
+        choices=cxlkv._core.backends(),
+        default="coherent",
+        help="coherence backend of the benchmark's pool (default %(default)s)",
+    )
+    g.add_argument(
+        "--compare-backends",
+        action="store_true",
+        help="run on coherent, then on multihost, and print multihost / coherent (same run)",
+    )
+
+
 def _leases_arg(text: str) -> list[int]:
     out = [_pos_int(part.strip()) for part in text.split(",") if part.strip()]
     if not out:
@@ -274,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument(
         "--pool-dir", default="/dev/shm", help="where the temporary pool lives (default /dev/shm)"
     )
+    _backend_args(bc)
     bc.set_defaults(func=cmd_bench_copy)
 
     bi = bsub.add_parser("index", help="lookup/insert latency and multi-process lookup throughput")
@@ -306,6 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
     bi.add_argument(
         "--pool-dir", default="/dev/shm", help="where the temporary pool lives (default /dev/shm)"
     )
+    _backend_args(bi)
     bi.set_defaults(func=cmd_bench_index)
 
     br = bsub.add_parser(
