@@ -109,6 +109,7 @@ def run_reopening(pool, rep, make_worker, **run_kwargs):
     """w.run() on a fresh Worker; when fenced (is_fenced), opens the pool again and goes on.
     Returns (pool, worker, operations)."""
     ops = 0
+    path = pool.path
     w = make_worker(pool, 0)
     for attempt in range(1, MAX_REOPENS):
         try:
@@ -122,7 +123,7 @@ def run_reopening(pool, rep, make_worker, **run_kwargs):
             except cxlkv.CxlkvError:
                 pass
             ops += sum(w.counts.values())
-            pool = open_pool(pool.path, rep)
+            pool = open_pool(path, rep)
             w = make_worker(pool, attempt)
     raise RuntimeError(f"fenced {MAX_REOPENS} times")
 
