@@ -144,6 +144,9 @@ class Zygote:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        self.reader.join(timeout=10)  # it stops at the end of stdout
+        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            f.close()
 
 
 def read_reports(report_dir, prefix):

@@ -427,6 +427,8 @@ def test_slow_host_is_fenced_then_reattaches(point, pool_path, hosts):
             os.kill(child.pid, signal.SIGCONT)
             child.kill()
             child.wait()
+        for f in (child.stdin, child.stdout, child.stderr):
+            f.close()
 
     # Nothing the fenced attachment tried after its reclaim reached the pool; every read checks.
     assert ns.get_bytes(_slow_key(101)) is None, "the fenced node published key 101"
@@ -488,6 +490,7 @@ def test_reclaimed_lock_holder_does_not_block_when_its_node_slot_is_reused(pool_
     a = _putter(pool_path, "bug-a-holder", 1, "put", fault="lock.held:kill@40")
     a_node = int(a.stdout.readline())
     assert a.wait(timeout=30) == -signal.SIGKILL
+    a.stdout.close()
     h.settle()
     # B attaches on another host slot and takes A's free node slot, and lives on.
     b = _putter(pool_path, "bug-a-reuser", 2, "idle")
@@ -500,6 +503,7 @@ def test_reclaimed_lock_holder_does_not_block_when_its_node_slot_is_reused(pool_
     finally:
         b.kill()
         b.wait()
+        b.stdout.close()
 
 
 @pytest.mark.xfail(
