@@ -444,6 +444,70 @@ def test_slow_host_is_fenced_then_reattaches(point, pool_path, hosts):
     assert judge.stats()["reclaimed_nodes"] >= 1
 
 
+PAUSED_ATTACHER = textwrap.dedent("""
+    import json, os, sys
+    sys.path.insert(0, os.environ["TESTS"])
+    import cxlkv, cxlkv_testutil as tu
+    LAYOUT = cxlkv.KVLayout(**json.loads(os.environ["LAYOUT"]))
+    try:  # stopped by its trap while it holds the cross-host lock of its node slot claim
+        cxlkv.Pool.open(os.environ["POOL"]).close()
+        print(json.dumps({"first": "attached"}), flush=True)
+    except cxlkv.CxlkvError as e:
+        print(json.dumps({"first": str(e)}), flush=True)
+    with cxlkv.Pool.open(os.environ["POOL"]) as pool:
+        k = tu.make_key("slow", 200)
+        ok = pool.namespace(LAYOUT).put(k, tu.key_payload(k, 1024))
+        print(json.dumps({"node": pool.node_id, "put": ok}), flush=True)
+""")
+
+
+@pytest.mark.timeout(90)
+def test_host_paused_holding_the_cross_host_lock(pool_path, hosts):
+    """A host stopped inside the bakery's critical section (lock.held, while claiming its node
+    slot) for longer than a lease: the others get past its ticket and keep working; resumed, it
+    stores nothing (its attach fails, fenced) and attaches on a second try."""
+    h = hosts(SLOW_LEASE_MS, tag="judge")
+    h.create(pool_path, 16 * MiB, chunk_size=1 * MiB).close()
+    h.start(pool_path)
+    ns = h.sup.namespace(cxlkv.KVLayout(**LAYOUT))
+    env = dict(
+        os.environ,
+        POOL=pool_path,
+        TESTS=tu.here(),
+        LAYOUT=json.dumps(LAYOUT),
+        CXLKV_HOST_ID="paused-host",
+        CXLKV_HOST_SLOT="1",
+        CXLKV_TEST_FAULT="lock.held:stop@1",
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", PAUSED_ATTACHER], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        _, status = os.waitpid(child.pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status), status
+        t_stop = time.monotonic()
+        for i in range(64):  # some of these claims need the stripe the stopped host holds
+            k = _slow_key(300 + i)
+            assert ns.put(k, tu.key_payload(k, 1024))
+        time.sleep(max(0.0, 1.5 * SLOW_LEASE_MS / 1000 - (time.monotonic() - t_stop)))
+        os.kill(child.pid, signal.SIGCONT)
+        first = json.loads(child.stdout.readline())
+        assert "open the pool again" in first["first"], f"the paused host went on after a lease: {first}"
+        last = json.loads(child.stdout.readline())
+        assert last["put"] is True and last["node"] > 0, last
+        assert child.wait(timeout=30) == 0
+    finally:
+        if child.poll() is None:
+            os.kill(child.pid, signal.SIGCONT)
+            child.kill()
+            child.wait()
+        child.stdout.close()
+    for i in [*range(300, 364), 200]:
+        d = ns.get_bytes(_slow_key(i))
+        assert d is not None and tu.verify_bytes(_slow_key(i), d, 1024), i
+    assert tu.pool_check_problems(h.sup.check()) == []
+
+
 # ------------------------------------------------------------------------------------------------
 # Found by these tests in the cross-host lock (arbiter.cpp). A reclaimed ticket holder whose node
 # slot a live attachment reuses used to block its stripe (Bakery::lock now voids the ticket of a
