@@ -196,7 +196,7 @@ MAX_HIT = {
     "insert.copied": 100,
     "evict.claimed": 5,
     "alloc.claimed": 100,
-    "alloc.carving": 3,
+    "alloc.carving": 2,
     "lock.held": 200,
 }
 FAULT_LEASE_MS = 400
