@@ -11,6 +11,7 @@ random point: while attaching, inside put/store (WRITING), inside eviction, hold
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -205,8 +206,8 @@ def chaos_kill9(pool_path, tmp_path, hosts):
     kills = 0
     kills_before_ready = 0
     unexpected = []
+    live = {}
     try:
-        live = {}
         for wid in range(N_WORKERS):
             live[wid] = zy.spawn(wid, rng.randrange(1 << 30), hosts.spawn_env(wid))
         t_end = time.monotonic() + hosts.budget_s
@@ -239,7 +240,11 @@ def chaos_kill9(pool_path, tmp_path, hosts):
             zy.reap(pid)
             hosts.killed(wid, pid)
             kills += 1
+        live.clear()
     finally:
+        for pid in live.values():  # a failure above must not leave a worker running
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         zy.quit()
 
     elapsed = time.monotonic() - t_end + hosts.budget_s
