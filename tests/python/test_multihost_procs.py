@@ -520,6 +520,73 @@ def test_host_paused_holding_the_cross_host_lock(pool_path, hosts):
     assert tu.pool_check_problems(h.sup.check()) == []
 
 
+SLOW_ATTACHER = textwrap.dedent("""
+    import json, os, sys, time
+    sys.path.insert(0, os.environ["TESTS"])
+    import cxlkv, cxlkv_testutil as tu
+    LAYOUT = cxlkv.KVLayout(**json.loads(os.environ["LAYOUT"]))
+    lease_s = int(os.environ["LEASE_MS"]) / 1000
+    for attempt in range(2):  # the first may fail, fenced, if its pause exceeded half a lease
+        try:
+            pool = cxlkv.Pool.open(os.environ["POOL"])
+            break
+        except cxlkv.CxlkvError as e:
+            print(json.dumps({"open_failed": str(e)}), flush=True)
+    print(json.dumps({"attached": pool.node_id, "attempt": attempt}), flush=True)
+    try:
+        ns = pool.namespace(LAYOUT)
+        end = time.monotonic() + 2 * lease_s
+        while time.monotonic() < end:
+            k = tu.make_key("slow", 0)
+            d = ns.get_bytes(k)
+            assert d is None or tu.verify_bytes(k, d, 1024)
+            time.sleep(lease_s / 20)
+        print(json.dumps({"ok": True}), flush=True)
+    except cxlkv.CxlkvError as e:
+        print(json.dumps({"fenced_after_attach": str(e)}), flush=True)
+""")
+
+
+@pytest.mark.timeout(60)
+def test_slow_attach_that_succeeded_is_not_fenced_by_its_first_beat(pool_path, hosts):
+    """An attach that took between a quarter and half a lease (here: stopped for 0.3 lease while
+    claiming its node slot) publishes its node and its first beat in time; its heartbeat thread's
+    first beat comes a quarter lease later. Regression: that first beat measured the gap from
+    before the attach, found it over half a lease and fenced a node that had just attached."""
+    lease_ms = 1000
+    h = hosts(lease_ms, tag="judge")
+    h.create(pool_path, 16 * MiB, chunk_size=1 * MiB).close()
+    h.start(pool_path)
+    env = dict(
+        os.environ,
+        POOL=pool_path,
+        TESTS=tu.here(),
+        LAYOUT=json.dumps(LAYOUT),
+        LEASE_MS=str(lease_ms),
+        CXLKV_HOST_ID="slow-attacher",
+        CXLKV_HOST_SLOT="1",
+        CXLKV_TEST_FAULT="lock.held:stop@1",
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", SLOW_ATTACHER], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        _, status = os.waitpid(child.pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status), status
+        time.sleep(0.3 * lease_ms / 1000)
+        os.kill(child.pid, signal.SIGCONT)
+        out = [json.loads(line) for line in child.stdout]
+        assert child.wait(timeout=30) == 0
+    finally:
+        if child.poll() is None:
+            os.kill(child.pid, signal.SIGCONT)
+            child.kill()
+            child.wait()
+        child.stdout.close()
+    print(out)
+    assert out[-1] == {"ok": True}, f"a node that attached was fenced by its own first beat: {out}"
+
+
 # ------------------------------------------------------------------------------------------------
 # Found by these tests in the cross-host lock (arbiter.cpp). A reclaimed ticket holder whose node
 # slot a live attachment reuses used to block its stripe (Bakery::lock now voids the ticket of a
