@@ -106,13 +106,14 @@ def open_pool(path, rep):
 
 
 def run_reopening(pool, rep, make_worker, **run_kwargs):
-    """w.run() on a fresh Worker; when fenced (is_fenced), opens the pool again and goes on.
-    Returns (pool, worker, operations)."""
+    """w.run() on a fresh Worker; when fenced (is_fenced: while opening the namespace or in an
+    operation), opens the pool again and goes on. Returns (pool, worker, operations)."""
     ops = 0
     path = pool.path
-    w = make_worker(pool, 0)
-    for attempt in range(1, MAX_REOPENS):
+    for attempt in range(MAX_REOPENS):
+        w = None
         try:
+            w = make_worker(pool, attempt)
             return pool, w, ops + w.run(**run_kwargs)
         except cxlkv.CxlkvError as e:
             if not is_fenced(e):
@@ -122,9 +123,8 @@ def run_reopening(pool, rep, make_worker, **run_kwargs):
                 pool.close()
             except cxlkv.CxlkvError:
                 pass
-            ops += sum(w.counts.values())
+            ops += sum(w.counts.values()) if w else 0
             pool = open_pool(path, rep)
-            w = make_worker(pool, attempt)
     raise RuntimeError(f"fenced {MAX_REOPENS} times")
 
 
