@@ -64,7 +64,7 @@ class DistinctHosts(OneHost):
     not-yet-reclaimed node holds, and this process as the supervisor that reclaims the dead after
     a lease (a fresh process cannot: it has not watched them fall silent)."""
 
-    target_kills, min_kills, budget_s, min_ops = 100, 20, 20.0, 1000
+    target_kills, min_kills, budget_s, min_ops = 100, 10, 20.0, 1000
     may_fence = True  # judged by the lease: a worker starved of CPU may be fenced (and re-opens)
 
     def __init__(self, lease_ms: int, tag: str = "chaos"):
