@@ -111,6 +111,14 @@ void Bakery::lock(const void* addr) {
         now.choosing = l->choosing, now.number = l->number, now.node = l->node, now.node_word = l->node_word;
         bool ahead = now.number != 0 && (now.number < mine || (now.number == mine && j < c_.slot));
         if (!now.choosing && !ahead) break;
+        // A holder whose node slot no longer holds the word it locked with was reclaimed (judged
+        // dead after a lease of silence, so fenced: it never stores again): its ticket is void.
+        // The lease rule below cannot tell once a live attachment reuses that node slot and beats.
+        if (now.node != 0 && now.node <= c_.max_nodes &&
+            c_.coh.read(&c_.nodes[now.node - 1].state) != now.node_word) {
+          skipped_.fetch_add(1, std::memory_order_relaxed);
+          break;
+        }
         // Blocked by host j. A ticket that stands still for a lease while its holder's heartbeat
         // also stands still belongs to a dead or paused host: skip it (that host fences itself
         // before any further store, see check_fence).

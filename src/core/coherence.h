@@ -31,6 +31,7 @@
 #include <cstdint>
 
 #include "copy_kernels.h"
+#include "fault_trap.h"
 
 namespace cxlkv {
 
@@ -160,9 +161,13 @@ class Coherence {
     else
       kernels::evict_lines(p, n);
   }
-  // Named fault point (tests: the cache model may crash the host here); free without a model.
+  // Named fault point (tests: the cache model may crash the host here; in a real process the
+  // test-only trap of fault_trap.h may). Unarmed: one load and a predictable branch.
   void fault(const char* name) const {
-    if (model_) model_->fault_point(name);
+    if (model_)
+      model_->fault_point(name);
+    else if (fault_trap::armed) [[unlikely]]
+      fault_trap::hit(name);
   }
   void fence() const { kernels::full_fence(); }
   void stream_copy(void* dst, const void* src, size_t n) const {

@@ -72,7 +72,12 @@ void Pool::attach_node() {
       s->attach_unix_ns = now_unix_ns();
       s->beat_unix_ns = s->attach_unix_ns;
       coh_.flush(s, sizeof *s);
+      // This is a beat (peers restart their silence clock on it): it is also the fence's last
+      // beat, as in liveness::beat. Without it the heartbeat thread's first beat, a quarter lease
+      // from now, measured from before the attach and fenced a slow attach that had succeeded.
+      const uint64_t beat_time = liveness::mono_ns();
       coh_.publish(&s->beat, s->beat + 1);
+      if (bakery_) last_beat_ns_.store(beat_time, std::memory_order_release);
       node_word_ = make_node_word(kNodeAlive, domain_, node_epoch(claimed));
       coh_.publish(&s->state, node_word_);
       node_id_ = i + 1;

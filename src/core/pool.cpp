@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <cstdlib>
 #include <cstring>
+#include <string_view>
 
 namespace cxlkv {
 
@@ -229,7 +230,10 @@ void Pool::setup_arbiter(int want, bool observer) {
   c.last_beat = &last_beat_ns_;
   if (emu_.base) c.tick = [this] { heartbeat_tick(); };
   bakery_ = std::make_unique<Bakery>(std::move(c));
-  coh_ = Coherence(Backend::multihost, emu_.model, bakery_.get());
+  Arbiter* arb = bakery_.get();
+  if (!emu_.base && fault_trap::armed && std::string_view(fault_trap::armed) == "lock.held")
+    arb = (lock_trap_ = fault_trap::trap_lock(*bakery_)).get();  // tests only (fault_trap.h)
+  coh_ = Coherence(Backend::multihost, emu_.model, arb);
 }
 
 bool Pool::heartbeat_tick() {
@@ -460,6 +464,7 @@ void Pool::validate_and_attach(bool fresh, bool attach) {
   domain_ = liveness::domain_tag(host_id_, lock_.lock_id);
   watch_.assign(h.max_nodes, Watch{});
   if (read_only_) return;
+  if (!emu_.base) fault_trap::arm_from_env();  // tests only: CXLKV_TEST_FAULT (fault_trap.h)
   if (multihost) setup_arbiter(emu_.base ? emu_.host_slot : want_slot_, !attach);
   reap_dead_nodes();
   if (attach) attach_node();

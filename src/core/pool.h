@@ -406,6 +406,7 @@ class Pool {
   std::atomic<bool> fenced_{false};  // this node was reclaimed while alive (L3), or fenced itself
   // multihost (arbiter.h): the cross-host lock and fence; the time before the last published beat
   std::unique_ptr<Bakery> bakery_;
+  std::unique_ptr<Arbiter> lock_trap_;  // tests only: lock.held armed (fault_trap.h)
   std::atomic<uint64_t> last_beat_ns_{0};
   std::atomic<bool> beating_{false};  // heartbeat_tick re-entry guard
   uint32_t host_slot_ = 0;

@@ -7,7 +7,10 @@ Modes:
             unexpected exception, with the traceback in the summary).
 ``zygote``  import everything once, then serve commands on stdin so that a supervisor can start
             hundreds of workers cheaply (fork, no re-import) and kill -9 them:
-              ``spawn WID SEED``  -> fork a worker; replies ``pid WID PID``; the worker prints
+              ``spawn WID SEED [NAME=VALUE...]``
+                                  -> fork a worker; replies ``pid WID PID``; the worker sets the
+                                     environment variables given (CXLKV_HOST_ID, CXLKV_HOST_SLOT,
+                                     CXLKV_TEST_FAULT: each worker its own host), prints
                                      ``ready PID`` once attached to the pool, then runs until killed
               ``wait PID``        -> waitpid; replies ``status PID RAWSTATUS``
               ``quit``
@@ -70,6 +73,59 @@ class Reporter:
 
     def error(self, text):
         self._append("errors", f"pid={os.getpid()} seed={self.seed}\n{text}")
+
+    def fenced(self, text):
+        self._append("fenced", f"pid={os.getpid()} seed={self.seed} {text}")
+
+
+# A worker of a multihost pool that its peers judged dead (its heartbeat lapsed on a loaded
+# machine, or its attach waited past half a lease for a dead host's lock ticket) is fenced: every
+# call raises "... open the pool again". With CXLKV_CHAOS_REOPEN_FENCED=1 (test_multihost_procs)
+# the worker does just that and counts it in fenced-<wid>.txt; anything else is still an error.
+FENCED_MARK = "open the pool again"
+MAX_REOPENS = 1000
+
+
+def is_fenced(exc):
+    return (
+        os.environ.get("CXLKV_CHAOS_REOPEN_FENCED") == "1"
+        and isinstance(exc, cxlkv.CxlkvError)
+        and FENCED_MARK in str(exc)
+    )
+
+
+def open_pool(path, rep):
+    for _ in range(MAX_REOPENS):
+        try:
+            return cxlkv.Pool.open(path)
+        except cxlkv.CxlkvError as e:
+            if not is_fenced(e):
+                raise
+            rep.fenced(f"attach: {e}")
+    raise RuntimeError(f"fenced at attach {MAX_REOPENS} times in a row")
+
+
+def run_reopening(pool, rep, make_worker, **run_kwargs):
+    """w.run() on a fresh Worker; when fenced (is_fenced: while opening the namespace or in an
+    operation), opens the pool again and goes on. Returns (pool, worker, operations)."""
+    ops = 0
+    path = pool.path
+    for attempt in range(MAX_REOPENS):
+        w = None
+        try:
+            w = make_worker(pool, attempt)
+            return pool, w, ops + w.run(**run_kwargs)
+        except cxlkv.CxlkvError as e:
+            if not is_fenced(e):
+                raise
+            rep.fenced(f"operation: {e}")
+            try:
+                pool.close()
+            except cxlkv.CxlkvError:
+                pass
+            ops += sum(w.counts.values()) if w else 0
+            pool = open_pool(path, rep)
+    raise RuntimeError(f"fenced {MAX_REOPENS} times")
 
 
 class Worker:
@@ -229,12 +285,17 @@ def run_mode(args):
     summary = {"wid": args.wid, "seed": args.seed, "pid": os.getpid(), "ok": False}
     code = 0
     try:
-        with cxlkv.Pool.open(args.pool) as pool:
-            layout, salt = worker_layout(args.model)
-            w = Worker(pool, layout, rep, args.seed, args.chains, args.singles, salt)
-            t0 = time.monotonic()
-            deadline = t0 + args.duration if args.duration else None
-            n = w.run(deadline=deadline, max_ops=args.ops)
+        layout, salt = worker_layout(args.model)
+        t0 = time.monotonic()
+        deadline = t0 + args.duration if args.duration else None
+        pool, w, n = run_reopening(
+            open_pool(args.pool, rep),
+            rep,
+            lambda pool, k: Worker(pool, layout, rep, args.seed + k, args.chains, args.singles, salt),
+            deadline=deadline,
+            max_ops=args.ops,
+        )
+        with pool:
             summary.update(
                 ops=n,
                 seconds=time.monotonic() - t0,
@@ -260,9 +321,8 @@ def run_mode(args):
 def zygote_child(args, wid, seed):
     rep = Reporter(args.report_dir, wid, seed)
     try:
-        pool = cxlkv.Pool.open(args.pool)
+        pool = open_pool(args.pool, rep)
         layout, salt = worker_layout(args.model)
-        w = Worker(pool, layout, rep, seed, args.chains, args.singles, salt)
         os.write(1, f"ready {os.getpid()}\n".encode())
         # every 256 operations, one byte in a progress file: the supervisor sums them up
         fd = os.open(
@@ -270,7 +330,10 @@ def zygote_child(args, wid, seed):
             os.O_WRONLY | os.O_APPEND | os.O_CREAT,
             0o644,
         )
-        w.run(
+        pool, _, _ = run_reopening(
+            pool,
+            rep,
+            lambda pool, k: Worker(pool, layout, rep, seed + k, args.chains, args.singles, salt),
             deadline=time.monotonic() + args.duration if args.duration else None,
             progress=lambda i: os.write(fd, b"."),
         )
@@ -289,11 +352,13 @@ def zygote_mode(args):
             continue
         if cmd[0] == "spawn":
             wid, seed = int(cmd[1]), int(cmd[2])
+            env = dict(kv.split("=", 1) for kv in cmd[3:])
             out.flush()
             pid = os.fork()
             if pid == 0:
                 code = 3
                 try:
+                    os.environ.update(env)  # read by the core at attach (host id, slot, fault)
                     code = zygote_child(args, wid, seed)
                 finally:
                     os._exit(code)

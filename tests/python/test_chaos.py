@@ -11,6 +11,7 @@ random point: while attaching, inside put/store (WRITING), inside eviction, hold
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -110,9 +111,11 @@ class Zygote:
         self.proc.stdin.write(line + "\n")
         self.proc.stdin.flush()
 
-    def spawn(self, wid, seed):
+    def spawn(self, wid, seed, env=None):
+        """env: environment variables of this worker only (its host id, host slot, fault point)."""
         self.pids.pop(wid, None)
-        self.send(f"spawn {wid} {seed}")
+        extra = "".join(f" {k}={v}" for k, v in (env or {}).items())
+        self.send(f"spawn {wid} {seed}{extra}")
         self._until(lambda: wid in self.pids, 30, "spawn reply")
         return self.pids[wid]
 
@@ -142,6 +145,9 @@ class Zygote:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        self.reader.join(timeout=10)  # it stops at the end of stdout
+        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            f.close()
 
 
 def read_reports(report_dir, prefix):
@@ -153,26 +159,59 @@ def read_reports(report_dir, prefix):
     return out
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(150)
-def test_chaos_kill9(pool_path, tmp_path):
+class OneHost:
+    """Where the chaos workers live: here, every process on this kernel (one host). A dead node is
+    judged by its kernel lock, so whoever attaches next reclaims it at once. test_multihost_procs
+    runs the same chaos with every worker a separate host of a multihost pool (DistinctHosts)."""
+
+    target_kills, min_kills, budget_s, min_ops = TARGET_KILLS, MIN_KILLS, CHAOS_BUDGET_S, 20000
+    may_fence = False  # a node of this kernel is judged by its kernel lock: never fenced alive
+
+    def create(self, path, size, **kwargs):
+        return cxlkv.Pool.create(path, size, **kwargs)
+
+    def start(self, path):
+        """Called once the pool exists, before the first worker."""
+
+    def spawn_env(self, wid):
+        """Environment of the next worker (its host identity); waits until one is available."""
+        return None
+
+    def killed(self, wid, pid):
+        """Worker `wid` (process `pid`) was just killed with SIGKILL."""
+
+    def settle(self):
+        """Every killed worker's node is reclaimed when this returns."""
+
+    def verifier(self):
+        """An attached pool to verify with (attaching reclaims what the dead left)."""
+        return cxlkv.Pool.open(self.path)
+
+    def close(self):
+        pass
+
+
+def chaos_kill9(pool_path, tmp_path, hosts):
+    """kill -9 chaos on `hosts` (OneHost, or DistinctHosts in test_multihost_procs.py)."""
     chains, singles = 300, 2000
     size = 8 * MiB  # much smaller than the working set: constant eviction
     assert size < (chains * 8 + singles) * 4 * KiB / 2
-    with cxlkv.Pool.create(pool_path, size, chunk_size=256 * KiB, max_nodes=16) as pool:
+    hosts.path = pool_path
+    with hosts.create(pool_path, size, chunk_size=256 * KiB, max_nodes=16) as pool:
         pool.namespace(tu.shared_layout())
     seed = tu.random_test_seed("chaos kill -9")
     rng = random.Random(seed)
+    hosts.start(pool_path)
     zy = Zygote(pool_path, tmp_path, chains=chains, singles=singles)
     kills = 0
     kills_before_ready = 0
     unexpected = []
+    live = {}
     try:
-        live = {}
         for wid in range(N_WORKERS):
-            live[wid] = zy.spawn(wid, rng.randrange(1 << 30))
-        t_end = time.monotonic() + CHAOS_BUDGET_S
-        while kills < TARGET_KILLS and time.monotonic() < t_end:
+            live[wid] = zy.spawn(wid, rng.randrange(1 << 30), hosts.spawn_env(wid))
+        t_end = time.monotonic() + hosts.budget_s
+        while kills < hosts.target_kills and time.monotonic() < t_end:
             wid = rng.randrange(N_WORKERS)
             pid = live[wid]
             r = rng.random()
@@ -189,20 +228,26 @@ def test_chaos_kill9(pool_path, tmp_path):
                 kills_before_ready += 1
             os.kill(pid, signal.SIGKILL)
             status = zy.reap(pid)
+            hosts.killed(wid, pid)
             zy.ready.discard(pid)
             if not (os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL):
                 unexpected.append(f"worker {wid} pid {pid} ended by itself, status {status}")
             kills += 1
-            live[wid] = zy.spawn(wid, rng.randrange(1 << 30))
+            live[wid] = zy.spawn(wid, rng.randrange(1 << 30), hosts.spawn_env(wid))
         # end of chaos: kill the survivors too (they die holding whatever they held)
-        for pid in live.values():
+        for wid, pid in live.items():
             os.kill(pid, signal.SIGKILL)
             zy.reap(pid)
+            hosts.killed(wid, pid)
             kills += 1
+        live.clear()
     finally:
+        for pid in live.values():  # a failure above must not leave a worker running
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         zy.quit()
 
-    elapsed = time.monotonic() - t_end + CHAOS_BUDGET_S
+    elapsed = time.monotonic() - t_end + hosts.budget_s
     ops = 256 * sum(
         os.path.getsize(os.path.join(tmp_path, n)) for n in os.listdir(tmp_path) if n.startswith("progress-")
     )
@@ -212,14 +257,20 @@ def test_chaos_kill9(pool_path, tmp_path):
     )
     errors = read_reports(tmp_path, "errors-")
     mismatches = read_reports(tmp_path, "mismatch-")
+    fenced = read_reports(tmp_path, "fenced-")
+    print(
+        f"chaos: {sum(r.count(chr(10)) - 1 for r in fenced)} times a worker was fenced and opened the pool again"
+    )
+    assert hosts.may_fence or not fenced, fenced
     assert not mismatches, "readers observed wrong bytes:\n" + "\n".join(mismatches)[:4000]
     assert not errors, "workers raised:\n" + "\n".join(errors)[:4000]
     assert not unexpected, unexpected
-    assert kills >= MIN_KILLS, f"only {kills} kills in {CHAOS_BUDGET_S} s"
-    assert ops >= 20000, f"workers did only about {ops} operations between kills"
+    assert kills >= hosts.min_kills, f"only {kills} kills in {hosts.budget_s} s"
+    assert ops >= hosts.min_ops, f"workers did only about {ops} operations between kills"
 
-    # Attaching reclaims the dead nodes: their pins, half-written blocks, evictions in progress.
-    with cxlkv.Pool.open(pool_path) as pool:
+    # The dead nodes are reclaimed: their pins, half-written blocks, evictions in progress.
+    hosts.settle()
+    with hosts.verifier() as pool:
         report = pool.check()
         print("chaos: check after reopening:", json.dumps(report))
         assert tu.pool_check_problems(report) == [], json.dumps(report, indent=1)[:4000]
@@ -244,6 +295,7 @@ def test_chaos_kill9(pool_path, tmp_path):
     procs = []
     for wid in range(2):
         summary = os.path.join(tmp_path, f"post-{wid}.json")
+        env = dict(os.environ, **(hosts.spawn_env(100 + wid) or {}))
         procs.append(
             (
                 subprocess.Popen(
@@ -271,6 +323,7 @@ def test_chaos_kill9(pool_path, tmp_path):
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     text=True,
+                    env=env,
                 ),
                 summary,
             )
@@ -282,8 +335,15 @@ def test_chaos_kill9(pool_path, tmp_path):
         assert p.returncode == 0 and s["ok"], s.get("traceback", err)
         assert s["mismatches"] == 0, s["first_mismatches"]
         assert s["ops"] > 100
-    with cxlkv.Pool.open(pool_path) as pool:
+    with hosts.verifier() as pool:
         assert tu.pool_check_problems(pool.check()) == []
+    hosts.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_chaos_kill9(pool_path, tmp_path):
+    chaos_kill9(pool_path, tmp_path, OneHost())
 
 
 @pytest.mark.timeout(60)

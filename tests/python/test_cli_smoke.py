@@ -484,6 +484,58 @@ def test_pool_ping_and_bench_rpc_smoke(pool_path, tmp_path):
     assert out["rpc_p50_ns"] > 0
 
 
+def test_bench_copy_and_index_compare_backends(scratch_pool_dir):
+    """``--compare-backends``: coherent then multihost in one run, each result whole, and the
+    multihost / coherent ratio of the headline fields."""
+    copy = [
+        "--geometry",
+        "smollm2-135m",
+        "--iters",
+        "1",
+        "--batch-size",
+        "1MiB",
+        "--pool-dir",
+        scratch_pool_dir,
+    ]
+    out = json_of(
+        ok(cxlkv_cli("bench", "copy", "--compare-backends", "--json", *copy)),
+        {"compare_backends", "multihost_vs_coherent", "coherent", "multihost"},
+    )
+    assert out["coherent"]["backend"] == "coherent" and out["multihost"]["backend"] == "multihost"
+    assert set(out["multihost_vs_coherent"]) == {"store_gbps", "load_gbps"}
+    r = out["multihost_vs_coherent"]["store_gbps"]
+    assert r == round(out["multihost"]["store_gbps"] / out["coherent"]["store_gbps"], 3)
+    index = ["--procs", "2", "--ops", "1000", "--keys", "100", "--samples", "100", "--inserts", "100"]
+    out = json_of(
+        ok(
+            cxlkv_cli(
+                "bench", "index", "--compare-backends", "--json", *index, "--pool-dir", scratch_pool_dir
+            )
+        ),
+        {"multihost_vs_coherent", "coherent", "multihost"},
+    )
+    assert out["multihost"]["procs"] == 2 and "lookup_p50_ns" in out["multihost_vs_coherent"]
+    r = ok(cxlkv_cli("bench", "index", "--backend", "multihost", "--procs", "1", *index[2:]))
+    assert "lookups/s" in r.stdout
+    assert os.listdir(scratch_pool_dir) == [], "a benchmark left its pool behind"
+
+
+def test_bench_failover_smoke(scratch_pool_dir):
+    """``bench failover``: two tiny leases, two kills each, through the installed CLI. The result
+    names each lease beside its times (and their ratio), and the pools are removed after."""
+    tiny = ["--lease-ms", "100,200", "--trials", "2", "--json", "--pool-dir", scratch_pool_dir]
+    out = json_of(
+        ok(cxlkv_cli("bench", "failover", *tiny)),
+        {"bench", "leases", "seed", "percentile_method", "machine"},
+    )
+    assert [r["lease_ms"] for r in out["leases"]] == [100, 200]
+    for r in out["leases"]:
+        assert r["trials"] == 2 and len(r["samples_ms"]) == 2
+        assert 0 < r["reclaimed_p50_ms"] <= r["reclaimed_max_ms"]
+        assert r["p50_over_lease"] == round(r["reclaimed_p50_ms"] / r["lease_ms"], 3)
+    assert os.listdir(scratch_pool_dir) == [], "bench failover left its pools behind"
+
+
 def test_sim_smoke():
     """``cxlkv sim``: a short clean run through the installed CLI (the proof itself, many seeds and
     every negative control, is tests/cpp/test_multihost.cpp and tests/python/test_sim.py)."""

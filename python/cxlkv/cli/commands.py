@@ -186,7 +186,7 @@ def cmd_pool_destroy(args: argparse.Namespace) -> int:
 def cmd_bench_copy(args: argparse.Namespace) -> int:
     from cxlkv.tools import bench
 
-    result = bench.bench_copy(
+    kwargs = dict(
         geometry=args.geometry,
         iters=args.iters,
         batch_bytes=args.batch_size,
@@ -195,10 +195,33 @@ def cmd_bench_copy(args: argparse.Namespace) -> int:
         copy_threads=args.copy_threads,
         devices=args.devices,
     )
+    if args.compare_backends:
+        return _print_comparison(
+            args, bench.compare_backends(bench.bench_copy, **kwargs), bench.print_copy_result
+        )
+    result = bench.bench_copy(backend=args.backend, **kwargs)
     if args.json:
         print_json(result)
     else:
         bench.print_copy_result(make_console(), result)
+    return ExitCode.OK
+
+
+def _print_comparison(args: argparse.Namespace, result: dict[str, Any], print_one) -> int:
+    """``bench copy|index --compare-backends``: both runs, then multihost / coherent per field."""
+    if args.json:
+        print_json(result)
+        return ExitCode.OK
+    con = make_console()
+    base, other = result["compare_backends"]
+    for name in (base, other):
+        con.print(f"[bold]backend {name}[/bold]")
+        print_one(con, result[name])
+    con.print(f"[bold]{other} / {base}[/bold] (same run)")
+    for field, ratio in result[f"{other}_vs_{base}"].items():
+        con.print(
+            f"  {field:<24} {result[base][field]:>14,.2f} {result[other][field]:>14,.2f} {ratio:>8.2f}x"
+        )
     return ExitCode.OK
 
 
@@ -236,7 +259,7 @@ def cmd_bench_vllm(args: argparse.Namespace) -> int:
 def cmd_bench_index(args: argparse.Namespace) -> int:
     from cxlkv.tools import bench
 
-    result = bench.bench_index(
+    kwargs = dict(
         procs=args.procs,
         ops=args.ops,
         keys=args.keys,
@@ -245,10 +268,28 @@ def cmd_bench_index(args: argparse.Namespace) -> int:
         pool_dir=args.pool_dir,
         quiet=args.json,
     )
+    if args.compare_backends:
+        return _print_comparison(
+            args, bench.compare_backends(bench.bench_index, **kwargs), bench.print_index_result
+        )
+    result = bench.bench_index(backend=args.backend, **kwargs)
     if args.json:
         print_json(result)
     else:
         bench.print_index_result(make_console(), result)
+    return ExitCode.OK
+
+
+def cmd_bench_failover(args: argparse.Namespace) -> int:
+    from cxlkv.tools import failover
+
+    result = failover.bench_failover(
+        args.lease_ms, args.trials, pool_dir=args.pool_dir, seed=args.seed, quiet=args.json
+    )
+    if args.json:
+        print_json(result)
+    else:
+        failover.print_result(make_console(), result)
     return ExitCode.OK
 
 

@@ -22,6 +22,7 @@ from cxlkv.tools.sim import BREAKS, FAULTS
 
 from .commands import (
     cmd_bench_copy,
+    cmd_bench_failover,
     cmd_bench_index,
     cmd_bench_rpc,
     cmd_bench_vllm,
@@ -70,6 +71,29 @@ def _procs_arg(text: str) -> list[int]:
         out.append(_pos_int(part))
     if not out:
         raise argparse.ArgumentTypeError(f"invalid process count {text!r}")
+    return out
+
+
+def _backend_args(p: argparse.ArgumentParser) -> None:
+    """--backend / --compare-backends of bench copy and bench index."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument(
+        "--backend",
+        choices=cxlkv._core.backends(),
+        default="coherent",
+        help="coherence backend of the benchmark's pool (default %(default)s)",
+    )
+    g.add_argument(
+        "--compare-backends",
+        action="store_true",
+        help="run on coherent, then on multihost, and print multihost / coherent (same run)",
+    )
+
+
+def _leases_arg(text: str) -> list[int]:
+    out = [_pos_int(part.strip()) for part in text.split(",") if part.strip()]
+    if not out:
+        raise argparse.ArgumentTypeError(f"invalid lease list {text!r}")
     return out
 
 
@@ -282,6 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also run each geometry on a pool striped over this many files, same run "
         "(ratio to the single file; default 1: single file only)",
     )
+    _backend_args(bc)
     bc.set_defaults(func=cmd_bench_copy)
 
     bi = bsub.add_parser("index", help="lookup/insert latency and multi-process lookup throughput")
@@ -314,6 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     bi.add_argument(
         "--pool-dir", default="/dev/shm", help="where the temporary pool lives (default /dev/shm)"
     )
+    _backend_args(bi)
     bi.set_defaults(func=cmd_bench_index)
 
     br = bsub.add_parser(
@@ -335,6 +361,24 @@ def build_parser() -> argparse.ArgumentParser:
     br.add_argument("--no-pin", action="store_true", help="do not pin server and client to two CPUs")
     br.add_argument("--dir", default="/dev/shm", help="where the channel file lives (default /dev/shm)")
     br.set_defaults(func=cmd_bench_rpc)
+
+    bf = bsub.add_parser(
+        "failover",
+        help="multihost: time from kill -9 of a host's process to its node reclaimed by a survivor",
+    )
+    bf.add_argument(
+        "--lease-ms",
+        type=_leases_arg,
+        default=[200, 1000],
+        help="heartbeat leases to measure, e.g. 200,1000 (one pool each; default 200,1000)",
+    )
+    bf.add_argument("--trials", type=_pos_int, default=20, help="kills per lease (default 20)")
+    bf.add_argument("--seed", type=int, default=None, help="seed of the kill phases (default: random)")
+    bf.add_argument("--json", action="store_true", help="print one JSON object")
+    bf.add_argument(
+        "--pool-dir", default="/dev/shm", help="where the temporary pools live (default /dev/shm)"
+    )
+    bf.set_defaults(func=cmd_bench_failover)
 
     bv = bsub.add_parser(
         "vllm",

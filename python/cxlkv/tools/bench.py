@@ -73,6 +73,7 @@ def bench_copy(
     quiet: bool = False,
     copy_threads: int | None = None,
     devices: int = 1,
+    backend: str = "coherent",
 ) -> dict[str, Any]:
     """Store/load bandwidth per geometry vs memcpy of the same bytes. Returns one JSON-able dict
     whose top-level store/load/memcpy fields are those of the first geometry (llama3-8b for "all").
@@ -80,7 +81,9 @@ def bench_copy(
     devices > 1: each geometry also runs on a pool striped over that many files in pool_dir
     (default stripe); the single-file and striped runs go in ABBA order (single, striped,
     striped, single) so a machine that drifts during the run favours neither, and the result's
-    ``striped`` holds the means of each pair and their ratios."""
+    ``striped`` holds the means of each pair and their ratios.
+
+    backend: the pool's coherence backend (compare_backends runs two in one process)."""
     names = list(GEOMETRIES) if geometry == "all" else [geometry]
     for n in names:
         if n not in GEOMETRIES:
@@ -96,11 +99,11 @@ def bench_copy(
             threads = min(8, os.cpu_count() or 1)
     results = []
     for n in names:
-        r = _bench_copy_one(n, iters, batch_bytes, pool_dir, log, threads)
+        r = _bench_copy_one(n, iters, batch_bytes, pool_dir, log, threads, backend=backend)
         if devices > 1:
-            s1 = _bench_copy_one(n, iters, batch_bytes, pool_dir, log, threads, devices)
-            s2 = _bench_copy_one(n, iters, batch_bytes, pool_dir, log, threads, devices)
-            r2 = _bench_copy_one(n, iters, batch_bytes, pool_dir, log, threads)
+            s1 = _bench_copy_one(n, iters, batch_bytes, pool_dir, log, threads, devices, backend)
+            s2 = _bench_copy_one(n, iters, batch_bytes, pool_dir, log, threads, devices, backend)
+            r2 = _bench_copy_one(n, iters, batch_bytes, pool_dir, log, threads, backend=backend)
 
             def mean(a: dict, b: dict, k: str) -> float:
                 return round((a[k] + b[k]) / 2, 3)
@@ -120,7 +123,7 @@ def bench_copy(
             }
         results.append(r)
     head = results[0]
-    out: dict[str, Any] = {"bench": "copy"}
+    out: dict[str, Any] = {"bench": "copy", "backend": backend}
     for k in (
         "geometry",
         "store_gbps",
@@ -159,7 +162,14 @@ def bench_copy(
 
 
 def _bench_copy_one(
-    name: str, iters: int, batch_bytes: int, pool_dir: str, log, threads: int = 1, devices: int = 1
+    name: str,
+    iters: int,
+    batch_bytes: int,
+    pool_dir: str,
+    log,
+    threads: int = 1,
+    devices: int = 1,
+    backend: str = "coherent",
 ) -> dict[str, Any]:
     g = GEOMETRIES[name]
     L, H, D, T = g["num_layers"], g["num_kv_heads"], g["head_size"], g["tokens_per_block"]
@@ -281,7 +291,9 @@ def _bench_copy_one(
     }
     verified = False
     try:
-        pool, ns = create_pool_for(path, pool_size, g, f"bench-{name}", 2 * nblocks, chunk_size=chunk)
+        pool, ns = create_pool_for(
+            path, pool_size, g, f"bench-{name}", 2 * nblocks, chunk_size=chunk, backend=backend
+        )
         with pool:
             if ns.block_bytes != block_bytes:
                 raise CommandError(f"namespace block_bytes {ns.block_bytes} != expected {block_bytes}")
@@ -525,6 +537,9 @@ def _index_worker(
     Every phase starts at a barrier so that all processes run it at the same time."""
     try:
         pc = time.perf_counter_ns
+        # multihost: every process its own row of the cross-host lock (0 is the parent's); other
+        # backends ignore it
+        os.environ["CXLKV_HOST_SLOT"] = str(rank + 1)
         # map every page now: measure the index, not this process's first-touch faults
         with cxlkv.Pool.open(path, populate=True) as pool:
             ns = pool.namespace(cxlkv.KVLayout(**_INDEX_LAYOUT), name=_INDEX_NS)
@@ -718,8 +733,9 @@ def bench_index(
     inserts: int = 20_000,
     pool_dir: str = "/dev/shm",
     quiet: bool = False,
+    backend: str = "coherent",
 ) -> dict[str, Any]:
-    """Lookup/insert latency and multi-process lookup throughput on one pool."""
+    """Lookup/insert latency and multi-process lookup throughput on one pool of `backend`."""
     log = progress(quiet)
     cores = os.cpu_count() or 1
     if not procs:
@@ -738,6 +754,9 @@ def bench_index(
     pool_size = index_slots * 80 + int(data * 1.3) + 64 * _MiB
     path = os.path.join(pool_dir, f"cxlkv-bench-index-{os.getpid()}")
     runs: list[dict[str, Any]] = []
+    saved_slot = os.environ.get("CXLKV_HOST_SLOT")
+    if backend == "multihost":
+        os.environ["CXLKV_HOST_SLOT"] = "0"  # this process's row; the workers take 1, 2, ...
     try:
         # enough room for every key inserted (no eviction in the timed inserts), 1 MiB chunks
         pool, ns = create_pool_for(
@@ -748,6 +767,7 @@ def bench_index(
             int(total_entries * 1.1),
             index_slots=index_slots,
             chunk_size=1 * _MiB,
+            backend=backend,
         )
         log(
             f"bench index: pool {format_size(pool.size)}, {index_slots} index slots, prefill {keys} "
@@ -770,6 +790,10 @@ def bench_index(
                 )
                 runs.append(r)
     finally:
+        if saved_slot is None:
+            os.environ.pop("CXLKV_HOST_SLOT", None)
+        else:
+            os.environ["CXLKV_HOST_SLOT"] = saved_slot
         try:
             cxlkv.Pool.destroy(path)
         except Exception:  # noqa: BLE001 - best-effort cleanup: the result (or error) is what counts
@@ -787,6 +811,7 @@ def bench_index(
     top = runs[-1]
     out: dict[str, Any] = {
         "bench": "index",
+        "backend": backend,
         "procs": top["procs"],
         "lookup_p50_ns": base["lookup_p50_ns"],
         "lookup_p99_ns": base["lookup_p99_ns"],
@@ -915,3 +940,46 @@ def print_index_result(console, result: dict[str, Any]) -> None:
         f"are Python calls timed one by one (timer ~{result['timer_overhead_ns']} ns included); "
         "batch numbers are per key, Python overhead amortized.[/dim]"
     )
+
+
+# =============================================================================================
+# coherent vs multihost, same run
+
+# The headline fields each comparison reports as multihost / coherent (a latency ratio > 1 and a
+# throughput ratio < 1 are both the discipline's cost).
+COMPARE_FIELDS = {
+    "copy": ("store_gbps", "load_gbps"),
+    "index": (
+        "lookup_p50_ns",
+        "insert_p50_ns",
+        "lookups_per_s",
+        "batch_lookup_ns_p50",
+        "batch_insert_ns_p50",
+        "core_lookup_p50_ns",
+        "core_insert_p50_ns",
+        "core_lookups_per_s",
+    ),
+}
+
+
+def compare_backends(
+    run, backends: tuple[str, str] = ("coherent", "multihost"), **kwargs: Any
+) -> dict[str, Any]:
+    """Runs ``run(backend=b, **kwargs)`` (bench_copy or bench_index) for the baseline backend,
+    then the other one, in this process, and reports the other's headline fields over the
+    baseline's (``<other>_vs_<baseline>``)."""
+    base_name, other_name = backends
+    base = run(backend=base_name, **kwargs)
+    other = run(backend=other_name, **kwargs)
+    ratios = {
+        f: round(other[f] / base[f], 3)
+        for f in COMPARE_FIELDS[base["bench"]]
+        if isinstance(base.get(f), (int, float)) and isinstance(other.get(f), (int, float)) and base[f]
+    }
+    return {
+        "bench": base["bench"],
+        "compare_backends": [base_name, other_name],
+        f"{other_name}_vs_{base_name}": ratios,
+        base_name: base,
+        other_name: other,
+    }
