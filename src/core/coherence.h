@@ -54,6 +54,11 @@ class CacheModel {
   virtual void fault_point(const char*) {}
 };
 
+// Test hook (C++ tests of real processes only): called at every named fault point of a Coherence
+// without a cache model, so a test can stop or kill a process exactly there (e.g. lock.held).
+// Unset (the default) it costs one relaxed load per fault point.
+inline std::atomic<void (*)(const char*)> g_fault_hook{nullptr};
+
 // Cross-host arbitration and fencing of one attachment (arbiter.h); multihost backend only.
 class Arbiter {
  public:
@@ -160,9 +165,12 @@ class Coherence {
     else
       kernels::evict_lines(p, n);
   }
-  // Named fault point (tests: the cache model may crash the host here); free without a model.
+  // Named fault point (tests: the cache model may crash the host here, or g_fault_hook acts).
   void fault(const char* name) const {
-    if (model_) model_->fault_point(name);
+    if (model_)
+      model_->fault_point(name);
+    else if (auto hook = g_fault_hook.load(std::memory_order_relaxed))
+      hook(name);
   }
   void fence() const { kernels::full_fence(); }
   void stream_copy(void* dst, const void* src, size_t n) const {
