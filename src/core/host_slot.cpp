@@ -49,7 +49,8 @@ void Pool::setup_arbiter(int want, bool observer) {
   // Random start: a dead holder's byte is rarely the next one taken (adopt_participant clears
   // what it left anyway).
   if (lock_.lock_id) {
-    const uint32_t start = uint32_t(liveness::mono_ns() ^ (uint64_t(pid_) * 0x9E3779B97F4A7C15ull)) % kParticipants;
+    const uint32_t start =
+        uint32_t(liveness::mono_ns() ^ (uint64_t(pid_) * 0x9E3779B97F4A7C15ull)) % kParticipants;
     for (uint32_t i = 0; i < kParticipants; ++i) {
       const uint32_t p = (start + i) % kParticipants;
       if (liveness::lock_held_by_other(lock_, participant_offset(p))) continue;
@@ -89,8 +90,8 @@ void Pool::check_host_slot_unique() {
     }
     uint32_t other = i + 1;
     detach_node();
-    throw HostSlotBusyError("pool " + path_ + ": host slot " + std::to_string(host_slot_) + " is used by node " +
-                            std::to_string(other) +
+    throw HostSlotBusyError("pool " + path_ + ": host slot " + std::to_string(host_slot_) +
+                            " is used by node " + std::to_string(other) +
                             (other_host == host_id_ ? " of an older cxlkv build that cannot share it"
                                                     : " of another host (host id differs)") +
                             "; give every host of a multihost pool its own slot (CXLKV_HOST_SLOT)");

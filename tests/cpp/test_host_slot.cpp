@@ -73,8 +73,10 @@ class HostSlotTest : public PoolTest {
     RawMap raw(path_);
     auto* lines = reinterpret_cast<const format::LockLine*>(raw.base() + format::kLockAreaOff);
     for (uint32_t i = 0; i < format::kLockStripes * raw.hdr().lock_hosts; ++i) {
-      EXPECT_EQ(lines[i].number, 0u) << "stripe " << i / raw.hdr().lock_hosts << " row " << i % raw.hdr().lock_hosts;
-      EXPECT_EQ(lines[i].tier1, 0u) << "stripe " << i / raw.hdr().lock_hosts << " row " << i % raw.hdr().lock_hosts;
+      EXPECT_EQ(lines[i].number, 0u) << "stripe " << i / raw.hdr().lock_hosts << " row "
+                                     << i % raw.hdr().lock_hosts;
+      EXPECT_EQ(lines[i].tier1, 0u) << "stripe " << i / raw.hdr().lock_hosts << " row "
+                                    << i % raw.hdr().lock_hosts;
     }
   }
 };
@@ -132,7 +134,8 @@ TEST_F(HostSlotTest, ProcessesOfOneHostHammerClaimsOnOneRow) {
   ScopedEnv host("CXLKV_HOST_ID", kHostA);
   auto pool = create_mh(format::kLeaseMsDefault);
   std::vector<pid_t> kids;
-  for (uint64_t i = 0; i < 3; ++i) kids.push_back(spawn([&] { return random_worker(path_, 7000 + i, 4000, 0, 2); }));
+  for (uint64_t i = 0; i < 3; ++i)
+    kids.push_back(spawn([&] { return random_worker(path_, 7000 + i, 4000, 0, 2); }));
   kids.push_back(spawn([&] {
     ::setenv("CXLKV_HOST_ID", host_b(), 1);
     return random_worker(path_, 7100, 4000, 0, 2);
