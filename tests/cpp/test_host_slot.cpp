@@ -224,7 +224,7 @@ TEST_F(HostSlotTest, KilledTier1HolderDoesNotBlockTheOthers) {
 // and leaves the row alone; the pool checks clean.
 TEST_F(HostSlotTest, StoppedTier1HolderIsTakenOverAndFenced) {
   ScopedEnv host("CXLKV_HOST_ID", kHostA);
-  auto pool = create_mh(300);
+  auto pool = create_mh(1000);
   int fds[2];
   ASSERT_EQ(::pipe(fds), 0);
   pid_t h = spawn([&] { return holder(path_, fds[1], SIGSTOP); });

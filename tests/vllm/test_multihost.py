@@ -29,9 +29,12 @@ def test_second_host_loads_the_first_hosts_kv(pool_path, tiny_model, monkeypatch
         {**spec, "rounds": [{"prompts": plain(PROMPTS)}, {"prompts": plain(PROMPTS)}]},
         env=host("engine-a", 0),
     )
-    b = run_engine({**spec, "rounds": [{"prompts": plain(PROMPTS)}]}, env=host("engine-b", 1))[0]["outputs"]
+    log: list = []
+    b = run_engine({**spec, "rounds": [{"prompts": plain(PROMPTS)}]}, env=host("engine-b", 1), log=log)
+    b = b[0]["outputs"]
+    said = "\n".join(line for line in log[0].splitlines() if "cxlkv" in line.lower())[-4000:]
     for ref, got in zip(a[1]["outputs"], b, strict=True):
-        assert got["cached"] == full_blocks(got["len"]), got
+        assert got["cached"] == full_blocks(got["len"]), (got["len"], got["cached"], said)
         assert got["tokens"] == ref["tokens"]
         assert got["logprobs"] == ref["logprobs"]
     # The pool is consistent afterwards, seen from a third host's row.
