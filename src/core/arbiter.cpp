@@ -81,6 +81,7 @@ void Bakery::check_fence() {
 }
 
 Bakery::Bakery(Config c) : c_(std::move(c)) {
+  skipped_tickets_.resize(size_t(kLockStripes) * c_.hosts);
   uint64_t seed = liveness::mono_ns() ^ (uint64_t(::getpid()) << 32) ^ reinterpret_cast<uintptr_t>(this);
   nonce_ = (xxh3(&seed, sizeof seed, 3) & 0x7FFF) << 48;
   mine_.store(nonce_ | make_tier1_word(c_.participant1, 0, 0), std::memory_order_relaxed);
@@ -287,14 +288,22 @@ void Bakery::lock(const void* addr) {
         if (!now.choosing && !ahead) break;
         // Blocked by host j. A ticket that stands still for a lease while its holder's heartbeat
         // also stands still belongs to a dead or paused host: skip it (that host fences itself
-        // before any further store, see check_fence).
+        // before any further store, see check_fence). One we skipped before, unchanged and with
+        // its holder still silent, is skipped at once: the holder has been silent ever since.
+        Skipped& memo = skipped_tickets_[size_t(k) * c_.hosts + j];
         uint64_t t = liveness::mono_ns();
+        if (since == 0 && memo.valid && memo.choosing == now.choosing && memo.number == now.number &&
+            memo.node == now.node && memo.node_word == now.node_word && holder_beat(now.node) == memo.beat) {
+          skipped_.fetch_add(1, std::memory_order_relaxed);
+          break;
+        }
         if (since == 0 || now.choosing != seen.choosing || now.number != seen.number ||
             now.node != seen.node) {
           seen = now, since = t, beat0 = holder_beat(now.node);
         } else if (t - since > c_.lease_ns) {
           if (holder_beat(now.node) == beat0) {
             skipped_.fetch_add(1, std::memory_order_relaxed);
+            memo = Skipped{now.choosing, now.number, now.node, now.node_word, beat0, true};
             break;
           }
           since = t, beat0 = holder_beat(now.node);

@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <functional>
 #include <mutex>
+#include <vector>
 
 #include "coherence.h"
 #include "format.h"
@@ -105,6 +106,15 @@ class Bakery final : public Arbiter {
   std::array<std::mutex, format::kLockStripes> local_;  // tier 1, threads of this attachment
   std::array<uint32_t, format::kLockStripes> depth_{};  // re-entry guard (a bug, not a feature)
   std::atomic<uint64_t> skipped_{0}, takeovers_{0};
+  // Tickets this attachment already skipped after a lease of silence, per (stripe, row): the same
+  // ticket, still with a silent holder, is skipped again at once instead of after another lease
+  // (a host that died holding a ticket would otherwise cost every later acquire of the stripe a
+  // lease). Touched only under local_[stripe].
+  struct Skipped {
+    uint64_t choosing = 0, number = 0, node = 0, node_word = 0, beat = 0;
+    bool valid = false;
+  };
+  std::vector<Skipped> skipped_tickets_;  // [stripe * hosts + row]
 };
 
 }  // namespace cxlkv

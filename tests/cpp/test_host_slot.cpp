@@ -246,3 +246,57 @@ TEST_F(HostSlotTest, StoppedTier1HolderIsTakenOverAndFenced) {
 
 }  // namespace
 }  // namespace cxlkv::test
+
+namespace cxlkv::test {
+namespace {
+
+// A ticket that stood still for a lease with a silent holder is skipped; the same ticket, its
+// holder still silent, is skipped again at once (no second lease: a dead host's ticket must not
+// cost every later acquire a lease); once the holder beats again it is waited for again.
+TEST(BakeryTickets, SkippedTicketIsSkippedAgainAtOnce) {
+  constexpr uint32_t kHosts = 2;
+  const size_t bytes = format::kLockAreaOff + size_t(format::kLockStripes) * kHosts * 64 + 4096;
+  std::unique_ptr<char, decltype(&std::free)> mem(static_cast<char*>(std::aligned_alloc(4096, bytes)),
+                                                  &std::free);
+  std::memset(mem.get(), 0, bytes);
+  std::vector<format::NodeSlot> nodes(4);
+  std::atomic<bool> fenced{false};
+  std::atomic<uint64_t> beat{liveness::mono_ns()};
+  int ticks = 0;
+  Bakery::Config c;
+  c.base = mem.get();
+  c.hosts = kHosts;
+  c.slot = 0;
+  c.max_nodes = 4;
+  c.nodes = nodes.data();
+  c.lease_ns = 200'000'000;
+  c.coh = Coherence(Backend::multihost);
+  c.fenced = &fenced;
+  c.last_beat = &beat;
+  c.tick = [&] { ++ticks; };
+  Bakery bk(std::move(c));
+  // Row 1 holds a ticket in every stripe, for node 2, whose beat never moves (a dead host).
+  auto* lines = reinterpret_cast<format::LockLine*>(mem.get() + format::kLockAreaOff);
+  for (uint32_t k = 0; k < format::kLockStripes; ++k)
+    lines[k * kHosts + 1].number = 1, lines[k * kHosts + 1].node = 2;
+  const char* word = mem.get() + bytes - 64;
+  auto lock_once = [&] {
+    beat.store(liveness::mono_ns());
+    bk.lock(word);
+    bk.unlock(word);
+  };
+  lock_once();  // waits a lease of silence, then skips
+  EXPECT_EQ(bk.skipped(), 1u);
+  EXPECT_GT(ticks, 0);
+  ticks = 0;
+  lock_once();  // the same ticket, the holder still silent: skipped without waiting
+  EXPECT_EQ(bk.skipped(), 2u);
+  EXPECT_EQ(ticks, 0);
+  nodes[1].beat = 7;  // the holder shows life: its ticket is respected again for a lease
+  lock_once();
+  EXPECT_EQ(bk.skipped(), 3u);
+  EXPECT_GT(ticks, 0);
+}
+
+}  // namespace
+}  // namespace cxlkv::test
