@@ -33,6 +33,12 @@ CXLKV_TEST_BACKEND=flush python -m pytest -q -p no:cacheprovider "$@" \
   tests/python/test_api.py tests/python/test_full_pool.py tests/python/test_multiprocess.py \
   tests/python/test_rpc.py
 
+echo "== The same on the 'multihost' backend (bakery lock, no CAS across hosts; the handles and"
+echo "   processes of one host share its host slot)"
+CXLKV_TEST_BACKEND=multihost python -m pytest -q -p no:cacheprovider "$@" \
+  tests/python/test_api.py tests/python/test_full_pool.py tests/python/test_multiprocess.py \
+  tests/python/test_rpc.py
+
 if [ "${CXLKV_SKIP_VLLM:-0}" = "1" ]; then
   echo "== vLLM tests skipped (CXLKV_SKIP_VLLM=1)"
   exit 0

@@ -1,9 +1,13 @@
 // The bakery (arbiter.h) and the locked read-compare-store of Coherence (coherence.h).
 #include "arbiter.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <chrono>
 #include <thread>
 
+#include "checksum.h"
 #include "errors.h"
 #include "liveness.h"
 
@@ -27,7 +31,7 @@ struct Unlock {
 bool Coherence::locked_rmw(uint64_t* w, uint64_t& expected, uint64_t desired, bool compare) const {
   arb_->lock(w);
   Unlock u{arb_, w};
-  if (model_) model_->fault_point("lock.held");
+  fault("lock.held");
   arb_->check_fence();
   // From here to the write-back nothing blocks: the fence check covers the store (arbiter.h).
   if (model_)
@@ -76,26 +80,197 @@ void Bakery::check_fence() {
   }
 }
 
+Bakery::Bakery(Config c) : c_(std::move(c)) {
+  skipped_tickets_.resize(size_t(kLockStripes) * c_.hosts);
+  uint64_t seed = liveness::mono_ns() ^ (uint64_t(::getpid()) << 32) ^ reinterpret_cast<uintptr_t>(this);
+  nonce_ = (xxh3(&seed, sizeof seed, 3) & 0x7FFF) << 48;
+  mine_.store(nonce_ | make_tier1_word(c_.participant1, 0, 0), std::memory_order_relaxed);
+}
+
+// Called while this attachment holds no stripe (attach_node), so no tier-1 word carries the old
+// value when it changes.
+void Bakery::set_node(uint32_t node, uint64_t node_word) {
+  node_ = node, node_word_ = node_word;
+  mine_.store(nonce_ | make_tier1_word(c_.participant1, node, node_epoch(node_word)),
+              std::memory_order_relaxed);
+}
+
+bool Bakery::tier1_cas(uint32_t k, uint64_t expected, uint64_t desired) const {
+  // Host-local word: only processes of this host (one coherence domain) ever touch it.
+  return std::atomic_ref<uint64_t>(tier1(k)).compare_exchange_strong(
+      expected, desired, std::memory_order_acq_rel, std::memory_order_acquire);
+}
+
+bool Bakery::fence_ok() const {
+  return !c_.fenced->load(std::memory_order_acquire) &&
+         liveness::mono_ns() - c_.last_beat->load(std::memory_order_acquire) <= c_.lease_ns / 2;
+}
+
+// True when the word's participant byte is unlocked: the process that took the word is gone (the
+// kernel released its lock), in any PID namespace. False when it is held, or cannot be judged.
+bool Bakery::participant_gone(uint64_t word) const {
+  uint32_t p1 = tier1_participant1(word);
+  if (p1 == 0 || !c_.lock || !c_.lock->lock_id || c_.participant1 == 0) return false;
+  return !liveness::lock_held_by_other(*c_.lock, c_.participant_base + p1 - 1);
+}
+
+void Bakery::adopt_participant() {
+  if (c_.participant1 == 0) return;
+  for (uint32_t k = 0; k < kLockStripes; ++k) {
+    uint64_t v = std::atomic_ref<uint64_t>(tier1(k)).load(std::memory_order_acquire);
+    if (v == 0 || tier1_participant1(v) != c_.participant1) continue;
+    std::lock_guard<std::mutex> g(local_[k]);
+    if (tier1_cas(k, v, mine_.load(std::memory_order_relaxed))) {
+      takeovers_.fetch_add(1, std::memory_order_relaxed);
+      take_over(k);
+      release_row(k);
+    }
+  }
+}
+
+void Bakery::release_dead(uint32_t node, uint32_t epoch) {
+  for (uint32_t k = 0; k < kLockStripes; ++k) {
+    uint64_t v = std::atomic_ref<uint64_t>(tier1(k)).load(std::memory_order_acquire);
+    if (v == 0 || tier1_node(v) != node || tier1_epoch(v) != (epoch & 0xFFFFFF)) continue;
+    if (tier1_participant1(v) != 0 && !participant_gone(v)) continue;  // alive (reaped by force)
+    std::lock_guard<std::mutex> g(local_[k]);
+    if (!tier1_cas(k, v, mine_.load(std::memory_order_relaxed))) continue;
+    takeovers_.fetch_add(1, std::memory_order_relaxed);
+    try {
+      take_over(k);
+    } catch (...) {
+      release_row(k);
+      throw;
+    }
+    release_row(k);
+  }
+}
+
+uint32_t Bakery::sweep() {
+  uint32_t n = 0;
+  const uint64_t mine = mine_.load(std::memory_order_relaxed);
+  for (uint32_t k = 0; k < kLockStripes; ++k) {
+    uint64_t v = std::atomic_ref<uint64_t>(tier1(k)).load(std::memory_order_acquire);
+    if (v == 0 || v == mine || !participant_gone(v)) continue;
+    std::lock_guard<std::mutex> g(local_[k]);
+    if (!tier1_cas(k, v, mine)) continue;
+    takeovers_.fetch_add(1, std::memory_order_relaxed);
+    ++n;
+    try {
+      take_over(k);
+    } catch (...) {
+      release_row(k);
+      throw;
+    }
+    release_row(k);
+  }
+  return n;
+}
+
+// We just took stripe k's tier-1 word from a dead or silent holder. It may have stored into the
+// line it was modifying and died before writing it back: that dirty line lives on in this host's
+// caches and would reach memory at a random later moment, over another host's newer update.
+// Write it back now, while we hold the row (clflush writes a dirty line back from any cache of the
+// coherence domain). Its ticket is overwritten by ours (or reset by release_row).
+void Bakery::take_over(uint32_t k) {
+  uint64_t off = line(k, c_.slot)->holder_line;  // host-local: written by the holders of this row
+  if (off % kCacheLine == 0 && c_.pool_bytes >= kCacheLine && off <= c_.pool_bytes - kCacheLine)
+    c_.coh.flush(c_.base + off, kCacheLine);
+}
+
+void Bakery::acquire_tier1(uint32_t k, const void* addr) {
+  const uint64_t mine = mine_.load(std::memory_order_relaxed);
+  uint64_t seen = 0, seen_state = 0, seen_beat = 0, since = 0, spins = 0;
+  uint64_t last_judge = 0, last_tick = liveness::mono_ns();
+  for (;;) {
+    uint64_t v = std::atomic_ref<uint64_t>(tier1(k)).load(std::memory_order_acquire);
+    if (v == 0) {
+      if (tier1_cas(k, 0, mine)) break;
+      continue;
+    }
+    if (v == mine) {  // a word of ours left behind (local_[k] is ours, so no thread of ours holds it)
+      takeovers_.fetch_add(1, std::memory_order_relaxed);
+      take_over(k);
+      break;
+    }
+    const uint64_t t = liveness::mono_ns();
+    if (t - last_judge > 1'000'000) {  // judge the holder once per millisecond
+      last_judge = t;
+      bool gone = participant_gone(v);
+      if (!gone) {
+        // Silence: the word, and its node's (state, beat), unchanged for a lease on our clock.
+        uint32_t node = tier1_node(v);
+        uint64_t st = 0, bt = 0;
+        if (node != 0 && node <= c_.max_nodes)
+          st = c_.coh.read(&c_.nodes[node - 1].state), bt = holder_beat(node);
+        if (since == 0 || v != seen || st != seen_state || bt != seen_beat)
+          seen = v, seen_state = st, seen_beat = bt, since = t;
+        else
+          gone = t - since > c_.lease_ns;
+      }
+      if (gone && tier1_cas(k, v, mine)) {
+        takeovers_.fetch_add(1, std::memory_order_relaxed);
+        take_over(k);
+        break;
+      }
+    }
+    if (c_.tick && t - last_tick > 1'000'000) {
+      c_.tick();
+      last_tick = t;
+    }
+    if (++spins % 64 == 0)
+      spins > 4096 ? std::this_thread::sleep_for(std::chrono::microseconds(50)) : std::this_thread::yield();
+    else
+      relax();
+  }
+  // Host-local, like tier1: the line we are about to modify, for a taker-over (take_over).
+  line(k, c_.slot)->holder_line = uint64_t(static_cast<const char*>(addr) - c_.base);
+}
+
+void Bakery::release_row(uint32_t k) {
+  LockLine* me = line(k, c_.slot);
+  const uint64_t mine = mine_.load(std::memory_order_relaxed);
+  // Fenced (declared dead, or stood still past half a lease): a host-mate may take the row over
+  // after a lease of our silence, so we never write it again; peers skip our stale ticket as a dead
+  // host's. Not fenced: nobody can take it over before our beat ages a lease, so the row is ours.
+  if (!fence_ok()) {
+    tier1_cas(k, mine, 0);  // fails if a host-mate took it over: then it is theirs
+    return;
+  }
+  me->number = 0, me->choosing = 0;
+  tier1_cas(k, mine, 0);
+  // One write-back carries the reset ticket and the free tier-1 word (a crashed host's successor
+  // then finds the word free in memory). A host-mate that took the word meanwhile may have stored
+  // its first fields already: writing them back early is harmless (each word is its own register).
+  write_back(me);
+}
+
 void Bakery::lock(const void* addr) {
   const uint32_t k = stripe_of(addr);
-  local_[k].lock();  // tier 1: threads of this process
+  check_fence();     // a fenced attachment touches no row
+  local_[k].lock();  // tier 1: threads of this attachment
   if (depth_[k]++ != 0) {
     --depth_[k];
     local_[k].unlock();
     throw Error("internal: cross-host lock stripe taken twice by one thread");
   }
+  bool row = false;
   try {
+    acquire_tier1(k, addr);  // tier 1: processes of this host
+    row = true;
     LockLine* me = line(k, c_.slot);
+    check_fence();  // before each write of the row: a silent holder may have been taken over
     me->choosing = 1;
     me->node = node_;
     me->node_word = node_word_;
     write_back(me);
     uint64_t top = 0;
     for (uint32_t j = 0; j < c_.hosts; ++j) {
-      if (j == c_.slot) continue;  // our own line is dirty-free and ours: never drop it
+      if (j == c_.slot) continue;  // our own line is ours (and our host's): never drop it
       top = std::max(top, c_.coh.read(&line(k, j)->number));
     }
     const uint64_t mine = std::min<uint64_t>(top, 1ull << 62) + 1;  // untrusted: bounded
+    check_fence();
     me->number = mine;
     me->choosing = 0;
     write_back(me);
@@ -121,14 +296,22 @@ void Bakery::lock(const void* addr) {
         }
         // Blocked by host j. A ticket that stands still for a lease while its holder's heartbeat
         // also stands still belongs to a dead or paused host: skip it (that host fences itself
-        // before any further store, see check_fence).
+        // before any further store, see check_fence). One we skipped before, unchanged and with
+        // its holder still silent, is skipped at once: the holder has been silent ever since.
+        Skipped& memo = skipped_tickets_[size_t(k) * c_.hosts + j];
         uint64_t t = liveness::mono_ns();
+        if (since == 0 && memo.valid && memo.choosing == now.choosing && memo.number == now.number &&
+            memo.node == now.node && memo.node_word == now.node_word && holder_beat(now.node) == memo.beat) {
+          skipped_.fetch_add(1, std::memory_order_relaxed);
+          break;
+        }
         if (since == 0 || now.choosing != seen.choosing || now.number != seen.number ||
             now.node != seen.node) {
           seen = now, since = t, beat0 = holder_beat(now.node);
         } else if (t - since > c_.lease_ns) {
           if (holder_beat(now.node) == beat0) {
             skipped_.fetch_add(1, std::memory_order_relaxed);
+            memo = Skipped{now.choosing, now.number, now.node, now.node_word, beat0, true};
             break;
           }
           since = t, beat0 = holder_beat(now.node);
@@ -144,11 +327,11 @@ void Bakery::lock(const void* addr) {
       }
     }
   } catch (...) {
-    LockLine* me = line(k, c_.slot);
-    me->number = 0, me->choosing = 0;
-    try {
-      write_back(me);
-    } catch (...) {
+    if (row) {
+      try {
+        release_row(k);
+      } catch (...) {
+      }
     }
     --depth_[k];
     local_[k].unlock();
@@ -160,11 +343,8 @@ void Bakery::lock(const void* addr) {
 void Bakery::unlock(const void* addr) {
   const uint32_t k = stripe_of(addr);
   if (CacheModel* m = c_.coh.model()) m->lock_left(k);
-  LockLine* me = line(k, c_.slot);
-  me->number = 0;
-  me->choosing = 0;
   try {
-    write_back(me);
+    release_row(k);
   } catch (...) {
   }
   --depth_[k];

@@ -1,11 +1,21 @@
 // Cross-host mutual exclusion without atomic read-modify-write, and the fence of one attachment
 // (multihost backend). See docs/ARCHITECTURE.md "Multi-host CXL 2.0" and LockLine in format.h.
 //
-// Two tiers, as in TraCT: a process-local mutex per stripe (threads of this attachment queue
-// there, so only one of them competes across hosts), then Lamport's bakery among host slots on
-// plain loads and stores of per-host lines (format::LockLine): a line is written back whole by
-// its one writer and read only after the reader dropped its copy, so every line behaves as an
-// atomic single-writer register, which is all the bakery needs. No CAS crosses hosts.
+// Two tiers, as in TraCT. Tier 1, inside one host: a process-local mutex per stripe (threads of
+// this attachment queue there), then the row's `tier1` word, taken by CAS among the processes of
+// this host that share its host slot (one coherence domain: the CAS never crosses hosts). Tier 2,
+// across hosts: Lamport's bakery among host slots on plain loads and stores of per-host lines
+// (format::LockLine), competed for by the tier-1 holder alone: a line is written back whole by its
+// one writer at a time and read only after the reader dropped its copy, so every line behaves as
+// an atomic single-writer register, which is all the bakery needs.
+//
+// Tier-1 recovery (a holder that died or stood still): the word names the holder's participant
+// byte (an OFD lock held for the attachment's life) and its node. A waiter takes the word over
+// (CAS) once the byte is free (the holder's process is gone: same-kernel evidence) or once the word
+// and the holder's (state, beat) stood still for a lease (the rule other hosts apply to its ticket;
+// such a holder fences itself before any further store). The taker writes back the line the
+// holder was modifying (holder_line): a dead process's dirty copy lives on in the host's caches.
+// A fenced holder never writes the row again: it only gives the tier-1 word back (CAS).
 //
 // Fence (lease self-check): a node stores into shared lines only while its last published beat is
 // younger than half a lease. A peer declares it dead (and skips its ticket, or reclaims its slot)
@@ -19,9 +29,11 @@
 #include <cstdint>
 #include <functional>
 #include <mutex>
+#include <vector>
 
 #include "coherence.h"
 #include "format.h"
+#include "liveness.h"
 
 namespace cxlkv {
 
@@ -38,15 +50,36 @@ class Bakery final : public Arbiter {
     std::atomic<bool>* fenced = nullptr;
     std::atomic<uint64_t>* last_beat = nullptr;
     std::function<void()> tick;  // called while waiting (emulated hosts beat from their thread)
+    // Tier-1 identity (shared host slots): the lock file whose byte participant_base +
+    // participant1 - 1 this attachment holds for its life; participant1 = 0: none (no usable lock
+    // file, or an emulated host): tier-1 holders are then judged by silence only.
+    const liveness::LockFile* lock = nullptr;
+    uint64_t participant_base = 0;
+    uint32_t participant1 = 0;
+    uint64_t pool_bytes = 0;  // bounds of holder_line (0: never written back on takeover)
   };
-  explicit Bakery(Config c) : c_(std::move(c)) {}
-  void set_node(uint32_t node, uint64_t node_word) { node_ = node, node_word_ = node_word; }
+  explicit Bakery(Config c);
+  void set_node(uint32_t node, uint64_t node_word);
   void lock(const void* addr) override;
   void unlock(const void* addr) override;
   void check_fence() override;
   uint32_t stripe_of(const void* addr) const;
   // Tickets of other hosts skipped because they stood still for a lease with a silent holder.
   uint64_t skipped() const { return skipped_.load(std::memory_order_relaxed); }
+  // Tier-1 words taken over from a dead or silent process of this host (and rows released for a
+  // reclaimed node, release_dead).
+  uint64_t takeovers() const { return takeovers_.load(std::memory_order_relaxed); }
+  // At open: gives back tier-1 words of this row that name our participant byte. We hold its lock
+  // now, so such a word is a dead previous holder's, and no waiter could ever judge it dead.
+  void adopt_participant();
+  // Reclaim of node `node` (epoch `epoch`) of this row, judged dead: releases every stripe whose
+  // tier-1 word it still holds (its ticket is reset, so no host waits a lease for it), unless its
+  // participant byte is still locked (a live process, reaped by force: it releases them itself).
+  void release_dead(uint32_t node, uint32_t epoch);
+  // Reaping: releases every stripe of our row whose tier-1 holder's process is gone (its
+  // participant byte is free), whoever reclaimed its node (a host of another id cannot: the row
+  // is written by this host's processes only). Returns the stripes released.
+  uint32_t sweep();
 
  private:
   format::LockLine* line(uint32_t stripe, uint32_t host) const {
@@ -54,15 +87,34 @@ class Bakery final : public Arbiter {
            (uint64_t(stripe) * c_.hosts + host);
   }
   void write_back(format::LockLine* l) const;
-  bool holder_silent(const format::LockLine& seen, uint64_t beat_then) const;
   uint64_t holder_beat(uint64_t node) const;
+  bool fence_ok() const;  // check_fence without throwing
+  uint64_t& tier1(uint32_t stripe) const { return line(stripe, c_.slot)->tier1; }
+  bool tier1_cas(uint32_t stripe, uint64_t expected, uint64_t desired) const;
+  // Tier 1 of stripe k for the line at addr (caller holds local_[k]); takes over a dead holder.
+  void acquire_tier1(uint32_t k, const void* addr);
+  void take_over(uint32_t k);  // after a CAS from a dead holder's word: its line, then ours
+  // Gives the row of stripe k back: resets our ticket unless fenced, then frees the tier-1 word.
+  void release_row(uint32_t k);
+  bool participant_gone(uint64_t word) const;
 
   Config c_;
   uint32_t node_ = 0;
   uint64_t node_word_ = 0;
-  std::array<std::mutex, format::kLockStripes> local_;  // tier 1
+  uint64_t nonce_ = 0;             // told apart attachments that share (participant, node) = (0, 0)
+  std::atomic<uint64_t> mine_{0};  // our tier-1 word
+  std::array<std::mutex, format::kLockStripes> local_;  // tier 1, threads of this attachment
   std::array<uint32_t, format::kLockStripes> depth_{};  // re-entry guard (a bug, not a feature)
-  std::atomic<uint64_t> skipped_{0};
+  std::atomic<uint64_t> skipped_{0}, takeovers_{0};
+  // Tickets this attachment already skipped after a lease of silence, per (stripe, row): the same
+  // ticket, still with a silent holder, is skipped again at once instead of after another lease
+  // (a host that died holding a ticket would otherwise cost every later acquire of the stripe a
+  // lease). Touched only under local_[stripe].
+  struct Skipped {
+    uint64_t choosing = 0, number = 0, node = 0, node_word = 0, beat = 0;
+    bool valid = false;
+  };
+  std::vector<Skipped> skipped_tickets_;  // [stripe * hosts + row]
 };
 
 }  // namespace cxlkv

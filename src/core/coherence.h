@@ -162,12 +162,12 @@ class Coherence {
       kernels::evict_lines(p, n);
   }
   // Named fault point (tests: the cache model may crash the host here; in a real process the
-  // test-only trap of fault_trap.h may). Unarmed: one load and a predictable branch.
+  // test-only hook of fault_trap.h may stop or kill it). Unset: one relaxed load and a branch.
   void fault(const char* name) const {
     if (model_)
       model_->fault_point(name);
-    else if (fault_trap::armed) [[unlikely]]
-      fault_trap::hit(name);
+    else if (auto hook = fault_trap::hook.load(std::memory_order_relaxed)) [[unlikely]]
+      hook(name);
   }
   void fence() const { kernels::full_fence(); }
   void stream_copy(void* dst, const void* src, size_t n) const {

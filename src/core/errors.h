@@ -49,7 +49,8 @@ struct OsError : Error {
 struct FencedError : Error {
   using Error::Error;
 };
-// multihost: another live attachment uses this host slot (format::LockLine rows are per process).
+// multihost: a live attachment of another host (or of a build that cannot share rows) uses this
+// host slot: a row of the lock area belongs to one host (its processes share it).
 struct HostSlotBusyError : Error {
   using Error::Error;
 };

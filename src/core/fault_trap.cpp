@@ -10,13 +10,12 @@
 #include <mutex>
 #include <string>
 
-#include "coherence.h"
 #include "errors.h"
 
 namespace cxlkv::fault_trap {
 
 namespace {
-// The protocol's named points (Coherence::fault callers and the lock wrapper in pool.cpp).
+// The protocol's named points (the Coherence::fault callers).
 constexpr const char* kPoints[] = {"insert.claimed", "insert.copied", "evict.claimed",
                                    "alloc.claimed",  "alloc.carving", "lock.held"};
 std::string g_point;
@@ -45,7 +44,6 @@ void parse(const char* v) {
   for (const char* p : kPoints)
     if (s == p) {
       g_point = s;
-      armed = g_point.c_str();
       return;
     }
   throw ArgumentError("CXLKV_TEST_FAULT: unknown fault point " + s);
@@ -58,6 +56,7 @@ void arm_from_env() {
     if (!v || !*v) return;
     try {
       parse(v);
+      hook.store(&hit, std::memory_order_release);
     } catch (const Error& e) {
       g_error = e.what();
     }
@@ -66,29 +65,11 @@ void arm_from_env() {
 }
 
 void hit(const char* name) {
-  if (std::strcmp(name, armed) != 0) return;
+  if (g_point != name) return;
   if (g_hits.fetch_add(1, std::memory_order_relaxed) + 1 != g_nth) return;
   std::string line = "cxlkv-fault " + g_point + " " + std::to_string(::getpid()) + "\n";
   [[maybe_unused]] ssize_t n = ::write(2, line.data(), line.size());
   ::kill(::getpid(), g_stop ? SIGSTOP : SIGKILL);
 }
-
-namespace {
-class LockTrap final : public Arbiter {
- public:
-  explicit LockTrap(Arbiter& inner) : inner_(inner) {}
-  void lock(const void* line) override {
-    inner_.lock(line);
-    hit("lock.held");
-  }
-  void unlock(const void* line) override { inner_.unlock(line); }
-  void check_fence() override { inner_.check_fence(); }
-
- private:
-  Arbiter& inner_;
-};
-}  // namespace
-
-std::unique_ptr<Arbiter> trap_lock(Arbiter& inner) { return std::make_unique<LockTrap>(inner); }
 
 }  // namespace cxlkv::fault_trap

@@ -1,32 +1,27 @@
 // Test-only trap at a named fault point in a REAL process (the emulator's CacheModel::fault_point
-// does the same for simulated hosts). `CXLKV_TEST_FAULT=<point>[:kill|:stop][@N]`, read once at
-// the first attach of the process, arms one point (insert.claimed, insert.copied, evict.claimed,
-// alloc.claimed, alloc.carving, lock.held): its N-th hit (default 1st) writes one line
-// "cxlkv-fault <point> <pid>" to stderr, then SIGKILLs the process (kill -9 exactly there) or
-// SIGSTOPs it (a slow host, resumed later by SIGCONT; it fires once). Unarmed, a fault point costs
-// one load of `armed` and a predictable branch (Coherence::fault); a production process never sets
-// the variable (tests/python/test_multihost_procs.py does).
+// does the same for simulated hosts). The points: insert.claimed, insert.copied, evict.claimed,
+// alloc.claimed, alloc.carving, lock.held (Coherence::locked_rmw, the cross-host lock held).
+// Two ways to arm them, one hook:
+//  * `CXLKV_TEST_FAULT=<point>[:kill|:stop][@N]`, read once at the first attach of the process
+//    (tests/python/test_multihost_procs.py): the N-th hit (default 1st) of that point writes one
+//    line "cxlkv-fault <point> <pid>" to stderr, then SIGKILLs the process (kill -9 exactly there)
+//    or SIGSTOPs it (a slow host, resumed later by SIGCONT; it fires once).
+//  * a C++ test sets `hook` itself (tests/cpp/test_host_slot.cpp), e.g. in a forked child.
+// Unset, a fault point costs one relaxed load of `hook` and a predictable branch
+// (Coherence::fault); a production process never sets either.
 #pragma once
-#include <cstdint>
-#include <memory>
-
-namespace cxlkv {
-class Arbiter;
-}
+#include <atomic>
 
 namespace cxlkv::fault_trap {
 
-// The armed point's name, nullptr when none. Written once (arm_from_env, under std::call_once)
-// before the first attachment of the process publishes anything, read-only afterwards.
-inline const char* armed = nullptr;
+using Hook = void (*)(const char* point);
+// Called at every named fault point of a Coherence without a cache model; nullptr: none.
+inline std::atomic<Hook> hook{nullptr};
 
-// Reads CXLKV_TEST_FAULT once per process; throws ArgumentError on a malformed value.
+// Reads CXLKV_TEST_FAULT once per process (installs `hit` as the hook when set); throws
+// ArgumentError on a malformed value.
 void arm_from_env();
-// Called at a fault point when `armed` is set: fires when `name` is the armed point's N-th hit.
+// The hook CXLKV_TEST_FAULT installs: fires when `name` is the armed point's N-th hit.
 void hit(const char* name);
-// "lock.held" (the cross-host lock of a claim is held; the emulator's point sits in
-// Coherence::locked_rmw): an Arbiter that forwards to `inner` and hits the point right after
-// each lock(). Pool::setup_arbiter installs it only when lock.held is armed.
-std::unique_ptr<Arbiter> trap_lock(Arbiter& inner);
 
 }  // namespace cxlkv::fault_trap

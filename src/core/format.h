@@ -35,9 +35,14 @@ constexpr uint16_t kFormatMajor = 2;  // 2: NamespaceEntry of 512 bytes (source,
 // 1: compat feature kCompatAdminMailbox (node areas end with an RPC mailbox).
 // 2: multihost backend (3): the lock area between SharedWords and the node table (lock_hosts in
 //    the header, host_slot in NodeSlot). Older builds refuse backend 3 and ignore the zero fields.
-// 3: striped pools (incompat feature kIncompatStriped: one pool over several devices, see
-//    StripeTable below). Older builds refuse them (unknown incompat bit); a single-file pool is
-//    unchanged and still records minor 2 (pool_minor()).
+// 3: (a) striped pools (incompat feature kIncompatStriped: one pool over several devices, see
+//    StripeTable below). Older builds refuse them (unknown incompat bit).
+//    (b) multihost host slots shared by the processes of one host: LockLine.tier1 / holder_line
+//    (the cross-process tier 1, from pad) and NodeSlot.flags (kNodeSharesHostSlot, from pad0). A
+//    2.2 build never sets the flag; a 2.3 build refuses to share a row with a node that lacks it,
+//    and a 2.2 build refuses any second node on its row, so mixed builds never share one. This is
+//    negotiated per node, not by the header: a single-file pool still records minor 2
+//    (pool_minor()), since every 2.2 build reads it correctly.
 constexpr uint16_t kFormatMinor = 3;
 // kIncompatStriped: the pool is interleaved over StripeTable::device_count devices; a reader that
 // maps only the first device would see the other devices' stripes as missing bytes.
@@ -144,6 +149,15 @@ struct SharedWords {
 //   number share the line, so `number = max + 1, choosing = 0` reaches memory in one write-back.
 //   node / node_word: the node slot (id, state word) h competes for, so a waiter can tell a host
 //   whose ticket and heartbeat stood still for a whole lease (dead, or fenced: skipped).
+// Every process of one host shares that host's row (format 2.3): the line is then written by the
+// processes of ONE coherence domain, one at a time, so other hosts still see one writer per line.
+//   tier1: host-local (never read by another host): 0 = free, else tier1_word() of the process of
+//     this host that holds the row for this stripe (CAS among the host's processes: legal inside
+//     one coherence domain). Only its holder writes choosing/number/node/node_word.
+//   holder_line: host-local: pool offset of the line the tier-1 holder is about to modify under
+//     the lock, so a process that takes over from a dead holder writes that line back first (its
+//     dirty copy lives on in the host's caches). Validated before use.
+// See docs/ARCHITECTURE.md §11 "Host slots".
 constexpr size_t kLockAreaOff = kSharedWordsOff + kMetaAlign;  // 8192
 constexpr uint32_t kLockStripes = 16;
 constexpr uint32_t kMaxLockHosts = 64;
@@ -153,9 +167,22 @@ struct alignas(kCacheLine) LockLine {
   uint64_t number;
   uint64_t node;
   uint64_t node_word;
-  uint64_t pad[4];
+  uint64_t tier1;
+  uint64_t holder_line;
+  uint64_t pad[2];
 };
 static_assert(sizeof(LockLine) == 64);
+// tier1 word = [1:1][nonce:15][participant+1:16][node:8][node epoch:24]. participant: the byte
+// this process holds an OFD lock on for its attachment's life (Pool::participant_offset), 0 = none
+// (no usable lock file: judged by silence only); node 0 = an observer (no node slot); nonce: random
+// per attachment (tells apart two attachments without participant byte or node).
+inline uint64_t make_tier1_word(uint32_t participant1, uint32_t node, uint32_t epoch) {
+  return (1ull << 63) | (uint64_t(participant1 & 0xFFFF) << 32) | (uint64_t(node & 0xFF) << 24) |
+         (epoch & 0xFFFFFF);
+}
+inline uint32_t tier1_participant1(uint64_t w) { return uint32_t(w >> 32) & 0xFFFF; }
+inline uint32_t tier1_node(uint64_t w) { return uint32_t(w >> 24) & 0xFF; }
+inline uint32_t tier1_epoch(uint64_t w) { return uint32_t(w) & 0xFFFFFF; }
 
 // ---------------------------------------------------------------------------------------------
 // Node slot: one per attachment, two cache lines. node id = slot index + 1. See
@@ -190,6 +217,8 @@ static_assert(sizeof(LockLine) == 64);
 //      slot is CLAIMED, ALIVE or RECLAIMING.
 //   L5 Every reclaim adds 1 to the reclaimed slot's counters[kReclaimedNodes] (the reclaimer owns
 //      the dead node's area while RECLAIMING), so observers and reaps at open are counted too.
+// NodeSlot.flags: this node takes its host slot's row through the shared tier 1 (format 2.3).
+constexpr uint64_t kNodeSharesHostSlot = 1;
 enum NodeState : uint8_t { kNodeFree = 0, kNodeClaimed = 1, kNodeAlive = 2, kNodeReclaiming = 3 };
 constexpr uint32_t kLeaseMsDefault = 10000;
 constexpr uint32_t kLeaseMsMin = 50;
@@ -203,7 +232,7 @@ struct alignas(kCacheLine) NodeSlot {
   uint64_t lock_id;         // liveness::LockFile::lock_id: (st_dev, st_ino) hash; 0 = lease only
   uint64_t attach_unix_ns;  // display only
   uint64_t host_slot;       // multihost: the attacher's row in the lock area (+1; 0 = none)
-  uint64_t pad0;
+  uint64_t flags;           // kNodeSharesHostSlot (format 2.3; 0 from older builds)
   // line 1: heartbeat line (owner only)
   alignas(kCacheLine) uint64_t beat;
   uint64_t beat_unix_ns;  // display only (wall clocks jump and differ between hosts)

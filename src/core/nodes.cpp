@@ -66,6 +66,7 @@ void Pool::attach_node() {
       coh_.check_fence();
       s->pid = pid_;
       s->host_slot = bakery_ ? host_slot_ + 1 : 0;
+      s->flags = bakery_ ? kNodeSharesHostSlot : 0;
       s->pid_ns = pid_ns_inode();
       s->host_id = host_id_;
       s->lock_id = lock_.lock_id;
@@ -101,29 +102,6 @@ void Pool::attach_node() {
   throw NodeTableFullError("pool " + path_ + ": all " + std::to_string(hdr_->max_nodes) +
                            " node slots are taken by live processes (see `cxlkv pool info`; "
                            "`cxlkv pool reap NODE` reclaims one)");
-}
-
-// multihost: two live attachments on one host slot would share one bakery row, and the bakery
-// excludes nothing between them. Refuse the second (a race of two attaching at once is not
-// caught: host slots are configuration, see docs/ARCHITECTURE.md).
-void Pool::check_host_slot_unique() {
-  for (uint32_t i = 0; i < hdr_->max_nodes; ++i) {
-    if (i + 1 == node_id_) continue;
-    NodeSlot* s = node_slot(i);
-    uint64_t w = coh_.read(&s->state);
-    if (node_state(w) != kNodeAlive) continue;
-    coh_.invalidate(s, sizeof *s);
-    if (s->host_slot != host_slot_ + 1) continue;
-    {
-      std::lock_guard<std::mutex> g(reap_mu_);
-      if (judge(i, w).verdict == NodeInfo::kDead) continue;
-    }
-    uint32_t other = i + 1;
-    detach_node();
-    throw HostSlotBusyError("pool " + path_ + ": host slot " + std::to_string(host_slot_) +
-                            " is already used by node " + std::to_string(other) +
-                            "; give every process of a multihost pool its own slot (CXLKV_HOST_SLOT)");
-  }
 }
 
 void Pool::detach_node() {
@@ -212,6 +190,7 @@ bool Pool::reclaim_judged(uint32_t idx, uint64_t w, const NodeInfo& n, bool forc
 }
 
 uint64_t Pool::reap_pass(uint64_t* undecided) {
+  if (bakery_) bakery_->sweep();  // tier-1 words of our row left by dead host-mates (arbiter.h)
   std::lock_guard<std::mutex> g(reap_mu_);
   uint64_t reaped = 0;
   last_reap_ns_.store(now_unix_ns(), std::memory_order_relaxed);
@@ -282,6 +261,8 @@ bool Pool::incarnation_alive(uint8_t node, uint8_t epoch8) {
 
 void Pool::reclaim_node(uint32_t idx, uint64_t reclaiming_word) {
   const uint8_t dead = uint8_t(idx + 1);
+  // 0. multihost: the stripes of our host's row it held in tier 1 (host_slot.cpp).
+  if (bakery_) release_dead_rows(idx, reclaiming_word);
   // 1. Pins: the dead node reads nothing any more.
   auto* fx = node_fixed(idx);
   uint64_t hw = std::min<uint64_t>(coh_.read(&fx->pin_hw), hdr_->pin_slots);

@@ -196,46 +196,6 @@ std::unique_ptr<Pool> Pool::open_emulated(const EmulatedHost& host, bool attach)
   return p;
 }
 
-// multihost: the bakery over this attachment's host slot (arbiter.h), then every claim of coh_
-// goes through it. The slot comes from the caller, CXLKV_HOST_SLOT, or the host id.
-void Pool::setup_arbiter(int want, bool observer) {
-  const PoolHeader& h = *hdr_;
-  if (want < 0) {
-    if (const char* e = std::getenv("CXLKV_HOST_SLOT")) {
-      char* end = nullptr;
-      long v = std::strtol(e, &end, 10);
-      if (!*e || *end || v < 0 || v >= long(h.lock_hosts))
-        throw ArgumentError("CXLKV_HOST_SLOT must be in 0.." + std::to_string(h.lock_hosts - 1));
-      want = int(v);
-    } else if (h.lock_hosts == 1) {
-      want = 0;
-    } else {
-      // Default: the last row for observers (check, stats, reap), the others by host id.
-      want = observer ? int(h.lock_hosts - 1) : int(host_id_ % (h.lock_hosts - 1));
-    }
-  }
-  if (uint32_t(want) >= h.lock_hosts)
-    throw ArgumentError("host slot must be in 0.." + std::to_string(h.lock_hosts - 1));
-  host_slot_ = uint32_t(want);
-  last_beat_ns_.store(liveness::mono_ns(), std::memory_order_release);
-  Bakery::Config c;
-  c.base = base_;
-  c.hosts = h.lock_hosts;
-  c.slot = host_slot_;
-  c.max_nodes = h.max_nodes;
-  c.nodes = reinterpret_cast<NodeSlot*>(base_ + h.node_table_off);
-  c.lease_ns = uint64_t(h.lease_ms) * 1'000'000;
-  c.coh = Coherence(Backend::multihost, emu_.model);
-  c.fenced = &fenced_;
-  c.last_beat = &last_beat_ns_;
-  if (emu_.base) c.tick = [this] { heartbeat_tick(); };
-  bakery_ = std::make_unique<Bakery>(std::move(c));
-  Arbiter* arb = bakery_.get();
-  if (!emu_.base && fault_trap::armed && std::string_view(fault_trap::armed) == "lock.held")
-    arb = (lock_trap_ = fault_trap::trap_lock(*bakery_)).get();  // tests only (fault_trap.h)
-  coh_ = Coherence(Backend::multihost, emu_.model, arb);
-}
-
 bool Pool::heartbeat_tick() {
   // One beat at a time: a beat's own coherence calls may reach a point where the emulator ticks
   // again (two writers of the heartbeat line would break its one-writer rule).

@@ -83,8 +83,9 @@ struct OpenOptions {
   // false: an observer (check, info, stats, reap, destroy): no node slot, so it works on a full
   // node table; it may still reclaim dead nodes; it cannot open namespaces.
   bool attach = true;
-  // multihost: this process's row in the lock area, 0..lock_hosts-1; -1: CXLKV_HOST_SLOT, else
-  // derived from the host id. Every attached process of a multihost pool needs its own slot.
+  // multihost: this host's row in the lock area, 0..lock_hosts-1; -1: CXLKV_HOST_SLOT, else
+  // host_id % lock_hosts. Every process of one host shares its row (the tier 1 of arbiter.h); two
+  // host ids on one row are refused (HostSlotBusyError).
   int host_slot = -1;
 };
 
@@ -406,16 +407,21 @@ class Pool {
   std::atomic<bool> fenced_{false};  // this node was reclaimed while alive (L3), or fenced itself
   // multihost (arbiter.h): the cross-host lock and fence; the time before the last published beat
   std::unique_ptr<Bakery> bakery_;
-  std::unique_ptr<Arbiter> lock_trap_;  // tests only: lock.held armed (fault_trap.h)
   std::atomic<uint64_t> last_beat_ns_{0};
   std::atomic<bool> beating_{false};  // heartbeat_tick re-entry guard
   uint32_t host_slot_ = 0;
   EmulatedHost emu_{};  // set for a simulated host only
   int want_slot_ = -1;  // OpenOptions::host_slot
+  // host_slot.cpp: the row, tier-1 identity and the one-host-per-row check
   void setup_arbiter(int want_slot, bool observer);
   void check_host_slot_unique();
-  std::mutex reap_mu_;  // one reclaim at a time per lock descriptor
-  struct Watch {        // lease observations of this judge, per slot
+  void release_dead_rows(uint32_t idx, uint64_t reclaiming_word);
+  uint64_t participant_offset(uint32_t i) const {
+    return (1ull << 49) + (host_id_ & 0xFFFFF) * kParticipants + i;
+  }
+  static constexpr uint32_t kParticipants = 4096;  // tier-1 participant bytes per host id
+  std::mutex reap_mu_;                             // one reclaim at a time per lock descriptor
+  struct Watch {                                   // lease observations of this judge, per slot
     uint64_t word = 0, beat = 0, since_ns = 0;
     bool valid = false;
   };

@@ -21,6 +21,8 @@ import cxlkv_testutil as tu
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
 
+# coherent (default) | flush (the non-coherent discipline, one host) | multihost (no CAS across
+# hosts: the bakery lock; every handle and process of this host shares its host slot).
 TEST_BACKEND = os.environ.get("CXLKV_TEST_BACKEND", "coherent")
 
 MiB = 1 << 20
@@ -64,7 +66,7 @@ def make_pool(pool_path):
     extra_paths = []
 
     def _make(size=64 * MiB, chunk_size=1 * MiB, path=None, **kwargs):
-        # CXLKV_TEST_BACKEND=flush reruns tests under the non-coherent (flush) discipline.
+        # CXLKV_TEST_BACKEND=flush|multihost reruns tests under another backend (scripts/test.sh).
         kwargs.setdefault("backend", TEST_BACKEND)
         p = path or pool_path
         if path is not None and path != pool_path:

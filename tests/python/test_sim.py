@@ -14,7 +14,6 @@ import pytest
 
 import cxlkv
 from conftest import MiB
-from cxlkv.tools import sim
 
 CXLKV = shutil.which("cxlkv", path=os.path.dirname(sys.executable))
 # No skip: every install builds cxlkv-sim beside _core (CMakeLists.txt); a missing one is a bug.
@@ -59,8 +58,12 @@ def test_multihost_pool_put_get(pool_path, monkeypatch):
     try:
         assert p.info()["backend"] == "multihost"
         assert p.info()["host_slot"] == 2
-        monkeypatch.setenv("CXLKV_HOST_SLOT", "2")
-        with pytest.raises(cxlkv.CxlkvError, match="host slot 2 is already used"):
+        # A second handle of this host shares its slot (tier 1 across processes and handles)...
+        with cxlkv.Pool.open(pool_path) as q:
+            assert q.info()["host_slot"] == 2
+        # ...another host on it is refused: two coherence domains would write one row.
+        monkeypatch.setenv("CXLKV_HOST_ID", "another-host")
+        with pytest.raises(cxlkv.CxlkvError, match=r"host slot 2 is used by node \d+ of another host"):
             cxlkv.Pool.open(pool_path)
     finally:
         p.close()

@@ -47,10 +47,11 @@ def words(seed: int, n: int) -> str:
     return " ".join(rng.choice(vocab) for _ in range(n))
 
 
-def run_engine(spec: dict, timeout: int = 600, log: list | None = None) -> list:
+def run_engine(spec: dict, timeout: int = 600, log: list | None = None, env: dict | None = None) -> list:
     """Runs one vLLM engine process; returns its RESULT records (one per round). `log`, when
-    given, receives the process's whole output."""
-    env = dict(os.environ)
+    given, receives the process's whole output; `env` adds environment variables (e.g. the
+    engine's CXLKV_HOST_ID)."""
+    env = {**os.environ, **(env or {})}
     env.pop("PYTHONHASHSEED", None)  # keys must match across processes with default settings
     p = subprocess.run(
         [sys.executable, os.path.join(HERE, "llm_driver.py"), json.dumps(spec)],

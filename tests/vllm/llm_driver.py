@@ -4,7 +4,8 @@ prints one `RESULT <json>` line per round. Driven by tests/vllm/test_connector.p
     python llm_driver.py '<json spec>'
 
 spec: model ("tiny" | "smollm2" | a model directory), served_model_name (optional), pool (path),
-connector (bool), role ("kv_both" ...), max_num_batched_tokens (optional), prefix_caching (bool,
+connector (bool), role ("kv_both" ...), on_pool_error ("fail": an unusable pool stops the engine
+instead of serving without the cache), max_num_batched_tokens (optional), prefix_caching (bool,
 default true), ids (bool: report prompt token ids), max_tokens, rounds: [{"prompts": [{"prompt":
 str, "cache_salt": str?}], "before": "corrupt_pool" | "corrupt_depth:D" | "unlink_pool" |
 "truncate_pool" | "replace_pool" | null}].
@@ -81,6 +82,7 @@ def main() -> None:
                 "pool_path": spec["pool"],
                 "pool_size": spec.get("pool_size", "1GiB"),
                 **({"chunk_size": spec["chunk_size"]} if spec.get("chunk_size") else {}),
+                **({"on_pool_error": spec["on_pool_error"]} if spec.get("on_pool_error") else {}),
             },
         }
     t0 = time.time()

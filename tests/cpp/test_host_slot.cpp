@@ -1,0 +1,302 @@
+// multihost host slots shared by the processes of one host (arbiter.h tier 1, host_slot.cpp): real
+// processes (fork) with one CXLKV_HOST_ID share a row of the lock area and hammer claims beside a
+// process of another host; a tier-1 holder killed with SIGKILL, or stopped past its lease, while
+// it holds the row (named fault point lock.held, through fault_trap::hook) does not stop the others,
+// leaves no ticket behind, and the pool checks clean.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+
+#include "mp_workload.h"
+
+namespace cxlkv::test {
+namespace {
+
+using namespace mp;
+
+// Sets an environment variable for the scope (children forked meanwhile inherit it).
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* v = std::getenv(name)) had_ = true, old_ = v;
+    ::setenv(name, value, 1);
+  }
+  ~ScopedEnv() {
+    if (had_)
+      ::setenv(name_, old_.c_str(), 1);
+    else
+      ::unsetenv(name_);
+  }
+
+ private:
+  const char* name_;
+  bool had_ = false;
+  std::string old_;
+};
+
+int g_signal_fd = -1;  // the child's end of the pipe of the fault hook
+int g_signal = 0;      // what the hook does after reporting: SIGKILL wait, or SIGSTOP itself
+
+// At lock.held (the row and the stripe are ours), report once to the parent, then wait for the
+// SIGKILL (pause) or stop ourselves (SIGSTOP: a holder that is only slow).
+void hold_here(const char* point) {
+  if (std::string(point) != "lock.held") return;
+  fault_trap::hook.store(nullptr);
+  char c = 'h';
+  if (::write(g_signal_fd, &c, 1) != 1) ::_exit(9);
+  if (g_signal == SIGSTOP) {
+    ::raise(SIGSTOP);
+    return;  // resumed: go on, and find ourselves fenced
+  }
+  for (;;) ::pause();
+}
+
+// Slot of a host id (the default a process of that host gets).
+uint32_t slot_of(const char* host, uint32_t lock_hosts) {
+  ScopedEnv e("CXLKV_HOST_ID", host);
+  return uint32_t(liveness::host_id() % lock_hosts);
+}
+
+class HostSlotTest : public PoolTest {
+ protected:
+  std::unique_ptr<Pool> create_mh(uint32_t lease_ms) {
+    CreateOptions c = opts(8 * MiB, 256 * KiB);
+    c.backend = Backend::multihost;
+    c.lock_hosts = 4;
+    c.lease_ms = lease_ms;
+    return create(c);
+  }
+  // Every ticket and tier-1 word of the lock area is free (nothing holds a stripe now).
+  void expect_lock_area_free() {
+    RawMap raw(path_);
+    auto* lines = reinterpret_cast<const format::LockLine*>(raw.base() + format::kLockAreaOff);
+    for (uint32_t i = 0; i < format::kLockStripes * raw.hdr().lock_hosts; ++i) {
+      EXPECT_EQ(lines[i].number, 0u) << "stripe " << i / raw.hdr().lock_hosts << " row "
+                                     << i % raw.hdr().lock_hosts;
+      EXPECT_EQ(lines[i].tier1, 0u) << "stripe " << i / raw.hdr().lock_hosts << " row "
+                                    << i % raw.hdr().lock_hosts;
+    }
+  }
+};
+
+// Host names whose default rows differ (a collision would be refused, as it must be).
+constexpr const char* kHostA = "slot-test-a";
+const char* host_b() {
+  static std::string b = [] {
+    for (int i = 0;; ++i) {
+      std::string n = "slot-test-b" + std::to_string(i);
+      if (slot_of(n.c_str(), 4) != slot_of(kHostA, 4)) return n;
+    }
+  }();
+  return b.c_str();
+}
+
+TEST_F(HostSlotTest, HandlesOfOneHostShareItsSlotAndOtherHostsAreRefused) {
+  ScopedEnv host("CXLKV_HOST_ID", kHostA);
+  auto a = create_mh(format::kLeaseMsDefault);
+  auto b = Pool::open(path_);  // a second handle of this process: same host, same row
+  EXPECT_EQ(a->host_slot(), b->host_slot());
+  EXPECT_EQ(a->host_slot(), slot_of(kHostA, 4));
+  auto ns_a = a->open_namespace(layout("shared", 4096));
+  auto ns_b = b->open_namespace(layout("shared", 4096));
+  std::vector<char> data(4096), out(4096);
+  for (uint64_t id = 0; id < 64; ++id) {
+    fill_payload(id, data.data(), data.size(), 1);
+    Piece src{data.data(), data.size()}, dst{out.data(), out.size()};
+    ASSERT_TRUE((id % 2 ? a : b)->put(id % 2 ? ns_a : ns_b, key_of(id), &src, 1, 0));
+    uint64_t len = 0;
+    ASSERT_TRUE((id % 2 ? b : a)->get(id % 2 ? ns_b : ns_a, key_of(id), &dst, 1, &len));
+    EXPECT_EQ(std::memcmp(data.data(), out.data(), 4096), 0);
+  }
+  {
+    // Another host id on this row: two coherence domains would CAS one word. Refused.
+    ScopedEnv other("CXLKV_HOST_ID", host_b());
+    OpenOptions o;
+    o.host_slot = int(a->host_slot());
+    EXPECT_THROW(Pool::open(path_, o), HostSlotBusyError);
+    o.attach = false;  // an observer of that host too (it may reclaim, so it takes the row)
+    EXPECT_THROW(Pool::open(path_, o), HostSlotBusyError);
+    auto c = Pool::open(path_);  // its own default row is fine
+    EXPECT_NE(c->host_slot(), a->host_slot());
+  }
+  auto r = a->check();
+  EXPECT_TRUE(r.ok) << join(r.errors);
+  b.reset();
+  a.reset();
+  expect_lock_area_free();
+}
+
+// Three processes of host A (one row) and one of host B hammer claims: puts, evictions of a working
+// set larger than the pool, removes, pins. Nobody reads wrong bytes; the pool checks clean.
+TEST_F(HostSlotTest, ProcessesOfOneHostHammerClaimsOnOneRow) {
+  ScopedEnv host("CXLKV_HOST_ID", kHostA);
+  auto pool = create_mh(format::kLeaseMsDefault);
+  std::vector<pid_t> kids;
+  for (uint64_t i = 0; i < 3; ++i)
+    kids.push_back(spawn([&] { return random_worker(path_, 7000 + i, 4000, 0, 2); }));
+  kids.push_back(spawn([&] {
+    ::setenv("CXLKV_HOST_ID", host_b(), 1);
+    return random_worker(path_, 7100, 4000, 0, 2);
+  }));
+  for (pid_t pid : kids) EXPECT_EQ(wait_exit(pid), 0) << "1 = wrong bytes read, 2 = exception, >128 = signal";
+  auto r = pool->check();
+  expect_clean(r);
+  EXPECT_EQ(verify_ready_entries(*pool, path_, 2), r.ready_blocks);
+  pool.reset();
+  expect_lock_area_free();
+}
+
+// Child of host A that opens the pool, then takes stripes until the hook stops it at lock.held.
+int holder(const std::string& path, int fd, int sig) {
+  try {
+    auto pool = Pool::open(path);
+    Ns ns = open_ns(*pool, spec(0));
+    g_signal_fd = fd, g_signal = sig;
+    fault_trap::hook.store(hold_here);
+    std::vector<char> want;
+    for (uint64_t id = 0; id < kWorkingSet; ++id) put_id(*pool, ns, id, want);
+    return 7;  // never stopped at lock.held
+  } catch (const FencedError&) {
+    return 3;  // resumed after a lease: fenced, as it must be
+  } catch (...) {
+    return 2;
+  }
+}
+
+// Child: the random workload, exit 0 only if this process took a tier-1 word over (want_takeover).
+int worker(const std::string& path, uint64_t seed, int ops, bool want_takeover) {
+  try {
+    auto pool = Pool::open(path);
+    std::vector<Ns> nss{open_ns(*pool, spec(0)), open_ns(*pool, spec(1))};
+    std::mt19937_64 rng(seed);
+    std::vector<char> buf, want;
+    for (int i = 0; i < ops; ++i) {
+      const Ns& ns = nss[rng() % 2];
+      uint64_t id = rng() % kWorkingSet;
+      bool hit = false;
+      if (rng() % 4 == 0) {
+        pool->remove(ns.h, key_of(id));
+      } else {
+        if (!get_and_verify(*pool, ns, id, buf, want, &hit)) return 1;
+        if (!hit) put_id(*pool, ns, id, want);
+      }
+    }
+    bool took = pool->bakery()->takeovers() > 0;
+    pool->close();
+    return want_takeover && !took ? 5 : 0;
+  } catch (...) {
+    return 2;
+  }
+}
+
+// kill -9 of the tier-1 holder while it holds the row inside a claim: its host-mate and the other
+// host go on; the dead holder's ticket is released (the reclaim by a host-mate, or a takeover).
+TEST_F(HostSlotTest, KilledTier1HolderDoesNotBlockTheOthers) {
+  ScopedEnv host("CXLKV_HOST_ID", kHostA);
+  auto pool = create_mh(2000);
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  pid_t h = spawn([&] { return holder(path_, fds[1], SIGKILL); });
+  char c = 0;
+  ASSERT_EQ(::read(fds[0], &c, 1), 1) << "the holder never reached lock.held";
+  std::vector<pid_t> kids;
+  kids.push_back(spawn([&] { return worker(path_, 8100, 3000, false); }));
+  kids.push_back(spawn([&] {
+    ::setenv("CXLKV_HOST_ID", host_b(), 1);
+    return worker(path_, 8200, 3000, false);
+  }));
+  ::usleep(100'000);  // let them queue behind the held row
+  ::kill(h, SIGKILL);
+  EXPECT_EQ(wait_exit(h), 128 + SIGKILL);
+  for (pid_t pid : kids) EXPECT_EQ(wait_exit(pid), 0) << "1 = wrong bytes, 2 = exception, >128 = signal";
+  ::close(fds[0]), ::close(fds[1]);
+  auto r = pool->check();  // reclaims the holder (same kernel: its lock is free)
+  expect_clean(r);
+  EXPECT_GE(r.reclaimed_nodes + pool->counters()[format::kReclaimedNodes], 1u);
+  pool.reset();
+  expect_lock_area_free();
+}
+
+// A holder stopped (SIGSTOP) at lock.held, alive by its kernel lock but silent: its host-mate takes
+// the row over after a lease of silence. Resumed, the holder finds itself fenced, stores nothing
+// and leaves the row alone; the pool checks clean.
+TEST_F(HostSlotTest, StoppedTier1HolderIsTakenOverAndFenced) {
+  ScopedEnv host("CXLKV_HOST_ID", kHostA);
+  auto pool = create_mh(1000);
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  pid_t h = spawn([&] { return holder(path_, fds[1], SIGSTOP); });
+  char c = 0;
+  ASSERT_EQ(::read(fds[0], &c, 1), 1) << "the holder never reached lock.held";
+  int st = 0;
+  ASSERT_EQ(::waitpid(h, &st, WUNTRACED), h);
+  ASSERT_TRUE(WIFSTOPPED(st));
+  pid_t w = spawn([&] { return worker(path_, 8300, 3000, true); });
+  EXPECT_EQ(wait_exit(w), 0) << "1 = wrong bytes, 2 = exception, 5 = never took the row over";
+  ::kill(h, SIGCONT);
+  EXPECT_EQ(wait_exit(h), 3) << "the resumed holder must be fenced (3)";
+  ::close(fds[0]), ::close(fds[1]);
+  auto r = pool->check();
+  expect_clean(r);
+  pool.reset();
+  expect_lock_area_free();
+}
+
+}  // namespace
+}  // namespace cxlkv::test
+
+namespace cxlkv::test {
+namespace {
+
+// A ticket that stood still for a lease with a silent holder is skipped; the same ticket, its
+// holder still silent, is skipped again at once (no second lease: a dead host's ticket must not
+// cost every later acquire a lease); once the holder beats again it is waited for again.
+TEST(BakeryTickets, SkippedTicketIsSkippedAgainAtOnce) {
+  constexpr uint32_t kHosts = 2;
+  const size_t bytes = format::kLockAreaOff + size_t(format::kLockStripes) * kHosts * 64 + 4096;
+  std::unique_ptr<char, decltype(&std::free)> mem(static_cast<char*>(std::aligned_alloc(4096, bytes)),
+                                                  &std::free);
+  std::memset(mem.get(), 0, bytes);
+  std::vector<format::NodeSlot> nodes(4);
+  std::atomic<bool> fenced{false};
+  std::atomic<uint64_t> beat{liveness::mono_ns()};
+  int ticks = 0;
+  Bakery::Config c;
+  c.base = mem.get();
+  c.hosts = kHosts;
+  c.slot = 0;
+  c.max_nodes = 4;
+  c.nodes = nodes.data();
+  c.lease_ns = 200'000'000;
+  c.coh = Coherence(Backend::multihost);
+  c.fenced = &fenced;
+  c.last_beat = &beat;
+  c.tick = [&] { ++ticks; };
+  Bakery bk(std::move(c));
+  // Row 1 holds a ticket in every stripe, for node 2, whose beat never moves (a dead host).
+  auto* lines = reinterpret_cast<format::LockLine*>(mem.get() + format::kLockAreaOff);
+  for (uint32_t k = 0; k < format::kLockStripes; ++k)
+    lines[k * kHosts + 1].number = 1, lines[k * kHosts + 1].node = 2;
+  const char* word = mem.get() + bytes - 64;
+  auto lock_once = [&] {
+    beat.store(liveness::mono_ns());
+    bk.lock(word);
+    bk.unlock(word);
+  };
+  lock_once();  // waits a lease of silence, then skips
+  EXPECT_EQ(bk.skipped(), 1u);
+  EXPECT_GT(ticks, 0);
+  ticks = 0;
+  lock_once();  // the same ticket, the holder still silent: skipped without waiting
+  EXPECT_EQ(bk.skipped(), 2u);
+  EXPECT_EQ(ticks, 0);
+  nodes[1].beat = 7;  // the holder shows life: its ticket is respected again for a lease
+  lock_once();
+  EXPECT_EQ(bk.skipped(), 3u);
+  EXPECT_GT(ticks, 0);
+}
+
+}  // namespace
+}  // namespace cxlkv::test
