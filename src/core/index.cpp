@@ -8,6 +8,7 @@
 // pin arrays. Either the reader sees EVICTING and backs off, or the evictor sees the pin and puts
 // the entry back to READY: a pinned block is never freed, and no shared counter is incremented.
 #include <algorithm>
+#include <cstddef>
 #include <cstring>
 #include <random>
 
@@ -29,11 +30,9 @@ inline void cpu_relax() {
 
 bool Pool::snapshot(uint64_t slot, uint64_t word, IndexEntry* out) {
   IndexEntry* e = entry(slot);
-  coh_.invalidate(e, sizeof *e);
-  std::memcpy(reinterpret_cast<char*>(out) + 8, reinterpret_cast<const char*>(e) + 8, sizeof *e - 8);
-  std::atomic_thread_fence(std::memory_order_acquire);
-  out->state = word;
-  return coh_.read(&e->state) == word;
+  const bool stable = coh_.snapshot(out, e, sizeof *e, &e->state, word);
+  out->state = word;  // the version the copy belongs to (its own copy of the word may be newer)
+  return stable;
 }
 
 bool Pool::find(const NsHandle& ns, const Key& key, const uint64_t* hash, Found* out,
@@ -544,16 +543,16 @@ size_t Pool::match_prefix(const NsHandle& ns, const Key* keys, size_t n) {
   thread_local std::vector<uint64_t> slots;
   slots.clear();
   for (size_t m = 0; m < n; ++m) {
-    // Fast path, the common case: the key is READY at its home. Its fields are compared in place
-    // and believed only if the state word is unchanged afterwards (what snapshot() does, without
-    // copying the entry); anything else takes find()'s full probe.
+    // Fast path, the common case: the key is READY at its home. Only the words up to ns_id are
+    // copied (a seqlock snapshot of the entry's head) and believed only if the state word is
+    // unchanged afterwards; anything else takes find()'s full probe.
     const uint64_t home = hashes[m] & slot_mask_, w = home_words[m];
     if (entry_state(w) == kReady && entry_tag(w) == key_tag(hashes[m])) {
-      const IndexEntry* e = entry(home);
-      coh_.invalidate(e, sizeof *e);
-      const bool same = e->ns_id == ns.id && std::memcmp(e->key, keys[m].data(), 32) == 0;
-      std::atomic_thread_fence(std::memory_order_acquire);
-      if (same && coh_.read(&e->state) == w) {
+      IndexEntry* e = entry(home);
+      IndexEntry head;
+      constexpr size_t kHead = (offsetof(IndexEntry, ns_id) + sizeof head.ns_id + 7) / 8 * 8;
+      const bool stable = coh_.snapshot(&head, e, kHead, &e->state, w);
+      if (stable && head.ns_id == ns.id && std::memcmp(head.key, keys[m].data(), 32) == 0) {
         slots.push_back(home);
         continue;
       }
