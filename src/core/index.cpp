@@ -28,13 +28,6 @@ inline void cpu_relax() {
 }
 }  // namespace
 
-bool Pool::snapshot(uint64_t slot, uint64_t word, IndexEntry* out) {
-  IndexEntry* e = entry(slot);
-  const bool stable = coh_.snapshot(out, e, sizeof *e, &e->state, word);
-  out->state = word;  // the version the copy belongs to (its own copy of the word may be newer)
-  return stable;
-}
-
 bool Pool::find(const NsHandle& ns, const Key& key, const uint64_t* hash, Found* out,
                 const uint64_t* home_word) {
   KeyHash kh = hash ? key_hash_split(*hash, slot_mask_) : key_hash(key.data(), ns.id, slot_mask_);

@@ -1,4 +1,6 @@
-// Pool: one attachment of this process to a cxlkv pool. Owns the mapping, the node slot and the
+// Pool: one attachment of this process to a cxlkv pool, and the façade over the core's internal
+// types: Region (region.h: the mapped bytes, the validated header copy, bounds-checked accessors,
+// coherence) and the protocols that use it. Owns the mapping, the node slot and the
 // process-local helpers (pin-slot allocator, allocation cursors). Thread-safe: several threads of
 // one process may use one Pool (the Python binding releases the GIL during copies).
 #pragma once
@@ -20,6 +22,7 @@
 #include "layout.h"
 #include "liveness.h"
 #include "mapping.h"
+#include "region.h"
 #include "rpc.h"
 
 namespace cxlkv {
@@ -182,7 +185,7 @@ class Pool {
   // Forgets this attachment without one more store into the pool (a crashed or fenced simulated
   // host; or a process that knows it was fenced): peers reclaim its node by lease.
   void abandon();
-  bool closed() const { return !base_; }
+  bool closed() const { return !region_.base(); }
   // Throws if the pool is closed, or if this attachment was inherited through fork(): the child
   // does not own the parent's node slot and must open the pool itself.
   // Also throws once this node was reclaimed while alive (fenced: liveness invariant L3).
@@ -277,25 +280,21 @@ class Pool {
   // do not see each other's locks, exactly as separate kernels would not.
   uint64_t lock_offset(uint32_t idx) const { return (1ull << 48) + (host_id_ & 0xFFFFF) * 256 + idx; }
 
-  // bounds-checked accessors: throw CorruptError on an out-of-range value read from the pool
-  format::NodeSlot* node_slot(uint32_t idx) const;
-  char* node_area(uint32_t idx) const;
-  format::NodeAreaFixed* node_fixed(uint32_t idx) const {
-    return reinterpret_cast<format::NodeAreaFixed*>(node_area(idx));
+  // The region's bounds-checked accessors (region.h), under the names the protocol files use.
+  format::NodeSlot* node_slot(uint32_t idx) const { return region_.node_slot(idx); }
+  char* node_area(uint32_t idx) const { return region_.node_area(idx); }
+  format::NodeAreaFixed* node_fixed(uint32_t idx) const { return region_.node_fixed(idx); }
+  uint64_t* pins(uint32_t idx) const { return region_.pins(idx); }
+  format::NamespaceEntry* ns_entry(uint32_t id) const { return region_.ns_entry(id); }
+  format::IndexEntry* entry(uint64_t slot) const { return region_.entry(slot); }
+  uint64_t* access(uint64_t slot) const { return region_.access(slot); }
+  uint64_t* chunk_word(uint64_t chunk) const { return region_.chunk_word(chunk); }
+  uint64_t* block_desc(uint64_t chunk, uint32_t block) const { return region_.block_desc(chunk, block); }
+  char* block_payload(const NsHandle& ns, uint64_t chunk, uint32_t block) const {
+    return region_.block_payload(ns.geo, chunk, block);
   }
-  uint64_t* pins(uint32_t idx) const {
-    return reinterpret_cast<uint64_t*>(node_area(idx) + sizeof(format::NodeAreaFixed));
-  }
-  format::NamespaceEntry* ns_entry(uint32_t id) const;  // 1-based id
-  format::IndexEntry* entry(uint64_t slot) const { return entries_ + (slot & slot_mask_); }
-  uint64_t* access(uint64_t slot) const { return access_ + (slot & slot_mask_); }
-  uint64_t* chunk_word(uint64_t chunk) const;
-  uint64_t* block_desc(uint64_t chunk, uint32_t block) const;
-  char* block_payload(const NsHandle& ns, uint64_t chunk, uint32_t block) const;
-  uint64_t chunk_stride() const { return chunk_stride_; }
-  format::SharedWords* shared() const {
-    return reinterpret_cast<format::SharedWords*>(base_ + format::kSharedWordsOff);
-  }
+  uint64_t chunk_stride() const { return region_.chunk_stride(); }
+  format::SharedWords* shared() const { return region_.shared(); }
 
   // index internals (index.cpp)
   struct Found {
@@ -312,7 +311,9 @@ class Pool {
   void condemn(uint64_t slot, uint64_t ready_word);
   bool reclaim_condemned(uint64_t slot);
   bool writing_same_key(const NsHandle& ns, const Key& key, uint64_t slot, uint64_t writing_word);
-  bool snapshot(uint64_t slot, uint64_t word, format::IndexEntry* out);
+  bool snapshot(uint64_t slot, uint64_t word, format::IndexEntry* out) const {
+    return region_.snapshot(slot, word, out);
+  }
   bool pin(uint64_t slot, uint64_t word, PinRef* out, bool* exhausted, bool for_lease);
   void unpin(const PinRef& p);
   bool is_pinned(uint64_t slot, uint32_t gen);
@@ -342,18 +343,16 @@ class Pool {
 
   std::string path_;
   Mapping map_;
-  char* base_ = nullptr;
-  // Points at hdr_copy_: the header validated at open, copied out of shared memory so that a
-  // later scribble over the shared header cannot steer an address, divisor or loop bound (F1).
-  const format::PoolHeader* hdr_ = nullptr;
-  format::PoolHeader hdr_copy_{};
+  // The mapped pool: base, the header validated at open and copied out of shared memory (F1),
+  // the geometry derived from it, the accessors and the coherence layer (region.h).
+  Region region_;
+  // The region's parts under the short names every protocol file uses (one owner: region_).
+  // hdr_ is null while closed; coh_ is reassigned once (setup_arbiter: the multihost arbiter).
+  Coherence& coh_ = region_.coh();
+  const format::PoolHeader* const& hdr_ = region_.header_ref();
+  const uint64_t& slot_mask_ = region_.slot_mask();
+  const uint64_t& desc_bytes_ = region_.desc_bytes();
   bool read_only_ = false;
-  Coherence coh_;
-  format::IndexEntry* entries_ = nullptr;
-  uint64_t* access_ = nullptr;
-  uint64_t slot_mask_ = 0;
-  uint64_t chunk_stride_ = 0;
-  uint64_t desc_bytes_ = 0;
   uint32_t node_id_ = 0;  // 1-based; 0 = not attached
   uint32_t pid_ = 0;
   uint64_t host_id_ = 0;
