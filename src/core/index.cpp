@@ -208,56 +208,17 @@ bool Pool::evict_victim(const Victim& c, const NsHandle* ns, uint64_t* out_chunk
 // Window eviction: the 128-slot probe window of a key is full. Evicts the oldest unpinned READY
 // entry of the window (any namespace) and frees its block.
 bool Pool::evict_in_window(uint64_t home) {
-  std::vector<Victim> cands;
-  for (uint64_t i = 0; i < kMaxProbe; ++i) {
-    uint64_t slot = (home + i) & slot_mask_;
-    uint64_t w = coh_.read(&entry(slot)->state);
-    if (entry_state(w) == kReady) cands.push_back({coh_.read_hint(access(slot)), slot, w});
-    if (entry_state(w) == kCondemned) cands.push_back({0, slot, w});  // goes first
-  }
-  std::sort(cands.begin(), cands.end(), [](const Victim& a, const Victim& b) { return a.access < b.access; });
-  for (const Victim& c : cands)
+  for (const Victim& c : evictor_.window(home))
     if (evict_victim(c, nullptr, nullptr, nullptr, ~0ull)) return true;
   return false;
 }
 
-// Namespace eviction from a sampled, sorted candidate queue. The queue is refilled when empty or
-// older than kVictimMaxAgeUs with up to kVictimSample candidates read from a moving hand; each
-// candidate is re-validated (state word and access hint unchanged) before it is evicted, so a
-// block touched since the sample is not evicted on stale information.
+// Namespace eviction from the evictor's sampled queue (evictor.h); the block goes straight to
+// new_owner_slot.
 bool Pool::evict_from_queue(const NsHandle& ns, uint64_t* out_chunk, uint32_t* out_block,
                             uint64_t new_owner_slot) {
-  constexpr size_t kVictimSample = 1024;
-  constexpr uint64_t kVictimMaxAgeUs = 100'000;
-  std::lock_guard<std::mutex> g(victim_mu_);
-  VictimQueue& q = victims_[ns.id];
-  for (int refill = 0; refill < 2; ++refill) {
-    uint64_t now = now_mono_us();
-    if (q.v.empty() || now - q.filled_us > kVictimMaxAgeUs || refill) {
-      q.v.clear();
-      uint64_t from = evict_hand_.load(std::memory_order_relaxed);
-      uint64_t i = 0;
-      for (; i <= slot_mask_ && q.v.size() < kVictimSample; ++i) {
-        uint64_t slot = (from + i) & slot_mask_;
-        uint64_t w = coh_.read(&entry(slot)->state);
-        if (entry_state(w) != kReady && entry_state(w) != kCondemned) continue;
-        IndexEntry e;
-        if (!snapshot(slot, w, &e) || e.ns_id != ns.id) continue;
-        q.v.push_back({entry_state(w) == kCondemned ? 0 : coh_.read_hint(access(slot)), slot, w});
-      }
-      evict_hand_.store(from + i, std::memory_order_relaxed);
-      std::sort(q.v.begin(), q.v.end(), [](const Victim& a, const Victim& b) { return a.access > b.access; });
-      q.filled_us = now;
-    }
-    while (!q.v.empty()) {
-      Victim c = q.v.back();
-      q.v.pop_back();
-      if (coh_.read(&entry(c.slot)->state) != c.word) continue;
-      if (entry_state(c.word) == kReady && coh_.read_hint(access(c.slot)) != c.access) continue;
-      if (evict_victim(c, &ns, out_chunk, out_block, new_owner_slot)) return true;
-    }
-  }
-  return false;
+  return evictor_.from_queue(
+      ns.id, [&](const Victim& c) { return evict_victim(c, &ns, out_chunk, out_block, new_owner_slot); });
 }
 
 bool Pool::put(const NsHandle& ns, const Key& key, const Piece* src, size_t n, uint16_t depth) {

@@ -18,6 +18,7 @@
 #include "checksum.h"
 #include "coherence.h"
 #include "errors.h"
+#include "evictor.h"
 #include "format.h"
 #include "layout.h"
 #include "liveness.h"
@@ -391,18 +392,9 @@ class Pool {
     uint64_t steal_after_us = 0;  // a scan of other chunks found nothing: skip scans until then
   };
   std::unordered_map<uint32_t, NsAlloc> alloc_;  // by namespace id; process-local
-  std::atomic<uint64_t> evict_hand_{0};
-  // Eviction candidates of one namespace, sampled from the index and sorted, oldest last: a big
-  // sample approximates LRU far better than a fresh small one per eviction, at lower cost.
-  struct Victim {
-    uint64_t access, slot, word;
-  };
-  struct VictimQueue {
-    std::vector<Victim> v;
-    uint64_t filled_us = 0;
-  };
-  std::mutex victim_mu_;
-  std::unordered_map<uint32_t, VictimQueue> victims_;
+  // Chooses eviction victims (evictor.h); evict_victim below carries the eviction out.
+  Evictor evictor_{region_};
+  using Victim = Evictor::Victim;
   bool evict_from_queue(const NsHandle& ns, uint64_t* out_chunk, uint32_t* out_block,
                         uint64_t new_owner_slot);
   bool evict_victim(const Victim& c, const NsHandle* ns, uint64_t* out_chunk, uint32_t* out_block,
