@@ -419,24 +419,4 @@ std::vector<uint64_t> Pool::counters() {
   return sum;
 }
 
-// ---------------------------------------------------------------------------------------------
-// Pin slots: a process-local free list over this node's pin array. pin_hw only grows while
-// attached; it tells other nodes how far to scan.
-bool Pool::alloc_pin(uint32_t* idx) {
-  std::lock_guard<std::mutex> g(pin_mu_);
-  if (free_pins_.empty()) {
-    if (pin_hw_ >= hdr_->pin_slots) return false;
-    *idx = uint32_t(pin_hw_++);
-    coh_.publish(&node_fixed(node_id_ - 1)->pin_hw, pin_hw_);
-    return true;
-  }
-  *idx = free_pins_.back();
-  free_pins_.pop_back();
-  return true;
-}
-void Pool::free_pin(uint32_t idx) {
-  std::lock_guard<std::mutex> g(pin_mu_);
-  free_pins_.push_back(idx);
-}
-
 }  // namespace cxlkv

@@ -14,6 +14,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "alloc_cursors.h"
 #include "arbiter.h"
 #include "checksum.h"
 #include "coherence.h"
@@ -23,6 +24,7 @@
 #include "layout.h"
 #include "liveness.h"
 #include "mapping.h"
+#include "pin_slots.h"
 #include "region.h"
 #include "rpc.h"
 
@@ -333,9 +335,12 @@ class Pool {
   bool drain_chunk(uint64_t chunk, uint64_t active_word, const NsHandle& donor, const NsHandle& ns);
   bool claim_free_block(const NsHandle& ns, uint64_t chunk, uint64_t slot, uint32_t* block, uint32_t start);
   void free_block(uint64_t chunk, uint32_t block);
-  // pin slots (process-local allocator over this node's pin array)
-  bool alloc_pin(uint32_t* idx);
-  void free_pin(uint32_t idx);
+  // pin slots (pin_slots.h: the process-local allocator over this node's pin array)
+  bool alloc_pin(uint32_t* idx) {
+    return pin_slots_.alloc(idx, hdr_->pin_slots,
+                            [this](uint64_t hw) { coh_.publish(&node_fixed(node_id_ - 1)->pin_hw, hw); });
+  }
+  void free_pin(uint32_t idx) { pin_slots_.free(idx); }
   void count(format::Counter c, uint64_t v = 1);
   uint8_t my_epoch8() const { return uint8_t(format::node_epoch(node_word_)); }
   // True if node `node` is attached now in the incarnation whose epoch ends in `epoch8`.
@@ -381,17 +386,9 @@ class Pool {
   std::vector<Watch> watch_;
   std::atomic<uint64_t> reaped_unreported_{0};  // reclaims since open or the last check (F20)
 
-  std::mutex pin_mu_;
-  std::vector<uint32_t> free_pins_;
-  uint64_t pin_hw_ = 0;
+  PinSlots pin_slots_;
   std::atomic<uint64_t> lease_pins_{0};  // pins held by this process's leases (see lease_cap)
-  std::mutex alloc_mu_;
-  struct NsAlloc {
-    uint64_t home = ~0ull;        // chunk this node allocates from first
-    uint32_t cursor = 0;          // where the last scan of the home chunk stopped
-    uint64_t steal_after_us = 0;  // a scan of other chunks found nothing: skip scans until then
-  };
-  std::unordered_map<uint32_t, NsAlloc> alloc_;  // by namespace id; process-local
+  AllocCursors alloc_cursors_;           // where allocation starts, per namespace (allocator.cpp)
   // Chooses eviction victims (evictor.h); evict_victim below carries the eviction out.
   Evictor evictor_{region_};
   using Victim = Evictor::Victim;
