@@ -343,7 +343,7 @@ void Pool::validate_and_attach(bool fresh, bool attach) {
   host_id_ = emu_.base ? emu_.host_id : liveness::host_id();
   if (!emu_.base) lock_ = liveness::open_lock_file(path_, map_.file_dev(), map_.file_ino());
   domain_ = liveness::domain_tag(host_id_, lock_.lock_id);
-  watch_.assign(h.max_nodes, Watch{});
+  node_table_.reset_watches(h.max_nodes);
   if (read_only_) return;
   if (multihost) setup_arbiter(emu_.base ? emu_.host_slot : want_slot_, !attach);
   reap_dead_nodes();

@@ -24,6 +24,7 @@
 #include "layout.h"
 #include "liveness.h"
 #include "mapping.h"
+#include "node_table.h"
 #include "pin_slots.h"
 #include "region.h"
 #include "rpc.h"
@@ -49,21 +50,6 @@ struct CreateOptions {
 // Throws ArgumentError when an option is out of range or the size cannot hold the metadata plus
 // one chunk. Pure: no I/O (geometry.cpp; table tests in tests/cpp/test_geometry.cpp).
 void plan_geometry(format::PoolHeader& h, const CreateOptions& opt);
-
-// One node slot as a judge sees it (`pool info`, `pool reap`): the verdict and its evidence.
-struct NodeInfo {
-  uint32_t id = 0;    // node id (slot + 1)
-  uint8_t state = 0;  // format::NodeState
-  uint32_t epoch = 0;
-  uint64_t pid = 0, pid_ns = 0, attach_unix_ns = 0, beat = 0, beat_unix_ns = 0;
-  bool self = false;         // this attachment
-  bool same_kernel = false;  // judged by the kernel lock (same host_id and lock file)
-  bool lock_held = false;    // same_kernel only: someone holds the slot's lock
-  uint64_t silent_ms = 0;    // lease only: how long this judge has seen (state, beat) unchanged
-  uint64_t lease_ms = 0;
-  enum Verdict { kFree, kAlive, kDead, kUndecided } verdict = kFree;
-  std::string evidence;  // one line, e.g. "lock held (same kernel)"
-};
 
 // How Pool::open maps and trusts an existing pool (F11, F23).
 struct OpenOptions {
@@ -274,14 +260,11 @@ class Pool {
   uint64_t break_stale_ns_lock();
   void attach_node();
   void detach_node();
-  NodeInfo judge(uint32_t idx, uint64_t word);
+  NodeInfo judge(uint32_t idx, uint64_t word) { return node_table_.judge(idx, word, node_id_, node_word_); }
   bool reclaim_judged(uint32_t idx, uint64_t word, const NodeInfo& n, bool force);
   uint64_t reap_pass(uint64_t* undecided);
   void reclaim_node(uint32_t idx, uint64_t word);
-  // The byte of the pool file locked for slot idx (L1). Locks live beyond any data (locks need
-  // no bytes) in a 256-byte range per host id, so simulated hosts (CXLKV_HOST_ID) on one kernel
-  // do not see each other's locks, exactly as separate kernels would not.
-  uint64_t lock_offset(uint32_t idx) const { return (1ull << 48) + (host_id_ & 0xFFFFF) * 256 + idx; }
+  uint64_t lock_offset(uint32_t idx) const { return node_table_.lock_offset(idx); }  // node_table.h
 
   // The region's bounds-checked accessors (region.h), under the names the protocol files use.
   format::NodeSlot* node_slot(uint32_t idx) const { return region_.node_slot(idx); }
@@ -361,14 +344,17 @@ class Pool {
   bool read_only_ = false;
   uint32_t node_id_ = 0;  // 1-based; 0 = not attached
   uint32_t pid_ = 0;
-  uint64_t host_id_ = 0;
   uint64_t node_word_ = 0;
   uint64_t fork_generation_ = 0;
-  // liveness (nodes.cpp)
-  liveness::LockFile lock_;
-  uint32_t domain_ = 0;
-  uint64_t heartbeat_ = 0;           // handle with the process heartbeat thread
-  std::atomic<bool> fenced_{false};  // this node was reclaimed while alive (L3), or fenced itself
+  // liveness (nodes.cpp): the judge of the node table (node_table.h), and its identity and lock
+  // under the names nodes.cpp uses (one owner: node_table_).
+  NodeTable node_table_{region_};
+  uint64_t& host_id_ = node_table_.host_id();
+  liveness::LockFile& lock_ = node_table_.lock_file();
+  uint32_t& domain_ = node_table_.domain();
+  std::mutex& reap_mu_ = node_table_.mu();  // one reclaim at a time per lock descriptor
+  uint64_t heartbeat_ = 0;                  // handle with the process heartbeat thread
+  std::atomic<bool> fenced_{false};         // this node was reclaimed while alive (L3), or fenced itself
   // multihost (arbiter.h): the cross-host lock and fence; the time before the last published beat
   std::unique_ptr<Bakery> bakery_;
   std::atomic<uint64_t> last_beat_ns_{0};
@@ -378,12 +364,6 @@ class Pool {
   int want_slot_ = -1;  // OpenOptions::host_slot
   void setup_arbiter(int want_slot, bool observer);
   void check_host_slot_unique();
-  std::mutex reap_mu_;  // one reclaim at a time per lock descriptor
-  struct Watch {        // lease observations of this judge, per slot
-    uint64_t word = 0, beat = 0, since_ns = 0;
-    bool valid = false;
-  };
-  std::vector<Watch> watch_;
   std::atomic<uint64_t> reaped_unreported_{0};  // reclaims since open or the last check (F20)
 
   PinSlots pin_slots_;
