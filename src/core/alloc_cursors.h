@@ -15,18 +15,20 @@ class AllocCursors {
     uint32_t cursor = 0;          // where the last scan of the home chunk stopped
     uint64_t steal_after_us = 0;  // a scan of other chunks found nothing: skip scans until then
   };
-  Cursor get(uint32_t ns_id) {
+  // key: the namespace id, or a finer key when allocators of one namespace draw from
+  // different chunks.
+  Cursor get(uint32_t key) {
     std::lock_guard<std::mutex> g(mu_);
-    return by_ns_[ns_id];
+    return by_key_[key];
   }
-  void set(uint32_t ns_id, const Cursor& c) {
+  void set(uint32_t key, const Cursor& c) {
     std::lock_guard<std::mutex> g(mu_);
-    by_ns_[ns_id] = c;
+    by_key_[key] = c;
   }
 
  private:
   std::mutex mu_;
-  std::unordered_map<uint32_t, Cursor> by_ns_;  // by namespace id
+  std::unordered_map<uint32_t, Cursor> by_key_;
 };
 
 }  // namespace cxlkv

@@ -23,7 +23,7 @@ std::vector<Evictor::Victim> Evictor::window(uint64_t home) const {
   return cands;
 }
 
-void Evictor::refill_if_stale(uint32_t ns_id, Queue& q, bool force) {
+void Evictor::refill_if_stale(uint32_t ns_id, const Accept& accept, Queue& q, bool force) {
   constexpr size_t kVictimSample = 1024;
   constexpr uint64_t kVictimMaxAgeUs = 100'000;
   const Coherence& coh = region_.coh();
@@ -39,6 +39,7 @@ void Evictor::refill_if_stale(uint32_t ns_id, Queue& q, bool force) {
     if (entry_state(w) != kReady && entry_state(w) != kCondemned) continue;
     IndexEntry e;
     if (!region_.snapshot(slot, w, &e) || e.ns_id != ns_id) continue;
+    if (accept && !accept(e)) continue;
     q.v.push_back({entry_state(w) == kCondemned ? 0 : coh.read_hint(region_.access(slot)), slot, w});
   }
   hand_.store(from + i, std::memory_order_relaxed);

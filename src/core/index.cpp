@@ -217,8 +217,9 @@ bool Pool::evict_in_window(uint64_t home) {
 // new_owner_slot.
 bool Pool::evict_from_queue(const NsHandle& ns, uint64_t* out_chunk, uint32_t* out_block,
                             uint64_t new_owner_slot) {
-  return evictor_.from_queue(
-      ns.id, [&](const Victim& c) { return evict_victim(c, &ns, out_chunk, out_block, new_owner_slot); });
+  return evictor_.from_queue(ns.id, ns.id, {}, [&](const Victim& c) {
+    return evict_victim(c, &ns, out_chunk, out_block, new_owner_slot);
+  });
 }
 
 bool Pool::put(const NsHandle& ns, const Key& key, const Piece* src, size_t n, uint16_t depth) {
