@@ -7,7 +7,8 @@
 //   flush(p, n)      make plain writes in [p, p+n) visible to other hosts
 //   invalidate(p, n) drop stale copies of [p, p+n) before reading what other hosts wrote
 //   snapshot(d,s,n,v,seen)  copy a record guarded by version word v: true only if the copy is
-//                    the whole version `seen` (seqlock read; no data race, seen by the emulator)
+//                    the whole version `seen` (seqlock read; no data race, seen by the emulator);
+//                    snapshot_matches compares words of it in place instead of copying
 //   fence()          order this participant's earlier stores before its later loads
 //   stream_copy      copy a payload into the pool without leaving it in this CPU's cache
 //
@@ -129,6 +130,20 @@ class Coherence {
     invalidate(src, n);
     copy_words(dst, src, n);
     return read(version) == seen;
+  }
+  // The seqlock compare, for a lookup that only asks "is it this key?": true if the `words` words
+  // at src, each masked by mask[i], equal expect[i] in one version of the record, the one
+  // published as `seen`. snapshot() without the copy: the same invalidate, relaxed loads, acquire
+  // fence and re-read of the version, compared in registers.
+  bool snapshot_matches(const void* src, const uint64_t* expect, const uint64_t* mask, size_t words,
+                        const uint64_t* version, uint64_t seen) const {
+    invalidate(src, words * 8);
+    auto* s = static_cast<uint64_t*>(const_cast<void*>(src));
+    uint64_t diff = 0;
+    for (size_t i = 0; i < words; ++i)
+      diff |= (std::atomic_ref<uint64_t>(s[i]).load(std::memory_order_relaxed) ^ expect[i]) & mask[i];
+    std::atomic_thread_fence(std::memory_order_acquire);
+    return read(version) == seen && diff == 0;
   }
   // The same after the caller's own invalidate of [src, src+n) (batched reads, as
   // read_after_invalidate): `seen` came from read_after_invalidate.

@@ -498,16 +498,17 @@ size_t Pool::match_prefix(const NsHandle& ns, const Key* keys, size_t n) {
   thread_local std::vector<uint64_t> slots;
   slots.clear();
   for (size_t m = 0; m < n; ++m) {
-    // Fast path, the common case: the key is READY at its home. Only the words up to ns_id are
-    // copied (a seqlock snapshot of the entry's head) and believed only if the state word is
-    // unchanged afterwards; anything else takes find()'s full probe.
+    // Fast path, the common case: the key is READY at its home. Its key and ns_id are compared in
+    // place (a seqlock compare of the entry's head, Coherence::snapshot_matches) and believed only
+    // if the state word is unchanged afterwards; anything else takes find()'s full probe.
     const uint64_t home = hashes[m] & slot_mask_, w = home_words[m];
     if (entry_state(w) == kReady && entry_tag(w) == key_tag(hashes[m])) {
       IndexEntry* e = entry(home);
-      IndexEntry head;
-      constexpr size_t kHead = (offsetof(IndexEntry, ns_id) + sizeof head.ns_id + 7) / 8 * 8;
-      const bool stable = coh_.snapshot(&head, e, kHead, &e->state, w);
-      if (stable && head.ns_id == ns.id && std::memcmp(head.key, keys[m].data(), 32) == 0) {
+      static_assert(offsetof(IndexEntry, key) == 8 && offsetof(IndexEntry, ns_id) == 40);
+      uint64_t expect[5] = {0, 0, 0, 0, ns.id};  // key words, then [chunk:32][ns_id:32] (x86: LE)
+      std::memcpy(expect, keys[m].data(), 32);
+      static constexpr uint64_t kMask[5] = {~0ull, ~0ull, ~0ull, ~0ull, 0xFFFFFFFFull};
+      if (coh_.snapshot_matches(e->key, expect, kMask, 5, &e->state, w)) {
         slots.push_back(home);
         continue;
       }
