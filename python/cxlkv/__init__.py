@@ -24,7 +24,7 @@ from .errors import (
     PoolTruncatedError,
     PoolVersionError,
 )
-from .paths import DEFAULT_POOL_PATH, default_pool_path, ensure_private_dir
+from .paths import DEFAULT_POOL_PATH, default_pool_path, ensure_private_dir, join_device_paths
 from .sizes import format_size, parse_size
 
 __all__ = [
@@ -62,7 +62,8 @@ _CREATE_OPTIONS: dict = _core.create_options()
 def create_options() -> dict:
     """Pool creation's defaults and limits, from the core: ``{option: {"default", "min", "max"}}``
     for ``chunk_bytes``, ``index_slots``, ``max_nodes``, ``pin_slots``, ``max_namespaces``,
-    ``lease_ms`` (a default of 0: derived from the size; ``max`` None: no fixed limit), and
+    ``lease_ms``, ``stripe_bytes`` (a default of 0: derived from the size; ``max`` None: no fixed
+    limit), and
     ``{"backend": {"default": ...}}``."""
     return {k: dict(v) for k, v in _CREATE_OPTIONS.items()}
 
@@ -127,6 +128,12 @@ class KVLayout:
         for f in ("dtype", "kind", "block_bytes"):
             object.__setattr__(self, f, canonical[f])
 
+    @classmethod
+    def from_info(cls, info: dict) -> KVLayout:
+        """The layout of a ``Pool.namespaces()`` entry (or any dict holding the fields; other keys
+        are ignored): the field list is the dataclass's, written once."""
+        return cls(**{f.name: info[f.name] for f in dataclasses.fields(cls) if f.name in info})
+
     @property
     def dtype_bytes(self) -> int:
         return dtype_bytes(self.dtype)
@@ -136,10 +143,13 @@ class KVLayout:
 
 
 SizeLike = int | str
+# A pool path: one file or device, or a striped pool's devices, device 0 first (a sequence, or
+# one string with the paths joined by commas).
+PoolPath = str | os.PathLike[str] | list | tuple
 
 
-def _path_or_default(path: str | os.PathLike[str] | None) -> str:
-    return default_pool_path() if path is None else os.fspath(path)
+def _path_or_default(path: PoolPath | None) -> str:
+    return default_pool_path() if path is None else join_device_paths(path)
 
 
 def _check_text(what: str, text: str) -> None:
@@ -161,10 +171,11 @@ class Pool:
     @classmethod
     def create(
         cls,
-        path: str | None = None,
+        path: PoolPath | None = None,
         size: SizeLike = DEFAULT_POOL_SIZE,
         *,
         chunk_size: SizeLike | None = None,
+        stripe_size: SizeLike | None = None,
         index_slots: int | None = None,
         max_nodes: int = _create_default("max_nodes"),
         pin_slots: int | None = None,
@@ -180,7 +191,9 @@ class Pool:
         chunk_size, index_slots, pin_slots: None lets the core derive them from the size.
         lease_ms: how long a node of another kernel may stay silent before it is judged dead
         (nodes of this kernel are judged by a kernel lock, at once). Defaults and limits:
-        :func:`create_options`."""
+        :func:`create_options`. A list of paths (or one string of comma-separated paths) creates
+        a pool striped over those devices, stripe_size bytes at a time (None: 2 MiB); its size is
+        cut to whole stripes."""
         path = _path_or_default(path)
         ensure_private_dir(path)
         core = _core.Pool.create(
@@ -196,13 +209,14 @@ class Pool:
             lease_ms=lease_ms,
             allow_foreign_owner=allow_foreign_owner,
             allow_group=allow_group,
+            stripe_bytes=parse_size(stripe_size) if stripe_size else 0,
         )
         return cls(core)
 
     @classmethod
     def open(
         cls,
-        path: str | None = None,
+        path: PoolPath | None = None,
         *,
         populate: bool = False,
         read_only: bool = False,
@@ -237,15 +251,16 @@ class Pool:
 
     @classmethod
     def open_or_create(
-        cls, path: str | None = None, size: SizeLike = DEFAULT_POOL_SIZE, **kwargs: Any
+        cls, path: PoolPath | None = None, size: SizeLike = DEFAULT_POOL_SIZE, **kwargs: Any
     ) -> Pool:
         return cls.create(path, size, exist_ok=True, **kwargs)
 
     @staticmethod
     def destroy(
-        path: str | None = None, *, ignore_attached: bool = False, remove_invalid: bool = False
+        path: PoolPath | None = None, *, ignore_attached: bool = False, remove_invalid: bool = False
     ) -> None:
-        """Delete a file pool (wipe a devdax pool's header). Refuses while live processes are
+        """Delete a file pool, every device file of a striped pool (wipe a devdax pool's header).
+        Refuses while live processes are
         attached (the error lists them) unless ignore_attached. remove_invalid=True also removes a
         regular file that is not a complete pool (0 bytes, bad magic, half-initialized)."""
         _core.Pool.destroy(
@@ -288,21 +303,34 @@ class Pool:
         return self._core.info()["uuid"]
 
     def info(self) -> dict:
-        """Header fields, plus file_dev/file_ino: the identity of the mapped file."""
+        """Header fields, plus file_dev/file_ino: the identity of the mapped file, and
+        ``stripe_bytes`` (0: not striped) and ``devices`` (index, path, pool_bytes, device_bytes,
+        file_dev, file_ino per device; one for a single-device pool)."""
         return self._core.info()
+
+    def device_usage(self) -> list:
+        """Per device: pool_bytes (its share of the pool), capacity_bytes (bytes of carved blocks
+        on it) and used_bytes (bytes of used blocks on it). Scans the block descriptors."""
+        return self._core.device_usage()
 
     def file_replaced(self) -> bool:
         """True when the pool's path no longer names the mapped file (deleted or replaced)."""
         return self._core.file_replaced()
 
     # -- namespaces -----------------------------------------------------------------------
-    def namespace(self, layout: KVLayout, name: str | None = None) -> Namespace:
+    def namespace(self, layout: KVLayout, name: str | None = None, *, device: int | None = None) -> Namespace:
+        """The namespace of ``layout`` (created on first use). device=k (a striped pool): this
+        handle stores its blocks on device k only (each block wholly inside a stripe of it);
+        None: anywhere, interleaved. Reads find a key wherever it was stored."""
         name = name or layout.default_name()
         _check_text("namespace name", name)
-        ns = self._namespaces.get((name, layout))
+        if device is not None and device < 0:
+            raise ValueError(f"device must be >= 0 (or None: any device), not {device}")
+        dev = -1 if device is None else device
+        ns = self._namespaces.get((name, layout, dev))
         if ns is None:
-            ns = self._core.open_namespace(name, layout)
-            self._namespaces[(name, layout)] = ns
+            ns = self._core.open_namespace(name, layout, device=dev)
+            self._namespaces[(name, layout, dev)] = ns
         return ns
 
     def namespaces(self) -> list:

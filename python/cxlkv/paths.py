@@ -19,6 +19,24 @@ import stat
 DEFAULT_POOL_DIR = f"/dev/shm/cxlkv-{os.geteuid()}"
 
 
+# A pool striped over several devices is named by their paths joined with this separator, device
+# 0 first ("/dev/shm/a,/dev/shm/b"): the same string works wherever a pool path is taken
+# (API, CLI, $CXLKV_POOL, the vLLM connector's pool_path). The core splits it (striping.h).
+DEVICE_SEPARATOR = ","
+
+
+def device_paths(pool_path: str) -> list[str]:
+    """The device paths a pool path names: one for a single-device pool."""
+    return pool_path.split(DEVICE_SEPARATOR)
+
+
+def join_device_paths(paths) -> str:
+    """A pool path from a path or a sequence of device paths (device 0 first)."""
+    if isinstance(paths, (list, tuple)):
+        return DEVICE_SEPARATOR.join(os.fspath(p) for p in paths)
+    return os.fspath(paths)
+
+
 def default_pool_path() -> str:
     """``$CXLKV_POOL`` if set (read now, not at import), else ``/dev/shm/cxlkv-<euid>/pool``."""
     return os.environ.get("CXLKV_POOL") or os.path.join(DEFAULT_POOL_DIR, "pool")
@@ -29,8 +47,13 @@ DEFAULT_POOL_PATH = default_pool_path()
 
 
 def ensure_private_dir(path: str) -> None:
-    """If ``path`` lies in the default per-user directory, create that directory (0700) when
-    missing, and refuse it (PermissionError) when it is not ours alone."""
+    """If ``path`` (or a device of it) lies in the default per-user directory, create that
+    directory (0700) when missing, and refuse it (PermissionError) when it is not ours alone."""
+    for device in device_paths(path):
+        _ensure_private_dir_of(device)
+
+
+def _ensure_private_dir_of(path: str) -> None:
     d = os.path.dirname(os.path.abspath(path))
     if d != DEFAULT_POOL_DIR:
         return

@@ -1,4 +1,5 @@
 #include "bench.h"
+#include "percentile.h"
 
 #include <algorithm>
 #include <chrono>
@@ -12,12 +13,6 @@ namespace cxlkv {
 
 namespace {
 using Clock = std::chrono::steady_clock;
-double pct(std::vector<uint32_t>& v, double p) {
-  if (v.empty()) return 0;
-  size_t k = std::min(v.size() - 1, size_t(p * double(v.size())));
-  std::nth_element(v.begin(), v.begin() + long(k), v.end());
-  return v[k];
-}
 Key make_key(uint64_t seed, uint64_t i) {
   Key k{};
   uint64_t a = xxh3(&i, 8, seed), b = xxh3(&i, 8, seed + 1), c = xxh3(&i, 8, seed + 2),
@@ -49,7 +44,7 @@ double line_read_p50(uint64_t bytes, uint64_t hops, uint64_t seed) {
     lat.push_back(uint32_t(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - a).count()));
   }
   ::munmap(m, lines * 64);
-  return pct(lat, 0.50);
+  return percentile(lat, 0.50);
 }
 }  // namespace
 
@@ -89,8 +84,8 @@ IndexBenchResult bench_index(Pool& pool, const NsHandle& ns, uint64_t inserts, u
   }
   double ins_s = std::chrono::duration<double>(Clock::now() - t0).count();
   r.inserts_per_s = ins_s > 0 ? double(inserts) / ins_s : 0;
-  r.insert_p50_ns = pct(ins_ns, 0.50);
-  r.insert_p99_ns = pct(ins_ns, 0.99);
+  r.insert_p50_ns = percentile(ins_ns, 0.50);
+  r.insert_p99_ns = percentile(ins_ns, 0.99);
 
   // Keep only keys that are resident (eviction may have dropped some if the pool is small).
   std::vector<Key> present;
@@ -117,8 +112,8 @@ IndexBenchResult bench_index(Pool& pool, const NsHandle& ns, uint64_t inserts, u
   double sum = 0;
   for (auto v : lat) sum += v;
   r.lookup_mean_ns = sum / double(lat.size());
-  r.lookup_p50_ns = pct(lat, 0.50);
-  r.lookup_p99_ns = pct(lat, 0.99);
+  r.lookup_p50_ns = percentile(lat, 0.50);
+  r.lookup_p99_ns = percentile(lat, 0.99);
   r.line_read_p50_ns =
       line_read_p50(pool.header().index_slots * sizeof(format::IndexEntry), order.size(), seed);
   if (r.line_read_p50_ns > 0) r.lookup_vs_line_read = r.lookup_p50_ns / r.line_read_p50_ns;
@@ -146,8 +141,8 @@ IndexBenchResult bench_index(Pool& pool, const NsHandle& ns, uint64_t inserts, u
         per_acquire.push_back(
             uint32_t(std::chrono::duration_cast<std::chrono::nanoseconds>(c1 - c0).count()));
     }
-    r.prefix256_match_ns_per_key = pct(per_match, 0.50) / kPrefix;
-    r.prefix256_acquire_ns_per_key = pct(per_acquire, 0.50) / kPrefix;
+    r.prefix256_match_ns_per_key = percentile(per_match, 0.50) / kPrefix;
+    r.prefix256_acquire_ns_per_key = percentile(per_acquire, 0.50) / kPrefix;
     if (r.line_read_p50_ns > 0) r.prefix256_vs_line_read = r.prefix256_match_ns_per_key / r.line_read_p50_ns;
   }
 

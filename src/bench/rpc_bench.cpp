@@ -1,5 +1,6 @@
 // `cxlkv bench rpc`: see rpc_bench.h for what is measured and why it is comparable.
 #include "rpc_bench.h"
+#include "percentile.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -415,13 +416,6 @@ std::pair<int, int> pick_cpus() {
   for (int c = 0; c < CPU_SETSIZE && k < 2; ++c)
     if (CPU_ISSET(c, &set)) found[k++] = c;
   return k == 2 ? std::pair<int, int>{found[0], found[1]} : std::pair<int, int>{-1, -1};
-}
-
-double percentile(std::vector<uint64_t>& v, double q) {
-  if (v.empty()) return 0;
-  size_t i = std::min(v.size() - 1, size_t(q * double(v.size())));
-  std::nth_element(v.begin(), v.begin() + long(i), v.end());
-  return double(v[i]);
 }
 
 struct Phase {

@@ -20,6 +20,7 @@ using namespace format;
   uint32_t n = ns.geo.blocks;
   for (uint32_t i = 0; i < n; ++i) {
     uint32_t b = (start + i) % n;
+    if (!block_on_device(ns, chunk, b)) continue;  // placement.cpp: a device-bound handle
     uint64_t* d = block_desc(chunk, b);
     uint64_t w = coh_.read(d);
     if (w != 0) continue;
@@ -47,7 +48,7 @@ bool Pool::carve_chunk(const NsHandle& ns, uint64_t* out) {
   for (uint64_t c = 0; c < hdr_->chunk_count; ++c) {
     uint64_t* cw = chunk_word(c);
     uint64_t w = coh_.read(cw);
-    if (chunk_state(w) != kChunkFree) continue;
+    if (chunk_state(w) != kChunkFree || !chunk_has_device_blocks(ns, c)) continue;
     if (!coh_.claim(cw, w, make_chunk_word(kChunkCarving, uint8_t(node_id_), ns.id))) continue;
     coh_.fault("alloc.carving");
     init_chunk(ns, c);
@@ -88,7 +89,7 @@ bool Pool::steal_chunk(const NsHandle& ns, uint64_t* out) {
   for (uint64_t i = 0; i < hdr_->chunk_count && tries < 4; ++i) {
     uint64_t c = (start + i) % hdr_->chunk_count;
     uint64_t w = coh_.read(chunk_word(c));
-    if (chunk_state(w) != kChunkActive || chunk_ns(w) != donor) continue;
+    if (chunk_state(w) != kChunkActive || chunk_ns(w) != donor || !chunk_has_device_blocks(ns, c)) continue;
     ++tries;
     if (drain_chunk(c, w, handles[donor], ns)) {
       *out = c;
@@ -148,9 +149,9 @@ bool Pool::drain_chunk(uint64_t c, uint64_t active_word, const NsHandle& donor, 
 
 bool Pool::alloc_block(const NsHandle& ns, uint64_t slot, uint64_t* chunk, uint32_t* block) {
   constexpr uint64_t kStealBackoffUs = 20'000;
-  const AllocCursors::Cursor st = alloc_cursors_.get(ns.id);
+  const AllocCursors::Cursor st = alloc_cursors_.get(placement_key(ns));
   auto remember = [&](uint64_t c, uint32_t next, uint64_t steal_after) {
-    alloc_cursors_.set(ns.id, AllocCursors::Cursor{c, next, steal_after});
+    alloc_cursors_.set(placement_key(ns), AllocCursors::Cursor{c, next, steal_after});
   };
   auto mine = [&](uint64_t c) {
     uint64_t w = coh_.read(chunk_word(c));

@@ -35,8 +35,14 @@ constexpr uint16_t kFormatMajor = 2;  // 2: NamespaceEntry of 512 bytes (source,
 // 1: compat feature kCompatAdminMailbox (node areas end with an RPC mailbox).
 // 2: multihost backend (3): the lock area between SharedWords and the node table (lock_hosts in
 //    the header, host_slot in NodeSlot). Older builds refuse backend 3 and ignore the zero fields.
-constexpr uint16_t kFormatMinor = 2;
-constexpr uint64_t kIncompatSupported = 0;  // no incompat features defined yet
+// 3: striped pools (incompat feature kIncompatStriped: one pool over several devices, see
+//    StripeTable below). Older builds refuse them (unknown incompat bit); a single-file pool is
+//    unchanged and still records minor 2 (pool_minor()).
+constexpr uint16_t kFormatMinor = 3;
+// kIncompatStriped: the pool is interleaved over StripeTable::device_count devices; a reader that
+// maps only the first device would see the other devices' stripes as missing bytes.
+constexpr uint64_t kIncompatStriped = 1;
+constexpr uint64_t kIncompatSupported = kIncompatStriped;
 constexpr uint64_t kRoCompatSupported = 0;  // no ro_compat features defined yet
 // Compat features (an older reader may ignore them: it never looks past the pins of a node area).
 // kCompatAdminMailbox: every node area ends with that node's admin RPC mailbox (see NodeArea
@@ -454,5 +460,55 @@ inline ChunkGeometry chunk_geometry(uint64_t chunk_bytes, uint64_t block_bytes) 
   g.blocks = uint32_t(n);
   return g;
 }
+
+// ---------------------------------------------------------------------------------------------
+// Striped pools (format 2.3, incompat kIncompatStriped; docs/ARCHITECTURE.md "Device interleaving").
+// The pool is ONE contiguous range of pool_bytes in every process, cut into stripes of
+// stripe_bytes: stripe i lives on device (i % device_count) at device offset
+//   data_off(d) + (i / device_count) * stripe_bytes,  data_off(0) = 0, data_off(d > 0) = label_bytes
+// so every offset of the format keeps its meaning. Device 0 starts with the pool itself (stripe 0
+// holds the header and this table); every other device starts with a DeviceLabel in its first
+// label_bytes (outside the striped range), naming the pool it belongs to and its position, so a
+// device list in the wrong order, a missing device or a device of another pool is refused at open.
+// Both are written once by the creator before the init word says READY, never again; readers
+// validate them (checksums, every field bounded) before a single stripe is mapped.
+constexpr size_t kStripeTableOff = 1024;  // in the header page, after PoolHeader
+constexpr uint32_t kMaxDevices = 16;
+constexpr uint64_t kStripeBytesDefault = 2ull << 20;  // Beluga's software interleaving granularity
+constexpr uint64_t kStripeBytesMin = 64ull << 10;
+constexpr uint64_t kStripeBytesMax = 1ull << 30;
+// Label area of devices 1..: label_bytes = min(stripe_bytes, kLabelAlignMax), so every stripe's
+// offset on its device is as aligned as its address in the range (devdax maps 2 MiB-aligned
+// offsets only; tmpfs huge pages need the same alignment in the file as in memory).
+constexpr uint64_t kLabelAlignMax = 2ull << 20;
+constexpr uint64_t label_bytes_for(uint64_t stripe_bytes) {
+  return stripe_bytes < kLabelAlignMax ? stripe_bytes : kLabelAlignMax;
+}
+constexpr char kStripeMagic[8] = {'C', 'X', 'L', 'K', 'V', 'S', 'T', '\0'};
+constexpr char kLabelMagic[8] = {'C', 'X', 'L', 'K', 'V', 'D', 'V', '\0'};
+struct StripeTable {
+  char magic[8];                       // kStripeMagic
+  uint32_t device_count;               // 2..kMaxDevices
+  uint32_t table_bytes;                // sizeof(StripeTable)
+  uint64_t stripe_bytes;               // power of two in kStripeBytesMin..kStripeBytesMax; divides pool_bytes
+  uint64_t label_bytes;                // label area at the start of devices 1..: label_bytes_for(stripe)
+  uint64_t device_bytes[kMaxDevices];  // bytes each device must have (label + its stripes); 0 past count
+  uint64_t checksum;                   // XXH3_64 of the bytes before it
+};
+static_assert(sizeof(StripeTable) == 168);
+static_assert(kStripeTableOff >= sizeof(PoolHeader) && kStripeTableOff + sizeof(StripeTable) <= kHeaderBytes);
+struct DeviceLabel {
+  char magic[8];  // kLabelMagic
+  uint8_t pool_uuid[16];
+  uint32_t device_index;  // 1..device_count-1 (device 0 carries the header instead)
+  uint32_t device_count;
+  uint64_t stripe_bytes;
+  uint64_t pool_bytes;
+  uint64_t label_bytes;
+  uint64_t checksum;  // XXH3_64 of the bytes before it
+};
+static_assert(sizeof(DeviceLabel) == 64);
+// The minor version a pool records: the oldest that describes it (single-file pools stay 2.2).
+constexpr uint16_t pool_minor(bool striped) { return striped ? 3 : 2; }
 
 }  // namespace cxlkv::format

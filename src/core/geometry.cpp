@@ -93,4 +93,18 @@ void plan_geometry(PoolHeader& h, const CreateOptions& opt) {
   h.pool_bytes = size;
 }
 
+// A striped pool: the areas are laid out exactly as in one device (the pool is one range), so the
+// only rules are the stripe's: the size is cut to whole stripes, at least one per device, and the
+// stripe table records each device's share. Chunks may span stripes (their stride is not tied to
+// the stripe): a large block copy then spreads over devices, and device placement works per block
+// (placement.cpp: a bound namespace takes only blocks inside one stripe of its device).
+void plan_striped_geometry(PoolHeader& h, StripeTable& t, const CreateOptions& opt, uint32_t devices,
+                           bool devdax) {
+  const uint64_t stripe = opt.stripe_bytes ? opt.stripe_bytes : kStripeBytesDefault;
+  CreateOptions o = opt;
+  if (stripe) o.size = opt.size / stripe * stripe;
+  plan_stripes(t, o.size, devices, stripe, devdax);  // validates stripe and size first
+  plan_geometry(h, o);
+}
+
 }  // namespace cxlkv

@@ -217,7 +217,13 @@ bool Pool::evict_in_window(uint64_t home) {
 // new_owner_slot.
 bool Pool::evict_from_queue(const NsHandle& ns, uint64_t* out_chunk, uint32_t* out_block,
                             uint64_t new_owner_slot) {
-  return evictor_.from_queue(ns.id, ns.id, {}, [&](const Victim& c) {
+  // A device-bound handle takes over only blocks on its device (placement.cpp).
+  Evictor::Accept on_device;
+  if (ns.device >= 0)
+    on_device = [&](const IndexEntry& e) {
+      return validate_ref(ns, e) && block_on_device(ns, e.chunk, e.block);
+    };
+  return evictor_.from_queue(placement_key(ns), ns.id, on_device, [&](const Victim& c) {
     return evict_victim(c, &ns, out_chunk, out_block, new_owner_slot);
   });
 }

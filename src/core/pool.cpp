@@ -52,6 +52,8 @@ uint64_t fork_generation() {
   (void)registered;
   return g_fork_generation.load(std::memory_order_relaxed);
 }
+}  // namespace
+
 // A creator killed mid-way leaves `<path>.init-<pid>-<rand>` behind (the pool never appeared at
 // `path`). Remove those whose creator is gone, so they do not pin /dev/shm memory forever.
 void remove_stale_init_files(const std::string& path) {
@@ -70,6 +72,8 @@ void remove_stale_init_files(const std::string& path) {
   ::closedir(d);
 }
 
+namespace {
+
 OpenOptions open_options_of(const CreateOptions& c) {
   OpenOptions o;
   o.allow_foreign_owner = c.allow_foreign_owner;
@@ -84,7 +88,7 @@ std::unique_ptr<Pool> Pool::create(const std::string& path, const CreateOptions&
   PoolHeader h{};
   std::memcpy(h.magic, kMagic, 8);
   h.major = kFormatMajor;
-  h.minor = kFormatMinor;
+  h.minor = pool_minor(false);
   h.header_bytes = sizeof(PoolHeader);
   h.compat = kCompatAdminMailbox;
   h.backend = uint32_t(opt.backend);
@@ -97,6 +101,7 @@ std::unique_ptr<Pool> Pool::create(const std::string& path, const CreateOptions&
                         std::to_string(kLeaseMsMax));
   h.lease_ms = opt.lease_ms;
   fill_stamp(h);
+  if (is_device_list(path)) return create_striped(path, h, opt, exist_ok);  // striped_pool.cpp
 
   bool devdax = Mapping::is_devdax_path(path);
   Mapping m;
@@ -169,8 +174,12 @@ std::unique_ptr<Pool> Pool::open(const std::string& path, const OpenOptions& opt
   p->path_ = path;
   p->read_only_ = opt.read_only;
   p->want_slot_ = opt.host_slot;
-  p->map_ = Mapping::open_existing(path, opt.populate, opt.read_only,
-                                   opt.allow_foreign_owner || opt.read_only, opt.allow_group);
+  if (is_device_list(path))
+    p->map_ = Mapping::open_striped(split_device_list(path), opt.populate, opt.read_only,
+                                    opt.allow_foreign_owner || opt.read_only, opt.allow_group);
+  else
+    p->map_ = Mapping::open_existing(path, opt.populate, opt.read_only,
+                                     opt.allow_foreign_owner || opt.read_only, opt.allow_group);
   p->validate_and_attach(false, opt.attach && !opt.read_only);
   return p;
 }
@@ -260,6 +269,7 @@ std::vector<std::pair<uint32_t, uint32_t>> Pool::attached_nodes() {
 void Pool::destroy(const std::string& path, const DestroyOptions& opt) {
   // Refuse to wipe or delete something that is not a pool, and a pool that live processes use
   // (they would keep serving an unlinked pool while new ones use a new one: split brain, F15).
+  if (is_device_list(path)) return destroy_striped(path, opt);
   std::unique_ptr<Pool> p;
   try {
     OpenOptions o;
@@ -314,6 +324,7 @@ void Pool::destroy(const std::string& path, const DestroyOptions& opt) {
 }
 
 bool Pool::file_replaced() const {
+  if (map_.striped()) return devices_replaced();
   struct stat st;
   if (::lstat(path_.c_str(), &st) != 0) return errno == ENOENT || errno == ENOTDIR;
   return uint64_t(st.st_dev) != map_.file_dev() || uint64_t(st.st_ino) != map_.file_ino();
@@ -321,6 +332,9 @@ bool Pool::file_replaced() const {
 
 void Pool::check_truncated() const {
   if (!map_.truncated()) return;
+  if (map_.striped())
+    throw TruncatedError("pool " + path_ +
+                         ": a device shrank while mapped; close it and re-open or re-create the pool");
   struct stat st;
   std::string now =
       ::stat(path_.c_str(), &st) == 0 ? std::to_string(uint64_t(st.st_size)) + " bytes" : "missing";
@@ -332,7 +346,10 @@ void Pool::validate_and_attach(bool fresh, bool attach) {
   (void)fresh;
   char* b = emu_.base ? emu_.base : map_.base();
   const uint64_t mapped = emu_.base ? emu_.size : map_.size();
-  region_.adopt(b, mapped, path_, read_only_, emu_.model);
+  // The stripe table is checked inside the header validation, before the size check: one
+  // device of a striped pool is smaller than the pool (striped_pool.cpp).
+  region_.adopt(b, mapped, path_, read_only_, emu_.model,
+                [&](const PoolHeader& hh) { validate_striping(hh, b); });
   const PoolHeader& h = *hdr_;
   const bool multihost = h.backend == uint32_t(Backend::multihost);
   pid_ = uint32_t(::getpid());
@@ -341,7 +358,9 @@ void Pool::validate_and_attach(bool fresh, bool attach) {
   // nodes of this kernel judge each other. An observer (attach=false) judges but takes no slot; a
   // read-only inspection judges for display only and reclaims nothing.
   host_id_ = emu_.base ? emu_.host_id : liveness::host_id();
-  if (!emu_.base) lock_ = liveness::open_lock_file(path_, map_.file_dev(), map_.file_ino());
+  if (!emu_.base)
+    lock_ = liveness::open_lock_file(map_.striped() ? map_.devices()[0].path : path_, map_.file_dev(),
+                                     map_.file_ino());
   domain_ = liveness::domain_tag(host_id_, lock_.lock_id);
   node_table_.reset_watches(h.max_nodes);
   if (read_only_) return;
@@ -384,6 +403,7 @@ void Pool::abandon() {
 bool Pool::mapping_intact() const {
   if (emu_.base) return region_.base() != nullptr;
   if (!region_.base() || map_.truncated()) return false;
+  if (map_.striped()) return devices_intact();
   if (map_.devdax() || lock_.fd < 0) return true;  // a device does not shrink; no fd to ask
   struct stat st;  // lock_.fd names the mapped inode (checked when it was opened)
   return ::fstat(lock_.fd, &st) != 0 || uint64_t(st.st_size) >= map_.size();

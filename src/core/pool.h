@@ -41,6 +41,7 @@ struct CreateOptions {
   Backend backend = Backend::coherent;
   uint32_t lease_ms = format::kLeaseMsDefault;  // heartbeat lease for nodes of another kernel
   uint32_t lock_hosts = 0;           // multihost: host slots of the lock area; 0: kLockHostsDefault
+  uint64_t stripe_bytes = 0;         // a pool over several devices: 0 = format::kStripeBytesDefault
   bool allow_foreign_owner = false;  // with exist_ok: see OpenOptions
   bool allow_group = false;
 };
@@ -50,6 +51,14 @@ struct CreateOptions {
 // Throws ArgumentError when an option is out of range or the size cannot hold the metadata plus
 // one chunk. Pure: no I/O (geometry.cpp; table tests in tests/cpp/test_geometry.cpp).
 void plan_geometry(format::PoolHeader& h, const CreateOptions& opt);
+// The same for a pool striped over `devices` devices: the size is rounded down to a multiple of
+// the stripe, then planned as above, then the stripe table `t` (device sizes) is filled.
+void plan_striped_geometry(format::PoolHeader& h, format::StripeTable& t, const CreateOptions& opt,
+                           uint32_t devices, bool devdax);
+
+// Removes `<path>.init-<pid>-<rand>` files whose creator process is gone (pool.cpp): what a
+// creator killed mid-way left behind, for a single-file pool and for each device of a striped one.
+void remove_stale_init_files(const std::string& path);
 
 // How Pool::open maps and trusts an existing pool (F11, F23).
 struct OpenOptions {
@@ -91,6 +100,14 @@ struct NsHandle {
   uint64_t block_bytes = 0;
   format::ChunkGeometry geo{};
   std::string name;
+  int device = -1;  // placement (placement.cpp): -1 = any device, else blocks only on that device
+};
+
+// One device of the pool as `pool info` shows it (placement.cpp): its path, the pool bytes it
+// holds, and the bytes of carved blocks (capacity) and of used blocks that lie on it.
+struct DeviceUse {
+  std::string path;
+  uint64_t pool_bytes = 0, device_bytes = 0, capacity_bytes = 0, used_bytes = 0;
 };
 
 using Key = std::array<uint8_t, 32>;
@@ -159,6 +176,7 @@ class Pool {
   // full node table; it may still reclaim dead nodes. It cannot open namespaces.
   static std::unique_ptr<Pool> open(const std::string& path, bool populate = false, bool attach = true);
   static std::unique_ptr<Pool> open(const std::string& path, const OpenOptions& opt);
+  // `path` may name several devices, comma-separated (a striped pool, striped_pool.cpp).
   static void destroy(const std::string& path, const DestroyOptions& opt = {});
   // Attaches a simulated host to an emulated region (tests; src/sim). The region must hold a pool
   // created by create(); heartbeats are this host's own business (heartbeat_tick).
@@ -201,6 +219,16 @@ class Pool {
 
   // --- namespaces (namespaces.cpp) ----------------------------------------------------------
   NsHandle open_namespace(const Layout& layout);
+  // --- device interleaving (placement.cpp, striped_pool.cpp) --------------------------------
+  const StripeGeometry& stripes() const { return stripes_; }
+  // The mapped devices of a striped pool (device 0 first); empty for a single-device pool.
+  const std::vector<MappedDevice>& device_files() const { return map_.devices(); }
+  // The handle with its blocks placed on `device` only (-1: anywhere). Throws ArgumentError for a
+  // device out of range, or a block larger than a stripe (it could never lie on one device).
+  NsHandle bind_device(const NsHandle& ns, int device) const;
+  // Where the payload of `key` lies: pool offset and length; false if absent.
+  bool locate(const NsHandle& ns, const Key& key, uint64_t* offset, uint64_t* length);
+  std::vector<DeviceUse> device_usage();
   std::vector<std::pair<NsHandle, Layout>> list_namespaces();
 
   // --- block operations (index.cpp) ---------------------------------------------------------
@@ -255,6 +283,18 @@ class Pool {
  private:
   Pool() = default;
   void validate_and_attach(bool fresh, bool attach = true);
+  // striped_pool.cpp: a pool over several devices (create/destroy/validation of the stripe table)
+  static std::unique_ptr<Pool> create_striped(const std::string& spec, format::PoolHeader h,
+                                              const CreateOptions& opt, bool exist_ok);
+  static void destroy_striped(const std::string& spec, const DestroyOptions& opt);
+  void validate_striping(const format::PoolHeader& h, const char* base);
+  bool devices_replaced() const;
+  bool devices_intact() const;
+  // placement.cpp: the allocator's filters for a device-bound handle
+  bool block_on_device(const NsHandle& ns, uint64_t chunk, uint32_t block) const;
+  bool chunk_has_device_blocks(const NsHandle& ns, uint64_t chunk) const;
+  static uint32_t placement_key(const NsHandle& ns) { return ns.id | (uint32_t(ns.device + 1) << 16); }
+  StripeGeometry stripes_{};
   // Breaks the namespace-table lock when its holder id is out of range or names a FREE node slot
   // (a holder that can never release it). Returns the stale holder id, 0 if nothing was broken.
   uint64_t break_stale_ns_lock();

@@ -16,7 +16,8 @@ using namespace format;
 
 uint64_t header_checksum(const PoolHeader& h) { return xxh3(&h, offsetof(PoolHeader, checksum)); }
 
-void Region::adopt(char* b, uint64_t mapped, const std::string& path, bool read_only, CacheModel* model) {
+void Region::adopt(char* b, uint64_t mapped, const std::string& path, bool read_only, CacheModel* model,
+                   const std::function<void(const PoolHeader&)>& feature_check) {
   // Validate a private copy: the shared header can change under us (F1), so every check below and
   // every later use reads the same bytes.
   std::memcpy(&hdr_copy_, b, sizeof hdr_copy_);
@@ -48,6 +49,7 @@ void Region::adopt(char* b, uint64_t mapped, const std::string& path, bool read_
     std::snprintf(buf, sizeof buf, "0x%llx", (unsigned long long)(h.incompat & ~kIncompatSupported));
     throw VersionError("pool " + P + " uses incompatible features unknown to this build (" + buf + ")");
   }
+  if (feature_check) feature_check(h);
   if ((h.ro_compat & ~kRoCompatSupported) && !read_only) {
     char buf[32];
     std::snprintf(buf, sizeof buf, "0x%llx", (unsigned long long)(h.ro_compat & ~kRoCompatSupported));

@@ -6,6 +6,7 @@
 // range. Knows nothing of nodes, namespaces or keys beyond the layout of format.h.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "coherence.h"
@@ -22,8 +23,11 @@ class Region {
   // copy, the geometry and the coherence backend it names. Throws FormatError (not a pool, or an
   // impossible geometry), VersionError, TruncatedError or NotReadyError; `path` names the pool in
   // the message. read_only: features this build may only read (ro_compat) are accepted. model:
-  // the cache model of an emulated host (tests), or null.
-  void adopt(char* b, uint64_t mapped, const std::string& path, bool read_only, CacheModel* model);
+  // the cache model of an emulated host (tests), or null. feature_check (optional): the caller's
+  // validation of a format feature it owns (the stripe table), run on the private copy after the
+  // incompat check and before the size check.
+  void adopt(char* b, uint64_t mapped, const std::string& path, bool read_only, CacheModel* model,
+             const std::function<void(const format::PoolHeader&)>& feature_check = {});
   // Forgets the mapping (close, abandon): base() and header() are null afterwards.
   void reset() {
     base_ = nullptr;

@@ -337,6 +337,23 @@ nb::dict info_dict(Pool& p) {
   d["lock_hosts"] = h.lock_hosts;  // multihost: rows of the lock area (0 otherwise)
   d["host_slot"] = h.lock_hosts ? int64_t(p.host_slot()) : int64_t(-1);
   d["nt_copy_kernel"] = nt_copy_kernel_name();
+  // Device interleaving: 0 and one device for a single-device pool.
+  d["stripe_bytes"] = p.stripes().striped() ? p.stripes().stripe : 0;
+  nb::list devs;
+  const auto& files = p.device_files();
+  for (uint32_t k = 0; k < p.stripes().devices; ++k) {
+    nb::dict dv;
+    dv["index"] = k;
+    dv["path"] = files.empty() ? p.path() : files[k].path;
+    dv["pool_bytes"] = p.stripes().striped()
+                           ? device_stripes(p.stripes(), h.pool_bytes, k) * p.stripes().stripe
+                           : h.pool_bytes;
+    dv["device_bytes"] = device_need_bytes(p.stripes(), h.pool_bytes, k);
+    dv["file_dev"] = files.empty() ? p.file_dev() : files[k].dev;
+    dv["file_ino"] = files.empty() ? p.file_ino() : files[k].ino;
+    devs.append(dv);
+  }
+  d["devices"] = devs;
   return d;
 }
 
@@ -479,8 +496,9 @@ NB_MODULE(_core, m) {
           [](const std::string& path, uint64_t size, uint64_t chunk_bytes, uint64_t index_slots,
              uint32_t max_nodes, uint32_t pin_slots, uint32_t max_namespaces, const std::string& backend,
              bool exist_ok, uint32_t lease_ms, bool allow_foreign_owner, bool allow_group,
-             uint32_t lock_hosts) {
+             uint32_t lock_hosts, uint64_t stripe_bytes) {
             CreateOptions o;
+            o.stripe_bytes = stripe_bytes;
             o.lease_ms = lease_ms;
             o.lock_hosts = lock_hosts;
             o.allow_foreign_owner = allow_foreign_owner, o.allow_group = allow_group;
@@ -502,7 +520,8 @@ NB_MODULE(_core, m) {
           "pin_slots"_a = kCreateDefaults.pin_slots, "max_namespaces"_a = kCreateDefaults.max_namespaces,
           "backend"_a = backend_name(kCreateDefaults.backend), "exist_ok"_a = false,
           "lease_ms"_a = kCreateDefaults.lease_ms, "allow_foreign_owner"_a = false, "allow_group"_a = false,
-          "lock_hosts"_a = kCreateDefaults.lock_hosts, nb::rv_policy::take_ownership)
+          "lock_hosts"_a = kCreateDefaults.lock_hosts, "stripe_bytes"_a = kCreateDefaults.stripe_bytes,
+          nb::rv_policy::take_ownership)
       .def_static(
           "open",
           [](const std::string& path, bool populate, bool read_only, bool attach, bool allow_foreign_owner,
@@ -553,6 +572,27 @@ NB_MODULE(_core, m) {
            [](PyPool& pp) {
              OpGuard g(pp);
              return info_dict(*g.p);
+           })
+      .def("device_usage",
+           [](PyPool& pp) {
+             OpGuard g(pp);
+             std::vector<DeviceUse> use;
+             {
+               nb::gil_scoped_release nogil;
+               use = g.p->device_usage();
+             }
+             nb::list out;
+             for (size_t k = 0; k < use.size(); ++k) {
+               nb::dict d;
+               d["index"] = k;
+               d["path"] = use[k].path;
+               d["pool_bytes"] = use[k].pool_bytes;
+               d["device_bytes"] = use[k].device_bytes;
+               d["capacity_bytes"] = use[k].capacity_bytes;
+               d["used_bytes"] = use[k].used_bytes;
+               out.append(d);
+             }
+             return out;
            })
       .def("counters",
            [](PyPool& pp) {
@@ -653,22 +693,23 @@ NB_MODULE(_core, m) {
           "node"_a, "force"_a = false)
       .def(
           "open_namespace",
-          [](PyPool& pp, const std::string& name, nb::handle layout) {
+          [](PyPool& pp, const std::string& name, nb::handle layout, int device) {
             OpGuard g(pp);
             Layout l = layout_from(layout);
             l.name = name;
             auto* ns = new PyNamespace{&pp, {}, l};
             try {
               nb::gil_scoped_release nogil;
-              ns->h = g.p->open_namespace(l);
+              ns->h = g.p->bind_device(g.p->open_namespace(l), device);
             } catch (...) {
               delete ns;
               throw;
             }
             return ns;
           },
-          "name"_a, "layout"_a, nb::keep_alive<0, 1>(), nb::rv_policy::take_ownership,
-          "Creates or opens the namespace `name` of `layout` (an object with KVLayout's attributes).")
+          "name"_a, "layout"_a, "device"_a = -1, nb::keep_alive<0, 1>(), nb::rv_policy::take_ownership,
+          "Creates or opens the namespace `name` of `layout` (an object with KVLayout's attributes); "
+          "device >= 0: this handle places its blocks on that device of a striped pool only.")
       .def("namespaces", [](PyPool& pp) {
         OpGuard g(pp);
         nb::list out;
@@ -681,6 +722,29 @@ NB_MODULE(_core, m) {
       .def_prop_ro("name", [](PyNamespace& n) { return pool_str(n.h.name); })
       .def_prop_ro("block_bytes", [](PyNamespace& n) { return n.h.block_bytes; })
       .def_prop_ro("blocks_per_chunk", [](PyNamespace& n) { return n.h.geo.blocks; })
+      .def_prop_ro("device", [](PyNamespace& n) { return n.h.device; })
+      .def(
+          "locate",
+          [](PyNamespace& n, nb::handle key) -> nb::object {
+            Key k = to_key(key);
+            OpGuard g(*n.owner);
+            uint64_t off = 0, len = 0;
+            bool found;
+            {
+              nb::gil_scoped_release nogil;
+              found = g.p->locate(n.h, k, &off, &len);
+            }
+            if (!found) return nb::none();
+            const StripeGeometry& sg = g.p->stripes();
+            uint64_t stride = n.h.geo.block_stride;
+            nb::dict d;
+            d["offset"] = off;
+            d["length"] = len;
+            d["device"] = range_device(sg, off, stride);  // -1: the block crosses a stripe boundary
+            d["device_offset"] = device_offset(sg, off);
+            return d;
+          },
+          "key"_a)
       .def(
           "put",
           [](PyNamespace& n, nb::handle key, nb::handle data, uint32_t depth) {
@@ -878,6 +942,8 @@ NB_MODULE(_core, m) {
         d["pin_slots"] = row(kCreateDefaults.pin_slots, 0, std::nullopt);
         d["max_namespaces"] = row(kCreateDefaults.max_namespaces, 1, format::kMaxNamespaces);
         d["lease_ms"] = row(kCreateDefaults.lease_ms, format::kLeaseMsMin, format::kLeaseMsMax);
+        d["stripe_bytes"] =
+            row(format::kStripeBytesDefault, format::kStripeBytesMin, format::kStripeBytesMax);
         nb::dict backend;
         backend["default"] = backend_name(kCreateDefaults.backend);
         d["backend"] = backend;

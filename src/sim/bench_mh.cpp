@@ -5,6 +5,7 @@
 //             scans (uncontended: one host), and with `threads` hosts competing (each a thread
 //             with its own row, on real memory with clflush)
 #include "bench_mh.h"
+#include "percentile.h"
 
 #include <unistd.h>
 
@@ -27,11 +28,7 @@ using Clock = std::chrono::steady_clock;
 uint64_t ns_since(Clock::time_point t) {
   return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t).count());
 }
-uint64_t p50(std::vector<uint64_t> v) {
-  if (v.empty()) return 0;
-  std::nth_element(v.begin(), v.begin() + long(v.size() / 2), v.end());
-  return v[v.size() / 2];
-}
+uint64_t p50(std::vector<uint64_t> v) { return uint64_t(percentile(v, 0.5)); }
 
 struct OpCost {
   uint64_t put_p50, get_p50;

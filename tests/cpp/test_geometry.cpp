@@ -142,5 +142,93 @@ TEST(Geometry, ExplicitOptionsAreKeptOrRefused) {
   refused([](CreateOptions& c) { c.size = 256 * 1024; });  // no room for one chunk
 }
 
+// Striped pools (plan_striped_geometry): the size is cut to whole stripes, each device's share is
+// its stripes (plus a label on devices 1..), the areas are those of a single-device pool of that
+// size, and the stripe rules refuse what cannot be mapped.
+struct StripeRow {
+  uint64_t size, stripe;
+  uint32_t devices;
+  bool devdax;
+  uint64_t pool_bytes;
+  uint64_t device_bytes[3];
+};
+const StripeRow kStripeRows[] = {
+    // 64 MiB over 2 files at 2 MiB: 16 stripes each; device 1 starts with a 2 MiB label area
+    // (min(stripe, 2 MiB): its stripes' file offsets are 2 MiB aligned like their addresses).
+    {64 * MiB, 0, 2, false, 64 * MiB, {32 * MiB, 34 * MiB, 0}},
+    // 30 MiB + 100 KiB over 3 at 2 MiB: cut to 30 MiB = 15 stripes, 5 per device.
+    {30 * MiB + 102400, 2 * MiB, 3, false, 30 * MiB, {10 * MiB, 12 * MiB, 12 * MiB}},
+    // 7 stripes of 1 MiB over 3: devices hold 3, 2, 2 stripes; a 1 MiB label.
+    {7 * MiB, MiB, 3, false, 7 * MiB, {3 * MiB, 3 * MiB, 3 * MiB}},
+    // 256 KiB stripes: a 256 KiB label.
+    {4 * MiB, 256 * 1024, 2, false, 4 * MiB, {2 * MiB, 2 * MiB + 256 * 1024, 0}},
+    // devdax: the same rule (stripes are 2 MiB multiples there).
+    {64 * MiB, 4 * MiB, 2, true, 64 * MiB, {32 * MiB, 34 * MiB, 0}},
+};
+
+TEST(Geometry, StripedPoolsByTable) {
+  for (const StripeRow& r : kStripeRows) {
+    SCOPED_TRACE("size " + std::to_string(r.size) + " devices " + std::to_string(r.devices));
+    CreateOptions o;
+    o.size = r.size;
+    o.stripe_bytes = r.stripe;
+    PoolHeader h{};
+    format::StripeTable t{};
+    plan_striped_geometry(h, t, o, r.devices, r.devdax);
+    expect_well_formed(h, r.pool_bytes);
+    EXPECT_EQ(t.device_count, r.devices);
+    EXPECT_EQ(t.stripe_bytes, r.stripe ? r.stripe : format::kStripeBytesDefault);
+    for (uint32_t d = 0; d < 3; ++d) EXPECT_EQ(t.device_bytes[d], d < r.devices ? r.device_bytes[d] : 0) << d;
+    EXPECT_EQ(stripe_table_problem(t, h.pool_bytes), "");
+    // Every stripe is on exactly one device, and the devices' shares add up to the pool.
+    uint64_t sum = 0;
+    for (uint32_t d = 0; d < r.devices; ++d) sum += device_stripes(stripe_geometry(t), h.pool_bytes, d);
+    EXPECT_EQ(sum * t.stripe_bytes, h.pool_bytes);
+  }
+}
+
+TEST(Geometry, StripeOptionsAreRefused) {
+  auto plan_with = [](uint64_t size, uint64_t stripe, uint32_t devices, bool devdax) {
+    CreateOptions o;
+    o.size = size;
+    o.stripe_bytes = stripe;
+    PoolHeader h{};
+    format::StripeTable t{};
+    plan_striped_geometry(h, t, o, devices, devdax);
+  };
+  EXPECT_THROW(plan_with(64 * MiB, 3 * MiB, 2, false), ArgumentError);     // not a power of two
+  EXPECT_THROW(plan_with(64 * MiB, 32 * 1024, 2, false), ArgumentError);   // below 64 KiB
+  EXPECT_THROW(plan_with(64 * MiB, 2ull << 30, 2, false), ArgumentError);  // above 1 GiB
+  EXPECT_THROW(plan_with(64 * MiB, MiB, 2, true), ArgumentError);          // devdax: 2 MiB multiple
+  EXPECT_THROW(plan_with(3 * MiB, 2 * MiB, 2, false), ArgumentError);      // one stripe, two devices
+  EXPECT_THROW(plan_with(64 * MiB, 0, 1, false), ArgumentError);           // one device is not striped
+  EXPECT_THROW(plan_with(64 * MiB, 0, format::kMaxDevices + 1, false), ArgumentError);
+  EXPECT_NO_THROW(plan_with(64 * MiB, 64 * 1024, format::kMaxDevices, false));
+}
+
+TEST(Geometry, StripeTableProblemsAreNamed) {
+  CreateOptions o;
+  o.size = 64 * MiB;
+  PoolHeader h{};
+  format::StripeTable t{};
+  plan_striped_geometry(h, t, o, 2, false);
+  auto forged = [&](auto edit) {
+    format::StripeTable f = t;
+    edit(f);
+    f.checksum = stripe_table_checksum(f);  // re-sealed: the fields themselves must be refused
+    return stripe_table_problem(f, h.pool_bytes);
+  };
+  EXPECT_EQ(forged([](auto& f) { f.device_count = 1; }), "device count");
+  EXPECT_EQ(forged([](auto& f) { f.device_count = 17; }), "device count");
+  EXPECT_EQ(forged([](auto& f) { f.stripe_bytes = 3 * MiB; }), "stripe size");
+  EXPECT_EQ(forged([](auto& f) { f.label_bytes = 100; }), "label size");
+  EXPECT_EQ(forged([](auto& f) { f.device_bytes[1] -= 4096; }), "device sizes");
+  EXPECT_EQ(forged([](auto& f) { f.device_bytes[5] = 1; }), "device sizes");
+  EXPECT_EQ(forged([](auto& f) { f.stripe_bytes = 128 * MiB; }), "pool size vs stripes");
+  format::StripeTable c = t;
+  c.stripe_bytes = 4 * MiB;  // not re-sealed
+  EXPECT_EQ(stripe_table_problem(c, h.pool_bytes), "stripe table checksum");
+}
+
 }  // namespace
 }  // namespace cxlkv::test

@@ -67,7 +67,7 @@ def test_every_documented_cxlkv_name_exists():
         (cxlkv.Pool, ("pool", "Pool", "cxlkv.Pool")),
         (cxlkv.Namespace, ("ns",)),
         (cxlkv.Lease, ("lease", "Lease")),
-        (cxlkv.KVLayout, ("layout",)),
+        (cxlkv.KVLayout, ("layout", "cxlkv.KVLayout")),
     ],
 )
 def test_methods_and_attributes_both_ways(cls, prefixes):

@@ -329,6 +329,26 @@ def test_bench_copy(scratch_pool_dir):
     assert res["verified"] and res["blocks"] >= 1
     r = ok(cxlkv_cli("bench", "copy", "--iters", "1", "--batch-size", "1MiB", "--pool-dir", scratch_pool_dir))
     assert "llama3-8b" in r.stdout and "smollm2-135m" in r.stdout
+    # --devices 2: the same geometry on a pool striped over two files, ratio to the single file
+    r = ok(
+        cxlkv_cli(
+            "bench",
+            "copy",
+            "--json",
+            "--geometry",
+            "smollm2-135m",
+            "--iters",
+            "1",
+            "--batch-size",
+            "1MiB",
+            "--devices",
+            "2",
+            "--pool-dir",
+            scratch_pool_dir,
+        )
+    )
+    striped = json_of(r, BENCH_COPY_KEYS)["results"][0]["striped"]
+    assert striped["devices"] == 2 and striped["verified"] and striped["store_vs_single"] > 0
     assert os.listdir(scratch_pool_dir) == [], "bench copy left its pool behind"
 
 

@@ -406,18 +406,7 @@ def pool_blocks(pool_path: str, ns_name: str, toks: list) -> dict:
 
     with cxlkv.Pool.open(pool_path) as pool:
         d = next(n for n in pool.namespaces() if n["name"] == ns_name)
-        lay = cxlkv.KVLayout(
-            model_id=d["model_id"],
-            dtype=d["dtype"],
-            num_layers=d["num_layers"],
-            num_kv_heads=d["num_kv_heads"],
-            head_size=d["head_size"],
-            tokens_per_block=d["tokens_per_block"],
-            kind=d["kind"],
-            tp_rank=d["tp_rank"],
-            tp_size=d["tp_size"],
-            block_bytes=d["block_bytes"],
-        )
+        lay = cxlkv.KVLayout.from_info(d)
         ns = pool.namespace(lay, name=ns_name)
         out = {}
         for i, k in enumerate(block_keys(toks, BS, ns_name)):

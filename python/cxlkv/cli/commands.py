@@ -16,6 +16,7 @@ from typing import Any
 
 import cxlkv
 from cxlkv.errors import CommandError, ExitCode
+from cxlkv.paths import device_paths
 from cxlkv.sizes import format_size
 
 from .render import escape, make_console, print_json, render_mapping, render_namespaces, render_rows
@@ -26,13 +27,21 @@ from .render import escape, make_console, print_json, render_mapping, render_nam
 
 def cmd_pool_create(args: argparse.Namespace) -> int:
     kwargs: dict[str, Any] = {"backend": args.backend}
-    for name in ("chunk_size", "index_slots", "max_nodes", "pin_slots", "max_namespaces", "lease_ms"):
+    for name in (
+        "chunk_size",
+        "index_slots",
+        "max_nodes",
+        "pin_slots",
+        "max_namespaces",
+        "lease_ms",
+        "stripe_size",
+    ):
         v = getattr(args, name)
         if v is not None:
             kwargs[name] = v
     if args.ignore_attached and not args.force:
         raise CommandError("--ignore-attached only goes with --force")
-    if args.force and os.path.lexists(args.path):
+    if args.force and any(os.path.lexists(d) for d in device_paths(args.path)):
         # Replaces a pool, or a bad / half-made pool file; never one that live processes use
         # unless --ignore-attached (they would keep serving the unlinked pool: split brain).
         cxlkv.Pool.destroy(args.path, ignore_attached=args.ignore_attached, remove_invalid=True)
@@ -74,14 +83,28 @@ def cmd_pool_info(args: argparse.Namespace) -> int:
         info = dict(pool.info())
         namespaces = list(pool.namespaces())
         nodes = list(pool.nodes())
+        usage = list(pool.device_usage())
+    # Devices (one for a single-device pool): identity from the header, use from the descriptors.
+    devices = [{**d, **u} for d, u in zip(info.pop("devices"), usage, strict=True)]
     if args.json:
-        print_json({**info, "namespaces": namespaces, "nodes": nodes})
+        print_json({**info, "devices": devices, "namespaces": namespaces, "nodes": nodes})
     else:
         con = make_console()
         render_mapping(con, f"pool {args.path}", info)
+        render_rows(con, "devices", [_device_row(d) for d in devices])
         render_namespaces(con, namespaces)
         render_rows(con, "nodes", _node_rows(nodes))
     return ExitCode.OK
+
+
+def _device_row(d: dict) -> dict:
+    """One device as shown to a person (identity fields stay in --json)."""
+    return {
+        "device": d["index"],
+        "path": d["path"],
+        "pool share": format_size(d["pool_bytes"]),
+        "used / carved": f"{format_size(d['used_bytes'])} / {format_size(d['capacity_bytes'])}",
+    }
 
 
 def cmd_pool_stats(args: argparse.Namespace) -> int:
@@ -170,6 +193,7 @@ def cmd_bench_copy(args: argparse.Namespace) -> int:
         pool_dir=args.pool_dir,
         quiet=args.json,
         copy_threads=args.copy_threads,
+        devices=args.devices,
     )
     if args.json:
         print_json(result)

@@ -89,10 +89,14 @@ def _range(option: dict[str, Any]) -> str:
     return f"{option['min']}..{hi if hi is not None else ''} (default {option['default']})"
 
 
+_PATH_HELP = (
+    "pool file or /dev/daxX.Y, or several joined by commas (A,B,...: one pool striped over them, "
+    "first device first)"
+)
+
+
 def _pool_path_arg(p: argparse.ArgumentParser, default_pool: str) -> None:
-    p.add_argument(
-        "path", nargs="?", default=default_pool, help=f"pool file or /dev/daxX.Y (default {default_pool})"
-    )
+    p.add_argument("path", nargs="?", default=default_pool, help=f"{_PATH_HELP} (default {default_pool})")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,11 +139,16 @@ def build_parser() -> argparse.ArgumentParser:
     psub.required = True
 
     c = psub.add_parser("create", help=f"create a pool (a file, default {default_pool}, or a devdax device)")
-    c.add_argument(
-        "path", nargs="?", default=default_pool, help=f"pool file or /dev/daxX.Y (default {default_pool})"
-    )
+    c.add_argument("path", nargs="?", default=default_pool, help=f"{_PATH_HELP} (default {default_pool})")
     c.add_argument("--size", type=_size_arg, required=True, help="pool size, e.g. 4GiB, 512MiB, 1G")
     c.add_argument("--chunk-size", type=_size_arg, default=None, help="allocator chunk size, e.g. 8MiB")
+    c.add_argument(
+        "--stripe-size",
+        type=_size_arg,
+        default=None,
+        help="a PATH of several devices (A,B,...): bytes per stripe, a power of two, "
+        f"{_range(create['stripe_bytes'])}",
+    )
     c.add_argument(
         "--index-slots", type=_pos_int, default=None, help="index entries (rounded to a power of two)"
     )
@@ -265,6 +274,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bc.add_argument(
         "--pool-dir", default="/dev/shm", help="where the temporary pool lives (default /dev/shm)"
+    )
+    bc.add_argument(
+        "--devices",
+        type=_pos_int,
+        default=1,
+        help="also run each geometry on a pool striped over this many files, same run "
+        "(ratio to the single file; default 1: single file only)",
     )
     bc.set_defaults(func=cmd_bench_copy)
 

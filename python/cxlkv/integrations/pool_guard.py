@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -56,11 +57,17 @@ class PoolGuard:
             self._file, self._key = (0, 0), (0, 0, f"unopened:{path}")
             return
         info = pool.info()
-        st = os.stat(path)
-        # The core's own view of the inode it mapped where it has one (no stat race at open).
-        self._file = (st.st_dev, int(info.get("file_ino", st.st_ino)))
+        devices = info.get("devices") or []
+        if len(devices) > 1:  # a striped pool: every device file, with the bytes it must keep
+            self._files = [
+                (d["path"], (d["file_dev"], d["file_ino"]), int(d["device_bytes"])) for d in devices
+            ]
+        else:
+            st = os.stat(path)
+            # The core's own view of the inode it mapped where it has one (no stat race at open).
+            self._files = [(path, (st.st_dev, int(info.get("file_ino", st.st_ino))), int(pool.size))]
+        self._file = self._files[0][1]
         self._key = (*self._file, str(info.get("uuid", "")))
-        self._size = int(pool.size)
 
     @classmethod
     def unusable(cls, path: str, logger: logging.Logger, cause: str, exc: BaseException) -> PoolGuard:
@@ -71,17 +78,19 @@ class PoolGuard:
 
     # -------------------------------------------------------------------------------------------
     def _file_problem(self) -> str | None:
-        try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
-            return "the pool file was deleted"
-        except OSError as e:
-            return f"the pool file cannot be stat'ed ({e.strerror})"
-        if (st.st_dev, st.st_ino) != self._file:
-            return "the pool file was replaced by another file"
-        if st.st_size < self._size:
-            self.truncated = True
-            return f"the pool file was truncated to {st.st_size} bytes (mapped {self._size})"
+        for path, identity, size in self._files:
+            what = "the pool file" if len(self._files) == 1 else f"the pool device {path}"
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                return f"{what} was deleted"
+            except OSError as e:
+                return f"{what} cannot be stat'ed ({e.strerror})"
+            if (st.st_dev, st.st_ino) != identity:
+                return f"{what} was replaced by another file"
+            if stat.S_ISREG(st.st_mode) and st.st_size < size:  # a devdax device has no file size
+                self.truncated = True
+                return f"{what} was truncated to {st.st_size} bytes (mapped {size})"
         replaced = getattr(self.pool, "file_replaced", None)
         if replaced is not None and replaced():
             return "the pool file was replaced (core check)"

@@ -33,7 +33,9 @@ A pool that fails (truncated, deleted or replaced file, any error from the core)
 process into "no cache" with one log line (pool_guard.py); the engine keeps serving.
 
 Extra config keys: ``pool_path`` (default: ``cxlkv.default_pool_path()``, i.e. ``$CXLKV_POOL`` or
-/dev/shm/cxlkv-<uid>/pool), ``pool_size`` (used when the pool does not exist yet, default 4GiB),
+/dev/shm/cxlkv-<uid>/pool; a comma-separated string or a list of paths: a striped pool),
+``pool_device`` (a striped pool: store on this device, or ``"tp_rank"``: rank modulo the device
+count; default: interleaved, see placement.py), ``pool_size`` (used when the pool does not exist yet, default 4GiB),
 ``chunk_size``, ``model_id`` (replaces the weights' content digest in the identity: for operators
 who know two checkpoints are the same), ``namespace`` (overrides the namespace name entirely),
 ``file_check_interval_s`` (default 0.001), ``on_pool_error`` ("degrade": a pool that cannot be
@@ -60,6 +62,7 @@ from vllm.logger import init_logger
 import cxlkv
 from cxlkv.integrations import identity as ident
 from cxlkv.integrations.keys import ChainedKeys, MMSpan, root_key
+from cxlkv.integrations.placement import placement_device
 from cxlkv.integrations.pool_guard import PoolGuard
 
 if TYPE_CHECKING:
@@ -252,7 +255,9 @@ class CxlKVConnector(KVConnectorBase_V1):
         # vLLM's default policy fails the request instead; keep it only when asked to.
         if extra.get("load_failure_policy", "recompute") == "recompute":
             tc.kv_load_failure_policy = "recompute"
-        self._pool_path = str(extra.get("pool_path") or cxlkv.default_pool_path())
+        pool_path = extra.get("pool_path") or cxlkv.default_pool_path()
+        # A striped pool: a comma-separated string or a JSON list of device paths.
+        self._pool_path = ",".join(map(str, pool_path)) if isinstance(pool_path, list) else str(pool_path)
         self.identity = self._describe(vllm_config, kv_cache_config)
         self._block_bytes = self.identity.block_bytes
         self._ns_name = (
@@ -273,7 +278,10 @@ class CxlKVConnector(KVConnectorBase_V1):
             self._guard = PoolGuard(
                 self._pool, self._pool_path, logger, float(extra.get("file_check_interval_s", 0.001))
             )
-            self._ns = self._pool.namespace(_layout(self.identity), name=self._ns_name)
+            device = placement_device(
+                extra.get("pool_device"), self.identity.tp_rank, len(self._pool.info()["devices"])
+            )
+            self._ns = self._pool.namespace(_layout(self.identity), name=self._ns_name, device=device)
         except (cxlkv.CxlkvError, OSError, ValueError) as e:
             # A damaged or unusable pool must not keep the engine from serving (without the
             # cache); "on_pool_error": "fail" restores fail-fast start-up.

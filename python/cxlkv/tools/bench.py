@@ -72,10 +72,15 @@ def bench_copy(
     pool_dir: str = "/dev/shm",
     quiet: bool = False,
     copy_threads: int | None = None,
+    devices: int = 1,
 ) -> dict[str, Any]:
     """Store/load bandwidth per geometry vs memcpy of the same bytes. Returns one JSON-able dict
     whose top-level store/load/memcpy fields are those of the first geometry (llama3-8b for "all").
-    copy_threads: threads the core may use for one large batch (default: the core's own choice)."""
+    copy_threads: threads the core may use for one large batch (default: the core's own choice).
+    devices > 1: each geometry also runs on a pool striped over that many files in pool_dir
+    (default stripe); the single-file and striped runs go in ABBA order (single, striped,
+    striped, single) so a machine that drifts during the run favours neither, and the result's
+    ``striped`` holds the means of each pair and their ratios."""
     names = list(GEOMETRIES) if geometry == "all" else [geometry]
     for n in names:
         if n not in GEOMETRIES:
@@ -89,7 +94,31 @@ def bench_copy(
             threads = max(1, int(os.environ.get("CXLKV_COPY_THREADS", "")))
         except ValueError:
             threads = min(8, os.cpu_count() or 1)
-    results = [_bench_copy_one(n, iters, batch_bytes, pool_dir, log, threads) for n in names]
+    results = []
+    for n in names:
+        r = _bench_copy_one(n, iters, batch_bytes, pool_dir, log, threads)
+        if devices > 1:
+            s1 = _bench_copy_one(n, iters, batch_bytes, pool_dir, log, threads, devices)
+            s2 = _bench_copy_one(n, iters, batch_bytes, pool_dir, log, threads, devices)
+            r2 = _bench_copy_one(n, iters, batch_bytes, pool_dir, log, threads)
+
+            def mean(a: dict, b: dict, k: str) -> float:
+                return round((a[k] + b[k]) / 2, 3)
+
+            single = {k: mean(r, r2, k) for k in ("store_gbps", "load_gbps")}
+            striped = {k: mean(s1, s2, k) for k in ("store_gbps", "load_gbps")}
+            r["striped"] = {
+                "devices": devices,
+                "stripe_bytes": s1["stripe_bytes"],
+                "order": "single, striped, striped, single",
+                "single_store_gbps": single["store_gbps"],
+                "single_load_gbps": single["load_gbps"],
+                **striped,
+                "store_vs_single": round(striped["store_gbps"] / single["store_gbps"], 3),
+                "load_vs_single": round(striped["load_gbps"] / single["load_gbps"], 3),
+                "verified": s1["verified"] and s2["verified"] and r2["verified"],
+            }
+        results.append(r)
     head = results[0]
     out: dict[str, Any] = {"bench": "copy"}
     for k in (
@@ -130,7 +159,7 @@ def bench_copy(
 
 
 def _bench_copy_one(
-    name: str, iters: int, batch_bytes: int, pool_dir: str, log, threads: int = 1
+    name: str, iters: int, batch_bytes: int, pool_dir: str, log, threads: int = 1, devices: int = 1
 ) -> dict[str, Any]:
     g = GEOMETRIES[name]
     L, H, D, T = g["num_layers"], g["num_kv_heads"], g["head_size"], g["tokens_per_block"]
@@ -233,6 +262,8 @@ def _bench_copy_one(
     chunk = min(max(8 * _MiB, pow2_at_least(16 * block_bytes)), 256 * _MiB)
     pool_size = 2 * nbytes + 4 * chunk + 64 * _MiB
     path = os.path.join(pool_dir, f"cxlkv-bench-copy-{os.getpid()}")
+    if devices > 1:  # one pool striped over `devices` files
+        path = ",".join(f"{path}-d{k}" for k in range(devices))
     t: dict[str, list[int]] = {
         k: []
         for k in (
@@ -311,6 +342,7 @@ def _bench_copy_one(
                 t["contig"].append(t_c)
                 t["contig_2t"].append(t_c2)
             stats = pool.stats()
+            stripe_bytes = pool.info()["stripe_bytes"]
     finally:
         pair.shutdown()
         if executor is not None:
@@ -328,6 +360,8 @@ def _bench_copy_one(
     scatter_base = max(("scatter_loop", "scatter_strided"), key=lambda k: med[k])
     r = {
         "geometry": name,
+        "devices": devices,
+        "stripe_bytes": stripe_bytes,
         "layout": dict(g),
         "blocks": nblocks,
         "block_bytes": block_bytes,
@@ -402,6 +436,24 @@ def print_copy_result(console, result: dict[str, Any]) -> None:
         ("load / contiguous", lambda r: _ratio(r["load_vs_memcpy_contig"])),
         ("bytes verified", lambda r: "yes" if r["verified"] else "[red]NO[/red]"),
     ]
+    if all("striped" in r for r in rs):
+        rows += [
+            (
+                "single file store / load GB/s",
+                lambda r: f"{r['striped']['single_store_gbps']:.2f} / {r['striped']['single_load_gbps']:.2f}",
+            ),
+            (
+                "striped store / load GB/s",
+                lambda r: (
+                    f"{r['striped']['store_gbps']:.2f} / {r['striped']['load_gbps']:.2f} "
+                    f"({r['striped']['devices']} files)"
+                ),
+            ),
+            (
+                "striped / single file",
+                lambda r: f"{r['striped']['store_vs_single']:.2f}x / {r['striped']['load_vs_single']:.2f}x",
+            ),
+        ]
     for label, f in rows:
         t.add_row(label, *[f(r) for r in rs])
     console.print(t)

@@ -156,8 +156,16 @@ void Mapping::release() {
     g_guard[guard_].base.store(0, std::memory_order_release);
     guard_ = -1;
   }
-  if (base_) ::munmap(base_, map_len_);
+  if (base_) ::munmap(base_, map_len_);  // one call unmaps every stripe of a striped range
   base_ = nullptr;
+  close_devices();
+}
+
+void Mapping::close_devices() {
+  for (auto& d : devices_)
+    if (d.fd >= 0) ::close(d.fd);
+  devices_.clear();
+  geo_ = StripeGeometry{};
 }
 
 Mapping& Mapping::operator=(Mapping&& o) noexcept {
@@ -165,7 +173,9 @@ Mapping& Mapping::operator=(Mapping&& o) noexcept {
     release();
     base_ = o.base_, size_ = o.size_, map_len_ = o.map_len_, devdax_ = o.devdax_;
     dev_ = o.dev_, ino_ = o.ino_, guard_ = o.guard_;
+    geo_ = o.geo_, devices_ = std::move(o.devices_);
     o.base_ = nullptr, o.size_ = o.map_len_ = 0, o.guard_ = -1;
+    o.devices_.clear(), o.geo_ = StripeGeometry{};
   }
   return *this;
 }
@@ -202,8 +212,10 @@ bool in_my_groups(gid_t g) {
   return false;
 }
 
+}  // namespace
+
 // F11: a pool that another user owns or may write can be read and corrupted by that user.
-void check_owner(const struct stat& st, const std::string& path, bool allow_group) {
+void mapping_detail::check_owner(const struct stat& st, const std::string& path, bool allow_group) {
   uid_t me = ::geteuid();
   bool group_ok = allow_group && in_my_groups(st.st_gid);
   const std::string hint = "; pass allow_foreign_owner=True (CLI: --allow-foreign-owner) if this is intended";
@@ -221,7 +233,6 @@ void check_owner(const struct stat& st, const std::string& path, bool allow_grou
     throw OsError(EPERM, "pool " + path + " is writable by group " + std::to_string(st.st_gid) +
                              ", which is not one of ours; refusing it" + hint);
 }
-}  // namespace
 
 Mapping Mapping::open_existing(const std::string& path, bool populate, bool read_only,
                                bool allow_foreign_owner, bool allow_group) {
@@ -240,7 +251,7 @@ Mapping Mapping::open_existing(const std::string& path, bool populate, bool read
   struct stat st;
   if (::fstat(fd.fd, &st) != 0) throw_os(errno, "cannot stat", path);
   if (S_ISDIR(st.st_mode)) throw OsError(EISDIR, path + " is a directory, not a pool");
-  if (!allow_foreign_owner) check_owner(st, path, allow_group);
+  if (!allow_foreign_owner) mapping_detail::check_owner(st, path, allow_group);
   m.dev_ = uint64_t(st.st_dev);
   m.ino_ = uint64_t(st.st_ino);
   uint64_t size;

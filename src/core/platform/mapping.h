@@ -6,8 +6,23 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
+
+#include "striping.h"
+
+struct stat;
 
 namespace cxlkv {
+
+// One device of a striped pool as mapped: its identity, the bytes it must keep, and a descriptor
+// kept open to notice it shrinking (Pool::mapping_intact).
+struct MappedDevice {
+  std::string path;
+  uint64_t dev = 0, ino = 0;
+  bool devdax = false;
+  uint64_t need_bytes = 0;
+  int fd = -1;
+};
 
 class Mapping {
  public:
@@ -32,6 +47,27 @@ class Mapping {
   // Maps a devdax device for creation (its whole size, or `size` if smaller).
   static Mapping open_devdax_for_create(const std::string& path, uint64_t size);
 
+  // Striped pools (striped_mapping.cpp; format.h "Striped pools"). The pool is one contiguous
+  // range: stripe i is mapped with MAP_FIXED from device i % N at its device offset, one mmap per
+  // stripe (neighbouring stripes are on different devices, so no two merge): pool_bytes / stripe
+  // maps, checked against vm.max_map_count first. open_striped reads device 0's header and stripe
+  // table and every other device's label, and refuses a wrong order, a missing or extra device,
+  // a device of another pool or a short device with a one-line error before mapping anything.
+  static Mapping open_striped(const std::vector<std::string>& paths, bool populate, bool read_only,
+                              bool allow_foreign_owner, bool allow_group);
+  // Creates (exclusively, mode 0600) and allocates one file per device at tmp_paths (a devdax
+  // path is opened instead), writes every label, and maps the range (zero-filled). The caller
+  // writes the header and the table into the range, commits the init word, then links the files.
+  static Mapping create_striped(const std::vector<std::string>& tmp_paths, const format::StripeTable& t,
+                                const uint8_t uuid[16], uint64_t pool_bytes);
+  bool striped() const { return geo_.striped(); }
+  const StripeGeometry& stripes() const { return geo_; }
+  const std::vector<MappedDevice>& devices() const { return devices_; }
+  // After the creator linked the device files to their final names (identity is unchanged).
+  void set_device_paths(const std::vector<std::string>& paths) {
+    for (size_t k = 0; k < devices_.size() && k < paths.size(); ++k) devices_[k].path = paths[k];
+  }
+
   static bool is_devdax_path(const std::string& path);
   char* base() const { return base_; }
   uint64_t size() const { return size_; }
@@ -48,12 +84,20 @@ class Mapping {
   uint64_t map_len_ = 0;
   bool devdax_ = false;
   uint64_t dev_ = 0, ino_ = 0;
-  int guard_ = -1;  // slot in the process-wide SIGBUS registry, -1 if none
-  void guard();     // registers [base_, base_ + map_len_) with the SIGBUS handler
-  void release();   // unregisters and unmaps
+  int guard_ = -1;                     // slot in the process-wide SIGBUS registry, -1 if none
+  StripeGeometry geo_{};               // devices == 1: a single-device mapping
+  std::vector<MappedDevice> devices_;  // striped only, device 0 first
+  void close_devices();
+  void guard();    // registers [base_, base_ + map_len_) with the SIGBUS handler
+  void release();  // unregisters and unmaps
 };
 
 // Size of a devdax device from sysfs (/sys/dev/char/MAJ:MIN/size). Throws OsError.
 uint64_t devdax_size(const std::string& path);
+
+namespace mapping_detail {
+// F11 owner policy of open_existing, shared with open_striped: throws OsError(EPERM).
+void check_owner(const struct stat& st, const std::string& path, bool allow_group);
+}  // namespace mapping_detail
 
 }  // namespace cxlkv
