@@ -149,14 +149,9 @@ bool Pool::drain_chunk(uint64_t c, uint64_t active_word, const NsHandle& donor, 
 
 bool Pool::alloc_block(const NsHandle& ns, uint64_t slot, uint64_t* chunk, uint32_t* block) {
   constexpr uint64_t kStealBackoffUs = 20'000;
-  NsAlloc st;
-  {
-    std::lock_guard<std::mutex> g(alloc_mu_);
-    st = alloc_[placement_key(ns)];
-  }
+  const AllocCursors::Cursor st = alloc_cursors_.get(placement_key(ns));
   auto remember = [&](uint64_t c, uint32_t next, uint64_t steal_after) {
-    std::lock_guard<std::mutex> g(alloc_mu_);
-    alloc_[placement_key(ns)] = NsAlloc{c, next, steal_after};
+    alloc_cursors_.set(placement_key(ns), AllocCursors::Cursor{c, next, steal_after});
   };
   auto mine = [&](uint64_t c) {
     uint64_t w = coh_.read(chunk_word(c));

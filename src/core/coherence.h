@@ -6,6 +6,9 @@
 //   claim(w, e, d)   take exclusive ownership of a word: succeeds for exactly one contender
 //   flush(p, n)      make plain writes in [p, p+n) visible to other hosts
 //   invalidate(p, n) drop stale copies of [p, p+n) before reading what other hosts wrote
+//   snapshot(d,s,n,v,seen)  copy a record guarded by version word v: true only if the copy is
+//                    the whole version `seen` (seqlock read; no data race, seen by the emulator);
+//                    snapshot_matches compares words of it in place instead of copying
 //   fence()          order this participant's earlier stores before its later loads
 //   stream_copy      copy a payload into the pool without leaving it in this CPU's cache
 //
@@ -29,6 +32,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 #include "copy_kernels.h"
 #include "fault_trap.h"
@@ -116,6 +120,39 @@ class Coherence {
   uint64_t read_after_invalidate(const uint64_t* w) const {
     return std::atomic_ref<uint64_t>(*const_cast<uint64_t*>(w)).load(std::memory_order_acquire);
   }
+  // Seqlock read of the n-byte record at src (whole 8-byte words, 8-aligned) guarded by the
+  // version word *version, which the caller read a moment ago as `seen` (read()). Drops stale
+  // lines, copies every word with a relaxed atomic load (a torn copy is possible, a data race in
+  // C++ terms is not), orders those loads before the re-read (acquire fence), and re-reads the
+  // version. True: no writer moved the version meanwhile, so dst holds one consistent version of
+  // the record, the one published as `seen`. False: discard dst. Relies on the writers' rule:
+  // move the version away (claim) before changing a field, publish it back last (publish).
+  bool snapshot(void* dst, const void* src, size_t n, const uint64_t* version, uint64_t seen) const {
+    invalidate(src, n);
+    copy_words(dst, src, n);
+    return read(version) == seen;
+  }
+  // The seqlock compare, for a lookup that only asks "is it this key?": true if the `words` words
+  // at src, each masked by mask[i], equal expect[i] in one version of the record, the one
+  // published as `seen`. snapshot() without the copy: the same invalidate, relaxed loads, acquire
+  // fence and re-read of the version, compared in registers.
+  bool snapshot_matches(const void* src, const uint64_t* expect, const uint64_t* mask, size_t words,
+                        const uint64_t* version, uint64_t seen) const {
+    invalidate(src, words * 8);
+    auto* s = static_cast<uint64_t*>(const_cast<void*>(src));
+    uint64_t diff = 0;
+    for (size_t i = 0; i < words; ++i)
+      diff |= (std::atomic_ref<uint64_t>(s[i]).load(std::memory_order_relaxed) ^ expect[i]) & mask[i];
+    std::atomic_thread_fence(std::memory_order_acquire);
+    return read(version) == seen && diff == 0;
+  }
+  // The same after the caller's own invalidate of [src, src+n) (batched reads, as
+  // read_after_invalidate): `seen` came from read_after_invalidate.
+  bool snapshot_after_invalidate(void* dst, const void* src, size_t n, const uint64_t* version,
+                                 uint64_t seen) const {
+    copy_words(dst, src, n);
+    return read_after_invalidate(version) == seen;
+  }
   void write_hint(uint64_t* w, uint64_t v) const {
     std::atomic_ref<uint64_t>(*w).store(v, std::memory_order_relaxed);
   }
@@ -186,6 +223,16 @@ class Coherence {
   }
 
  private:
+  // Relaxed atomic word loads, then an acquire fence: the copying half of snapshot().
+  static void copy_words(void* dst, const void* src, size_t n) {
+    auto* d = static_cast<char*>(dst);
+    auto* s = static_cast<uint64_t*>(const_cast<void*>(src));
+    for (size_t i = 0; i < n / 8; ++i) {
+      const uint64_t v = std::atomic_ref<uint64_t>(s[i]).load(std::memory_order_relaxed);
+      std::memcpy(d + i * 8, &v, 8);  // dst may be any record type: no aliasing through uint64_t
+    }
+    std::atomic_thread_fence(std::memory_order_acquire);
+  }
   // Lock the stripe of w's line, check the fence, drop the line, read, compare, store, write the
   // line back, unlock (arbiter.cpp). Nothing between the fence check and the write-back may block.
   bool locked_rmw(uint64_t* w, uint64_t& expected, uint64_t desired, bool compare) const;

@@ -33,11 +33,11 @@ void Pool::setup_arbiter(int want, bool observer) {
   host_slot_ = uint32_t(want);
   last_beat_ns_.store(liveness::mono_ns(), std::memory_order_release);
   Bakery::Config c;
-  c.base = base_;
+  c.base = region_.base();
   c.hosts = h.lock_hosts;
   c.slot = host_slot_;
   c.max_nodes = h.max_nodes;
-  c.nodes = reinterpret_cast<NodeSlot*>(base_ + h.node_table_off);
+  c.nodes = reinterpret_cast<NodeSlot*>(region_.base() + h.node_table_off);
   c.lease_ns = uint64_t(h.lease_ms) * 1'000'000;
   c.coh = Coherence(Backend::multihost, emu_.model);
   c.fenced = &fenced_;

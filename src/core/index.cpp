@@ -8,6 +8,7 @@
 // pin arrays. Either the reader sees EVICTING and backs off, or the evictor sees the pin and puts
 // the entry back to READY: a pinned block is never freed, and no shared counter is incremented.
 #include <algorithm>
+#include <cstddef>
 #include <cstring>
 #include <random>
 
@@ -26,15 +27,6 @@ inline void cpu_relax() {
 #endif
 }
 }  // namespace
-
-bool Pool::snapshot(uint64_t slot, uint64_t word, IndexEntry* out) {
-  IndexEntry* e = entry(slot);
-  coh_.invalidate(e, sizeof *e);
-  std::memcpy(reinterpret_cast<char*>(out) + 8, reinterpret_cast<const char*>(e) + 8, sizeof *e - 8);
-  std::atomic_thread_fence(std::memory_order_acquire);
-  out->state = word;
-  return coh_.read(&e->state) == word;
-}
 
 bool Pool::find(const NsHandle& ns, const Key& key, const uint64_t* hash, Found* out,
                 const uint64_t* home_word) {
@@ -216,58 +208,24 @@ bool Pool::evict_victim(const Victim& c, const NsHandle* ns, uint64_t* out_chunk
 // Window eviction: the 128-slot probe window of a key is full. Evicts the oldest unpinned READY
 // entry of the window (any namespace) and frees its block.
 bool Pool::evict_in_window(uint64_t home) {
-  std::vector<Victim> cands;
-  for (uint64_t i = 0; i < kMaxProbe; ++i) {
-    uint64_t slot = (home + i) & slot_mask_;
-    uint64_t w = coh_.read(&entry(slot)->state);
-    if (entry_state(w) == kReady) cands.push_back({coh_.read_hint(access(slot)), slot, w});
-    if (entry_state(w) == kCondemned) cands.push_back({0, slot, w});  // goes first
-  }
-  std::sort(cands.begin(), cands.end(), [](const Victim& a, const Victim& b) { return a.access < b.access; });
-  for (const Victim& c : cands)
+  for (const Victim& c : evictor_.window(home))
     if (evict_victim(c, nullptr, nullptr, nullptr, ~0ull)) return true;
   return false;
 }
 
-// Namespace eviction from a sampled, sorted candidate queue. The queue is refilled when empty or
-// older than kVictimMaxAgeUs with up to kVictimSample candidates read from a moving hand; each
-// candidate is re-validated (state word and access hint unchanged) before it is evicted, so a
-// block touched since the sample is not evicted on stale information.
+// Namespace eviction from the evictor's sampled queue (evictor.h); the block goes straight to
+// new_owner_slot.
 bool Pool::evict_from_queue(const NsHandle& ns, uint64_t* out_chunk, uint32_t* out_block,
                             uint64_t new_owner_slot) {
-  constexpr size_t kVictimSample = 1024;
-  constexpr uint64_t kVictimMaxAgeUs = 100'000;
-  std::lock_guard<std::mutex> g(victim_mu_);
-  VictimQueue& q = victims_[placement_key(ns)];
-  for (int refill = 0; refill < 2; ++refill) {
-    uint64_t now = now_mono_us();
-    if (q.v.empty() || now - q.filled_us > kVictimMaxAgeUs || refill) {
-      q.v.clear();
-      uint64_t from = evict_hand_.load(std::memory_order_relaxed);
-      uint64_t i = 0;
-      for (; i <= slot_mask_ && q.v.size() < kVictimSample; ++i) {
-        uint64_t slot = (from + i) & slot_mask_;
-        uint64_t w = coh_.read(&entry(slot)->state);
-        if (entry_state(w) != kReady && entry_state(w) != kCondemned) continue;
-        IndexEntry e;
-        if (!snapshot(slot, w, &e) || e.ns_id != ns.id) continue;
-        // A device-bound handle takes over only blocks on its device (placement.cpp).
-        if (ns.device >= 0 && (!validate_ref(ns, e) || !block_on_device(ns, e.chunk, e.block))) continue;
-        q.v.push_back({entry_state(w) == kCondemned ? 0 : coh_.read_hint(access(slot)), slot, w});
-      }
-      evict_hand_.store(from + i, std::memory_order_relaxed);
-      std::sort(q.v.begin(), q.v.end(), [](const Victim& a, const Victim& b) { return a.access > b.access; });
-      q.filled_us = now;
-    }
-    while (!q.v.empty()) {
-      Victim c = q.v.back();
-      q.v.pop_back();
-      if (coh_.read(&entry(c.slot)->state) != c.word) continue;
-      if (entry_state(c.word) == kReady && coh_.read_hint(access(c.slot)) != c.access) continue;
-      if (evict_victim(c, &ns, out_chunk, out_block, new_owner_slot)) return true;
-    }
-  }
-  return false;
+  // A device-bound handle takes over only blocks on its device (placement.cpp).
+  Evictor::Accept on_device;
+  if (ns.device >= 0)
+    on_device = [&](const IndexEntry& e) {
+      return validate_ref(ns, e) && block_on_device(ns, e.chunk, e.block);
+    };
+  return evictor_.from_queue(placement_key(ns), ns.id, on_device, [&](const Victim& c) {
+    return evict_victim(c, &ns, out_chunk, out_block, new_owner_slot);
+  });
 }
 
 bool Pool::put(const NsHandle& ns, const Key& key, const Piece* src, size_t n, uint16_t depth) {
@@ -546,16 +504,17 @@ size_t Pool::match_prefix(const NsHandle& ns, const Key* keys, size_t n) {
   thread_local std::vector<uint64_t> slots;
   slots.clear();
   for (size_t m = 0; m < n; ++m) {
-    // Fast path, the common case: the key is READY at its home. Its fields are compared in place
-    // and believed only if the state word is unchanged afterwards (what snapshot() does, without
-    // copying the entry); anything else takes find()'s full probe.
+    // Fast path, the common case: the key is READY at its home. Its key and ns_id are compared in
+    // place (a seqlock compare of the entry's head, Coherence::snapshot_matches) and believed only
+    // if the state word is unchanged afterwards; anything else takes find()'s full probe.
     const uint64_t home = hashes[m] & slot_mask_, w = home_words[m];
     if (entry_state(w) == kReady && entry_tag(w) == key_tag(hashes[m])) {
-      const IndexEntry* e = entry(home);
-      coh_.invalidate(e, sizeof *e);
-      const bool same = e->ns_id == ns.id && std::memcmp(e->key, keys[m].data(), 32) == 0;
-      std::atomic_thread_fence(std::memory_order_acquire);
-      if (same && coh_.read(&e->state) == w) {
+      IndexEntry* e = entry(home);
+      static_assert(offsetof(IndexEntry, key) == 8 && offsetof(IndexEntry, ns_id) == 40);
+      uint64_t expect[5] = {0, 0, 0, 0, ns.id};  // key words, then [chunk:32][ns_id:32] (x86: LE)
+      std::memcpy(expect, keys[m].data(), 32);
+      static constexpr uint64_t kMask[5] = {~0ull, ~0ull, ~0ull, ~0ull, 0xFFFFFFFFull};
+      if (coh_.snapshot_matches(e->key, expect, kMask, 5, &e->state, w)) {
         slots.push_back(home);
         continue;
       }

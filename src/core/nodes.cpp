@@ -113,7 +113,7 @@ void Pool::detach_node() {
   if (!mapping_intact()) return;  // the file shrank: its pages are gone, nothing to clean there
   if (!fenced_.load(std::memory_order_acquire) && coh_.read(&node_slot(i)->state) == node_word_) {
     // Pins of a clean close are already released by their leases; clear any left behind.
-    uint64_t hw = std::min<uint64_t>(pin_hw_, hdr_->pin_slots);
+    uint64_t hw = std::min<uint64_t>(pin_slots_.high_water(), hdr_->pin_slots);
     for (uint64_t p = 0; p < hw; ++p) coh_.publish(&pins(i)[p], 0);
     coh_.publish(&node_fixed(i)->pin_hw, 0);
     uint64_t w = node_word_;
@@ -121,54 +121,6 @@ void Pool::detach_node() {
   }
   liveness::unlock(lock_, lock_offset(i));  // after FREE (L1)
   node_id_ = 0;
-}
-
-// Judges slot idx, whose state word was read as w. Caller holds reap_mu_ (watch_).
-NodeInfo Pool::judge(uint32_t idx, uint64_t w) {
-  NodeInfo n;
-  n.id = idx + 1;
-  n.state = node_state(w);
-  n.epoch = node_epoch(w);
-  n.lease_ms = hdr_->lease_ms;
-  if (n.state == kNodeFree) return n;
-  NodeSlot* s = node_slot(idx);
-  coh_.invalidate(s, sizeof *s);
-  n.pid = s->pid, n.pid_ns = s->pid_ns, n.attach_unix_ns = s->attach_unix_ns;
-  n.beat = coh_.read(&s->beat);
-  n.beat_unix_ns = s->beat_unix_ns;
-  if (node_id_ == idx + 1 && w == node_word_) {
-    n.self = n.same_kernel = n.lock_held = true;
-    n.verdict = NodeInfo::kAlive;
-    n.evidence = "this attachment";
-    return n;
-  }
-  // L1 applies only if we can see its lock: same kernel and same inode (and a working lock).
-  n.same_kernel = lock_.lock_id != 0 && node_domain(w) == domain_ &&
-                  (n.state != kNodeAlive || (s->host_id == host_id_ && s->lock_id == lock_.lock_id));
-  if (n.same_kernel) {
-    n.lock_held = liveness::lock_held_by_other(lock_, lock_offset(idx));
-    n.verdict = n.lock_held ? NodeInfo::kAlive : NodeInfo::kDead;
-    n.evidence = n.lock_held ? "lock held (same kernel)" : "lock free: its process is gone (same kernel)";
-    return n;
-  }
-  // L2: lease, on this judge's monotonic clock.
-  Watch& wt = watch_[idx];
-  uint64_t now = liveness::mono_ns();
-  bool moved = wt.valid && (wt.word != w || wt.beat != n.beat);
-  if (!wt.valid || moved) wt = Watch{w, n.beat, now, true};
-  n.silent_ms = (now - wt.since_ns) / 1'000'000;
-  if (n.silent_ms >= hdr_->lease_ms) {
-    n.verdict = NodeInfo::kDead;
-    n.evidence = "heartbeat silent for " + std::to_string(n.silent_ms) + " ms >= lease (another kernel)";
-  } else if (moved) {
-    n.verdict = NodeInfo::kAlive;
-    n.evidence = "heartbeat advancing (another kernel)";
-  } else {
-    n.verdict = NodeInfo::kUndecided;
-    n.evidence = "another kernel: heartbeat observed for " + std::to_string(n.silent_ms) + " of " +
-                 std::to_string(hdr_->lease_ms) + " ms";
-  }
-  return n;
 }
 
 // Claims slot idx (judged as n from word w) RECLAIMING and reclaims it. Caller holds reap_mu_.
@@ -185,7 +137,7 @@ bool Pool::reclaim_judged(uint32_t idx, uint64_t w, const NodeInfo& n, bool forc
   }
   reclaim_node(idx, mine);
   if (locked) liveness::unlock(lock_, lock_offset(idx));
-  watch_[idx].valid = false;
+  node_table_.forget(idx);
   return true;
 }
 

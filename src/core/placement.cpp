@@ -33,7 +33,7 @@ NsHandle Pool::bind_device(const NsHandle& ns, int device) const {
 bool Pool::block_on_device(const NsHandle& ns, uint64_t chunk, uint32_t block) const {
   if (ns.device < 0) return true;
   uint64_t off =
-      hdr_->arena_off + chunk * chunk_stride_ + desc_bytes_ + uint64_t(block) * ns.geo.block_stride;
+      hdr_->arena_off + chunk * chunk_stride() + desc_bytes_ + uint64_t(block) * ns.geo.block_stride;
   return range_device(stripes_, off, ns.geo.block_stride) == ns.device;
 }
 
@@ -48,7 +48,7 @@ bool Pool::locate(const NsHandle& ns, const Key& key, uint64_t* offset, uint64_t
   ensure_usable();
   Found f;
   if (!find(ns, key, nullptr, &f) || !validate_ref(ns, f.e)) return false;
-  *offset = uint64_t(block_payload(ns, f.e.chunk, f.e.block) - base_);
+  *offset = uint64_t(block_payload(ns, f.e.chunk, f.e.block) - region_.base());
   *length = f.e.length;
   return true;
 }
@@ -78,7 +78,7 @@ std::vector<DeviceUse> Pool::device_usage() {
     if (chunk_state(w) != kChunkActive || chunk_ns(w) == 0 || chunk_ns(w) > hdr_->max_namespaces) continue;
     const ChunkGeometry& g = geo[chunk_ns(w)];
     for (uint32_t b = 0; b < g.blocks; ++b) {
-      uint64_t off = hdr_->arena_off + c * chunk_stride_ + desc_bytes_ + uint64_t(b) * g.block_stride;
+      uint64_t off = hdr_->arena_off + c * chunk_stride() + desc_bytes_ + uint64_t(b) * g.block_stride;
       spread(off, g.block_stride, &DeviceUse::capacity_bytes);
       if (coh_.read(block_desc(c, b)) != 0) spread(off, g.block_stride, &DeviceUse::used_bytes);
     }

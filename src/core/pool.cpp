@@ -1,4 +1,4 @@
-// Pool creation, validation of an existing pool, attachment, and bounds-checked accessors.
+// Pool creation, opening an existing pool (its header is validated by Region::adopt), attachment.
 #include "pool.h"
 
 #include <dirent.h>
@@ -33,8 +33,6 @@ uint64_t now_mono_us() {
 }
 
 namespace {
-
-uint64_t header_checksum(const PoolHeader& h) { return xxh3(&h, offsetof(PoolHeader, checksum)); }
 
 void fill_stamp(PoolHeader& h) {
   h.stamp_cache_line = kCacheLine;
@@ -204,7 +202,7 @@ bool Pool::heartbeat_tick() {
     std::atomic<bool>& b;
     ~Done() { b.store(false, std::memory_order_release); }
   } done{beating_};
-  if (!base_ || !node_id_) {  // not attached yet: nobody can declare us dead
+  if (!region_.base() || !node_id_) {  // not attached yet: nobody can declare us dead
     last_beat_ns_.store(liveness::mono_ns(), std::memory_order_release);
     return true;
   }
@@ -268,8 +266,8 @@ void Pool::destroy(const std::string& path, const DestroyOptions& opt) {
                   "; stop them first, or force it (CLI: --ignore-attached)");
   }
   if (Mapping::is_devdax_path(path)) {
-    char* b = p->base_;
-    p->base_ = nullptr;  // no detach: never attached
+    char* b = p->region_.base();
+    p->region_.reset();  // no detach: never attached
     Coherence c;
     auto* sw = reinterpret_cast<SharedWords*>(b + kSharedWordsOff);
     c.publish(&sw->init.word, 0);
@@ -312,106 +310,12 @@ void Pool::validate_and_attach(bool fresh, bool attach) {
   (void)fresh;
   char* b = emu_.base ? emu_.base : map_.base();
   const uint64_t mapped = emu_.base ? emu_.size : map_.size();
-  // Validate a private copy: the shared header can change under us (F1), so every check below and
-  // every later use reads the same bytes.
-  std::memcpy(&hdr_copy_, b, sizeof hdr_copy_);
-  const PoolHeader& h = hdr_copy_;
-  auto* sw = reinterpret_cast<SharedWords*>(b + kSharedWordsOff);
-  const std::string& P = path_;
-  if (std::memcmp(h.magic, kMagic, 8) != 0) {
-    static const char zero[8] = {};
-    uint64_t init = Coherence(Backend::flush).read(&sw->init.word);
-    if (std::memcmp(h.magic, zero, 8) == 0 && init == kInitBusy)
-      throw NotReadyError("pool " + P +
-                          " was never completely initialized (its creator died or is still running); remove "
-                          "it (cxlkv pool destroy --force) and re-create it");
-    throw FormatError(P + " is not a cxlkv pool (bad magic)");
-  }
-  if (h.major > kFormatMajor)
-    throw VersionError("pool " + P + " has format " + std::to_string(h.major) + "." +
-                       std::to_string(h.minor) + ", newer than this cxlkv build supports (" +
-                       std::to_string(kFormatMajor) + ".x)");
-  if (h.major < kFormatMajor)
-    throw VersionError("pool " + P + " has an old format " + std::to_string(h.major) + ".x; re-create it");
-  if (h.header_bytes != sizeof(PoolHeader))
-    throw FormatError("pool " + P + " header has " + std::to_string(h.header_bytes) + " bytes, expected " +
-                      std::to_string(sizeof(PoolHeader)));
-  if (h.checksum != header_checksum(h))
-    throw FormatError("pool " + P + " header checksum mismatch: the header is corrupt");
-  if (h.incompat & ~kIncompatSupported) {
-    char buf[32];
-    std::snprintf(buf, sizeof buf, "0x%llx", (unsigned long long)(h.incompat & ~kIncompatSupported));
-    throw VersionError("pool " + P + " uses incompatible features unknown to this build (" + buf + ")");
-  }
-  validate_striping(h, b);  // before the size check: one device of a striped pool is smaller
-  if ((h.ro_compat & ~kRoCompatSupported) && !read_only_) {
-    char buf[32];
-    std::snprintf(buf, sizeof buf, "0x%llx", (unsigned long long)(h.ro_compat & ~kRoCompatSupported));
-    throw VersionError("pool " + P + " uses features this build may only read (ro_compat " + buf +
-                       "): inspect it read-only (cxlkv pool info) or attach with a newer cxlkv");
-  }
-  if (h.stamp_cache_line != kCacheLine || h.stamp_header != sizeof(PoolHeader) ||
-      h.stamp_node_slot != sizeof(NodeSlot) || h.stamp_node_area_fixed != sizeof(NodeAreaFixed) ||
-      h.stamp_namespace != sizeof(NamespaceEntry) || h.stamp_index_entry != sizeof(IndexEntry))
-    throw VersionError("pool " + P +
-                       " was created by a build with another memory layout (build stamp differs)");
-  if (h.pool_bytes > mapped)
-    throw TruncatedError("pool " + P + " is truncated: header says " + std::to_string(h.pool_bytes) +
-                         " bytes, the file has " + std::to_string(mapped));
-  // Geometry: every area inside the pool, in order, without overlap.
-  auto bad = [&](const char* what) {
-    throw FormatError("pool " + P + " has an impossible geometry (" + what + ")");
-  };
-  if (h.backend != uint32_t(Backend::coherent) && h.backend != uint32_t(Backend::flush) &&
-      h.backend != uint32_t(Backend::multihost))
-    bad("backend");
+  // The stripe table is checked inside the header validation, before the size check: one
+  // device of a striped pool is smaller than the pool (striped_pool.cpp).
+  region_.adopt(b, mapped, path_, read_only_, emu_.model,
+                [&](const PoolHeader& hh) { validate_striping(hh, b); });
+  const PoolHeader& h = *hdr_;
   const bool multihost = h.backend == uint32_t(Backend::multihost);
-  if (multihost ? (h.lock_hosts == 0 || h.lock_hosts > kMaxLockHosts) : h.lock_hosts != 0) bad("lock_hosts");
-  if (h.max_nodes == 0 || h.max_nodes > kMaxNodes) bad("max_nodes");
-  if (h.lease_ms < kLeaseMsMin || h.lease_ms > kLeaseMsMax) bad("lease_ms");
-  if (h.pin_slots == 0 || h.pin_slots > (1u << 20)) bad("pin_slots");
-  if (h.max_namespaces == 0 || h.max_namespaces > kMaxNamespaces) bad("max_namespaces");
-  if (h.index_slots < 64 || (h.index_slots & (h.index_slots - 1)) || h.index_slots > (1ull << 36))
-    bad("index_slots");
-  if (h.chunk_bytes < 65536 || h.chunk_bytes % kMetaAlign || h.chunk_bytes > (1ull << 40)) bad("chunk_bytes");
-  if (h.node_area_bytes < sizeof(NodeAreaFixed) + uint64_t(h.pin_slots) * 8 || h.node_area_bytes % kMetaAlign)
-    bad("node_area_bytes");
-  if ((h.compat & kCompatAdminMailbox) &&
-      h.node_area_bytes < admin_mailbox_off(h.pin_slots) + admin_mailbox_bytes(h.max_nodes))
-    bad("node_area_bytes (admin mailbox)");
-  if (h.chunk_count == 0 || h.chunk_count > (1ull << 32)) bad("chunk_count");
-  if (h.node_area_bytes > h.pool_bytes / h.max_nodes) bad("node_area_bytes");  // F6: no wrap below
-  // Overflow-safe: a forged header (the checksum is no authentication) must not wrap a product.
-  uint64_t end = kSharedWordsOff + kMetaAlign;
-  if (multihost) end = kLockAreaOff + uint64_t(kLockStripes) * h.lock_hosts * sizeof(LockLine);
-  auto area = [&](uint64_t off, uint64_t count, uint64_t each, const char* what) {
-    uint64_t len, stop;
-    if (__builtin_mul_overflow(count, each, &len) || __builtin_add_overflow(off, len, &stop)) bad(what);
-    if (off < end || off % 64 || stop > h.pool_bytes) bad(what);
-    end = stop;
-  };
-  area(h.node_table_off, h.max_nodes, sizeof(NodeSlot), "node table");
-  area(h.node_area_off, h.max_nodes, h.node_area_bytes, "node areas");
-  area(h.ns_table_off, h.max_namespaces, sizeof(NamespaceEntry), "namespace table");
-  area(h.index_off, h.index_slots, sizeof(IndexEntry), "index");
-  area(h.access_off, h.index_slots, 8, "access hints");
-  area(h.chunk_map_off, h.chunk_count, 8, "chunk map");
-  uint64_t stride = chunk_desc_bytes(h.chunk_bytes) + h.chunk_bytes;
-  area(h.arena_off, h.chunk_count, stride, "arena");
-  uint64_t init = Coherence(Backend::flush, emu_.model).read(&sw->init.word);  // valid for any backend
-  if (init != kInitReady)
-    throw NotReadyError("pool " + P +
-                        " was never completely initialized (its creator died or is still running); remove it "
-                        "(cxlkv pool destroy --force) and re-create it");
-
-  base_ = b;
-  hdr_ = &hdr_copy_;
-  coh_ = Coherence(Backend(h.backend), emu_.model);
-  entries_ = reinterpret_cast<IndexEntry*>(b + h.index_off);
-  access_ = reinterpret_cast<uint64_t*>(b + h.access_off);
-  slot_mask_ = h.index_slots - 1;
-  desc_bytes_ = chunk_desc_bytes(h.chunk_bytes);
-  chunk_stride_ = desc_bytes_ + h.chunk_bytes;
   pid_ = uint32_t(::getpid());
   fork_generation_ = fork_generation();
   // Liveness identity (nodes.cpp, liveness.h): this kernel, and the lock descriptor by which the
@@ -422,7 +326,7 @@ void Pool::validate_and_attach(bool fresh, bool attach) {
     lock_ = liveness::open_lock_file(map_.striped() ? map_.devices()[0].path : path_, map_.file_dev(),
                                      map_.file_ino());
   domain_ = liveness::domain_tag(host_id_, lock_.lock_id);
-  watch_.assign(h.max_nodes, Watch{});
+  node_table_.reset_watches(h.max_nodes);
   if (read_only_) return;
   if (!emu_.base) fault_trap::arm_from_env();  // tests only: CXLKV_TEST_FAULT (fault_trap.h)
   if (multihost) setup_arbiter(emu_.base ? emu_.host_slot : want_slot_, !attach);
@@ -439,7 +343,7 @@ Pool::~Pool() {
 }
 
 void Pool::ensure_usable() const {
-  if (!base_) throw Error("pool " + path_ + " is closed");
+  if (!region_.base()) throw Error("pool " + path_ + " is closed");
   if (fenced_.load(std::memory_order_acquire))
     throw Error("pool " + path_ + ": node " + std::to_string(node_id_) +
                 " of this process was reclaimed by another process (judged dead, or reaped with --force); "
@@ -457,14 +361,13 @@ void Pool::abandon() {
   node_id_ = 0;
   if (fork_generation_ == fork_generation()) liveness::close_lock_file(lock_);
   lock_ = liveness::LockFile{};
-  base_ = nullptr;
-  hdr_ = nullptr;
+  region_.reset();
   map_ = Mapping();
 }
 
 bool Pool::mapping_intact() const {
-  if (emu_.base) return base_ != nullptr;
-  if (!base_ || map_.truncated()) return false;
+  if (emu_.base) return region_.base() != nullptr;
+  if (!region_.base() || map_.truncated()) return false;
   if (map_.striped()) return devices_intact();
   if (map_.devdax() || lock_.fd < 0) return true;  // a device does not shrink; no fd to ask
   struct stat st;  // lock_.fd names the mapped inode (checked when it was opened)
@@ -472,7 +375,7 @@ bool Pool::mapping_intact() const {
 }
 
 void Pool::close() {
-  if (!base_) return;
+  if (!region_.base()) return;
   // A forked child unmaps only: the node slot and its lock belong to the parent (the child's
   // copy of the lock descriptor was closed at fork; the number may name another file now).
   if (fork_generation_ == fork_generation()) {
@@ -482,44 +385,12 @@ void Pool::close() {
   lock_ = liveness::LockFile{};
   heartbeat_ = 0;
   responder_.reset();  // a forked child's copy: its thread is not in this process (never joined)
-  base_ = nullptr;
-  hdr_ = nullptr;
+  region_.reset();
   map_ = Mapping();
 }
 
-// ---------------------------------------------------------------------------------------------
-// Bounds-checked accessors. Values read from the pool are untrusted: check before use.
-NodeSlot* Pool::node_slot(uint32_t idx) const {
-  if (idx >= hdr_->max_nodes) throw CorruptError("node index " + std::to_string(idx) + " out of range");
-  return reinterpret_cast<NodeSlot*>(base_ + hdr_->node_table_off) + idx;
-}
-char* Pool::node_area(uint32_t idx) const {
-  if (idx >= hdr_->max_nodes) throw CorruptError("node index " + std::to_string(idx) + " out of range");
-  return base_ + hdr_->node_area_off + uint64_t(idx) * hdr_->node_area_bytes;
-}
-NamespaceEntry* Pool::ns_entry(uint32_t id) const {
-  if (id == 0 || id > hdr_->max_namespaces)
-    throw CorruptError("namespace id " + std::to_string(id) + " out of range");
-  return reinterpret_cast<NamespaceEntry*>(base_ + hdr_->ns_table_off) + (id - 1);
-}
-uint64_t* Pool::chunk_word(uint64_t chunk) const {
-  if (chunk >= hdr_->chunk_count) throw CorruptError("chunk " + std::to_string(chunk) + " out of range");
-  return reinterpret_cast<uint64_t*>(base_ + hdr_->chunk_map_off) + chunk;
-}
-uint64_t* Pool::block_desc(uint64_t chunk, uint32_t block) const {
-  if (chunk >= hdr_->chunk_count || block >= desc_bytes_ / 8)
-    throw CorruptError("block " + std::to_string(chunk) + ":" + std::to_string(block) + " out of range");
-  return reinterpret_cast<uint64_t*>(base_ + hdr_->arena_off + chunk * chunk_stride_) + block;
-}
-char* Pool::block_payload(const NsHandle& ns, uint64_t chunk, uint32_t block) const {
-  if (chunk >= hdr_->chunk_count || block >= ns.geo.blocks)
-    throw CorruptError("block " + std::to_string(chunk) + ":" + std::to_string(block) + " out of range");
-  return base_ + hdr_->arena_off + chunk * chunk_stride_ + desc_bytes_ +
-         uint64_t(block) * ns.geo.block_stride;
-}
-
 void Pool::count(Counter c, uint64_t v) {
-  if (!base_ || !node_id_) return;
+  if (!region_.base() || !node_id_) return;
   coh_.bump_owned(&node_fixed(node_id_ - 1)->counters[c], v);
 }
 
@@ -531,26 +402,6 @@ std::vector<uint64_t> Pool::counters() {
     for (uint32_t c = 0; c < kCounterCount; ++c) sum[c] += coh_.read_hint(&f->counters[c]);
   }
   return sum;
-}
-
-// ---------------------------------------------------------------------------------------------
-// Pin slots: a process-local free list over this node's pin array. pin_hw only grows while
-// attached; it tells other nodes how far to scan.
-bool Pool::alloc_pin(uint32_t* idx) {
-  std::lock_guard<std::mutex> g(pin_mu_);
-  if (free_pins_.empty()) {
-    if (pin_hw_ >= hdr_->pin_slots) return false;
-    *idx = uint32_t(pin_hw_++);
-    coh_.publish(&node_fixed(node_id_ - 1)->pin_hw, pin_hw_);
-    return true;
-  }
-  *idx = free_pins_.back();
-  free_pins_.pop_back();
-  return true;
-}
-void Pool::free_pin(uint32_t idx) {
-  std::lock_guard<std::mutex> g(pin_mu_);
-  free_pins_.push_back(idx);
 }
 
 }  // namespace cxlkv

@@ -1,4 +1,6 @@
-// Pool: one attachment of this process to a cxlkv pool. Owns the mapping, the node slot and the
+// Pool: one attachment of this process to a cxlkv pool, and the façade over the core's internal
+// types: Region (region.h: the mapped bytes, the validated header copy, bounds-checked accessors,
+// coherence) and the protocols that use it. Owns the mapping, the node slot and the
 // process-local helpers (pin-slot allocator, allocation cursors). Thread-safe: several threads of
 // one process may use one Pool (the Python binding releases the GIL during copies).
 #pragma once
@@ -12,14 +14,19 @@
 #include <unordered_map>
 #include <vector>
 
+#include "alloc_cursors.h"
 #include "arbiter.h"
 #include "checksum.h"
 #include "coherence.h"
 #include "errors.h"
+#include "evictor.h"
 #include "format.h"
 #include "layout.h"
 #include "liveness.h"
 #include "mapping.h"
+#include "node_table.h"
+#include "pin_slots.h"
+#include "region.h"
 #include "rpc.h"
 
 namespace cxlkv {
@@ -52,21 +59,6 @@ void plan_striped_geometry(format::PoolHeader& h, format::StripeTable& t, const 
 // Removes `<path>.init-<pid>-<rand>` files whose creator process is gone (pool.cpp): what a
 // creator killed mid-way left behind, for a single-file pool and for each device of a striped one.
 void remove_stale_init_files(const std::string& path);
-
-// One node slot as a judge sees it (`pool info`, `pool reap`): the verdict and its evidence.
-struct NodeInfo {
-  uint32_t id = 0;    // node id (slot + 1)
-  uint8_t state = 0;  // format::NodeState
-  uint32_t epoch = 0;
-  uint64_t pid = 0, pid_ns = 0, attach_unix_ns = 0, beat = 0, beat_unix_ns = 0;
-  bool self = false;         // this attachment
-  bool same_kernel = false;  // judged by the kernel lock (same host_id and lock file)
-  bool lock_held = false;    // same_kernel only: someone holds the slot's lock
-  uint64_t silent_ms = 0;    // lease only: how long this judge has seen (state, beat) unchanged
-  uint64_t lease_ms = 0;
-  enum Verdict { kFree, kAlive, kDead, kUndecided } verdict = kFree;
-  std::string evidence;  // one line, e.g. "lock held (same kernel)"
-};
 
 // How Pool::open maps and trusts an existing pool (F11, F23).
 struct OpenOptions {
@@ -201,7 +193,7 @@ class Pool {
   // Forgets this attachment without one more store into the pool (a crashed or fenced simulated
   // host; or a process that knows it was fenced): peers reclaim its node by lease.
   void abandon();
-  bool closed() const { return !base_; }
+  bool closed() const { return !region_.base(); }
   // Throws if the pool is closed, or if this attachment was inherited through fork(): the child
   // does not own the parent's node slot and must open the pool itself.
   // Also throws once this node was reclaimed while alive (fenced: liveness invariant L3).
@@ -309,34 +301,27 @@ class Pool {
   uint64_t break_stale_ns_lock();
   void attach_node();
   void detach_node();
-  NodeInfo judge(uint32_t idx, uint64_t word);
+  NodeInfo judge(uint32_t idx, uint64_t word) { return node_table_.judge(idx, word, node_id_, node_word_); }
   bool reclaim_judged(uint32_t idx, uint64_t word, const NodeInfo& n, bool force);
   uint64_t reap_pass(uint64_t* undecided);
   void reclaim_node(uint32_t idx, uint64_t word);
-  // The byte of the pool file locked for slot idx (L1). Locks live beyond any data (locks need
-  // no bytes) in a 256-byte range per host id, so simulated hosts (CXLKV_HOST_ID) on one kernel
-  // do not see each other's locks, exactly as separate kernels would not.
-  uint64_t lock_offset(uint32_t idx) const { return (1ull << 48) + (host_id_ & 0xFFFFF) * 256 + idx; }
+  uint64_t lock_offset(uint32_t idx) const { return node_table_.lock_offset(idx); }  // node_table.h
 
-  // bounds-checked accessors: throw CorruptError on an out-of-range value read from the pool
-  format::NodeSlot* node_slot(uint32_t idx) const;
-  char* node_area(uint32_t idx) const;
-  format::NodeAreaFixed* node_fixed(uint32_t idx) const {
-    return reinterpret_cast<format::NodeAreaFixed*>(node_area(idx));
+  // The region's bounds-checked accessors (region.h), under the names the protocol files use.
+  format::NodeSlot* node_slot(uint32_t idx) const { return region_.node_slot(idx); }
+  char* node_area(uint32_t idx) const { return region_.node_area(idx); }
+  format::NodeAreaFixed* node_fixed(uint32_t idx) const { return region_.node_fixed(idx); }
+  uint64_t* pins(uint32_t idx) const { return region_.pins(idx); }
+  format::NamespaceEntry* ns_entry(uint32_t id) const { return region_.ns_entry(id); }
+  format::IndexEntry* entry(uint64_t slot) const { return region_.entry(slot); }
+  uint64_t* access(uint64_t slot) const { return region_.access(slot); }
+  uint64_t* chunk_word(uint64_t chunk) const { return region_.chunk_word(chunk); }
+  uint64_t* block_desc(uint64_t chunk, uint32_t block) const { return region_.block_desc(chunk, block); }
+  char* block_payload(const NsHandle& ns, uint64_t chunk, uint32_t block) const {
+    return region_.block_payload(ns.geo, chunk, block);
   }
-  uint64_t* pins(uint32_t idx) const {
-    return reinterpret_cast<uint64_t*>(node_area(idx) + sizeof(format::NodeAreaFixed));
-  }
-  format::NamespaceEntry* ns_entry(uint32_t id) const;  // 1-based id
-  format::IndexEntry* entry(uint64_t slot) const { return entries_ + (slot & slot_mask_); }
-  uint64_t* access(uint64_t slot) const { return access_ + (slot & slot_mask_); }
-  uint64_t* chunk_word(uint64_t chunk) const;
-  uint64_t* block_desc(uint64_t chunk, uint32_t block) const;
-  char* block_payload(const NsHandle& ns, uint64_t chunk, uint32_t block) const;
-  uint64_t chunk_stride() const { return chunk_stride_; }
-  format::SharedWords* shared() const {
-    return reinterpret_cast<format::SharedWords*>(base_ + format::kSharedWordsOff);
-  }
+  uint64_t chunk_stride() const { return region_.chunk_stride(); }
+  format::SharedWords* shared() const { return region_.shared(); }
 
   // index internals (index.cpp)
   struct Found {
@@ -353,7 +338,9 @@ class Pool {
   void condemn(uint64_t slot, uint64_t ready_word);
   bool reclaim_condemned(uint64_t slot);
   bool writing_same_key(const NsHandle& ns, const Key& key, uint64_t slot, uint64_t writing_word);
-  bool snapshot(uint64_t slot, uint64_t word, format::IndexEntry* out);
+  bool snapshot(uint64_t slot, uint64_t word, format::IndexEntry* out) const {
+    return region_.snapshot(slot, word, out);
+  }
   bool pin(uint64_t slot, uint64_t word, PinRef* out, bool* exhausted, bool for_lease);
   void unpin(const PinRef& p);
   bool is_pinned(uint64_t slot, uint32_t gen);
@@ -372,9 +359,12 @@ class Pool {
   bool drain_chunk(uint64_t chunk, uint64_t active_word, const NsHandle& donor, const NsHandle& ns);
   bool claim_free_block(const NsHandle& ns, uint64_t chunk, uint64_t slot, uint32_t* block, uint32_t start);
   void free_block(uint64_t chunk, uint32_t block);
-  // pin slots (process-local allocator over this node's pin array)
-  bool alloc_pin(uint32_t* idx);
-  void free_pin(uint32_t idx);
+  // pin slots (pin_slots.h: the process-local allocator over this node's pin array)
+  bool alloc_pin(uint32_t* idx) {
+    return pin_slots_.alloc(idx, hdr_->pin_slots,
+                            [this](uint64_t hw) { coh_.publish(&node_fixed(node_id_ - 1)->pin_hw, hw); });
+  }
+  void free_pin(uint32_t idx) { pin_slots_.free(idx); }
   void count(format::Counter c, uint64_t v = 1);
   uint8_t my_epoch8() const { return uint8_t(format::node_epoch(node_word_)); }
   // True if node `node` is attached now in the incarnation whose epoch ends in `epoch8`.
@@ -383,28 +373,29 @@ class Pool {
 
   std::string path_;
   Mapping map_;
-  char* base_ = nullptr;
-  // Points at hdr_copy_: the header validated at open, copied out of shared memory so that a
-  // later scribble over the shared header cannot steer an address, divisor or loop bound (F1).
-  const format::PoolHeader* hdr_ = nullptr;
-  format::PoolHeader hdr_copy_{};
+  // The mapped pool: base, the header validated at open and copied out of shared memory (F1),
+  // the geometry derived from it, the accessors and the coherence layer (region.h).
+  Region region_;
+  // The region's parts under the short names every protocol file uses (one owner: region_).
+  // hdr_ is null while closed; coh_ is reassigned once (setup_arbiter: the multihost arbiter).
+  Coherence& coh_ = region_.coh();
+  const format::PoolHeader* const& hdr_ = region_.header_ref();
+  const uint64_t& slot_mask_ = region_.slot_mask();
+  const uint64_t& desc_bytes_ = region_.desc_bytes();
   bool read_only_ = false;
-  Coherence coh_;
-  format::IndexEntry* entries_ = nullptr;
-  uint64_t* access_ = nullptr;
-  uint64_t slot_mask_ = 0;
-  uint64_t chunk_stride_ = 0;
-  uint64_t desc_bytes_ = 0;
   uint32_t node_id_ = 0;  // 1-based; 0 = not attached
   uint32_t pid_ = 0;
-  uint64_t host_id_ = 0;
   uint64_t node_word_ = 0;
   uint64_t fork_generation_ = 0;
-  // liveness (nodes.cpp)
-  liveness::LockFile lock_;
-  uint32_t domain_ = 0;
-  uint64_t heartbeat_ = 0;           // handle with the process heartbeat thread
-  std::atomic<bool> fenced_{false};  // this node was reclaimed while alive (L3), or fenced itself
+  // liveness (nodes.cpp): the judge of the node table (node_table.h), and its identity and lock
+  // under the names nodes.cpp uses (one owner: node_table_).
+  NodeTable node_table_{region_};
+  uint64_t& host_id_ = node_table_.host_id();
+  liveness::LockFile& lock_ = node_table_.lock_file();
+  uint32_t& domain_ = node_table_.domain();
+  std::mutex& reap_mu_ = node_table_.mu();  // one reclaim at a time per lock descriptor
+  uint64_t heartbeat_ = 0;                  // handle with the process heartbeat thread
+  std::atomic<bool> fenced_{false};         // this node was reclaimed while alive (L3), or fenced itself
   // multihost (arbiter.h): the cross-host lock and fence; the time before the last published beat
   std::unique_ptr<Bakery> bakery_;
   std::atomic<uint64_t> last_beat_ns_{0};
@@ -420,37 +411,14 @@ class Pool {
     return (1ull << 49) + (host_id_ & 0xFFFFF) * kParticipants + i;
   }
   static constexpr uint32_t kParticipants = 4096;  // tier-1 participant bytes per host id
-  std::mutex reap_mu_;                             // one reclaim at a time per lock descriptor
-  struct Watch {                                   // lease observations of this judge, per slot
-    uint64_t word = 0, beat = 0, since_ns = 0;
-    bool valid = false;
-  };
-  std::vector<Watch> watch_;
-  std::atomic<uint64_t> reaped_unreported_{0};  // reclaims since open or the last check (F20)
+  std::atomic<uint64_t> reaped_unreported_{0};     // reclaims since open or the last check (F20)
 
-  std::mutex pin_mu_;
-  std::vector<uint32_t> free_pins_;
-  uint64_t pin_hw_ = 0;
+  PinSlots pin_slots_;
   std::atomic<uint64_t> lease_pins_{0};  // pins held by this process's leases (see lease_cap)
-  std::mutex alloc_mu_;
-  struct NsAlloc {
-    uint64_t home = ~0ull;        // chunk this node allocates from first
-    uint32_t cursor = 0;          // where the last scan of the home chunk stopped
-    uint64_t steal_after_us = 0;  // a scan of other chunks found nothing: skip scans until then
-  };
-  std::unordered_map<uint32_t, NsAlloc> alloc_;  // by namespace id; process-local
-  std::atomic<uint64_t> evict_hand_{0};
-  // Eviction candidates of one namespace, sampled from the index and sorted, oldest last: a big
-  // sample approximates LRU far better than a fresh small one per eviction, at lower cost.
-  struct Victim {
-    uint64_t access, slot, word;
-  };
-  struct VictimQueue {
-    std::vector<Victim> v;
-    uint64_t filled_us = 0;
-  };
-  std::mutex victim_mu_;
-  std::unordered_map<uint32_t, VictimQueue> victims_;
+  AllocCursors alloc_cursors_;           // where allocation starts, per namespace (allocator.cpp)
+  // Chooses eviction victims (evictor.h); evict_victim below carries the eviction out.
+  Evictor evictor_{region_};
+  using Victim = Evictor::Victim;
   bool evict_from_queue(const NsHandle& ns, uint64_t* out_chunk, uint32_t* out_block,
                         uint64_t new_owner_slot);
   bool evict_victim(const Victim& c, const NsHandle* ns, uint64_t* out_chunk, uint32_t* out_block,

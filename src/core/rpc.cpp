@@ -79,20 +79,20 @@ void Channel::write_line(const Coherence& coh, Line* l, uint64_t seq, uint32_t o
 }
 
 Poll Channel::read_line(const Line* l, uint64_t* seq, uint32_t* op, void* out, uint32_t* len) const {
-  // The caller invalidated the line (refresh_*); seq, body, seq again: a line replaced while we
-  // copied it (a restarted or misbehaving writer) is not accepted.
+  // The caller invalidated the line (refresh_*); seq, a snapshot of the line, seq again: a line
+  // replaced while we copied it (a restarted or misbehaving writer) is not accepted.
   uint64_t s1 = coh_.read_after_invalidate(&l->seq);
-  uint32_t o = l->op, n = l->len;
-  if (n > kInlineBytes) {  // untrusted: never copy past the line; the seq lets a server answer it
+  Line c;
+  const bool stable = coh_.snapshot_after_invalidate(&c, l, sizeof c, &l->seq, s1);
+  if (c.len > kInlineBytes) {  // untrusted: never copy past the line; the seq lets a server answer it
     *seq = s1;
     return Poll::kBadLine;
   }
-  std::memcpy(out, l->payload, n);
-  std::atomic_thread_fence(std::memory_order_acquire);
-  if (coh_.read_after_invalidate(&l->seq) != s1) return Poll::kEmpty;  // retry on the next poll
+  if (!stable) return Poll::kEmpty;  // retry on the next poll
+  std::memcpy(out, c.payload, c.len);
   *seq = s1;
-  *op = o;
-  *len = n;
+  *op = c.op;
+  *len = c.len;
   return Poll::kReady;
 }
 

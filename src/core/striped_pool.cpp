@@ -128,10 +128,10 @@ void Pool::destroy_striped(const std::string& spec, const DestroyOptions& opt) {
     if (any_devdax) {
       Coherence c;
       c.publish(&p->shared()->init.word, 0);
-      std::memset(p->base_, 0, kHeaderBytes);
-      kernels::writeback_lines(p->base_, kHeaderBytes);
+      std::memset(p->region_.base(), 0, kHeaderBytes);
+      kernels::writeback_lines(p->region_.base(), kHeaderBytes);
     }
-    p->base_ = nullptr;  // no detach: never attached
+    p->region_.reset();  // no detach: never attached
     p.reset();
   }
   for (auto& path : paths) {

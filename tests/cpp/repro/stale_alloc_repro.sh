@@ -13,7 +13,11 @@ g++ -std=c++20 -O1 -g -I"$ROOT/src/core" -I"$ROOT/src/core/platform" "$ROOT/test
 P=/dev/shm/cxlkv-stale-repro-$$
 "$OUT/stale" setup "$P" & SETUP=$!
 sleep 0.5
-gdb -q -batch -ex 'break cxlkv::Pool::claim_free_block if chunk == 1' -ex run \
+# The breakpoint is on the function's first instruction and its condition reads the third integer
+# argument register (x86-64 SysV: this=rdi, &ns=rsi, chunk=rdx): a condition on the name `chunk`
+# depends on which inlined scope the compiler's first instructions belong to (noipa keeps the
+# function itself whole and uncloned, so its entry and argument registers are stable).
+gdb -q -batch -ex 'break *cxlkv::Pool::claim_free_block if $rdx == 1' -ex run \
     -ex "shell $OUT/stale D $P" -ex continue --args "$OUT/stale" W "$P" 2>&1 | grep -E "^(Breakpoint 1,|W:|D:)" || true
 RESULT="$("$OUT/stale" check "$P")"
 echo "$RESULT"

@@ -1,0 +1,69 @@
+// NodeTable: this attachment as a judge of the node table's liveness (format.h: L1-L5 beside
+// NodeSlot; liveness.h: the primitives). Owns the judge's identity on this kernel (host id, the
+// pool's lock file, the domain tag written into node words), its lease observations of every
+// slot, and the lock that serialises judging and reclaiming in this process. Gives one verdict
+// per slot with its evidence; reclaiming what a dead node held touches every protocol and stays
+// with Pool (nodes.cpp).
+#pragma once
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "liveness.h"
+#include "region.h"
+
+namespace cxlkv {
+
+// One node slot as a judge sees it (`pool info`, `pool reap`): the verdict and its evidence.
+struct NodeInfo {
+  uint32_t id = 0;    // node id (slot + 1)
+  uint8_t state = 0;  // format::NodeState
+  uint32_t epoch = 0;
+  uint64_t pid = 0, pid_ns = 0, attach_unix_ns = 0, beat = 0, beat_unix_ns = 0;
+  bool self = false;         // this attachment
+  bool same_kernel = false;  // judged by the kernel lock (same host_id and lock file)
+  bool lock_held = false;    // same_kernel only: someone holds the slot's lock
+  uint64_t silent_ms = 0;    // lease only: how long this judge has seen (state, beat) unchanged
+  uint64_t lease_ms = 0;
+  enum Verdict { kFree, kAlive, kDead, kUndecided } verdict = kFree;
+  std::string evidence;  // one line, e.g. "lock held (same kernel)"
+};
+
+class NodeTable {
+ public:
+  explicit NodeTable(const Region& region) : region_(region) {}
+
+  // The judge's identity, set once at open (Pool::validate_and_attach) and cleared at close.
+  uint64_t& host_id() { return host_id_; }
+  liveness::LockFile& lock_file() { return lock_; }
+  uint32_t& domain() { return domain_; }
+  // One reclaim at a time per lock descriptor; judge() and forget() need it held (watch_).
+  std::mutex& mu() { return mu_; }
+  // Forgets every lease observation (a fresh judge of max_nodes slots).
+  void reset_watches(uint32_t max_nodes) { watch_.assign(max_nodes, Watch{}); }
+  void forget(uint32_t idx) { watch_[idx].valid = false; }
+
+  // The byte of the pool file locked for slot idx (L1). Locks live beyond any data (locks need
+  // no bytes) in a 256-byte range per host id, so simulated hosts (CXLKV_HOST_ID) on one kernel
+  // do not see each other's locks, exactly as separate kernels would not.
+  uint64_t lock_offset(uint32_t idx) const { return (1ull << 48) + (host_id_ & 0xFFFFF) * 256 + idx; }
+
+  // Judges slot idx, whose state word was read as w; self_id/self_word: this attachment's node id
+  // (0: none) and node word. Caller holds mu().
+  NodeInfo judge(uint32_t idx, uint64_t w, uint32_t self_id, uint64_t self_word);
+
+ private:
+  struct Watch {  // lease observations of this judge, per slot
+    uint64_t word = 0, beat = 0, since_ns = 0;
+    bool valid = false;
+  };
+  const Region& region_;
+  uint64_t host_id_ = 0;
+  liveness::LockFile lock_;
+  uint32_t domain_ = 0;
+  std::mutex mu_;
+  std::vector<Watch> watch_;
+};
+
+}  // namespace cxlkv
