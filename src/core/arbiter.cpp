@@ -120,12 +120,21 @@ void Bakery::adopt_participant() {
     uint64_t v = std::atomic_ref<uint64_t>(tier1(k)).load(std::memory_order_acquire);
     if (v == 0 || tier1_participant1(v) != c_.participant1) continue;
     std::lock_guard<std::mutex> g(local_[k]);
-    if (tier1_cas(k, v, mine_.load(std::memory_order_relaxed))) {
-      takeovers_.fetch_add(1, std::memory_order_relaxed);
-      take_over(k);
-      release_row(k);
-    }
+    if (tier1_cas(k, v, mine_.load(std::memory_order_relaxed))) take_over_and_release(k);
   }
+}
+
+// We won a dead host-mate's tier-1 word of stripe k: write back what it was modifying, then give
+// the row back (also when the write-back throws: the word must not stay ours).
+void Bakery::take_over_and_release(uint32_t k) {
+  takeovers_.fetch_add(1, std::memory_order_relaxed);
+  try {
+    take_over(k);
+  } catch (...) {
+    release_row(k);
+    throw;
+  }
+  release_row(k);
 }
 
 void Bakery::release_dead(uint32_t node, uint32_t epoch) {
@@ -134,15 +143,7 @@ void Bakery::release_dead(uint32_t node, uint32_t epoch) {
     if (v == 0 || tier1_node(v) != node || tier1_epoch(v) != (epoch & 0xFFFFFF)) continue;
     if (tier1_participant1(v) != 0 && !participant_gone(v)) continue;  // alive (reaped by force)
     std::lock_guard<std::mutex> g(local_[k]);
-    if (!tier1_cas(k, v, mine_.load(std::memory_order_relaxed))) continue;
-    takeovers_.fetch_add(1, std::memory_order_relaxed);
-    try {
-      take_over(k);
-    } catch (...) {
-      release_row(k);
-      throw;
-    }
-    release_row(k);
+    if (tier1_cas(k, v, mine_.load(std::memory_order_relaxed))) take_over_and_release(k);
   }
 }
 
@@ -154,15 +155,8 @@ uint32_t Bakery::sweep() {
     if (v == 0 || v == mine || !participant_gone(v)) continue;
     std::lock_guard<std::mutex> g(local_[k]);
     if (!tier1_cas(k, v, mine)) continue;
-    takeovers_.fetch_add(1, std::memory_order_relaxed);
     ++n;
-    try {
-      take_over(k);
-    } catch (...) {
-      release_row(k);
-      throw;
-    }
-    release_row(k);
+    take_over_and_release(k);
   }
   return n;
 }

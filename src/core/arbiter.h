@@ -96,6 +96,7 @@ class Bakery final : public Arbiter {
   void take_over(uint32_t k);  // after a CAS from a dead holder's word: its line, then ours
   // Gives the row of stripe k back: resets our ticket unless fenced, then frees the tier-1 word.
   void release_row(uint32_t k);
+  void take_over_and_release(uint32_t k);  // take_over, then release_row (also on a throw)
   bool participant_gone(uint64_t word) const;
 
   Config c_;
