@@ -15,7 +15,10 @@ from . import _core
 from ._core import Lease, Namespace
 from .errors import (
     CxlkvError,
+    FencedError,
+    HostSlotBusyError,
     LayoutMismatchError,
+    LockTimeoutError,
     NamespaceTableFullError,
     NodeTableFullError,
     PoolCorruptError,
@@ -31,8 +34,11 @@ __all__ = [
     "DEFAULT_POOL_PATH",
     "DEFAULT_POOL_SIZE",
     "CxlkvError",
+    "FencedError",
+    "HostSlotBusyError",
     "KVLayout",
     "LayoutMismatchError",
+    "LockTimeoutError",
     "Lease",
     "Namespace",
     "NamespaceTableFullError",

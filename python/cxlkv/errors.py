@@ -13,7 +13,10 @@ import enum
 
 from ._core import (
     CxlkvError,
+    FencedError,
+    HostSlotBusyError,
     LayoutMismatchError,
+    LockTimeoutError,
     NamespaceTableFullError,
     NodeTableFullError,
     PoolCorruptError,
@@ -26,8 +29,11 @@ from ._core import (
 __all__ = [
     "CommandError",
     "CxlkvError",
+    "FencedError",
+    "HostSlotBusyError",
     "ExitCode",
     "LayoutMismatchError",
+    "LockTimeoutError",
     "NamespaceTableFullError",
     "NodeTableFullError",
     "PoolCorruptError",

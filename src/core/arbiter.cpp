@@ -69,18 +69,15 @@ uint64_t Bakery::holder_beat(uint64_t node) const {
 }
 
 void Bakery::check_fence() {
-  if (c_.fenced->load(std::memory_order_acquire))
-    throw FencedError("this node was fenced (declared dead by a peer or reclaimed); open the pool again");
+  if (c_.fenced->load(std::memory_order_acquire)) throw fenced_error(where_);
   uint64_t last = c_.last_beat->load(std::memory_order_acquire);
   if (liveness::mono_ns() - last > c_.lease_ns / 2) {
     c_.fenced->store(true, std::memory_order_release);
-    throw FencedError(
-        "this node's heartbeat lapsed for half a lease (paused?): a peer may have declared it "
-        "dead, so it stores nothing more; open the pool again");
+    throw fenced_error(where_);
   }
 }
 
-Bakery::Bakery(Config c) : c_(std::move(c)) {
+Bakery::Bakery(Config c) : c_(std::move(c)), where_(c_.pool) {
   skipped_tickets_.resize(size_t(kLockStripes) * c_.hosts);
   uint64_t seed = liveness::mono_ns() ^ (uint64_t(::getpid()) << 32) ^ reinterpret_cast<uintptr_t>(this);
   nonce_ = (xxh3(&seed, sizeof seed, 3) & 0x7FFF) << 48;
@@ -91,6 +88,7 @@ Bakery::Bakery(Config c) : c_(std::move(c)) {
 // value when it changes.
 void Bakery::set_node(uint32_t node, uint64_t node_word) {
   node_ = node, node_word_ = node_word;
+  where_ = c_.pool + (node ? ": node " + std::to_string(node) : std::string());
   mine_.store(nonce_ | make_tier1_word(c_.participant1, node, node_epoch(node_word)),
               std::memory_order_relaxed);
 }

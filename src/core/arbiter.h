@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <functional>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "coherence.h"
@@ -50,6 +51,7 @@ class Bakery final : public Arbiter {
     std::atomic<bool>* fenced = nullptr;
     std::atomic<uint64_t>* last_beat = nullptr;
     std::function<void()> tick;  // called while waiting (emulated hosts beat from their thread)
+    std::string pool;            // "pool PATH", for the messages of FencedError and LockTimeoutError
     // Tier-1 identity (shared host slots): the lock file whose byte participant_base +
     // participant1 - 1 this attachment holds for its life; participant1 = 0: none (no usable lock
     // file, or an emulated host): tier-1 holders are then judged by silence only.
@@ -100,6 +102,7 @@ class Bakery final : public Arbiter {
   bool participant_gone(uint64_t word) const;
 
   Config c_;
+  std::string where_;  // "pool PATH: node N" (FencedError's prefix)
   uint32_t node_ = 0;
   uint64_t node_word_ = 0;
   uint64_t nonce_ = 0;             // told apart attachments that share (participant, node) = (0, 0)

@@ -44,14 +44,30 @@ struct OsError : Error {
   int err;
   OsError(int e, const std::string& what) : Error(what), err(e) {}
 };
-// This attachment may have been declared dead by a peer (multihost fencing: a pause past the
-// lease, or its node slot reclaimed): it publishes nothing more; open the pool again.
+// This attachment may have been declared dead by a peer, so it publishes nothing more: its node
+// slot was reclaimed (judged dead, or `pool reap --force`), a co-tenant changed its state word, or
+// (multihost) its heartbeat lapsed past half a lease (a pause: GC, SIGSTOP, VM migration). Every
+// way a node learns it was fenced throws this one type with the one message of fenced_error().
+// Recovery: close the pool and open it again (a new node); the connector does it by itself.
 struct FencedError : Error {
   using Error::Error;
 };
+// `where`: "pool PATH: node N" (or empty). The one message of FencedError.
+inline FencedError fenced_error(const std::string& where) {
+  return FencedError((where.empty() ? std::string() : where + ": ") +
+                     "this node was fenced (reclaimed by a peer, reaped by force, or its heartbeat "
+                     "lapsed past half a lease): it stores nothing more; close the pool and open it again");
+}
 // multihost: a live attachment of another host (or of a build that cannot share rows) uses this
 // host slot: a row of the lock area belongs to one host (its processes share it).
 struct HostSlotBusyError : Error {
+  using Error::Error;
+};
+// multihost: a cross-host lock did not come free within its bound (a few leases): a ticket or
+// tier-1 word that keeps a live-looking holder yet never moves (a stray write, or a host stalled
+// while its heartbeat runs). The message names the stripe, the row and what was seen there; the
+// operation fails, nothing is lost, and `cxlkv pool check --repair` clears what no host owns.
+struct LockTimeoutError : Error {
   using Error::Error;
 };
 // Caller passed a bad argument (wrong key length, buffer too small...): Python ValueError.

@@ -43,6 +43,7 @@ void Pool::setup_arbiter(int want, bool observer) {
   c.fenced = &fenced_;
   c.last_beat = &last_beat_ns_;
   c.pool_bytes = h.pool_bytes;
+  c.pool = "pool " + path_;
   if (emu_.base) c.tick = [this] { heartbeat_tick(); };
   // Tier-1 identity: a byte of the lock file, locked for this attachment's life, so that a
   // host-mate can tell at once that a tier-1 holder's process is gone (the kernel released it).

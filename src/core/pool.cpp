@@ -345,9 +345,7 @@ Pool::~Pool() {
 void Pool::ensure_usable() const {
   if (!region_.base()) throw Error("pool " + path_ + " is closed");
   if (fenced_.load(std::memory_order_acquire))
-    throw Error("pool " + path_ + ": node " + std::to_string(node_id_) +
-                " of this process was reclaimed by another process (judged dead, or reaped with --force); "
-                "open the pool again");
+    throw fenced_error("pool " + path_ + ": node " + std::to_string(node_id_));
   if (fork_generation_ != fork_generation())
     throw Error("pool " + path_ +
                 ": this attachment was inherited through fork(); open the pool again in the child process");

@@ -447,6 +447,9 @@ NB_MODULE(_core, m) {
   static nb::object nodefull_error = make("NodeTableFullError", "cxlkv.NodeTableFullError", base_error);
   static nb::object nsfull_error =
       make("NamespaceTableFullError", "cxlkv.NamespaceTableFullError", base_error);
+  static nb::object fenced_error = make("FencedError", "cxlkv.FencedError", base_error);
+  static nb::object slot_busy_error = make("HostSlotBusyError", "cxlkv.HostSlotBusyError", base_error);
+  static nb::object lock_timeout_error = make("LockTimeoutError", "cxlkv.LockTimeoutError", base_error);
 
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     // Messages may quote bytes read from the pool (names, model ids): decode them without failing,
@@ -477,6 +480,12 @@ NB_MODULE(_core, m) {
       raise(nodefull_error.ptr(), e.what());
     } catch (const NamespaceTableFullError& e) {
       raise(nsfull_error.ptr(), e.what());
+    } catch (const FencedError& e) {
+      raise(fenced_error.ptr(), e.what());
+    } catch (const HostSlotBusyError& e) {
+      raise(slot_busy_error.ptr(), e.what());
+    } catch (const LockTimeoutError& e) {
+      raise(lock_timeout_error.ptr(), e.what());
     } catch (const ArgumentError& e) {
       raise(PyExc_ValueError, e.what());
     } catch (const OsError& e) {
