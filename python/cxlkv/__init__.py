@@ -38,8 +38,8 @@ __all__ = [
     "HostSlotBusyError",
     "KVLayout",
     "LayoutMismatchError",
-    "LockTimeoutError",
     "Lease",
+    "LockTimeoutError",
     "Namespace",
     "NamespaceTableFullError",
     "NodeTableFullError",
@@ -351,9 +351,11 @@ class Pool:
         s["namespaces"] = len(self.namespaces())
         return s
 
-    def check(self) -> dict:
-        """Reclaims what dead processes left, then verifies every invariant of the format."""
-        return self._core.check()
+    def check(self, repair: bool = False) -> dict:
+        """Reclaims what dead processes left (watching nodes of another kernel for up to a lease
+        until each is judged), then verifies every invariant of the format. ``repair=True`` also
+        fixes what is safe to fix and lists it under ``repaired``."""
+        return self._core.check(repair=repair)
 
     def reap_dead_nodes(self) -> int:
         """Reclaims every node judged dead now; returns how many."""
@@ -364,11 +366,14 @@ class Pool:
         Liveness): judged by the kernel lock on this kernel, by the heartbeat lease otherwise."""
         return self._core.nodes()
 
-    def reap_node(self, node: int, *, force: bool = False) -> dict:
+    def reap_node(self, node: int, *, force: bool = False, wait: float = 0.0) -> dict:
         """Reclaims one node if it is dead (waiting up to a lease to judge a node of another
-        kernel). force=True reclaims it even if alive: its process is fenced and its next
-        operation fails. Returns the judgment, with ``reclaimed``."""
-        return self._core.reap_node(node, force)
+        kernel). ``wait`` (seconds): keep watching a node judged alive or undecided until it is
+        dead (then reclaim it) or the time is up. force=True reclaims it even if alive: its
+        process is fenced and its next operation fails. Returns the judgment, with ``reclaimed``."""
+        if not wait >= 0:
+            raise ValueError(f"wait must be >= 0 seconds, got {wait}")
+        return self._core.reap_node(node, force, int(wait * 1000))
 
     def __repr__(self) -> str:
         if self.closed:

@@ -29,9 +29,9 @@ from ._core import (
 __all__ = [
     "CommandError",
     "CxlkvError",
+    "ExitCode",
     "FencedError",
     "HostSlotBusyError",
-    "ExitCode",
     "LayoutMismatchError",
     "LockTimeoutError",
     "NamespaceTableFullError",

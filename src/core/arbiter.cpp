@@ -77,6 +77,23 @@ void Bakery::check_fence() {
   }
 }
 
+bool Bakery::ticket_owner_attached(const LockLine& t, uint32_t row) const {
+  if (t.node == 0 || t.node > c_.max_nodes || node_state(t.node_word) != kNodeAlive) return false;
+  NodeSlot* s = &c_.nodes[t.node - 1];
+  if (c_.coh.read(&s->state) != t.node_word) return false;
+  // ALIVE with the ticket's word: the slot's fields are published and immutable (format.h L-rules).
+  return c_.coh.read(&s->host_slot) == uint64_t(row) + 1;
+}
+
+void Bakery::throw_wait_timeout(uint32_t stripe, uint32_t row, const LockLine& t) const {
+  throw LockTimeoutError(c_.pool + ": cross-host lock stripe " + std::to_string(stripe) + ": row " +
+                         std::to_string(row) + " holds ticket (choosing " + std::to_string(t.choosing) +
+                         ", number " + std::to_string(t.number) + ", node " + std::to_string(t.node) +
+                         ") unchanged for " + std::to_string(kWaitLeases) +
+                         " leases while its holder looks alive; the claim failed, nothing was changed "
+                         "(`cxlkv pool check` names the row; --repair clears tickets no host owns)");
+}
+
 Bakery::Bakery(Config c) : c_(std::move(c)), where_(c_.pool) {
   skipped_tickets_.resize(size_t(kLockStripes) * c_.hosts);
   uint64_t seed = liveness::mono_ns() ^ (uint64_t(::getpid()) << 32) ^ reinterpret_cast<uintptr_t>(this);
@@ -110,6 +127,83 @@ bool Bakery::participant_gone(uint64_t word) const {
   uint32_t p1 = tier1_participant1(word);
   if (p1 == 0 || !c_.lock || !c_.lock->lock_id || c_.participant1 == 0) return false;
   return !liveness::lock_held_by_other(*c_.lock, c_.participant_base + p1 - 1);
+}
+
+// False when a tier-1 word cannot be a host-mate's: it names a node out of range, or a node that
+// is ALIVE in the word's incarnation but attached to another row or host (a stray write from
+// anywhere in the pod). Any other word is judged by the rules of acquire_tier1 (the holder's
+// participant byte, or a lease of silence): a reclaimed holder may still be a live process
+// reaped by force, which stops storing only once its heartbeat notices.
+bool Bakery::tier1_holder_plausible(uint64_t word) const {
+  const uint32_t node = tier1_node(word);
+  if (node == 0) return true;
+  if (node > c_.max_nodes) return false;
+  NodeSlot* s = &c_.nodes[node - 1];
+  const uint64_t st = c_.coh.read(&s->state);
+  if (node_state(st) != kNodeAlive || node_epoch(st) != tier1_epoch(word) || !c_.host_id) return true;
+  c_.coh.invalidate(s, sizeof *s);
+  return s->host_slot == uint64_t(c_.slot) + 1 && s->host_id == c_.host_id;
+}
+
+uint32_t Bakery::heal_own_row() {
+  if (!fence_ok()) return 0;  // a fenced attachment never writes the row again
+  uint32_t n = 0;
+  const uint64_t mine = mine_.load(std::memory_order_relaxed);
+  for (uint32_t k = 0; k < kLockStripes; ++k) {
+    std::unique_lock<std::mutex> g(local_[k], std::try_to_lock);
+    if (!g.owns_lock()) continue;  // a thread of ours uses the stripe
+    const uint64_t v = std::atomic_ref<uint64_t>(tier1(k)).load(std::memory_order_acquire);
+    if (v != 0) {
+      // A word whose process is gone, or that names no host-mate of this row (a stray write):
+      // take it over, as a waiter would (its ticket is reset with it).
+      if (v != mine && (participant_gone(v) || !tier1_holder_plausible(v)) && tier1_cas(k, v, mine)) {
+        ++n;
+        take_over_and_release(k);
+      }
+      continue;
+    }
+    if (!tier1_cas(k, 0, mine)) continue;  // a host-mate took it just now
+    LockLine* me = line(k, c_.slot);
+    c_.coh.invalidate(me, sizeof *me);  // another host may have written it (the row is untrusted)
+    if (me->choosing || me->number) {   // node/node_word stay after a release: not a ticket
+      ++n;
+      release_row(k);  // writes the reset ticket back with the free word
+    } else {
+      tier1_cas(k, mine, 0);
+    }
+  }
+  healed_.fetch_add(n, std::memory_order_relaxed);
+  return n;
+}
+
+LockLine Bakery::read_ticket(uint32_t k, uint32_t j) const {
+  LockLine* l = line(k, j);
+  c_.coh.invalidate(l, sizeof *l);
+  LockLine t{};
+  t.choosing = l->choosing, t.number = l->number, t.node = l->node, t.node_word = l->node_word;
+  return t;
+}
+
+bool Bakery::reset_own_row(uint32_t k) {
+  check_fence();
+  std::lock_guard<std::mutex> g(local_[k]);
+  if (!tier1_cas(k, 0, mine_.load(std::memory_order_relaxed))) return false;
+  release_row(k);  // writes number = choosing = 0 back with the free word (unless fenced)
+  return true;
+}
+
+bool Bakery::reset_orphaned_row(uint32_t k, uint32_t j, const LockLine& seen) {
+  if (j == c_.slot) return reset_own_row(k);
+  check_fence();
+  LockLine* l = line(k, j);
+  c_.coh.invalidate(l, sizeof *l);
+  if (l->choosing != seen.choosing || l->number != seen.number || l->node != seen.node ||
+      l->node_word != seen.node_word)
+    return false;  // it moved: someone uses the row after all
+  check_fence();
+  l->choosing = 0, l->number = 0, l->node = 0, l->node_word = 0;
+  write_back(l);
+  return true;
 }
 
 void Bakery::adopt_participant() {
@@ -174,6 +268,7 @@ void Bakery::acquire_tier1(uint32_t k, const void* addr) {
   const uint64_t mine = mine_.load(std::memory_order_relaxed);
   uint64_t seen = 0, seen_state = 0, seen_beat = 0, since = 0, spins = 0;
   uint64_t last_judge = 0, last_tick = liveness::mono_ns();
+  uint64_t wait_start = last_tick, waits_seen = 0, word_seen = 0;
   for (;;) {
     uint64_t v = std::atomic_ref<uint64_t>(tier1(k)).load(std::memory_order_acquire);
     if (v == 0) {
@@ -188,7 +283,9 @@ void Bakery::acquire_tier1(uint32_t k, const void* addr) {
     const uint64_t t = liveness::mono_ns();
     if (t - last_judge > 1'000'000) {  // judge the holder once per millisecond
       last_judge = t;
-      bool gone = participant_gone(v);
+      // Untrusted: a word naming a node that is not one of our host-mates on this row (a stray
+      // write from anywhere in the pod) is nobody's; the CAS below is among our host's processes.
+      bool gone = participant_gone(v) || !tier1_holder_plausible(v);
       if (!gone) {
         // Silence: the word, and its node's (state, beat), unchanged for a lease on our clock.
         uint32_t node = tier1_node(v);
@@ -210,6 +307,18 @@ void Bakery::acquire_tier1(uint32_t k, const void* addr) {
       c_.tick();
       last_tick = t;
     }
+    // The holder may itself wait in tier 2 (behind dead hosts' tickets: a lease each): its
+    // line's `waits` then advances, which is progress, not a reason to give up.
+    if (const uint64_t w = std::atomic_ref<uint64_t>(line(k, c_.slot)->waits).load(std::memory_order_relaxed);
+        w != waits_seen || v != word_seen)
+      waits_seen = w, word_seen = v, wait_start = t;
+    if (t - wait_start > kWaitLeases * c_.lease_ns)
+      throw LockTimeoutError(c_.pool + ": cross-host lock stripe " + std::to_string(k) +
+                             ": the tier-1 word of row " + std::to_string(c_.slot) + " (participant " +
+                             std::to_string(tier1_participant1(v)) + ", node " +
+                             std::to_string(tier1_node(v)) + ") was held for " + std::to_string(kWaitLeases) +
+                             " leases by a process of this host that looks alive; the claim failed, nothing "
+                             "was changed");
     if (++spins % 64 == 0)
       spins > 4096 ? std::this_thread::sleep_for(std::chrono::microseconds(50)) : std::this_thread::yield();
     else
@@ -239,6 +348,12 @@ void Bakery::release_row(uint32_t k) {
 
 void Bakery::lock(const void* addr) {
   const uint32_t k = stripe_of(addr);
+  // Without a node (an observer on a full node table, or an attach before its slot is ALIVE) our
+  // ticket names node 0, which peers skip once it stood still for a lease on their clock (they
+  // have no beat to watch). The fence then runs from this acquisition: every ticket write below
+  // changes the line, so peers restart their clocks after this instant, and check_fence stops us
+  // storing half a lease later. A node has a heartbeat instead; its fence runs from its last beat.
+  if (node_ == 0) c_.last_beat->store(liveness::mono_ns(), std::memory_order_release);
   check_fence();     // a fenced attachment touches no row
   local_[k].lock();  // tier 1: threads of this attachment
   if (depth_[k]++ != 0) {
@@ -267,46 +382,76 @@ void Bakery::lock(const void* addr) {
     me->choosing = 0;
     write_back(me);
     c_.coh.fence();
+    // While we wait, our line's `waits` advances (written back every progress_ns): hosts behind
+    // our ticket then know we wait rather than sit in the lock, and do not count it to their bound.
+    const uint64_t progress_ns = std::max<uint64_t>(c_.lease_ns / 16, 1'000'000);
+    uint64_t last_progress = liveness::mono_ns();
     for (uint32_t j = 0; j < c_.hosts; ++j) {
       if (j == c_.slot) continue;
       LockLine seen{};
       uint64_t since = 0, beat0 = 0, spins = 0, last_tick = liveness::mono_ns();
+      uint64_t blocked_since = last_tick, waits_seen = 0;
       for (;;) {
         LockLine* l = line(k, j);
         c_.coh.invalidate(l, sizeof *l);
         LockLine now{};
         now.choosing = l->choosing, now.number = l->number, now.node = l->node, now.node_word = l->node_word;
+        now.waits = l->waits;
         bool ahead = now.number != 0 && (now.number < mine || (now.number == mine && j < c_.slot));
         if (!now.choosing && !ahead) break;
-        // A holder whose node slot no longer holds the word it locked with was reclaimed (judged
-        // dead after a lease of silence, so fenced: it never stores again): its ticket is void.
-        // The lease rule below cannot tell once a live attachment reuses that node slot and beats.
-        if (now.node != 0 && now.node <= c_.max_nodes &&
-            c_.coh.read(&c_.nodes[now.node - 1].state) != now.node_word) {
-          skipped_.fetch_add(1, std::memory_order_relaxed);
+        // The row is untrusted input: a ticket is honoured only while it can be its host's. One
+        // that names a node which is not attached on row j with the word it names (reclaimed,
+        // replaced, out of range, or a node of another row: a stray or hostile write) is void,
+        // and the row counts as empty. A reclaimed holder was judged dead after a lease of
+        // silence, so it is fenced and never stores again.
+        if (now.node != 0 && !ticket_owner_attached(now, j)) {
+          voided_.fetch_add(1, std::memory_order_relaxed);
           break;
         }
-        // Blocked by host j. A ticket that stands still for a lease while its holder's heartbeat
+        // Blocked by host j. A ticket that stands still for a lease while its holder's pulse
         // also stands still belongs to a dead or paused host: skip it (that host fences itself
         // before any further store, see check_fence). One we skipped before, unchanged and with
         // its holder still silent, is skipped at once: the holder has been silent ever since.
+        // The pulse of a node's ticket is its heartbeat; a ticket of no node (an attach in
+        // progress, an observer without a node slot) has its own: `waits`, which such a holder
+        // advances while it waits, and from which it runs its fence (see the write below).
+        auto pulse = [&](const LockLine& x) { return x.node ? holder_beat(x.node) : x.waits; };
         Skipped& memo = skipped_tickets_[size_t(k) * c_.hosts + j];
         uint64_t t = liveness::mono_ns();
         if (since == 0 && memo.valid && memo.choosing == now.choosing && memo.number == now.number &&
-            memo.node == now.node && memo.node_word == now.node_word && holder_beat(now.node) == memo.beat) {
+            memo.node == now.node && memo.node_word == now.node_word && pulse(now) == memo.beat) {
           skipped_.fetch_add(1, std::memory_order_relaxed);
           break;
         }
         if (since == 0 || now.choosing != seen.choosing || now.number != seen.number ||
             now.node != seen.node) {
-          seen = now, since = t, beat0 = holder_beat(now.node);
+          seen = now, since = t, beat0 = pulse(now);
+          blocked_since = t;  // a new ticket: progress
         } else if (t - since > c_.lease_ns) {
-          if (holder_beat(now.node) == beat0) {
+          if (pulse(now) == beat0) {
             skipped_.fetch_add(1, std::memory_order_relaxed);
             memo = Skipped{now.choosing, now.number, now.node, now.node_word, beat0, true};
             break;
           }
-          since = t, beat0 = holder_beat(now.node);
+          since = t, beat0 = pulse(now);
+        }
+        // Bounded: a live holder keeps a stripe for microseconds. A ticket that stays in our way
+        // for kWaitLeases leases while its holder beats and does not wait itself (its `waits`
+        // stands still) is a stray write on its own host's row, or a host whose locking thread
+        // stalled while its heartbeat ran: fail this claim with the evidence instead of wedging
+        // every process of the pod. Any change of the ticket or of its waits is progress.
+        if (now.waits != waits_seen) waits_seen = now.waits, blocked_since = t;
+        if (t - blocked_since > kWaitLeases * c_.lease_ns) throw_wait_timeout(k, j, now);
+        if (t - last_progress > progress_ns) {
+          check_fence();  // on the previous fence base: a lapsed holder is not revived here
+          const uint64_t published = liveness::mono_ns();
+          // Host-mates read `waits` (acquire_tier1) while we hold their row: one atomic store.
+          std::atomic_ref<uint64_t>(me->waits).store(me->waits + 1, std::memory_order_relaxed);
+          write_back(me);
+          // Without a node this is our pulse: peers restart their silence clock once they see
+          // it, which is after `published`, so the fence may run from there (as from a beat).
+          if (node_ == 0) c_.last_beat->store(published, std::memory_order_release);
+          last_progress = t;
         }
         if (++spins % 64 == 0)
           std::this_thread::yield();

@@ -52,6 +52,7 @@ class Bakery final : public Arbiter {
     std::atomic<uint64_t>* last_beat = nullptr;
     std::function<void()> tick;  // called while waiting (emulated hosts beat from their thread)
     std::string pool;            // "pool PATH", for the messages of FencedError and LockTimeoutError
+    uint64_t host_id = 0;        // this host's id (a tier-1 word must name a node of it); 0: unchecked
     // Tier-1 identity (shared host slots): the lock file whose byte participant_base +
     // participant1 - 1 this attachment holds for its life; participant1 = 0: none (no usable lock
     // file, or an emulated host): tier-1 holders are then judged by silence only.
@@ -68,6 +69,15 @@ class Bakery final : public Arbiter {
   uint32_t stripe_of(const void* addr) const;
   // Tickets of other hosts skipped because they stood still for a lease with a silent holder.
   uint64_t skipped() const { return skipped_.load(std::memory_order_relaxed); }
+  // Tickets found void at once: the named node is not attached on that row with that word
+  // (reclaimed, replaced, or a stray write naming a node of another row).
+  uint64_t voided() const { return voided_.load(std::memory_order_relaxed); }
+  // Every wait for a stripe (tier 1 and each row of tier 2) ends within this many leases: past
+  // it the claim throws LockTimeoutError naming the stripe, the row and the ticket.
+  static constexpr uint64_t kWaitLeases = 3;
+  // True when ticket t of row `row` can be its host's: it names a node that is ALIVE with the
+  // ticket's word and attached on that row (NodeSlot::host_slot). Reads the node slot.
+  bool ticket_owner_attached(const format::LockLine& t, uint32_t row) const;
   // Tier-1 words taken over from a dead or silent process of this host (and rows released for a
   // reclaimed node, release_dead).
   uint64_t takeovers() const { return takeovers_.load(std::memory_order_relaxed); }
@@ -82,6 +92,20 @@ class Bakery final : public Arbiter {
   // participant byte is free), whoever reclaimed its node (a host of another id cannot: the row
   // is written by this host's processes only). Returns the stripes released.
   uint32_t sweep();
+  // Heartbeat chore: in every stripe whose tier-1 word no host-mate holds (and whose process-
+  // local mutex is free), a non-zero ticket in our row is nobody's (a stray write, a fenced
+  // holder's): reset it; a tier-1 word of a gone process or of no host-mate of this row is taken
+  // over and released. Never blocks. Returns the stripes reset (counted in healed()).
+  uint32_t heal_own_row();
+  uint64_t healed() const { return healed_.load(std::memory_order_relaxed); }
+  // `pool check` (lock_check.cpp): the ticket of (stripe, row) as memory holds it now.
+  format::LockLine read_ticket(uint32_t stripe, uint32_t row) const;
+  // Resets this attachment's own row of a stripe (we are its host): takes the tier-1 word if it
+  // is free, writes the reset ticket back, gives the word back. False if a host-mate holds it.
+  bool reset_own_row(uint32_t stripe);
+  // Resets row `row` of a stripe whose host has no live node, if it still holds `seen`: the one
+  // write of a row by another host (`pool check --repair` only; docs/ARCHITECTURE.md §11).
+  bool reset_orphaned_row(uint32_t stripe, uint32_t row, const format::LockLine& seen);
 
  private:
   format::LockLine* line(uint32_t stripe, uint32_t host) const {
@@ -100,6 +124,8 @@ class Bakery final : public Arbiter {
   void release_row(uint32_t k);
   void take_over_and_release(uint32_t k);  // take_over, then release_row (also on a throw)
   bool participant_gone(uint64_t word) const;
+  bool tier1_holder_plausible(uint64_t word) const;
+  [[noreturn]] void throw_wait_timeout(uint32_t stripe, uint32_t row, const format::LockLine& t) const;
 
   Config c_;
   std::string where_;  // "pool PATH: node N" (FencedError's prefix)
@@ -109,7 +135,7 @@ class Bakery final : public Arbiter {
   std::atomic<uint64_t> mine_{0};  // our tier-1 word
   std::array<std::mutex, format::kLockStripes> local_;  // tier 1, threads of this attachment
   std::array<uint32_t, format::kLockStripes> depth_{};  // re-entry guard (a bug, not a feature)
-  std::atomic<uint64_t> skipped_{0}, takeovers_{0};
+  std::atomic<uint64_t> skipped_{0}, takeovers_{0}, voided_{0}, healed_{0};
   // Tickets this attachment already skipped after a lease of silence, per (stripe, row): the same
   // ticket, still with a silent holder, is skipped again at once instead of after another lease
   // (a host that died holding a ticket would otherwise cost every later acquire of the stripe a

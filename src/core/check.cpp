@@ -9,22 +9,41 @@
 #include <thread>
 
 #include "key_hash.h"
+#include "liveness.h"
 #include "pool.h"
 
 namespace cxlkv {
 
 using namespace format;
 
-CheckReport Pool::check() {
+CheckReport Pool::check(bool repair) {
   CheckReport r;
-  // Reclaims of this attachment since it opened the pool (the reap at open included) or since
-  // its last check: an observer `pool check` reports what its own open reclaimed (F20).
-  reap_dead_nodes();
-  r.reclaimed_nodes = reaped_unreported_.exchange(0, std::memory_order_relaxed);
   auto err = [&](const std::string& s) {
     r.ok = false;
     if (r.errors.size() < 100) r.errors.push_back(s);
   };
+  // Nodes of another kernel are judged by their lease: watch until each one is decided (alive
+  // once its beat moves, dead after a lease of silence, then reclaimed), at most a lease and a
+  // quarter. A check that could not judge a node must not call the pool consistent.
+  {
+    const uint64_t lease_ns = uint64_t(hdr_->lease_ms) * 1'000'000;
+    const uint64_t deadline = liveness::mono_ns() + lease_ns + lease_ns / 4 + 100'000'000;
+    uint64_t undecided = 0;
+    reap_pass(&undecided);
+    while (undecided && liveness::mono_ns() < deadline) {
+      if (emu_.base) heartbeat_tick();  // an emulated host beats from its own thread
+      std::this_thread::sleep_for(std::chrono::milliseconds(std::min<uint64_t>(20, hdr_->lease_ms / 8 + 1)));
+      undecided = 0;
+      reap_pass(&undecided);
+    }
+    r.undecided_nodes = undecided;
+    if (undecided)
+      err(std::to_string(undecided) + " nodes of another kernel are undecided (their heartbeat was " +
+          "watched for a lease without a verdict): run the check again");
+  }
+  // Reclaims of this attachment since it opened the pool (the reap at open included) or since
+  // its last check: an observer `pool check` reports what its own open reclaimed (F20).
+  r.reclaimed_nodes = reaped_unreported_.exchange(0, std::memory_order_relaxed);
   auto node_alive = [&](uint8_t node) {
     if (node == 0 || node > hdr_->max_nodes) return false;
     uint8_t st = node_state(coh_.read(&node_slot(node - 1)->state));
@@ -220,6 +239,8 @@ CheckReport Pool::check() {
     r.warnings.push_back(
         std::to_string(r.duplicate_keys) +
         " keys are stored twice (a benign race between two writers; the copy is reclaimed by eviction)");
+  // The cross-host lock area (multihost): foreign, stale and stuck tickets (lock_check.cpp).
+  if (bakery_) check_lock_area(r, repair);
   return r;
 }
 

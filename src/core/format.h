@@ -43,7 +43,10 @@ constexpr uint16_t kFormatMajor = 2;  // 2: NamespaceEntry of 512 bytes (source,
 //    and a 2.2 build refuses any second node on its row, so mixed builds never share one. This is
 //    negotiated per node, not by the header: a single-file pool still records minor 2
 //    (pool_minor()), since every 2.2 build reads it correctly.
-constexpr uint16_t kFormatMinor = 3;
+// 4: multihost observers hold a node slot flagged kNodeObserver (NodeSlot.flags), and rows are
+//    probed (host_slot.cpp); LockLine.waits (from pad): a waiting holder's progress. Nothing an older build
+//    misreads (it sees an observer as any node); single-file pools still record minor 2.
+constexpr uint16_t kFormatMinor = 4;
 // kIncompatStriped: the pool is interleaved over StripeTable::device_count devices; a reader that
 // maps only the first device would see the other devices' stripes as missing bytes.
 constexpr uint64_t kIncompatStriped = 1;
@@ -157,6 +160,10 @@ struct SharedWords {
 //   holder_line: host-local: pool offset of the line the tier-1 holder is about to modify under
 //     the lock, so a process that takes over from a dead holder writes that line back first (its
 //     dirty copy lives on in the host's caches). Validated before use.
+//   waits (2.4): advanced by the holder every few ms while its ticket waits for smaller ones, so
+//     a host blocked behind this ticket can tell a holder that waits (progress: no bound) from
+//     one that sits on a ticket (a holder stalled inside the lock, or a stray write): only the
+//     latter counts toward Bakery::kWaitLeases.
 // See docs/ARCHITECTURE.md §11 "Host slots".
 constexpr size_t kLockAreaOff = kSharedWordsOff + kMetaAlign;  // 8192
 constexpr uint32_t kLockStripes = 16;
@@ -169,7 +176,8 @@ struct alignas(kCacheLine) LockLine {
   uint64_t node_word;
   uint64_t tier1;
   uint64_t holder_line;
-  uint64_t pad[2];
+  uint64_t waits;  // format 2.4: bumped and written back by the holder while it WAITS in tier 2
+  uint64_t pad[1];
 };
 static_assert(sizeof(LockLine) == 64);
 // tier1 word = [1:1][nonce:15][participant+1:16][node:8][node epoch:24]. participant: the byte
@@ -219,6 +227,10 @@ inline uint32_t tier1_epoch(uint64_t w) { return uint32_t(w) & 0xFFFFFF; }
 //      the dead node's area while RECLAIMING), so observers and reaps at open are counted too.
 // NodeSlot.flags: this node takes its host slot's row through the shared tier 1 (format 2.3).
 constexpr uint64_t kNodeSharesHostSlot = 1;
+// NodeSlot.flags: an observer (`pool check`, `stats`, `reap`): it takes no namespaces, and holds a
+// node slot only so that its host's row is visible to attachers and its fence has a heartbeat
+// (format 2.4; display only for older builds, which treat it as any node).
+constexpr uint64_t kNodeObserver = 2;
 enum NodeState : uint8_t { kNodeFree = 0, kNodeClaimed = 1, kNodeAlive = 2, kNodeReclaiming = 3 };
 constexpr uint32_t kLeaseMsDefault = 10000;
 constexpr uint32_t kLeaseMsMin = 50;

@@ -61,6 +61,7 @@ struct Beat {
   const std::function<bool()>* intact;  // false once the pool file shrank: stop touching it
   std::atomic<uint64_t>* last_beat;     // mono_ns taken before the last beat published (fencing)
   uint64_t lapse_ns;                    // > 0: fence instead of beating after such a gap
+  const std::function<void()>* chores;  // after each beat that published (never throws out)
 };
 struct State {
   std::mutex mu;  // guards everything below; held across fork() by the atfork handlers
@@ -101,7 +102,12 @@ void fork_child() {
 // into the lost pages would be a SIGBUS, and nothing of ours there matters any more).
 bool beat_once(Beat& b) {
   if (b.intact && !(*b.intact)()) return false;
-  return beat(b.slot, b.expected, b.coh, b.fenced, b.last_beat, b.lapse_ns);
+  if (!beat(b.slot, b.expected, b.coh, b.fenced, b.last_beat, b.lapse_ns)) return false;
+  if (b.chores) try {
+      (*b.chores)();
+    } catch (...) {  // a chore is best effort: the beat itself was published
+    }
+  return true;
 }
 
 void heartbeat_loop() {
@@ -220,12 +226,13 @@ bool beat(NodeSlot* slot, uint64_t expected, const Coherence& coh, std::atomic<b
 
 uint64_t start_heartbeat(NodeSlot* slot, uint64_t expected, uint64_t interval_ns, Coherence coh,
                          std::atomic<bool>* fenced, const std::function<bool()>* intact,
-                         std::atomic<uint64_t>* last_beat, uint64_t lapse_ns) {
+                         std::atomic<uint64_t>* last_beat, uint64_t lapse_ns,
+                         const std::function<void()>* chores) {
   State& s = state();
   std::lock_guard<std::mutex> g(s.mu);
   uint64_t h = s.next_handle++;
   s.beats.push_back(Beat{h, slot, expected, interval_ns, mono_ns() + interval_ns, coh, fenced, intact,
-                         last_beat, lapse_ns});
+                         last_beat, lapse_ns, chores});
   if (!s.thread_running) {
     s.thread_running = true;
     std::thread(heartbeat_loop).detach();

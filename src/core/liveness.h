@@ -56,9 +56,12 @@ uint32_t domain_tag(uint64_t host_id, uint64_t lock_id);
 // *fenced is set and beating stops) and advances slot->beat. Unregister before unmapping.
 // last_beat (optional) receives the monotonic time taken just before each beat was published: the
 // multihost fence (arbiter.h) refuses to store once it is older than half a lease.
+// chores (optional): run by the heartbeat thread after each published beat (multihost: the
+// attachment heals its own lock row, Bakery::heal_own_row); must not block.
 uint64_t start_heartbeat(format::NodeSlot* slot, uint64_t expected, uint64_t interval_ns, Coherence coh,
                          std::atomic<bool>* fenced, const std::function<bool()>* intact = nullptr,
-                         std::atomic<uint64_t>* last_beat = nullptr, uint64_t lapse_ns = 0);
+                         std::atomic<uint64_t>* last_beat = nullptr, uint64_t lapse_ns = 0,
+                         const std::function<void()>* chores = nullptr);
 // One beat, as the heartbeat thread does it (the emulator's hosts call it from their own thread):
 // false, and *fenced set, once the slot's state word is no longer `expected`, or (lapse_ns > 0)
 // once the previous beat is older than lapse_ns: a node that stood still that long may have been

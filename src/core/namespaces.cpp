@@ -71,7 +71,7 @@ NsHandle Pool::open_namespace(const Layout& want) {
   if (read_only_) throw Error("pool " + path_ + " was opened read-only; namespaces cannot be opened");
   check_text("namespace name", want.name, kNameBytes);
   check_text("model_id", want.model_id, kModelIdBytes);
-  if (!node_id_)
+  if (observer_ || !node_id_)
     throw Error("pool " + path_ + " was opened as an observer (attach=false): it cannot open namespaces");
   if (want.name.empty() || want.name.size() >= kNameBytes)
     throw ArgumentError("namespace name must have 1.." + std::to_string(kNameBytes - 1) + " bytes");

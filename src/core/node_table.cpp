@@ -19,6 +19,7 @@ NodeInfo NodeTable::judge(uint32_t idx, uint64_t w, uint32_t self_id, uint64_t s
   n.pid = s->pid, n.pid_ns = s->pid_ns, n.attach_unix_ns = s->attach_unix_ns;
   n.beat = coh.read(&s->beat);
   n.beat_unix_ns = s->beat_unix_ns;
+  if (n.state == kNodeAlive) n.host_slot1 = s->host_slot, n.observer = (s->flags & kNodeObserver) != 0;
   if (self_id == idx + 1 && w == self_word) {
     n.self = n.same_kernel = n.lock_held = true;
     n.verdict = NodeInfo::kAlive;
@@ -38,12 +39,14 @@ NodeInfo NodeTable::judge(uint32_t idx, uint64_t w, uint32_t self_id, uint64_t s
   Watch& wt = watch_[idx];
   uint64_t now = liveness::mono_ns();
   bool moved = wt.valid && (wt.word != w || wt.beat != n.beat);
-  if (!wt.valid || moved) wt = Watch{w, n.beat, now, true};
+  if (!wt.valid || moved) wt = Watch{w, n.beat, now, true, moved};
   n.silent_ms = (now - wt.since_ns) / 1'000'000;
   if (n.silent_ms >= h.lease_ms) {
     n.verdict = NodeInfo::kDead;
     n.evidence = "heartbeat silent for " + std::to_string(n.silent_ms) + " ms >= lease (another kernel)";
-  } else if (moved) {
+  } else if (wt.moved) {
+    // Seen to beat, and silent for less than a lease since: alive (a judge that asks again
+    // between two beats must not fall back to "undecided").
     n.verdict = NodeInfo::kAlive;
     n.evidence = "heartbeat advancing (another kernel)";
   } else {

@@ -26,6 +26,8 @@ struct NodeInfo {
   bool lock_held = false;    // same_kernel only: someone holds the slot's lock
   uint64_t silent_ms = 0;    // lease only: how long this judge has seen (state, beat) unchanged
   uint64_t lease_ms = 0;
+  uint64_t host_slot1 = 0;  // multihost: the node's row + 1 (0: none); as published, display only
+  bool observer = false;    // an observer's node (format::kNodeObserver): check, stats, reap
   enum Verdict { kFree, kAlive, kDead, kUndecided } verdict = kFree;
   std::string evidence;  // one line, e.g. "lock held (same kernel)"
 };
@@ -57,6 +59,7 @@ class NodeTable {
   struct Watch {  // lease observations of this judge, per slot
     uint64_t word = 0, beat = 0, since_ns = 0;
     bool valid = false;
+    bool moved = false;  // seen to change at least once: alive until silent for a lease
   };
   const Region& region_;
   uint64_t host_id_ = 0;

@@ -28,7 +28,7 @@ uint64_t pid_ns_inode() {
 }
 }  // namespace
 
-void Pool::attach_node() {
+void Pool::attach_node(bool observer) {
   const uint64_t lease_ns = uint64_t(hdr_->lease_ms) * 1'000'000;
   const uint64_t deadline = liveness::mono_ns() + lease_ns + lease_ns / 4;
   for (;;) {
@@ -66,7 +66,7 @@ void Pool::attach_node() {
       coh_.check_fence();
       s->pid = pid_;
       s->host_slot = bakery_ ? host_slot_ + 1 : 0;
-      s->flags = bakery_ ? kNodeSharesHostSlot : 0;
+      s->flags = (bakery_ ? kNodeSharesHostSlot : 0) | (observer ? kNodeObserver : 0);
       s->pid_ns = pid_ns_inode();
       s->host_id = host_id_;
       s->lock_id = lock_.lock_id;
@@ -87,11 +87,11 @@ void Pool::attach_node() {
       if (!emu_.base)
         heartbeat_ = liveness::start_heartbeat(s, node_word_, std::max<uint64_t>(lease_ns / 4, 1'000'000),
                                                coh_.unarbitrated(), &fenced_, &intact_, &last_beat_ns_,
-                                               bakery_ ? lease_ns / 2 : 0);
-      if (bakery_) check_host_slot_unique();
-      if (!emu_.base) start_admin_responder();  // answers `pool ping` (rpc_admin.cpp)
+                                               bakery_ ? lease_ns / 2 : 0, bakery_ ? &chores_ : nullptr);
+      if (!emu_.base && !observer) start_admin_responder();  // answers `pool ping` (rpc_admin.cpp)
       return;
     }
+    if (observer) return;  // a full table: an observer goes on without a node slot
     uint64_t undecided = 0;
     uint64_t reaped = reap_pass(&undecided);
     if (reaped) continue;
@@ -112,12 +112,19 @@ void Pool::detach_node() {
   heartbeat_ = 0;
   if (!mapping_intact()) return;  // the file shrank: its pages are gone, nothing to clean there
   if (!fenced_.load(std::memory_order_acquire) && coh_.read(&node_slot(i)->state) == node_word_) {
-    // Pins of a clean close are already released by their leases; clear any left behind.
-    uint64_t hw = std::min<uint64_t>(pin_slots_.high_water(), hdr_->pin_slots);
-    for (uint64_t p = 0; p < hw; ++p) coh_.publish(&pins(i)[p], 0);
-    coh_.publish(&node_fixed(i)->pin_hw, 0);
-    uint64_t w = node_word_;
-    coh_.claim(&node_slot(i)->state, w, make_node_word(kNodeFree, 0, node_epoch(node_word_)));
+    // close() always returns: a fence or a lock that stays taken (LockTimeoutError) leaves the
+    // slot to be reclaimed like a dead node's (same kernel at once, once its lock is dropped
+    // below; other hosts after a lease of silence, since the heartbeat has stopped).
+    try {
+      // Pins of a clean close are already released by their leases; clear any left behind.
+      uint64_t hw = std::min<uint64_t>(pin_slots_.high_water(), hdr_->pin_slots);
+      for (uint64_t p = 0; p < hw; ++p) coh_.publish(&pins(i)[p], 0);
+      coh_.publish(&node_fixed(i)->pin_hw, 0);
+      uint64_t w = node_word_;
+      coh_.claim(&node_slot(i)->state, w, make_node_word(kNodeFree, 0, node_epoch(node_word_)));
+    } catch (const FencedError&) {
+    } catch (const LockTimeoutError&) {
+    }
   }
   liveness::unlock(lock_, lock_offset(i));  // after FREE (L1)
   node_id_ = 0;
@@ -170,20 +177,24 @@ std::vector<NodeInfo> Pool::nodes() {
   return out;
 }
 
-NodeInfo Pool::reap_node(uint32_t id, bool force, bool* reclaimed) {
+NodeInfo Pool::reap_node(uint32_t id, bool force, bool* reclaimed, uint64_t wait_ms) {
   if (id == 0 || id > hdr_->max_nodes)
     throw ArgumentError("node id must be in 1.." + std::to_string(hdr_->max_nodes));
   if (id == node_id_) throw ArgumentError("node " + std::to_string(id) + " is this attachment itself");
   *reclaimed = false;
   const uint32_t idx = id - 1;
   const uint64_t lease_ns = uint64_t(hdr_->lease_ms) * 1'000'000;
-  const uint64_t deadline = liveness::mono_ns() + lease_ns + lease_ns / 4 + 100'000'000;
+  const uint64_t t0 = liveness::mono_ns();
+  const uint64_t deadline = t0 + std::max(lease_ns + lease_ns / 4 + 100'000'000, wait_ms * 1'000'000);
   for (;;) {
     {
       std::lock_guard<std::mutex> g(reap_mu_);
       uint64_t w = coh_.read(&node_slot(idx)->state);
       NodeInfo n = judge(idx, w);
-      if (n.verdict != NodeInfo::kUndecided || force || liveness::mono_ns() > deadline) {
+      // Without wait: a node judged alive is answered at once; an undecided one is watched.
+      const bool settled = wait_ms ? n.verdict == NodeInfo::kDead || n.verdict == NodeInfo::kFree
+                                   : n.verdict != NodeInfo::kUndecided;
+      if (settled || force || liveness::mono_ns() > deadline) {
         *reclaimed = reclaim_judged(idx, w, n, force);
         if (*reclaimed) reaped_unreported_.fetch_add(1, std::memory_order_relaxed);
         return n;

@@ -329,9 +329,14 @@ void Pool::validate_and_attach(bool fresh, bool attach) {
   node_table_.reset_watches(h.max_nodes);
   if (read_only_) return;
   if (!emu_.base) fault_trap::arm_from_env();  // tests only: CXLKV_TEST_FAULT (fault_trap.h)
+  observer_ = !attach;
   if (multihost) setup_arbiter(emu_.base ? emu_.host_slot : want_slot_, !attach);
   reap_dead_nodes();
-  if (attach) attach_node();
+  // A multihost observer takes a node slot when one is free: its row is then visible to
+  // attachers of other hosts, and it beats, so its fence stays fresh while it watches a lease
+  // (`pool reap`, `pool check`). Elsewhere an observer needs neither.
+  if (attach || multihost) attach_node(!attach);
+  if (multihost) settle_host_slot(!attach);
   check_truncated();
 }
 

@@ -154,6 +154,13 @@ struct CheckReport {
   uint64_t condemned_blocks = 0;  // CONDEMNED entries whose block a pin still holds
   uint64_t leaked_blocks = 0, stuck_entries = 0, orphan_pins = 0, duplicate_keys = 0;
   uint64_t free_chunks = 0, active_chunks = 0;
+  // multihost lock area (lock_check.cpp): tickets found, by kind, and what a repair reset
+  uint64_t lock_tickets_foreign = 0;  // names a live node of another row: a stray or hostile write
+  uint64_t lock_tickets_stale = 0;    // its holder was reclaimed or never had a node; void for waiters
+  uint64_t lock_tickets_stuck = 0;    // a live holder's ticket that did not move while we looked
+  uint64_t lock_rows_reset = 0;       // tickets reset (our own row always; orphaned rows with repair)
+  uint64_t undecided_nodes = 0;       // nodes of another kernel not judged within a lease
+  std::vector<std::string> repaired;  // one line per repair made
 };
 
 // Stamps every access hint written by this thread while alive with one time (ms; 0 = now), so
@@ -267,9 +274,13 @@ class Pool {
   // Reclaims node `id` if it is judged dead (waiting up to one lease to judge a node of another
   // kernel), or, with force, even if alive (its process is fenced: L3). Returns the judgment made
   // before acting; verdict kDead means it was reclaimed (or kAlive + force: reclaimed anyway).
-  NodeInfo reap_node(uint32_t id, bool force, bool* reclaimed);
+  // wait_ms > 0: keep watching a node judged alive or undecided until it is dead (then reclaim
+  // it) or wait_ms passed.
+  NodeInfo reap_node(uint32_t id, bool force, bool* reclaimed, uint64_t wait_ms = 0);
   std::vector<NodeInfo> nodes();  // every non-FREE slot, judged now
-  CheckReport check();
+  // repair: also fix what is safe to fix (see check.cpp and lock_check.cpp); without it, check
+  // only resets what this attachment owns anyway (its own lock row).
+  CheckReport check(bool repair = false);
   // --- admin RPC (rpc_admin.cpp) -------------------------------------------------------------
   bool has_admin_mailbox() const { return hdr_ && (hdr_->compat & format::kCompatAdminMailbox); }
   // One round trip through node `node`'s admin mailbox; needs an attached pool (our node id is
@@ -299,7 +310,9 @@ class Pool {
   // Breaks the namespace-table lock when its holder id is out of range or names a FREE node slot
   // (a holder that can never release it). Returns the stale holder id, 0 if nothing was broken.
   uint64_t break_stale_ns_lock();
-  void attach_node();
+  // observer: take a node slot only if one is free now (never wait, never fail): a multihost
+  // observer publishes its row that way (host_slot.cpp) and beats like any node.
+  void attach_node(bool observer = false);
   void detach_node();
   NodeInfo judge(uint32_t idx, uint64_t word) { return node_table_.judge(idx, word, node_id_, node_word_); }
   bool reclaim_judged(uint32_t idx, uint64_t word, const NodeInfo& n, bool force);
@@ -405,8 +418,20 @@ class Pool {
   int want_slot_ = -1;  // OpenOptions::host_slot
   // host_slot.cpp: the row, tier-1 identity and the one-host-per-row check
   void setup_arbiter(int want_slot, bool observer);
-  void check_host_slot_unique();
+  void make_bakery(uint32_t row);
+  uint32_t check_host_slot_unique();
+  void settle_host_slot(bool observer);
+  struct RowUse {
+    std::vector<bool> mate;       // a live host-mate (same host id, shares rows) is on the row
+    std::vector<uint32_t> other;  // a live node of another host id is on the row (its id), else 0
+  };
+  RowUse row_use();
+  uint32_t probe_row(const std::vector<bool>& avoid);
+  bool probing_ = false;       // the row was probed, not configured: it may move (settle_host_slot)
+  uint32_t participant1_ = 0;  // tier-1 participant byte + 1 this attachment holds (0: none)
+  bool observer_ = false;      // opened with attach=false: no namespaces, whether or not it has a node
   void release_dead_rows(uint32_t idx, uint64_t reclaiming_word);
+  void check_lock_area(CheckReport& r, bool repair);  // lock_check.cpp
   uint64_t participant_offset(uint32_t i) const {
     return (1ull << 49) + (host_id_ & 0xFFFFF) * kParticipants + i;
   }
@@ -425,6 +450,11 @@ class Pool {
                     uint64_t new_owner_slot);
   std::atomic<uint64_t> last_reap_ns_{0};
   std::function<bool()> intact_ = [this] { return mapping_intact(); };  // for the heartbeat
+  // multihost, after each beat: reset what no host-mate holds in our own lock row (a stray write,
+  // a fenced holder's ticket). The heartbeat stops before bakery_ changes or goes (detach_node).
+  std::function<void()> chores_ = [this] {
+    if (bakery_) bakery_->heal_own_row();
+  };
   // admin RPC (rpc_admin.cpp): this node's mailbox responder thread, and one ping at a time
   rpc::Channel admin_channel(uint32_t idx) const;
   void start_admin_responder();

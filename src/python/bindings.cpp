@@ -376,6 +376,8 @@ nb::dict node_dict(const NodeInfo& n) {
   d["lease_ms"] = n.lease_ms;
   d["last_beat_unix_ns"] = n.beat_unix_ns;
   d["attach_unix_ns"] = n.attach_unix_ns;
+  d["host_slot"] = n.host_slot1 ? int64_t(n.host_slot1) - 1 : int64_t(-1);  // multihost row, -1: none
+  d["observer"] = n.observer;
   return d;
 }
 
@@ -622,33 +624,45 @@ NB_MODULE(_core, m) {
              d["active_chunks"] = o.active_chunks;
              return d;
            })
-      .def("check",
-           [](PyPool& pp) {
-             OpGuard g(pp);
-             CheckReport r;
-             {
-               nb::gil_scoped_release nogil;
-               r = g.p->check();
-             }
-             nb::dict d, blocks;
-             d["ok"] = r.ok;
-             d["errors"] = r.errors;
-             d["warnings"] = r.warnings;
-             d["reclaimed_nodes"] = r.reclaimed_nodes;
-             blocks["capacity"] = r.capacity_blocks;
-             blocks["free"] = r.free_blocks;
-             blocks["ready"] = r.ready_blocks;
-             blocks["in_flight"] = r.inflight_blocks;
-             blocks["leaked"] = r.leaked_blocks;
-             blocks["condemned"] = r.condemned_blocks;
-             d["blocks"] = blocks;
-             d["stuck_entries"] = r.stuck_entries;
-             d["orphan_pins"] = r.orphan_pins;
-             d["duplicate_keys"] = r.duplicate_keys;
-             d["free_chunks"] = r.free_chunks;
-             d["active_chunks"] = r.active_chunks;
-             return d;
-           })
+      .def(
+          "check",
+          [](PyPool& pp, bool repair) {
+            OpGuard g(pp);
+            CheckReport r;
+            {
+              nb::gil_scoped_release nogil;
+              r = g.p->check(repair);
+            }
+            nb::dict d, blocks;
+            d["ok"] = r.ok;
+            d["errors"] = r.errors;
+            d["warnings"] = r.warnings;
+            d["reclaimed_nodes"] = r.reclaimed_nodes;
+            blocks["capacity"] = r.capacity_blocks;
+            blocks["free"] = r.free_blocks;
+            blocks["ready"] = r.ready_blocks;
+            blocks["in_flight"] = r.inflight_blocks;
+            blocks["leaked"] = r.leaked_blocks;
+            blocks["condemned"] = r.condemned_blocks;
+            d["blocks"] = blocks;
+            d["stuck_entries"] = r.stuck_entries;
+            d["orphan_pins"] = r.orphan_pins;
+            d["duplicate_keys"] = r.duplicate_keys;
+            d["free_chunks"] = r.free_chunks;
+            d["active_chunks"] = r.active_chunks;
+            d["undecided_nodes"] = r.undecided_nodes;
+            d["repaired"] = r.repaired;
+            if (g.p->backend() == Backend::multihost) {
+              nb::dict lock;
+              lock["foreign"] = r.lock_tickets_foreign;
+              lock["stale"] = r.lock_tickets_stale;
+              lock["stuck"] = r.lock_tickets_stuck;
+              lock["reset"] = r.lock_rows_reset;
+              d["lock_area"] = lock;
+            }
+            return d;
+          },
+          nb::arg("repair") = false)
       .def(
           "ping",
           [](PyPool& pp, uint32_t node, uint64_t timeout_ms) {
@@ -687,19 +701,19 @@ NB_MODULE(_core, m) {
            })
       .def(
           "reap_node",
-          [](PyPool& pp, uint32_t node, bool force) {
+          [](PyPool& pp, uint32_t node, bool force, uint64_t wait_ms) {
             OpGuard g(pp);
             NodeInfo n;
             bool reclaimed = false;
             {
               nb::gil_scoped_release nogil;
-              n = g.p->reap_node(node, force, &reclaimed);
+              n = g.p->reap_node(node, force, &reclaimed, wait_ms);
             }
             nb::dict d = node_dict(n);
             d["reclaimed"] = reclaimed;
             return d;
           },
-          "node"_a, "force"_a = false)
+          "node"_a, "force"_a = false, "wait_ms"_a = 0)
       .def(
           "open_namespace",
           [](PyPool& pp, const std::string& name, nb::handle layout, int device) {

@@ -116,8 +116,12 @@ TEST_F(HostSlotTest, HandlesOfOneHostShareItsSlotAndOtherHostsAreRefused) {
     OpenOptions o;
     o.host_slot = int(a->host_slot());
     EXPECT_THROW(Pool::open(path_, o), HostSlotBusyError);
-    o.attach = false;  // an observer of that host too (it may reclaim, so it takes the row)
-    EXPECT_THROW(Pool::open(path_, o), HostSlotBusyError);
+    // An observer of that host (an admin command) is never refused for a collision it can
+    // avoid: it probes a free row instead of the configured one.
+    o.attach = false;
+    auto obs = Pool::open(path_, o);
+    EXPECT_NE(obs->host_slot(), a->host_slot());
+    obs.reset();
     auto c = Pool::open(path_);  // its own default row is fine
     EXPECT_NE(c->host_slot(), a->host_slot());
   }
@@ -277,10 +281,13 @@ TEST(BakeryTickets, SkippedTicketIsSkippedAgainAtOnce) {
   c.last_beat = &beat;
   c.tick = [&] { ++ticks; };
   Bakery bk(std::move(c));
-  // Row 1 holds a ticket in every stripe, for node 2, whose beat never moves (a dead host).
+  // Row 1 holds a ticket in every stripe, for node 2 (attached on row 1), whose beat never
+  // moves (a dead host not reclaimed yet).
+  const uint64_t alive = format::make_node_word(format::kNodeAlive, 1, 1);
+  nodes[1].state = alive, nodes[1].host_slot = 2;
   auto* lines = reinterpret_cast<format::LockLine*>(mem.get() + format::kLockAreaOff);
   for (uint32_t k = 0; k < format::kLockStripes; ++k)
-    lines[k * kHosts + 1].number = 1, lines[k * kHosts + 1].node = 2;
+    lines[k * kHosts + 1].number = 1, lines[k * kHosts + 1].node = 2, lines[k * kHosts + 1].node_word = alive;
   const char* word = mem.get() + bytes - 64;
   auto lock_once = [&] {
     beat.store(liveness::mono_ns());
@@ -298,6 +305,104 @@ TEST(BakeryTickets, SkippedTicketIsSkippedAgainAtOnce) {
   lock_once();
   EXPECT_EQ(bk.skipped(), 3u);
   EXPECT_GT(ticks, 0);
+}
+
+// The lock area is untrusted input (issue 14): a ticket is honoured only when it names a node
+// attached on that row with that word; any other is void at once, and a ticket that must be
+// honoured but never moves fails the claim after Bakery::kWaitLeases leases.
+struct BakeryRig {
+  static constexpr uint32_t kHosts = 2;
+  size_t bytes =
+      (format::kLockAreaOff + size_t(format::kLockStripes) * kHosts * 64 + 2 * 4096 - 1) / 4096 * 4096;
+  std::unique_ptr<char, decltype(&std::free)> mem{static_cast<char*>(std::aligned_alloc(4096, bytes)),
+                                                  &std::free};
+  std::vector<format::NodeSlot> nodes = std::vector<format::NodeSlot>(4);
+  std::atomic<bool> fenced{false};
+  std::atomic<uint64_t> beat{liveness::mono_ns()};
+  std::unique_ptr<Bakery> bk;
+  BakeryRig() {
+    std::memset(mem.get(), 0, bytes);
+    Bakery::Config c;
+    c.base = mem.get();
+    c.hosts = kHosts;
+    c.slot = 0;
+    c.max_nodes = 4;
+    c.nodes = nodes.data();
+    c.lease_ns = 50'000'000;
+    c.coh = Coherence(Backend::multihost);
+    c.fenced = &fenced;
+    c.last_beat = &beat;
+    c.pool = "pool rig";
+    // Our own heartbeat, and node 2's (a live host on row 1), advance while we wait.
+    c.tick = [this] {
+      beat.store(liveness::mono_ns());
+      ++nodes[1].beat;
+    };
+    bk = std::make_unique<Bakery>(std::move(c));
+  }
+  format::LockLine* line(uint32_t k, uint32_t row) {
+    return reinterpret_cast<format::LockLine*>(mem.get() + format::kLockAreaOff) + (k * kHosts + row);
+  }
+  // Node 2: ALIVE on `row`; every stripe of row 1 holds a ticket naming it with its word.
+  void ticket_of_live_node_on_row(uint32_t row) {
+    const uint64_t alive = format::make_node_word(format::kNodeAlive, 1, 1);
+    nodes[1].state = alive, nodes[1].host_slot = row + 1;
+    for (uint32_t k = 0; k < format::kLockStripes; ++k)
+      line(k, 1)->number = 1, line(k, 1)->node = 2, line(k, 1)->node_word = alive;
+  }
+  const char* word() const { return mem.get() + bytes - 64; }
+};
+
+TEST(BakeryTickets, TicketNamingALiveNodeOfAnotherRowIsVoidAtOnce) {
+  BakeryRig rig;
+  rig.ticket_of_live_node_on_row(0);  // node 2 lives on row 0, yet its "ticket" sits in row 1
+  const uint64_t t0 = liveness::mono_ns();
+  rig.bk->lock(rig.word());
+  rig.bk->unlock(rig.word());
+  EXPECT_EQ(rig.bk->voided(), 1u);
+  EXPECT_EQ(rig.bk->skipped(), 0u);  // not by the lease rule: at once
+  EXPECT_LT(liveness::mono_ns() - t0, 50'000'000u) << "a void ticket must not cost a lease";
+}
+
+TEST(BakeryTickets, HonouredTicketThatNeverMovesFailsTheClaimAfterTheBound) {
+  BakeryRig rig;
+  rig.ticket_of_live_node_on_row(1);  // could be its host's: honoured; its holder beats, never moves
+  try {
+    rig.bk->lock(rig.word());
+    rig.bk->unlock(rig.word());
+    FAIL() << "the claim waited past its bound without failing";
+  } catch (const LockTimeoutError& e) {
+    EXPECT_NE(std::string(e.what()).find("row 1"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("node 2"), std::string::npos) << e.what();
+  }
+  // The stripe was given back: a thread may lock it again once the ticket moves.
+  for (uint32_t k = 0; k < format::kLockStripes; ++k) rig.line(k, 1)->number = 0;
+  rig.bk->lock(rig.word());
+  rig.bk->unlock(rig.word());
+}
+
+TEST(BakeryTickets, AWaitingHolderIsProgressNotABoundToGiveUpOn) {
+  BakeryRig rig;
+  rig.ticket_of_live_node_on_row(1);
+  // The holder on row 1 waits itself (behind dead hosts): its line's `waits` advances. For 4
+  // leases (past the bound of 3) we keep waiting; then it enters and leaves, and we go on.
+  const uint64_t until = liveness::mono_ns() + 4 * 50'000'000ull;
+  std::atomic<bool> stop{false};
+  std::thread holder([&] {
+    while (liveness::mono_ns() < until) {
+      for (uint32_t k = 0; k < format::kLockStripes; ++k)
+        std::atomic_ref<uint64_t>(rig.line(k, 1)->waits).fetch_add(1);
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    for (uint32_t k = 0; k < format::kLockStripes; ++k)
+      std::atomic_ref<uint64_t>(rig.line(k, 1)->number).store(0);
+  });
+  EXPECT_NO_THROW({
+    rig.bk->lock(rig.word());
+    rig.bk->unlock(rig.word());
+  });
+  EXPECT_GE(liveness::mono_ns(), until);
+  holder.join();
 }
 
 }  // namespace

@@ -592,8 +592,9 @@ def test_slow_attach_that_succeeded_is_not_fenced_by_its_first_beat(pool_path, h
 # ------------------------------------------------------------------------------------------------
 # Found by these tests in the cross-host lock (arbiter.cpp). A reclaimed ticket holder whose node
 # slot a live attachment reuses used to block its stripe (Bakery::lock now voids the ticket of a
-# holder whose node slot changed). Still open, kept as a strict xfail (it fails, so that the marker
-# is removed, once fixed): an attach behind a ticket that names no node.
+# holder whose node slot changed). An attach behind a ticket that names no node used to lapse its
+# own fence while it waited a lease (it has no heartbeat yet): such a waiter now publishes its
+# progress in its line's `waits` and runs its fence from that (issue 14).
 
 BUG_LEASE_MS = 300
 PUTTER = textwrap.dedent("""
@@ -651,11 +652,6 @@ def test_reclaimed_lock_holder_does_not_block_when_its_node_slot_is_reused(pool_
         b.stdout.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="an attach that waits a lease in the cross-host lock for a ticket of a host killed while "
-    "attaching (its ticket names no node) lapses its own fence before it owns anything, and fails",
-)
 @pytest.mark.timeout(60)
 def test_attach_after_a_host_died_attaching_with_a_lock_held(pool_path, hosts):
     h = hosts(BUG_LEASE_MS, tag="bug-c")
@@ -664,5 +660,5 @@ def test_attach_after_a_host_died_attaching_with_a_lock_held(pool_path, hosts):
     a = _putter(pool_path, "bug-c-attacher", 1, "idle", fault="lock.held:kill@1")
     assert a.wait(timeout=30) == -signal.SIGKILL
     a.stdout.close()
-    h.start(pool_path)  # the supervisor attaches (host slot 0): this raises today
+    h.start(pool_path)  # the supervisor attaches (host slot 0): this raised before issue 14
     assert h.sup.node_id > 0
