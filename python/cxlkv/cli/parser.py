@@ -422,7 +422,14 @@ def build_parser() -> argparse.ArgumentParser:
     # sim ----------------------------------------------------------------------------------------
     sm = sub.add_parser("sim", help="multi-host proof: simulated hosts without coherence, checked")
     sm.add_argument("--hosts", type=_pos_int, default=3, help="simulated hosts (default 3, at most 59)")
-    sm.add_argument("--seconds", type=_pos_float, default=2.0, help="run time (default 2)")
+    sm.add_argument(
+        "--seconds",
+        type=_pos_float,
+        default=4.0,
+        help="bound of the whole run (default 4): the workload gets what is left after stopping the "
+        "hosts and the final check (two leases and under a second); a --lease-ms that leaves too "
+        "little is refused, naming the shortest --seconds that fits",
+    )
     sm.add_argument("--seed", type=int, default=1, help="random seed (default 1)")
     sm.add_argument(
         "--break",
