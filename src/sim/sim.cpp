@@ -308,7 +308,8 @@ std::vector<char> make_image(const SimOptions& o, PoolHeader* hdr) {
   c.max_namespaces = 8;
   c.backend = o.backend == "flush" ? Backend::flush : Backend::multihost;
   c.lease_ms = o.lease_ms;
-  c.lock_hosts = uint32_t(o.hosts + 5);  // + the final checker (a slot per attempt)
+  // + the final checker (a slot per attempt); only the multihost backend has a lock area
+  if (c.backend == Backend::multihost) c.lock_hosts = uint32_t(o.hosts + 5);
   {
     // The creator attaches on this machine (real memory) with the checker's slot.
     OpenOptions oo;

@@ -1,8 +1,9 @@
 """The ``cxlkv`` command line: pool administration, benchmarks and the demo.
 
     cxlkv pool create [PATH] --size 4GiB [--chunk-size 8MiB] [--index-slots N] [--max-nodes N]
-                           [--max-namespaces N] [--pin-slots N] [--backend coherent|flush]
-                           [--lease-ms MS] [--force [--ignore-attached]]
+                           [--max-namespaces N] [--pin-slots N] [--backend coherent|flush|multihost]
+                           [--lock-hosts N] [--stripe-size 2MiB] [--lease-ms MS]
+                           [--force [--ignore-attached]]
     cxlkv pool info    [PATH] [--json]      read-only: needs no write access, takes no node slot;
                                             header, geometry, namespaces, nodes and their liveness
     cxlkv pool stats   [PATH] [--json]

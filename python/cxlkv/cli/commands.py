@@ -35,12 +35,22 @@ def cmd_pool_create(args: argparse.Namespace) -> int:
         "max_namespaces",
         "lease_ms",
         "stripe_size",
+        "lock_hosts",
     ):
         v = getattr(args, name)
         if v is not None:
             kwargs[name] = v
     if args.ignore_attached and not args.force:
         raise CommandError("--ignore-attached only goes with --force")
+    # The core refuses these too; checked here first so that --force destroys nothing for them.
+    if args.stripe_size is not None and len(device_paths(args.path)) < 2:
+        raise CommandError(
+            f"--stripe-size is only meaningful for a pool of several devices (A,B,...); {args.path} is one"
+        )
+    if args.lock_hosts is not None and args.backend != "multihost":
+        raise CommandError(
+            f"--lock-hosts only goes with --backend multihost (the {args.backend} backend has no lock area)"
+        )
     if args.force and any(os.path.lexists(d) for d in device_paths(args.path)):
         # Replaces a pool, or a bad / half-made pool file; never one that live processes use
         # unless --ignore-attached (they would keep serving the unlinked pool: split brain).

@@ -52,6 +52,26 @@ def _size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _stripe_size_arg(text: str) -> int:
+    v = _size_arg(text)
+    if v == 0:
+        raise argparse.ArgumentTypeError("0 is not a stripe size (leave --stripe-size out for the default)")
+    return v
+
+
+def _ranged_int(option: dict[str, Any]):
+    """An int type bounded by one row of :func:`cxlkv.create_options` (or of a pool's limits)."""
+
+    def parse(text: str) -> int:
+        v = _pos_int(text)
+        hi = option["max"]
+        if v < option["min"] or (hi is not None and v > hi):
+            raise argparse.ArgumentTypeError(f"{v} is out of range {option['min']}..{hi}")
+        return v
+
+    return parse
+
+
 def _pos_int(text: str) -> int:
     try:
         v = int(text, 0)
@@ -113,6 +133,21 @@ def _range(option: dict[str, Any]) -> str:
     return f"{option['min']}..{hi if hi is not None else ''} (default {option['default']})"
 
 
+# One line per backend for `pool create --backend` (coherence.h, docs/ARCHITECTURE.md §2, §11).
+# The contract test holds this to cxlkv._core.backends(): a new backend needs its line here.
+BACKEND_HELP = {
+    "coherent": "one host, hardware-coherent memory (DRAM, /dev/shm, a coherent CXL device)",
+    "flush": "one host, non-coherent CXL memory: metadata written back and re-read explicitly "
+    "(clwb/clflushopt), payloads by streaming stores",
+    "multihost": "several hosts on one CXL 2.0 pool without coherence between them: the flush "
+    "discipline plus a cross-host lock (bakery) for claims and lease fencing; see --lock-hosts",
+}
+
+
+def _backend_help() -> str:
+    return "; ".join(f"{name}: {BACKEND_HELP[name]}" for name in cxlkv._core.backends())
+
+
 _PATH_HELP = (
     "pool file or /dev/daxX.Y, or several joined by commas (A,B,...: one pool striped over them, "
     "first device first)"
@@ -168,10 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--chunk-size", type=_size_arg, default=None, help="allocator chunk size, e.g. 8MiB")
     c.add_argument(
         "--stripe-size",
-        type=_size_arg,
+        type=_stripe_size_arg,
         default=None,
-        help="a PATH of several devices (A,B,...): bytes per stripe, a power of two, "
-        f"{_range(create['stripe_bytes'])}",
+        help="only for a PATH of several devices (A,B,...; an error otherwise): bytes per stripe, "
+        f"a power of two, {_range(create['stripe_bytes'])}",
     )
     c.add_argument(
         "--index-slots", type=_pos_int, default=None, help="index entries (rounded to a power of two)"
@@ -198,7 +233,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--backend",
         choices=cxlkv._core.backends(),
         default=create["backend"]["default"],
-        help="memory backend: coherent (one host) or flush (non-coherent CXL) (default %(default)s)",
+        help=f"memory backend (default %(default)s). {_backend_help()}",
+    )
+    c.add_argument(
+        "--lock-hosts",
+        type=_ranged_int(create["lock_hosts"]),
+        default=None,
+        help="only with --backend multihost (an error otherwise): rows of the lock area, the most "
+        f"hosts that can attach, {_range(create['lock_hosts'])}",
     )
     c.add_argument(
         "--lease-ms",
