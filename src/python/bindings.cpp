@@ -46,6 +46,18 @@ struct OpGuard {
   explicit OpGuard(PyPool& pp) : lock(pp.mu), p(&pp.get()) {}
 };
 
+// A node id from Python: any int. One that does not even fit the core's type is out of the
+// pool's range like any other (ValueError naming the range), not an overflow TypeError.
+uint32_t node_arg(const nb::int_& node, const Pool& p) {
+  int overflow = 0;
+  const long long v = PyLong_AsLongLongAndOverflow(node.ptr(), &overflow);
+  if (v == -1 && PyErr_Occurred()) throw nb::python_error();
+  if (overflow || v < 1 || v > int64_t(p.header().max_nodes))
+    throw ArgumentError("node " + std::string(nb::str(node).c_str()) + " out of range 1.." +
+                        std::to_string(p.header().max_nodes));
+  return uint32_t(v);
+}
+
 struct PyNamespace {
   PyPool* owner;
   NsHandle h;
@@ -647,8 +659,9 @@ NB_MODULE(_core, m) {
            })
       .def(
           "ping",
-          [](PyPool& pp, uint32_t node, uint64_t timeout_ms) {
+          [](PyPool& pp, const nb::int_& node_id, uint64_t timeout_ms) {
             OpGuard g(pp);
+            const uint32_t node = node_arg(node_id, *g.p);
             PingResult r;
             {
               nb::gil_scoped_release nogil;
@@ -683,8 +696,9 @@ NB_MODULE(_core, m) {
            })
       .def(
           "reap_node",
-          [](PyPool& pp, uint32_t node, bool force) {
+          [](PyPool& pp, const nb::int_& node_id, bool force) {
             OpGuard g(pp);
+            const uint32_t node = node_arg(node_id, *g.p);
             NodeInfo n;
             bool reclaimed = false;
             {

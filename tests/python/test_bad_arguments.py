@@ -1,4 +1,4 @@
-"""Arguments that used to be silently ignored or to end in a traceback (issue 14 items 1, 7),
+"""Arguments that used to be silently ignored or to end in a traceback (issue 14 items 1, 2, 7),
 through the API and the real `cxlkv` executable on real pool files: each is one line and exit 2
 (ValueError from the API), and nothing is created or destroyed for it."""
 
@@ -62,6 +62,25 @@ def test_cli_stripe_size_on_one_file_refused_and_force_destroys_nothing(pool_pat
     _one_line_error(
         _cli("pool", "create", pool_path, "--size", "16MiB", "--stripe-size", "0"), "0 is not a stripe size"
     )
+
+
+# -- node ids (item 2) ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("node", [2**32, 2**64, 2**100, 0, -1, 65])
+def test_api_node_id_out_of_range_is_a_value_error(pool_path, node):
+    with cxlkv.Pool.create(pool_path, 16 * MiB, max_nodes=64) as pool:
+        with pytest.raises(ValueError, match=r"out of range 1\.\.64"):
+            pool.reap_node(node)
+        with pytest.raises(ValueError, match=r"out of range 1\.\.64"):
+            pool._core.ping(node)
+
+
+@pytest.mark.parametrize("command", ["reap", "ping"])
+@pytest.mark.parametrize("node, text", [(str(2**32), "out of range 1..254"), ("100", "out of range 1..64")])
+def test_cli_node_id_out_of_range_exits_2(pool_path, command, node, text):
+    cxlkv.Pool.create(pool_path, 16 * MiB, max_nodes=64).close()
+    _one_line_error(_cli("pool", command, node, pool_path), text)
 
 
 # -- lock hosts and backends (item 7) ------------------------------------------------------------

@@ -138,6 +138,9 @@ def test_create_help_lists_every_backend_and_lock_hosts(capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
+        (["pool", "ping", str(2**32), "/nonexistent/pool"], "out of range 1..254"),
+        (["pool", "reap", str(2**64), "/nonexistent/pool"], "out of range 1..254"),
+        (["pool", "reap", "0", "/nonexistent/pool"], "must be positive"),
         (
             ["pool", "create", "/nonexistent/pool", "--size", "16MiB", "--stripe-size", "0"],
             "0 is not a stripe size",

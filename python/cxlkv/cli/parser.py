@@ -170,6 +170,8 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+_NODE_HELP = "node id, as listed by 'pool info' (1..the pool's max_nodes)"
+
 _FOREIGN_HELP = (
     "accept a pool owned by another user or writable by others (that user can read and corrupt every block)"
 )
@@ -274,8 +276,10 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--allow-foreign-owner", action="store_true", help=_FOREIGN_HELP)
         s.set_defaults(func=func)
 
+    # Node ids are 1..max_nodes of the pool: the format's bound here, the pool's own in the core.
+    node_id = _ranged_int({**create["max_nodes"], "min": 1})
     r = psub.add_parser("reap", help="reclaim one dead node (what it held: pins, half-written blocks)")
-    r.add_argument("node", type=_pos_int, help="node id, as listed by 'pool info'")
+    r.add_argument("node", type=node_id, help=_NODE_HELP)
     _pool_path_arg(r, default_pool)
     r.add_argument(
         "--force",
@@ -286,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_pool_reap)
 
     pg = psub.add_parser("ping", help="round trip through a node's admin mailbox (shared-memory RPC)")
-    pg.add_argument("node", type=_pos_int, help="node id, as listed by 'pool info'")
+    pg.add_argument("node", type=node_id, help=_NODE_HELP)
     _pool_path_arg(pg, default_pool)
     pg.add_argument(
         "--count", type=_pos_int, default=3, help="round trips (default 3; the first wakes an idle responder)"
