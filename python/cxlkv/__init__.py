@@ -349,9 +349,12 @@ class Pool:
         s["namespaces"] = len(self.namespaces())
         return s
 
-    def check(self) -> dict:
-        """Reclaims what dead processes left, then verifies every invariant of the format."""
-        return self._core.check()
+    def check(self, repair: bool = False) -> dict:
+        """Reclaims what dead processes left, then verifies every invariant of the format.
+        repair=True also releases what nobody else ever would (entries whose writer is gone,
+        condemned blocks no pin holds, leaked blocks of gone writers), each listed in
+        ``repaired`` (one line each) instead of ``errors``."""
+        return self._core.check(repair)
 
     def reap_dead_nodes(self) -> int:
         """Reclaims every node judged dead now; returns how many."""

@@ -449,11 +449,14 @@ void Pool::condemn(uint64_t slot, uint64_t ready_word) {
 }
 
 // CONDEMNED -> EVICTING -> TOMBSTONE if no pin names the entry; otherwise it stays CONDEMNED
-// for the next evictor or `pool check`. True if the slot was freed.
+// for the next evictor, reclaim or `pool check`. True if the slot was freed.
 bool Pool::reclaim_condemned(uint64_t slot) {
-  if (node_id_ == 0) return false;  // a detached process (check without a node slot) cannot own EVICTING
   uint64_t w = coh_.read(&entry(slot)->state);
   if (entry_state(w) != kCondemned || is_pinned(slot, entry_gen(w))) return false;
+  // An observer (`pool check` takes no node slot) has no node id to own EVICTING with. It needs
+  // none: no pin can be taken on a CONDEMNED entry any more (a pin is validated against the READY
+  // word), so the check above is final, and the one claim of release_abandoned picks one winner.
+  if (node_id_ == 0) return release_abandoned(slot, w);
   uint64_t ev = make_entry_word(kEvicting, uint8_t(node_id_), entry_gen(w), entry_tag(w));
   if (!coh_.claim(&entry(slot)->state, w, ev)) return false;
   if (is_pinned(slot, entry_gen(ev))) {
@@ -461,6 +464,28 @@ bool Pool::reclaim_condemned(uint64_t slot) {
     return false;
   }
   finish_evict(slot, ev);
+  return true;
+}
+
+// Tombstones index slot `slot`, read as word w (an entry nobody will finish: its node's reclaim,
+// or CONDEMNED with no pin), and frees its block. The tombstone comes first, by claim: of several
+// who notice (reclaimers, `pool check --repair`) exactly one wins, and only the winner frees the
+// block, by a claim of the descriptor word read before, so a block handed out again since (a new
+// word) is never freed. Dying between the two steps leaves the block USED by a gone incarnation
+// with no entry pointing back: a leak that `pool check --repair` (or the owner's reclaim) frees.
+bool Pool::release_abandoned(uint64_t slot, uint64_t w) {
+  IndexEntry* e = entry(slot);
+  coh_.invalidate(e, sizeof *e);
+  const uint64_t chunk = e->chunk;  // of a writer that is gone: nothing changes them any more
+  const uint32_t block = e->block;
+  uint64_t* d = nullptr;
+  uint64_t dw = 0;
+  if (chunk < hdr_->chunk_count && block < desc_bytes_ / 8) {
+    d = block_desc(chunk, block);
+    dw = coh_.read(d);
+  }
+  if (!coh_.claim(&e->state, w, make_entry_word(kTombstone, 0, entry_gen(w), entry_tag(w)))) return false;
+  if (d && block_state(dw) == kBlockUsed && block_slot(dw) == slot) coh_.claim(d, dw, 0);
   return true;
 }
 

@@ -146,14 +146,25 @@ struct PinRef {
   uint32_t pin_index;
 };
 
+// What Pool::check found, and with `repair` what it fixed. Each section of check() (check.cpp)
+// reads `repair` here and adds to the rest.
 struct CheckReport {
-  bool ok = true;
+  bool repair = false;  // input: also fix what can be fixed safely (`pool check --repair`)
+  bool ok = true;       // no error: nothing found, or everything found was repaired
   std::vector<std::string> errors, warnings;
+  std::vector<std::string> repaired;  // one line per repair made
   uint64_t reclaimed_nodes = 0;
   uint64_t capacity_blocks = 0, free_blocks = 0, ready_blocks = 0, inflight_blocks = 0;
-  uint64_t condemned_blocks = 0;  // CONDEMNED entries whose block a pin still holds
+  uint64_t condemned_blocks = 0;  // CONDEMNED entries whose block is still USED
   uint64_t leaked_blocks = 0, stuck_entries = 0, orphan_pins = 0, duplicate_keys = 0;
   uint64_t free_chunks = 0, active_chunks = 0;
+  void error(const std::string& what) {
+    ok = false;
+    if (errors.size() < 100) errors.push_back(what);
+  }
+  void fixed(const std::string& what) {
+    if (repaired.size() < 100) repaired.push_back(what);
+  }
 };
 
 // Stamps every access hint written by this thread while alive with one time (ms; 0 = now), so
@@ -269,7 +280,9 @@ class Pool {
   // before acting; verdict kDead means it was reclaimed (or kAlive + force: reclaimed anyway).
   NodeInfo reap_node(uint32_t id, bool force, bool* reclaimed);
   std::vector<NodeInfo> nodes();  // every non-FREE slot, judged now
-  CheckReport check();
+  // Verifies every invariant of format.h (after reaping the dead); with repair, also releases what
+  // nobody else ever will (check.cpp: unpinned condemned and leaked blocks).
+  CheckReport check(bool repair = false);
   // --- admin RPC (rpc_admin.cpp) -------------------------------------------------------------
   bool has_admin_mailbox() const { return hdr_ && (hdr_->compat & format::kCompatAdminMailbox); }
   // One round trip through node `node`'s admin mailbox; needs an attached pool (our node id is
@@ -337,6 +350,14 @@ class Pool {
                   std::vector<uint64_t>& home_words);
   void condemn(uint64_t slot, uint64_t ready_word);
   bool reclaim_condemned(uint64_t slot);
+  // An entry nobody will finish, or CONDEMNED with no pin: tombstoned, its block freed (index.cpp).
+  bool release_abandoned(uint64_t slot, uint64_t word);
+  // check.cpp: the sections of check(), in order; each adds to r and, with r.repair, repairs.
+  bool node_attached(uint8_t node);  // CLAIMED or ALIVE (not judged: a dead one is reaped first)
+  void check_ns_lock(CheckReport& r);
+  void check_namespaces(CheckReport& r);
+  void check_index(CheckReport& r);  // entries, blocks and their accounting
+  void check_pins(CheckReport& r);
   bool writing_same_key(const NsHandle& ns, const Key& key, uint64_t slot, uint64_t writing_word);
   bool snapshot(uint64_t slot, uint64_t word, format::IndexEntry* out) const {
     return region_.snapshot(slot, word, out);

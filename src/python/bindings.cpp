@@ -630,33 +630,36 @@ NB_MODULE(_core, m) {
              d["active_chunks"] = o.active_chunks;
              return d;
            })
-      .def("check",
-           [](PyPool& pp) {
-             OpGuard g(pp);
-             CheckReport r;
-             {
-               nb::gil_scoped_release nogil;
-               r = g.p->check();
-             }
-             nb::dict d, blocks;
-             d["ok"] = r.ok;
-             d["errors"] = r.errors;
-             d["warnings"] = r.warnings;
-             d["reclaimed_nodes"] = r.reclaimed_nodes;
-             blocks["capacity"] = r.capacity_blocks;
-             blocks["free"] = r.free_blocks;
-             blocks["ready"] = r.ready_blocks;
-             blocks["in_flight"] = r.inflight_blocks;
-             blocks["leaked"] = r.leaked_blocks;
-             blocks["condemned"] = r.condemned_blocks;
-             d["blocks"] = blocks;
-             d["stuck_entries"] = r.stuck_entries;
-             d["orphan_pins"] = r.orphan_pins;
-             d["duplicate_keys"] = r.duplicate_keys;
-             d["free_chunks"] = r.free_chunks;
-             d["active_chunks"] = r.active_chunks;
-             return d;
-           })
+      .def(
+          "check",
+          [](PyPool& pp, bool repair) {
+            OpGuard g(pp);
+            CheckReport r;
+            {
+              nb::gil_scoped_release nogil;
+              r = g.p->check(repair);
+            }
+            nb::dict d, blocks;
+            d["ok"] = r.ok;
+            d["errors"] = r.errors;
+            d["warnings"] = r.warnings;
+            d["repaired"] = r.repaired;
+            d["reclaimed_nodes"] = r.reclaimed_nodes;
+            blocks["capacity"] = r.capacity_blocks;
+            blocks["free"] = r.free_blocks;
+            blocks["ready"] = r.ready_blocks;
+            blocks["in_flight"] = r.inflight_blocks;
+            blocks["leaked"] = r.leaked_blocks;
+            blocks["condemned"] = r.condemned_blocks;
+            d["blocks"] = blocks;
+            d["stuck_entries"] = r.stuck_entries;
+            d["orphan_pins"] = r.orphan_pins;
+            d["duplicate_keys"] = r.duplicate_keys;
+            d["free_chunks"] = r.free_chunks;
+            d["active_chunks"] = r.active_chunks;
+            return d;
+          },
+          "repair"_a = false)
       .def(
           "ping",
           [](PyPool& pp, const nb::int_& node_id, uint64_t timeout_ms) {

@@ -170,3 +170,8 @@ def test_create_options_that_do_not_apply_are_refused(capsys, extra, message):
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"cxlkv: error: {message}") and "\n" not in err, err
 
+
+def test_check_has_repair():
+    args = cli.build_parser().parse_args(["pool", "check", "/p", "--repair"])
+    assert args.repair is True
+    assert cli.build_parser().parse_args(["pool", "check", "/p"]).repair is False

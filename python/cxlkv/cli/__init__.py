@@ -7,7 +7,8 @@
     cxlkv pool info    [PATH] [--json]      read-only: needs no write access, takes no node slot;
                                             header, geometry, namespaces, nodes and their liveness
     cxlkv pool stats   [PATH] [--json]
-    cxlkv pool check   [PATH] [--json]      exit 1 when an inconsistency is found
+    cxlkv pool check   [PATH] [--repair] [--json]   exit 1 when an inconsistency is left
+                                            (--repair: also releases what nobody else will)
     cxlkv pool reap    NODE [PATH] [--force] [--json]   reclaim one dead node (--force: even a live one)
     cxlkv pool destroy [PATH] [--ignore-attached] [--force]
     (pool commands refuse a pool owned or writable by another user unless --allow-foreign-owner;

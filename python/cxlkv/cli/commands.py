@@ -161,15 +161,17 @@ def cmd_pool_reap(args: argparse.Namespace) -> int:
 
 def cmd_pool_check(args: argparse.Namespace) -> int:
     with _observer(args.path, args.allow_foreign_owner) as pool:
-        report = dict(pool.check())
+        report = dict(pool.check(repair=args.repair))
     errors = list(report.get("errors") or [])
     ok = bool(report.get("ok", not errors)) and not errors
     if args.json:
         print_json(report)
     else:
         con = make_console()
-        rest = {k: v for k, v in report.items() if k not in ("ok", "errors", "warnings")}
+        rest = {k: v for k, v in report.items() if k not in ("ok", "errors", "warnings", "repaired")}
         render_mapping(con, f"check {args.path}", rest)
+        for w in report.get("repaired") or []:
+            con.print(f"[green]repaired:[/green] {escape(str(w))}")
         for w in report.get("warnings") or []:
             con.print(f"[yellow]warning:[/yellow] {escape(str(w))}")
         for e in errors:

@@ -268,12 +268,19 @@ def build_parser() -> argparse.ArgumentParser:
     for name, func, helptext in (
         ("info", cmd_pool_info, "show the pool header, geometry and namespaces"),
         ("stats", cmd_pool_stats, "show usage and hit/miss/eviction counters"),
-        ("check", cmd_pool_check, "verify the pool's invariants (exit 1 on any inconsistency)"),
+        ("check", cmd_pool_check, "verify the pool's invariants (exit 1 on any inconsistency left)"),
     ):
         s = psub.add_parser(name, help=helptext)
         _pool_path_arg(s, default_pool)
         s.add_argument("--json", action="store_true", help="print one JSON object")
         s.add_argument("--allow-foreign-owner", action="store_true", help=_FOREIGN_HELP)
+        if name == "check":
+            s.add_argument(
+                "--repair",
+                action="store_true",
+                help="also release what nobody else ever will (entries whose writer is gone, "
+                "condemned or leaked blocks no one holds) and list each repair",
+            )
         s.set_defaults(func=func)
 
     # Node ids are 1..max_nodes of the pool: the format's bound here, the pool's own in the core.
