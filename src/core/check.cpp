@@ -5,6 +5,7 @@
 //
 // With repair (`pool check --repair`), what nobody else would ever release is released too, each
 // on evidence re-read after that pause, and listed in CheckReport::repaired instead of errors:
+//   - entries in WRITING/EVICTING whose node can never finish them (Pool::abandoned_by);
 //   - CONDEMNED entries no pin holds any more (an observer frees them only with repair; an attached
 //     checker always did, as any attached node may);
 //   - blocks USED by a gone incarnation that no entry points to (what a releaser that died between
@@ -79,12 +80,20 @@ void Pool::check_index(CheckReport& r) {
   std::map<uint32_t, NsHandle> ns;
   for (auto& [h, l] : list_namespaces()) ns[h.id] = h;
   std::set<std::pair<uint32_t, std::string>> keys;
-  std::vector<uint64_t> suspects;
+  struct Suspect {  // an entry in WRITING/EVICTING that may be stuck, as first seen
+    uint64_t slot, word, chunk, block;
+  };
+  std::vector<Suspect> suspects;
   struct EntryFinding {
     uint64_t slot, word;
     std::string what;
   };
   std::vector<EntryFinding> findings;
+  auto ref_of = [&](uint64_t slot, uint64_t* chunk, uint64_t* block) {
+    IndexEntry* e = entry(slot);
+    coh_.invalidate(e, sizeof *e);
+    *chunk = e->chunk, *block = e->block;
+  };
   for (uint64_t slot = 0; slot <= slot_mask_; ++slot) {
     uint64_t w = coh_.read(&entry(slot)->state);
     uint8_t st = entry_state(w);
@@ -101,7 +110,11 @@ void Pool::check_index(CheckReport& r) {
       continue;
     }
     if (st == kWriting || st == kEvicting) {
-      if (!node_attached(entry_node(w))) suspects.push_back(slot);
+      if (!node_attached(entry_node(w)) || !abandoned_by(slot, w, true).empty()) {
+        Suspect s{slot, w, 0, 0};
+        ref_of(slot, &s.chunk, &s.block);
+        suspects.push_back(s);
+      }
       continue;
     }
     IndexEntry e;
@@ -134,13 +147,28 @@ void Pool::check_index(CheckReport& r) {
   if (!suspects.empty() || !findings.empty()) pause_before_reread();
   for (const auto& f : findings)
     if (coh_.read(&entry(f.slot)->state) == f.word) r.error(f.what);
-  for (uint64_t slot : suspects) {
-    uint64_t w = coh_.read(&entry(slot)->state);
-    uint8_t st = entry_state(w);
-    if ((st == kWriting || st == kEvicting) && !node_attached(entry_node(w))) {
+  for (const Suspect& s : suspects) {
+    const uint64_t w = coh_.read(&entry(s.slot)->state);
+    uint64_t chunk, block;
+    ref_of(s.slot, &chunk, &block);
+    if (w != s.word || chunk != s.chunk || block != s.block) continue;  // it moved: not stuck
+    const std::string why = abandoned_by(s.slot, w, true);
+    const uint8_t node = entry_node(w);
+    std::string wait;  // why it is not released (yet), when no evidence says it is abandoned
+    if (why.empty() && node_state(coh_.read(&node_slot(node - 1)->state)) == kNodeFree)
+      wait = "node " + std::to_string(node) +
+             " is not attached, but its fenced process still has the pool open: released once it closes";
+    else if (why.empty())
+      wait = "node " + std::to_string(node) + " is being reclaimed";
+    const std::string at = "index slot " + std::to_string(s.slot) + " stuck in " +
+                           entry_state_name(entry_state(w)) + " (" + (why.empty() ? wait : why) + ")";
+    if (r.repair && !why.empty()) {
+      if (release_abandoned(s.slot, w)) r.fixed(at + ": tombstoned, its block freed");
+      continue;  // or someone else released it first
+    }
+    if (!why.empty() || !node_attached(entry_node(w))) {
       ++r.stuck_entries;
-      r.error("index slot " + std::to_string(slot) + " stuck in " + entry_state_name(st) + " by dead node " +
-              std::to_string(entry_node(w)));
+      r.error(at + (why.empty() ? "" : "; `pool check --repair` releases it"));
     }
   }
 

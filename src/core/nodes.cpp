@@ -222,13 +222,14 @@ void Pool::reclaim_node(uint32_t idx, uint64_t reclaiming_word) {
   for (uint64_t p = 0; p < hw; ++p) coh_.publish(&pins(idx)[p], 0);
   coh_.publish(&fx->pin_hw, 0);
   // 2. Index entries it was writing or evicting: tombstoned, their block freed (index.cpp). The
-  //    same scan releases CONDEMNED entries that no pin holds any more (its pins were maybe the last).
+  //    same scan releases what no reclaim of a node would visit: entries whose node slot is FREE
+  //    (abandoned_by), and CONDEMNED entries that no pin holds any more (its pins were maybe the last).
   for (uint64_t slot = 0; slot <= slot_mask_; ++slot) {
     uint64_t w = coh_.read(&entry(slot)->state);
     uint8_t st = entry_state(w);
     if (st == kCondemned) reclaim_condemned(slot);
     if (st != kWriting && st != kEvicting) continue;
-    if (entry_node(w) == dead) release_abandoned(slot, w);
+    if (entry_node(w) == dead || !abandoned_by(slot, w, false).empty()) release_abandoned(slot, w);
   }
   // 3. Chunks it was carving or draining; block descs it claimed that no entry points back to.
   for (uint64_t c = 0; c < hdr_->chunk_count; ++c) {

@@ -281,7 +281,7 @@ class Pool {
   NodeInfo reap_node(uint32_t id, bool force, bool* reclaimed);
   std::vector<NodeInfo> nodes();  // every non-FREE slot, judged now
   // Verifies every invariant of format.h (after reaping the dead); with repair, also releases what
-  // nobody else ever will (check.cpp: unpinned condemned and leaked blocks).
+  // nobody else ever will (check.cpp: abandoned entries, unpinned condemned and leaked blocks).
   CheckReport check(bool repair = false);
   // --- admin RPC (rpc_admin.cpp) -------------------------------------------------------------
   bool has_admin_mailbox() const { return hdr_ && (hdr_->compat & format::kCompatAdminMailbox); }
@@ -350,8 +350,10 @@ class Pool {
                   std::vector<uint64_t>& home_words);
   void condemn(uint64_t slot, uint64_t ready_word);
   bool reclaim_condemned(uint64_t slot);
-  // An entry nobody will finish, or CONDEMNED with no pin: tombstoned, its block freed (index.cpp).
+  // Entries nobody will finish (index.cpp): why (or ""), and their release.
+  std::string abandoned_by(uint64_t slot, uint64_t word, bool by_epoch);
   bool release_abandoned(uint64_t slot, uint64_t word);
+  bool owner_closed(uint8_t node);  // of a FREE node slot
   // check.cpp: the sections of check(), in order; each adds to r and, with r.repair, repairs.
   bool node_attached(uint8_t node);  // CLAIMED or ALIVE (not judged: a dead one is reaped first)
   void check_ns_lock(CheckReport& r);
