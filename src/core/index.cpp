@@ -471,8 +471,9 @@ bool Pool::reclaim_condemned(uint64_t slot) {
 // or CONDEMNED with no pin), and frees its block. The tombstone comes first, by claim: of several
 // who notice (reclaimers, `pool check --repair`) exactly one wins, and only the winner frees the
 // block, by a claim of the descriptor word read before, so a block handed out again since (a new
-// word) is never freed. Dying between the two steps leaves the block USED by a gone incarnation
-// with no entry pointing back: a leak that `pool check --repair` (or the owner's reclaim) frees.
+// word) is never freed. Dying between the two steps leaves the block USED with no entry pointing
+// back: its owner's reclaim frees it, or `pool check --repair` once that owner's incarnation is
+// gone (the block's owner is its writer: for a CONDEMNED entry maybe a live node).
 bool Pool::release_abandoned(uint64_t slot, uint64_t w) {
   IndexEntry* e = entry(slot);
   coh_.invalidate(e, sizeof *e);
