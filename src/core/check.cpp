@@ -264,11 +264,14 @@ void Pool::check_index(CheckReport& r) {
     const std::string at = "block " + std::to_string(l.chunk) + ":" + std::to_string(l.block);
     // Unchanged since first seen, its owner's incarnation gone, no entry pointing back: nobody
     // else frees it (a reclaim of that owner has run or cannot run: its slot moved on).
-    if (r.repair && dw == l.desc && !incarnation_alive(block_node(dw), block_epoch(dw)) &&
-        coh_.claim(d, dw, 0)) {
-      ++r.free_blocks;
-      r.fixed(at + ": freed (used by a gone incarnation of node " + std::to_string(block_node(dw)) +
-              ", no index entry pointed to it)");
+    if (r.repair && dw == l.desc && !incarnation_alive(block_node(dw), block_epoch(dw))) {
+      if (coh_.claim(d, dw, 0)) {
+        ++r.free_blocks;
+        r.fixed(at + ": freed (used by a gone incarnation of node " + std::to_string(block_node(dw)) +
+                ", no index entry pointed to it)");
+      } else {  // another repairer freed it first (or it was handed out since: in use again)
+        (coh_.read(d) == 0 ? r.free_blocks : r.inflight_blocks)++;
+      }
       continue;
     }
     ++r.leaked_blocks;
