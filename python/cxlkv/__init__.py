@@ -68,8 +68,8 @@ _CREATE_OPTIONS: dict = _core.create_options()
 def create_options() -> dict:
     """Pool creation's defaults and limits, from the core: ``{option: {"default", "min", "max"}}``
     for ``chunk_bytes``, ``index_slots``, ``max_nodes``, ``pin_slots``, ``max_namespaces``,
-    ``lease_ms``, ``stripe_bytes`` (a default of 0: derived from the size; ``max`` None: no fixed
-    limit), and
+    ``lease_ms``, ``stripe_bytes``, ``lock_hosts`` (a default of 0: derived from the size; ``max``
+    None: no fixed limit), and
     ``{"backend": {"default": ...}}``."""
     return {k: dict(v) for k, v in _CREATE_OPTIONS.items()}
 
@@ -189,6 +189,7 @@ class Pool:
         backend: str = _create_default("backend"),
         exist_ok: bool = False,
         lease_ms: int = _create_default("lease_ms"),
+        lock_hosts: int | None = None,
         allow_foreign_owner: bool = False,
         allow_group: bool = False,
     ) -> Pool:
@@ -199,7 +200,9 @@ class Pool:
         (nodes of this kernel are judged by a kernel lock, at once). Defaults and limits:
         :func:`create_options`. A list of paths (or one string of comma-separated paths) creates
         a pool striped over those devices, stripe_size bytes at a time (None: 2 MiB); its size is
-        cut to whole stripes."""
+        cut to whole stripes. A stripe_size for a single path, or of 0, is a ValueError.
+        lock_hosts (multihost backend only, ValueError otherwise): host rows of the lock area, the
+        most hosts that can attach (None: the core's default)."""
         path = _path_or_default(path)
         ensure_private_dir(path)
         core = _core.Pool.create(
@@ -215,7 +218,8 @@ class Pool:
             lease_ms=lease_ms,
             allow_foreign_owner=allow_foreign_owner,
             allow_group=allow_group,
-            stripe_bytes=parse_size(stripe_size) if stripe_size else 0,
+            stripe_bytes=None if stripe_size is None else parse_size(stripe_size),
+            lock_hosts=lock_hosts,
         )
         return cls(core)
 
@@ -353,9 +357,10 @@ class Pool:
 
     def check(self, repair: bool = False) -> dict:
         """Reclaims what dead processes left (watching nodes of another kernel for up to a lease
-        until each is judged), then verifies every invariant of the format. ``repair=True`` also
-        fixes what is safe to fix and lists it under ``repaired``."""
-        return self._core.check(repair=repair)
+        until each is judged), then verifies every invariant of the format. repair=True also releases what nobody else ever would (entries whose writer is gone,
+        condemned blocks no pin holds, leaked blocks of gone writers), each listed in
+        ``repaired`` (one line each) instead of ``errors``."""
+        return self._core.check(repair)
 
     def reap_dead_nodes(self) -> int:
         """Reclaims every node judged dead now; returns how many."""

@@ -96,6 +96,7 @@ void Bakery::throw_wait_timeout(uint32_t stripe, uint32_t row, const LockLine& t
 
 Bakery::Bakery(Config c) : c_(std::move(c)), where_(c_.pool) {
   skipped_tickets_.resize(size_t(kLockStripes) * c_.hosts);
+  observed_.resize(size_t(kLockStripes) * c_.hosts);
   uint64_t seed = liveness::mono_ns() ^ (uint64_t(::getpid()) << 32) ^ reinterpret_cast<uintptr_t>(this);
   nonce_ = (xxh3(&seed, sizeof seed, 3) & 0x7FFF) << 48;
   mine_.store(nonce_ | make_tier1_word(c_.participant1, 0, 0), std::memory_order_relaxed);
@@ -176,11 +177,40 @@ uint32_t Bakery::heal_own_row() {
   return n;
 }
 
+void Bakery::bump(LockLine* me) const {
+  // Host-mates read `waits` (acquire_tier1) while we hold their row: one atomic store.
+  std::atomic_ref<uint64_t>(me->waits).store(me->waits + 1, std::memory_order_relaxed);
+}
+
+bool Bakery::same_line(const LockLine& a, const LockLine& b) {
+  return a.choosing == b.choosing && a.number == b.number && a.node == b.node && a.node_word == b.node_word &&
+         a.waits == b.waits;
+}
+
+LockLine Bakery::observe(uint32_t k, uint32_t j, const std::function<uint64_t(const LockLine&)>& pulse,
+                         uint64_t* since) {
+  LockLine now = read_ticket(k, j);
+  now.pad[0] = now.number || now.choosing ? pulse(now) : 0;
+  const uint64_t t = liveness::mono_ns();
+  std::lock_guard<std::mutex> g(watch_mu_);
+  Observed& o = observed_[size_t(k) * c_.hosts + j];
+  if (!o.valid || !same_line(o.line, now) || o.line.pad[0] != now.pad[0]) o = Observed{now, t, true};
+  if (since) *since = o.since;
+  return o.line;
+}
+
+void Bakery::sweep_observations(const std::function<uint64_t(const LockLine&)>& pulse) {
+  for (uint32_t k = 0; k < kLockStripes; ++k)
+    for (uint32_t j = 0; j < c_.hosts; ++j)
+      if (j != c_.slot) observe(k, j, pulse);
+}
+
 LockLine Bakery::read_ticket(uint32_t k, uint32_t j) const {
   LockLine* l = line(k, j);
   c_.coh.invalidate(l, sizeof *l);
   LockLine t{};
   t.choosing = l->choosing, t.number = l->number, t.node = l->node, t.node_word = l->node_word;
+  t.waits = l->waits;
   return t;
 }
 
@@ -202,6 +232,7 @@ bool Bakery::reset_orphaned_row(uint32_t k, uint32_t j, const LockLine& seen) {
     return false;  // it moved: someone uses the row after all
   check_fence();
   l->choosing = 0, l->number = 0, l->node = 0, l->node_word = 0;
+  bump(l);
   write_back(l);
   return true;
 }
@@ -343,6 +374,7 @@ void Bakery::release_row(uint32_t k) {
   // One write-back carries the reset ticket and the free tier-1 word (a crashed host's successor
   // then finds the word free in memory). A host-mate that took the word meanwhile may have stored
   // its first fields already: writing them back early is harmless (each word is its own register).
+  bump(me);
   write_back(me);
 }
 
@@ -370,22 +402,28 @@ void Bakery::lock(const void* addr) {
     me->choosing = 1;
     me->node = node_;
     me->node_word = node_word_;
+    bump(me);
     write_back(me);
+    // The pulse of a ticket: its node's heartbeat; a ticket of no node (an attach in progress, an
+    // observer without a node slot) has its own, `waits`, which such a holder advances while it
+    // waits and from which it runs its fence (see the write in the wait loop below).
+    auto pulse = [&](const LockLine& x) { return x.node ? holder_beat(x.node) : x.waits; };
     uint64_t top = 0;
     for (uint32_t j = 0; j < c_.hosts; ++j) {
       if (j == c_.slot) continue;  // our own line is ours (and our host's): never drop it
-      top = std::max(top, c_.coh.read(&line(k, j)->number));
+      top = std::max(top, observe(k, j, pulse).number);
     }
     const uint64_t mine = std::min<uint64_t>(top, 1ull << 62) + 1;  // untrusted: bounded
     check_fence();
     me->number = mine;
     me->choosing = 0;
+    bump(me);
     write_back(me);
     c_.coh.fence();
     // While we wait, our line's `waits` advances (written back every progress_ns): hosts behind
     // our ticket then know we wait rather than sit in the lock, and do not count it to their bound.
     const uint64_t progress_ns = std::max<uint64_t>(c_.lease_ns / 16, 1'000'000);
-    uint64_t last_progress = liveness::mono_ns();
+    uint64_t last_progress = liveness::mono_ns(), last_sweep = last_progress;
     for (uint32_t j = 0; j < c_.hosts; ++j) {
       if (j == c_.slot) continue;
       LockLine seen{};
@@ -412,10 +450,6 @@ void Bakery::lock(const void* addr) {
         // also stands still belongs to a dead or paused host: skip it (that host fences itself
         // before any further store, see check_fence). One we skipped before, unchanged and with
         // its holder still silent, is skipped at once: the holder has been silent ever since.
-        // The pulse of a node's ticket is its heartbeat; a ticket of no node (an attach in
-        // progress, an observer without a node slot) has its own: `waits`, which such a holder
-        // advances while it waits, and from which it runs its fence (see the write below).
-        auto pulse = [&](const LockLine& x) { return x.node ? holder_beat(x.node) : x.waits; };
         Skipped& memo = skipped_tickets_[size_t(k) * c_.hosts + j];
         uint64_t t = liveness::mono_ns();
         if (since == 0 && memo.valid && memo.choosing == now.choosing && memo.number == now.number &&
@@ -423,8 +457,16 @@ void Bakery::lock(const void* addr) {
           skipped_.fetch_add(1, std::memory_order_relaxed);
           break;
         }
-        if (since == 0 || now.choosing != seen.choosing || now.number != seen.number ||
-            now.node != seen.node) {
+        if (since == 0) {
+          // Unchanged since this attachment first saw it (in any acquisition, or a sweep while
+          // blocked): the lease of silence counts from then, so k dead tickets in k stripes or
+          // rows cost one lease in all, not k in a row.
+          uint64_t first = 0;
+          const LockLine o = observe(k, j, pulse, &first);
+          seen = o, since = first, beat0 = o.pad[0];
+          if (!same_line(o, now)) seen = now, since = t, beat0 = pulse(now);
+        } else if (now.choosing != seen.choosing || now.number != seen.number || now.node != seen.node ||
+                   now.waits != seen.waits) {
           seen = now, since = t, beat0 = pulse(now);
           blocked_since = t;  // a new ticket: progress
         } else if (t - since > c_.lease_ns) {
@@ -442,11 +484,14 @@ void Bakery::lock(const void* addr) {
         // every process of the pod. Any change of the ticket or of its waits is progress.
         if (now.waits != waits_seen) waits_seen = now.waits, blocked_since = t;
         if (t - blocked_since > kWaitLeases * c_.lease_ns) throw_wait_timeout(k, j, now);
+        if (t - last_sweep > progress_ns) {
+          sweep_observations(pulse);
+          last_sweep = t;
+        }
         if (t - last_progress > progress_ns) {
           check_fence();  // on the previous fence base: a lapsed holder is not revived here
           const uint64_t published = liveness::mono_ns();
-          // Host-mates read `waits` (acquire_tier1) while we hold their row: one atomic store.
-          std::atomic_ref<uint64_t>(me->waits).store(me->waits + 1, std::memory_order_relaxed);
+          bump(me);
           write_back(me);
           // Without a node this is our pulse: peers restart their silence clock once they see
           // it, which is after `published`, so the fence may run from there (as from a beat).

@@ -145,6 +145,25 @@ class Bakery final : public Arbiter {
     bool valid = false;
   };
   std::vector<Skipped> skipped_tickets_;  // [stripe * hosts + row]
+  // Every other row's line as this attachment last saw it, with the holder's pulse then
+  // (line.pad[0]) and since when it stands still, [stripe * hosts + row]. A row's line changes
+  // `waits` on every write (bump), so "unchanged between two looks" means "not written in
+  // between", however far apart the looks: lock() counts a dead ticket's lease from its first
+  // look, and a blocked waiter looks at every stripe (sweep_observations), so dead tickets in
+  // several stripes or rows cost one lease in all.
+  struct Observed {
+    format::LockLine line{};
+    uint64_t since = 0;
+    bool valid = false;
+  };
+  std::mutex watch_mu_;
+  std::vector<Observed> observed_;
+  void bump(format::LockLine* me) const;  // waits + 1: every write of our line changes it
+  static bool same_line(const format::LockLine& a, const format::LockLine& b);
+  format::LockLine observe(uint32_t stripe, uint32_t row,
+                           const std::function<uint64_t(const format::LockLine&)>& pulse,
+                           uint64_t* since = nullptr);
+  void sweep_observations(const std::function<uint64_t(const format::LockLine&)>& pulse);
 };
 
 }  // namespace cxlkv

@@ -2,6 +2,14 @@
 // reap_dead_nodes(), so what a dead process left has been reclaimed; what remains is reported.
 // Findings that a live node may legitimately cause in passing (an entry in WRITING, a pin being
 // validated) are re-read after a short pause before they count.
+//
+// With repair (`pool check --repair`), what nobody else would ever release is released too, each
+// on evidence re-read after that pause, and listed in CheckReport::repaired instead of errors:
+//   - entries in WRITING/EVICTING whose node can never finish them (Pool::abandoned_by);
+//   - CONDEMNED entries no pin holds any more (an observer frees them only with repair; an attached
+//     checker always did, as any attached node may);
+//   - blocks USED by a gone incarnation that no entry points to (what a releaser that died between
+//     its two steps leaves, index.cpp release_abandoned).
 #include <chrono>
 #include <cstring>
 #include <map>
@@ -16,80 +24,119 @@ namespace cxlkv {
 
 using namespace format;
 
+namespace {
+const char* entry_state_name(uint8_t st) { return st == kWriting ? "WRITING" : "EVICTING"; }
+void pause_before_reread() { std::this_thread::sleep_for(std::chrono::milliseconds(50)); }
+}  // namespace
+
 CheckReport Pool::check(bool repair) {
   CheckReport r;
-  auto err = [&](const std::string& s) {
-    r.ok = false;
-    if (r.errors.size() < 100) r.errors.push_back(s);
-  };
-  // Nodes of another kernel are judged by their lease: watch until each one is decided (alive
-  // once its beat moves, dead after a lease of silence, then reclaimed), at most a lease and a
-  // quarter. A check that could not judge a node must not call the pool consistent.
-  {
-    const uint64_t lease_ns = uint64_t(hdr_->lease_ms) * 1'000'000;
-    const uint64_t deadline = liveness::mono_ns() + lease_ns + lease_ns / 4 + 100'000'000;
-    uint64_t undecided = 0;
-    reap_pass(&undecided);
-    while (undecided && liveness::mono_ns() < deadline) {
-      if (emu_.base) heartbeat_tick();  // an emulated host beats from its own thread
-      std::this_thread::sleep_for(std::chrono::milliseconds(std::min<uint64_t>(20, hdr_->lease_ms / 8 + 1)));
-      undecided = 0;
-      reap_pass(&undecided);
-    }
-    r.undecided_nodes = undecided;
-    if (undecided)
-      err(std::to_string(undecided) + " nodes of another kernel are undecided (their heartbeat was " +
-          "watched for a lease without a verdict): run the check again");
-  }
+  r.repair = repair;
+  watch_undecided_nodes(r);
   // Reclaims of this attachment since it opened the pool (the reap at open included) or since
   // its last check: an observer `pool check` reports what its own open reclaimed (F20).
   r.reclaimed_nodes = reaped_unreported_.exchange(0, std::memory_order_relaxed);
-  auto node_alive = [&](uint8_t node) {
-    if (node == 0 || node > hdr_->max_nodes) return false;
-    uint8_t st = node_state(coh_.read(&node_slot(node - 1)->state));
-    return st == kNodeAlive || st == kNodeClaimed;
-  };
+  // The sections, in order. A new one takes the report (r.repair says whether it may fix).
+  check_ns_lock(r);
+  check_namespaces(r);
+  check_index(r);
+  check_pins(r);
+  if (bakery_) check_lock_area(r);  // the cross-host lock area (multihost): lock_check.cpp
+  if (r.duplicate_keys)
+    r.warnings.push_back(
+        std::to_string(r.duplicate_keys) +
+        " keys are stored twice (a benign race between two writers; the copy is reclaimed by eviction)");
+  return r;
+}
 
-  // Namespace-table lock (F13): a holder that is out of range or not attached never releases it.
+// Nodes of another kernel are judged by their lease: watch until each one is decided (alive once
+// its beat moves, dead after a lease of silence, then reclaimed), at most a lease and a quarter.
+// A check that could not judge a node must not call the pool consistent.
+void Pool::watch_undecided_nodes(CheckReport& r) {
+  const uint64_t lease_ns = uint64_t(hdr_->lease_ms) * 1'000'000;
+  const uint64_t deadline = liveness::mono_ns() + lease_ns + lease_ns / 4 + 100'000'000;
+  uint64_t undecided = 0;
+  reap_pass(&undecided);
+  while (undecided && liveness::mono_ns() < deadline) {
+    if (emu_.base) heartbeat_tick();  // an emulated host beats from its own thread
+    std::this_thread::sleep_for(std::chrono::milliseconds(std::min<uint64_t>(20, hdr_->lease_ms / 8 + 1)));
+    undecided = 0;
+    reap_pass(&undecided);
+  }
+  r.undecided_nodes = undecided;
+  if (undecided)
+    r.error(std::to_string(undecided) + " nodes of another kernel are undecided (their heartbeat was " +
+            "watched for a lease without a verdict): run the check again");
+}
+
+bool Pool::node_attached(uint8_t node) {
+  if (node == 0 || node > hdr_->max_nodes) return false;
+  uint8_t st = node_state(coh_.read(&node_slot(node - 1)->state));
+  return st == kNodeAlive || st == kNodeClaimed;
+}
+
+// Namespace-table lock (F13): a holder that is out of range or not attached never releases it.
+void Pool::check_ns_lock(CheckReport& r) {
   if (uint64_t stale = break_stale_ns_lock())
-    err("namespace-table lock was held by node " + std::to_string(stale) +
-        ", which is not attached (stale lock, now broken)");
+    r.error("namespace-table lock was held by node " + std::to_string(stale) +
+            ", which is not attached (stale lock, now broken)");
+}
 
-  // Namespaces.
-  std::map<uint32_t, NsHandle> ns;
-  for (auto& [h, l] : list_namespaces()) ns[h.id] = h;
+void Pool::check_namespaces(CheckReport& r) {
   for (uint32_t id = 1; id <= hdr_->max_namespaces; ++id) {
     uint64_t w = coh_.read(&ns_entry(id)->state);
-    if (ns_state(w) == kNsCreating && !node_alive(ns_node(w)))
-      err("namespace " + std::to_string(id) + " stuck in CREATING");
-    if (ns_state(w) > kNsReady) err("namespace " + std::to_string(id) + " has an invalid state");
+    if (ns_state(w) == kNsCreating && !node_attached(ns_node(w)))
+      r.error("namespace " + std::to_string(id) + " stuck in CREATING");
+    if (ns_state(w) > kNsReady) r.error("namespace " + std::to_string(id) + " has an invalid state");
     uint64_t bb = ns_entry(id)->layout.block_bytes;
     if (ns_state(w) == kNsReady && (bb == 0 || bb > kMaxBlockBytes))
-      err("namespace " + std::to_string(id) + " has an impossible block size (ignored)");
+      r.error("namespace " + std::to_string(id) + " has an impossible block size (ignored)");
   }
+}
 
-  // Index entries: states, references, probe distance, duplicates. A finding about a READY entry
-  // counts only if the entry is unchanged after the pause below (an eviction that hands the
-  // block to a new entry between our two reads is not an inconsistency).
+// Index entries: states, references, probe distance, duplicates; then chunks and block
+// descriptors: accounting capacity == free + ready + in_flight + condemned. A finding about a
+// READY entry counts only if the entry is unchanged after the pause (an eviction that hands the
+// block to a new entry between our two reads is not an inconsistency).
+void Pool::check_index(CheckReport& r) {
+  std::map<uint32_t, NsHandle> ns;
+  for (auto& [h, l] : list_namespaces()) ns[h.id] = h;
   std::set<std::pair<uint32_t, std::string>> keys;
-  std::vector<uint64_t> suspects;
+  struct Suspect {  // an entry in WRITING/EVICTING that may be stuck, as first seen
+    uint64_t slot, word, chunk, block;
+  };
+  std::vector<Suspect> suspects;
   struct EntryFinding {
     uint64_t slot, word;
     std::string what;
   };
   std::vector<EntryFinding> findings;
+  auto ref_of = [&](uint64_t slot, uint64_t* chunk, uint64_t* block) {
+    IndexEntry* e = entry(slot);
+    coh_.invalidate(e, sizeof *e);
+    *chunk = e->chunk, *block = e->block;
+  };
   for (uint64_t slot = 0; slot <= slot_mask_; ++slot) {
     uint64_t w = coh_.read(&entry(slot)->state);
     uint8_t st = entry_state(w);
     if (st == kEmpty || st == kTombstone) continue;
-    if (st == kCondemned && reclaim_condemned(slot)) continue;  // freed now that nothing pins it
-    if (st == kCondemned) continue;  // still pinned by a reader: counted with the blocks below
+    if (st == kCondemned) {
+      // Any attached node may free it once nothing pins it; an observer only with repair.
+      if ((node_id_ || r.repair) && reclaim_condemned(slot) && r.repair)
+        r.fixed("index slot " + std::to_string(slot) +
+                ": freed the block of an entry condemned by a checksum failure (no pin left)");
+      continue;  // still pinned (or not repaired): counted with the blocks below
+    }
     if (st > kCondemned) {
-      err("index slot " + std::to_string(slot) + " has invalid state " + std::to_string(st));
+      r.error("index slot " + std::to_string(slot) + " has invalid state " + std::to_string(st));
       continue;
     }
     if (st == kWriting || st == kEvicting) {
-      if (!node_alive(entry_node(w))) suspects.push_back(slot);
+      if (!node_attached(entry_node(w)) || !abandoned_by(slot, w, true).empty()) {
+        Suspect s{slot, w, 0, 0};
+        ref_of(slot, &s.chunk, &s.block);
+        suspects.push_back(s);
+      }
       continue;
     }
     IndexEntry e;
@@ -117,8 +164,44 @@ CheckReport Pool::check(bool repair) {
     if (!keys.emplace(e.ns_id, std::string(reinterpret_cast<char*>(e.key), 32)).second) ++r.duplicate_keys;
   }
 
-  // Chunks and block descriptors: accounting capacity == free + ready + in_flight.
-  std::vector<std::pair<uint64_t, uint32_t>> leak_suspects;
+  // Re-read suspects once after a pause: only what did not move is a finding (or repaired). Before
+  // the blocks are counted, so that a block freed here is counted free.
+  if (!suspects.empty() || !findings.empty()) pause_before_reread();
+  for (const auto& f : findings)
+    if (coh_.read(&entry(f.slot)->state) == f.word) r.error(f.what);
+  for (const Suspect& s : suspects) {
+    const uint64_t w = coh_.read(&entry(s.slot)->state);
+    uint64_t chunk, block;
+    ref_of(s.slot, &chunk, &block);
+    if (w != s.word || chunk != s.chunk || block != s.block) continue;  // it moved: not stuck
+    const std::string why = abandoned_by(s.slot, w, true);
+    const uint8_t node = entry_node(w);
+    std::string wait;  // why it is not released (yet), when no evidence says it is abandoned
+    if (why.empty() && node_state(coh_.read(&node_slot(node - 1)->state)) == kNodeFree)
+      wait = "node " + std::to_string(node) +
+             " is not attached, but its fenced process still has the pool open: released once it closes";
+    else if (why.empty())
+      wait = "node " + std::to_string(node) + " is being reclaimed";
+    const std::string at = "index slot " + std::to_string(s.slot) + " stuck in " +
+                           entry_state_name(entry_state(w)) + " (" + (why.empty() ? wait : why) + ")";
+    if (r.repair && !why.empty()) {
+      if (release_abandoned(s.slot, w)) r.fixed(at + ": tombstoned, its block freed");
+      continue;  // or someone else released it first
+    }
+    if (!why.empty() || !node_attached(entry_node(w))) {
+      ++r.stuck_entries;
+      r.error(at + (why.empty() ? "" : "; `pool check --repair` releases it"));
+    }
+  }
+
+  // Chunks and block descriptors.
+  struct LeakSuspect {
+    uint64_t chunk;
+    uint32_t block;
+    uint64_t desc;  // as first read
+  };
+  std::vector<LeakSuspect> leak_suspects;
+  uint64_t condemned_pinned = 0;
   for (uint64_t c = 0; c < hdr_->chunk_count; ++c) {
     uint64_t w = coh_.read(chunk_word(c));
     uint8_t st = chunk_state(w);
@@ -127,19 +210,19 @@ CheckReport Pool::check(bool repair) {
       continue;
     }
     if (st == kChunkCarving || st == kChunkDraining) {
-      if (!node_alive(chunk_node(w)))
-        err("chunk " + std::to_string(c) +
-            (st == kChunkCarving ? " stuck in CARVING" : " stuck in DRAINING"));
+      if (!node_attached(chunk_node(w)))
+        r.error("chunk " + std::to_string(c) +
+                (st == kChunkCarving ? " stuck in CARVING" : " stuck in DRAINING"));
       continue;  // changing hands right now: its blocks are counted once it is ACTIVE again
     }
     if (st != kChunkActive) {
-      err("chunk " + std::to_string(c) + " has invalid state");
+      r.error("chunk " + std::to_string(c) + " has invalid state");
       continue;
     }
     ++r.active_chunks;
     auto it = ns.find(chunk_ns(w));
     if (it == ns.end()) {
-      err("chunk " + std::to_string(c) + " belongs to unknown namespace " + std::to_string(chunk_ns(w)));
+      r.error("chunk " + std::to_string(c) + " belongs to unknown namespace " + std::to_string(chunk_ns(w)));
       continue;
     }
     const NsHandle& h = it->second;
@@ -147,7 +230,7 @@ CheckReport Pool::check(bool repair) {
     for (uint32_t b = 0; b < desc_bytes_ / 8; ++b) {
       uint64_t dw = coh_.read(block_desc(c, b));
       if (b >= h.geo.blocks) {
-        if (dw) err("descriptor beyond the chunk's blocks is in use");
+        if (dw) r.error("descriptor beyond the chunk's blocks is in use");
         continue;
       }
       if (dw == 0) {
@@ -156,7 +239,7 @@ CheckReport Pool::check(bool repair) {
       }
       uint64_t slot = block_slot(dw);
       if (block_state(dw) != kBlockUsed || slot > slot_mask_) {
-        err("block " + std::to_string(c) + ":" + std::to_string(b) + " has an invalid descriptor");
+        r.error("block " + std::to_string(c) + ":" + std::to_string(b) + " has an invalid descriptor");
         continue;
       }
       uint64_t ew = coh_.read(&entry(slot)->state);
@@ -164,35 +247,25 @@ CheckReport Pool::check(bool repair) {
       bool snap = snapshot(slot, ew, &e);
       bool back = snap && e.chunk == c && e.block == b;
       uint8_t est = entry_state(ew);
-      if (back && est == kReady)
+      if (back && est == kReady) {
         ++r.ready_blocks;
-      else if (back && est == kCondemned)
+      } else if (back && est == kCondemned) {
         ++r.condemned_blocks;
-      else if (back && (est == kWriting || est == kEvicting))
+        condemned_pinned += is_pinned(slot, entry_gen(ew));
+      } else if (back && (est == kWriting || est == kEvicting)) {
         ++r.inflight_blocks;
-      else if (incarnation_alive(block_node(dw), block_epoch(dw)))
+      } else if (incarnation_alive(block_node(dw), block_epoch(dw))) {
         ++r.inflight_blocks;  // owner is between two steps
-      else
-        leak_suspects.emplace_back(c, b);
+      } else {
+        leak_suspects.push_back({c, b, dw});
+      }
     }
   }
 
-  // Re-read suspects once after a pause: only what did not move is a finding.
-  if (!suspects.empty() || !leak_suspects.empty() || !findings.empty())
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  for (const auto& f : findings)
-    if (coh_.read(&entry(f.slot)->state) == f.word) err(f.what);
-  for (uint64_t slot : suspects) {
-    uint64_t w = coh_.read(&entry(slot)->state);
-    uint8_t st = entry_state(w);
-    if ((st == kWriting || st == kEvicting) && !node_alive(entry_node(w))) {
-      ++r.stuck_entries;
-      err("index slot " + std::to_string(slot) + " stuck in " + (st == kWriting ? "WRITING" : "EVICTING") +
-          " by dead node " + std::to_string(entry_node(w)));
-    }
-  }
-  for (auto [c, b] : leak_suspects) {
-    uint64_t dw = coh_.read(block_desc(c, b));
+  if (!leak_suspects.empty()) pause_before_reread();
+  for (const LeakSuspect& l : leak_suspects) {
+    uint64_t* d = block_desc(l.chunk, l.block);
+    uint64_t dw = coh_.read(d);
     if (dw == 0) {
       ++r.free_blocks;
       continue;
@@ -200,48 +273,61 @@ CheckReport Pool::check(bool repair) {
     uint64_t slot = block_slot(dw);
     IndexEntry e;
     uint64_t ew = coh_.read(&entry(slot)->state);
-    if (snapshot(slot, ew, &e) && e.chunk == c && e.block == b && entry_state(ew) >= kWriting &&
-        entry_state(ew) <= kEvicting) {
+    const bool back = snapshot(slot, ew, &e) && e.chunk == l.chunk && e.block == l.block;
+    if (back && entry_state(ew) >= kWriting && entry_state(ew) <= kEvicting) {
       (entry_state(ew) == kReady ? r.ready_blocks : r.inflight_blocks)++;
       continue;
     }
-    if (snapshot(slot, ew, &e) && e.chunk == c && e.block == b && entry_state(ew) == kCondemned) {
+    if (back && entry_state(ew) == kCondemned) {
       ++r.condemned_blocks;
+      condemned_pinned += is_pinned(slot, entry_gen(ew));
+      continue;
+    }
+    const std::string at = "block " + std::to_string(l.chunk) + ":" + std::to_string(l.block);
+    // Unchanged since first seen, its owner's incarnation gone, no entry pointing back: nobody
+    // else frees it (a reclaim of that owner has run or cannot run: its slot moved on).
+    if (r.repair && dw == l.desc && !incarnation_alive(block_node(dw), block_epoch(dw))) {
+      if (coh_.claim(d, dw, 0)) {
+        ++r.free_blocks;
+        r.fixed(at + ": freed (used by a gone incarnation of node " + std::to_string(block_node(dw)) +
+                ", no index entry pointed to it)");
+      } else {  // another repairer freed it first (or it was handed out since: in use again)
+        (coh_.read(d) == 0 ? r.free_blocks : r.inflight_blocks)++;
+      }
       continue;
     }
     ++r.leaked_blocks;
-    err("block " + std::to_string(c) + ":" + std::to_string(b) +
-        " is leaked (used, but no index entry points to it)");
+    r.error(at + " is leaked (used, but no index entry points to it)" +
+            (r.repair ? "" : "; `pool check --repair` frees it"));
   }
   if (r.capacity_blocks !=
       r.free_blocks + r.ready_blocks + r.inflight_blocks + r.condemned_blocks + r.leaked_blocks)
-    err("accounting: capacity " + std::to_string(r.capacity_blocks) + " != free " +
-        std::to_string(r.free_blocks) + " + ready " + std::to_string(r.ready_blocks) + " + in flight " +
-        std::to_string(r.inflight_blocks) + " + condemned " + std::to_string(r.condemned_blocks));
-  if (r.condemned_blocks)
-    r.warnings.push_back(std::to_string(r.condemned_blocks) +
+    r.error("accounting: capacity " + std::to_string(r.capacity_blocks) + " != free " +
+            std::to_string(r.free_blocks) + " + ready " + std::to_string(r.ready_blocks) + " + in flight " +
+            std::to_string(r.inflight_blocks) + " + condemned " + std::to_string(r.condemned_blocks));
+  if (condemned_pinned)
+    r.warnings.push_back(std::to_string(condemned_pinned) +
                          " blocks failed their checksum and wait for their readers' pins to be released");
+  if (r.condemned_blocks > condemned_pinned)
+    r.warnings.push_back(std::to_string(r.condemned_blocks - condemned_pinned) +
+                         " blocks failed their checksum and no pin holds them any more: eviction "
+                         "reuses them first, `pool check --repair` frees them now");
+}
 
-  // Pins: only attached nodes may hold pins.
+// Pins: only attached nodes may hold pins.
+void Pool::check_pins(CheckReport& r) {
   for (uint32_t i = 0; i < hdr_->max_nodes; ++i) {
     uint8_t st = node_state(coh_.read(&node_slot(i)->state));
     uint64_t hw = std::min<uint64_t>(coh_.read(&node_fixed(i)->pin_hw), hdr_->pin_slots);
     if (st == kNodeFree) hw = hdr_->pin_slots;  // a free slot's whole pin array must be clear
     for (uint64_t p = 0; p < hw; ++p) {
       if (coh_.read_hint(&pins(i)[p]) == 0) continue;
-      if (st == kNodeFree || !node_alive(uint8_t(i + 1))) {
+      if (st == kNodeFree || !node_attached(uint8_t(i + 1))) {
         ++r.orphan_pins;
-        err("node " + std::to_string(i + 1) + " (not attached) still holds a pin");
+        r.error("node " + std::to_string(i + 1) + " (not attached) still holds a pin");
       }
     }
   }
-  if (r.duplicate_keys)
-    r.warnings.push_back(
-        std::to_string(r.duplicate_keys) +
-        " keys are stored twice (a benign race between two writers; the copy is reclaimed by eviction)");
-  // The cross-host lock area (multihost): foreign, stale and stuck tickets (lock_check.cpp).
-  if (bakery_) check_lock_area(r, repair);
-  return r;
 }
 
 }  // namespace cxlkv

@@ -391,7 +391,8 @@ inline uint64_t make_ns_word(uint8_t st, uint8_t node) {
 //   CONDEMNED     failed its checksum: invisible to lookups and puts, does not end a probe, its
 //                 block stays USED (readers that pinned it may still be copying); any node
 //                 moves it CONDEMNED -> EVICTING(n) -> TOMBSTONE once no pin names it (the
-//                 reader that condemned it after unpinning, an evictor, `pool check`)
+//                 reader that condemned it after unpinning, an evictor, a reclaim, `pool check`;
+//                 an observer, which has no n, straight to TOMBSTONE: no pin can appear any more)
 //                                                                    (from READY, by claim)
 // gen increments on every WRITING claim: a pin (slot, gen) cannot match a later reuse.
 // tag = 24 bits of the key hash, so probes skip most foreign slots without reading the key.

@@ -49,6 +49,10 @@ void plan_geometry(PoolHeader& h, const CreateOptions& opt) {
   if (slots < 64 || slots > (1ull << 36)) throw ArgumentError("index_slots out of range");
 
   uint64_t off = kSharedWordsOff + kMetaAlign;
+  // Only the multihost backend has a lock area: a host count for another one would be ignored.
+  if (opt.lock_hosts && opt.backend != Backend::multihost)
+    throw ArgumentError(
+        "lock_hosts is only meaningful for the multihost backend (the lock area's host rows)");
   if (opt.backend == Backend::multihost) {
     uint32_t hosts = opt.lock_hosts ? opt.lock_hosts : kLockHostsDefault;
     if (hosts > kMaxLockHosts)

@@ -449,11 +449,14 @@ void Pool::condemn(uint64_t slot, uint64_t ready_word) {
 }
 
 // CONDEMNED -> EVICTING -> TOMBSTONE if no pin names the entry; otherwise it stays CONDEMNED
-// for the next evictor or `pool check`. True if the slot was freed.
+// for the next evictor, reclaim or `pool check`. True if the slot was freed.
 bool Pool::reclaim_condemned(uint64_t slot) {
-  if (node_id_ == 0) return false;  // a detached process (check without a node slot) cannot own EVICTING
   uint64_t w = coh_.read(&entry(slot)->state);
   if (entry_state(w) != kCondemned || is_pinned(slot, entry_gen(w))) return false;
+  // An observer (`pool check` takes no node slot) has no node id to own EVICTING with. It needs
+  // none: no pin can be taken on a CONDEMNED entry any more (a pin is validated against the READY
+  // word), so the check above is final, and the one claim of release_abandoned picks one winner.
+  if (node_id_ == 0) return release_abandoned(slot, w);
   uint64_t ev = make_entry_word(kEvicting, uint8_t(node_id_), entry_gen(w), entry_tag(w));
   if (!coh_.claim(&entry(slot)->state, w, ev)) return false;
   if (is_pinned(slot, entry_gen(ev))) {
@@ -461,6 +464,73 @@ bool Pool::reclaim_condemned(uint64_t slot) {
     return false;
   }
   finish_evict(slot, ev);
+  return true;
+}
+
+// Tombstones index slot `slot`, read as word w (an entry nobody will finish: see abandoned_by,
+// or CONDEMNED with no pin), and frees its block. The tombstone comes first, by claim: of several
+// who notice (reclaimers, `pool check --repair`) exactly one wins, and only the winner frees the
+// block, by a claim of the descriptor word read before, so a block handed out again since (a new
+// word) is never freed. Dying between the two steps leaves the block USED with no entry pointing
+// back: its owner's reclaim frees it, or `pool check --repair` once that owner's incarnation is
+// gone (the block's owner is its writer: for a CONDEMNED entry maybe a live node).
+bool Pool::release_abandoned(uint64_t slot, uint64_t w) {
+  IndexEntry* e = entry(slot);
+  coh_.invalidate(e, sizeof *e);
+  const uint64_t chunk = e->chunk;  // of a writer that is gone: nothing changes them any more
+  const uint32_t block = e->block;
+  uint64_t* d = nullptr;
+  uint64_t dw = 0;
+  if (chunk < hdr_->chunk_count && block < desc_bytes_ / 8) {
+    d = block_desc(chunk, block);
+    dw = coh_.read(d);
+  }
+  if (!coh_.claim(&e->state, w, make_entry_word(kTombstone, 0, entry_gen(w), entry_tag(w)))) return false;
+  if (d && block_state(dw) == kBlockUsed && block_slot(dw) == slot) coh_.claim(d, dw, 0);
+  return true;
+}
+
+// Why the node holding index slot `slot` in WRITING/EVICTING (word w) can never finish it, or ""
+// if it still may (format.h L4: such entries exist only while their node's slot is CLAIMED,
+// ALIVE or RECLAIMING). Evidence, never a guess:
+//   - the node's slot is FREE: every incarnation that could have claimed the entry has ended (a
+//     clean close has finished its puts; a reclaim tombstones the entries). This is what a
+//     co-tenant leaves who writes FREE over a live node's state word: that node is fenced (L3)
+//     and never finishes; no reclaim runs for a FREE slot. Only once its process has closed the
+//     pool, where that can be known (owner_closed): until then it may still be inside the put.
+//   - by_epoch, for WRITING: the slot is attached again, and the block the entry points to was
+//     claimed for this slot by the same node id in another epoch (the descriptor records the low
+//     8 bits of the claimer's epoch; the entry word records no epoch). Equal low bits of two
+//     epochs only hide a gone writer, never accuse a live one. Callers re-read after a pause:
+//     a new incarnation's entry may still point to its slot's old block until it allocates.
+// A slot RECLAIMING, or ALIVE and judged dead, is its reclaimer's business.
+std::string Pool::abandoned_by(uint64_t slot, uint64_t w, bool by_epoch) {
+  const uint8_t node = entry_node(w);
+  if (node == 0 || node > hdr_->max_nodes) return "it names no node (" + std::to_string(node) + ")";
+  if (node == node_id_) return "";
+  const uint64_t nw = coh_.read(&node_slot(node - 1)->state);
+  const uint8_t nst = node_state(nw);
+  if (nst == kNodeFree) return owner_closed(node) ? "node " + std::to_string(node) + " is not attached" : "";
+  if (!by_epoch || entry_state(w) != kWriting || (nst != kNodeAlive && nst != kNodeClaimed)) return "";
+  IndexEntry* e = entry(slot);
+  coh_.invalidate(e, sizeof *e);
+  if (e->chunk >= hdr_->chunk_count || e->block >= desc_bytes_ / 8) return "";
+  const uint64_t dw = coh_.read(block_desc(e->chunk, e->block));
+  if (block_state(dw) != kBlockUsed || block_slot(dw) != slot || block_node(dw) != node) return "";
+  if (block_epoch(dw) == uint8_t(node_epoch(nw))) return "";
+  return "node " + std::to_string(node) +
+         "'s incarnation that claimed it is gone (the slot was attached again)";
+}
+
+// False while the last owner of FREE node slot `node` may still have the pool open: a node of
+// this kernel keeps its slot's lock until it closes (L1), fenced or not (attach_node skips such a
+// slot too). A node of another kernel cannot be asked: its FREE slot is all the evidence.
+bool Pool::owner_closed(uint8_t node) {
+  const NodeSlot* s = node_slot(node - 1);
+  if (!lock_.lock_id || coh_.read(&s->host_id) != host_id_ || coh_.read(&s->lock_id) != lock_.lock_id)
+    return true;
+  if (!liveness::try_lock(lock_, lock_offset(node - 1))) return false;
+  liveness::unlock(lock_, lock_offset(node - 1));
   return true;
 }
 

@@ -31,12 +31,13 @@ bool same_ticket(const LockLine& a, const LockLine& b) {
 }
 std::string describe(uint32_t k, uint32_t j, const LockLine& t) {
   return "lock stripe " + std::to_string(k) + " row " + std::to_string(j) + ": ticket (choosing " +
-         std::to_string(t.choosing) + ", number " + std::to_string(t.number) + ", node " + std::to_string(t.node) +
-         ")";
+         std::to_string(t.choosing) + ", number " + std::to_string(t.number) + ", node " +
+         std::to_string(t.node) + ")";
 }
 }  // namespace
 
-void Pool::check_lock_area(CheckReport& r, bool repair) {
+void Pool::check_lock_area(CheckReport& r) {
+  const bool repair = r.repair;
   const uint32_t hosts = hdr_->lock_hosts;
   struct Seen {
     uint32_t k, j;
@@ -81,16 +82,15 @@ void Pool::check_lock_area(CheckReport& r, bool repair) {
     }
     if (reset) {
       ++r.lock_rows_reset;
-      r.repaired.push_back(what + (foreign ? " (foreign)" : " (stale)") + " reset");
+      r.fixed(what + (foreign ? " (foreign)" : " (stale)") + " reset");
       continue;
     }
     if (foreign) {
       ++r.lock_tickets_foreign;
-      r.ok = false;
-      r.errors.push_back(what + " names node " + std::to_string(s.t.node) +
-                         " of another row: a stray or hostile write (waiters ignore it)" +
-                         (row_live ? "; its row's host overwrites it on its next lock"
-                                   : "; `cxlkv pool check --repair` resets it"));
+      r.error(what + " names node " + std::to_string(s.t.node) +
+              " of another row: a stray or hostile write (waiters ignore it)" +
+              (row_live ? "; its row's host overwrites it on its next lock"
+                        : "; `cxlkv pool check --repair` resets it"));
     } else {
       ++r.lock_tickets_stale;
       r.warnings.push_back(what + " is stale (its holder is gone; waiters ignore it)" +

@@ -232,21 +232,15 @@ void Pool::reclaim_node(uint32_t idx, uint64_t reclaiming_word) {
   coh_.invalidate(pins(idx), hw * 8);  // multihost: write back zeros over its lines, not our stale copy
   for (uint64_t p = 0; p < hw; ++p) coh_.publish(&pins(idx)[p], 0);
   coh_.publish(&fx->pin_hw, 0);
-  // 2. Index entries it was writing or evicting: free their block, then tombstone the slot.
+  // 2. Index entries it was writing or evicting: tombstoned, their block freed (index.cpp). The
+  //    same scan releases what no reclaim of a node would visit: entries whose node slot is FREE
+  //    (abandoned_by), and CONDEMNED entries that no pin holds any more (its pins were maybe the last).
   for (uint64_t slot = 0; slot <= slot_mask_; ++slot) {
-    IndexEntry* e = entry(slot);
-    uint64_t w = coh_.read(&e->state);
+    uint64_t w = coh_.read(&entry(slot)->state);
     uint8_t st = entry_state(w);
-    if ((st != kWriting && st != kEvicting) || entry_node(w) != dead) continue;
-    coh_.invalidate(e, sizeof *e);
-    uint64_t chunk = e->chunk;
-    uint32_t block = e->block;
-    if (chunk < hdr_->chunk_count && block < desc_bytes_ / 8) {
-      uint64_t* d = block_desc(chunk, block);
-      uint64_t dw = coh_.read(d);
-      if (block_state(dw) == kBlockUsed && block_slot(dw) == slot) coh_.claim(d, dw, 0);
-    }
-    coh_.claim(&e->state, w, make_entry_word(kTombstone, 0, entry_gen(w), entry_tag(w)));
+    if (st == kCondemned) reclaim_condemned(slot);
+    if (st != kWriting && st != kEvicting) continue;
+    if (entry_node(w) == dead || !abandoned_by(slot, w, false).empty()) release_abandoned(slot, w);
   }
   // 3. Chunks it was carving or draining; block descs it claimed that no entry points back to.
   for (uint64_t c = 0; c < hdr_->chunk_count; ++c) {

@@ -103,6 +103,10 @@ std::unique_ptr<Pool> Pool::create(const std::string& path, const CreateOptions&
   h.lease_ms = opt.lease_ms;
   fill_stamp(h);
   if (is_device_list(path)) return create_striped(path, h, opt, exist_ok);  // striped_pool.cpp
+  // Silently ignoring it would leave the caller believing the pool is striped.
+  if (opt.stripe_bytes)
+    throw ArgumentError("a stripe size is only meaningful for a pool of several devices (A,B,...); " + path +
+                        " is one");
 
   bool devdax = Mapping::is_devdax_path(path);
   Mapping m;

@@ -146,12 +146,16 @@ struct PinRef {
   uint32_t pin_index;
 };
 
+// What Pool::check found, and with `repair` what it fixed. Each section of check() (check.cpp)
+// reads `repair` here and adds to the rest.
 struct CheckReport {
-  bool ok = true;
+  bool repair = false;  // input: also fix what can be fixed safely (`pool check --repair`)
+  bool ok = true;       // no error: nothing found, or everything found was repaired
   std::vector<std::string> errors, warnings;
+  std::vector<std::string> repaired;  // one line per repair made
   uint64_t reclaimed_nodes = 0;
   uint64_t capacity_blocks = 0, free_blocks = 0, ready_blocks = 0, inflight_blocks = 0;
-  uint64_t condemned_blocks = 0;  // CONDEMNED entries whose block a pin still holds
+  uint64_t condemned_blocks = 0;  // CONDEMNED entries whose block is still USED
   uint64_t leaked_blocks = 0, stuck_entries = 0, orphan_pins = 0, duplicate_keys = 0;
   uint64_t free_chunks = 0, active_chunks = 0;
   // multihost lock area (lock_check.cpp): tickets found, by kind, and what a repair reset
@@ -160,7 +164,13 @@ struct CheckReport {
   uint64_t lock_tickets_stuck = 0;    // a live holder's ticket that did not move while we looked
   uint64_t lock_rows_reset = 0;       // tickets reset (our own row always; orphaned rows with repair)
   uint64_t undecided_nodes = 0;       // nodes of another kernel not judged within a lease
-  std::vector<std::string> repaired;  // one line per repair made
+  void error(const std::string& what) {
+    ok = false;
+    if (errors.size() < 100) errors.push_back(what);
+  }
+  void fixed(const std::string& what) {
+    if (repaired.size() < 100) repaired.push_back(what);
+  }
 };
 
 // Stamps every access hint written by this thread while alive with one time (ms; 0 = now), so
@@ -278,8 +288,10 @@ class Pool {
   // it) or wait_ms passed.
   NodeInfo reap_node(uint32_t id, bool force, bool* reclaimed, uint64_t wait_ms = 0);
   std::vector<NodeInfo> nodes();  // every non-FREE slot, judged now
-  // repair: also fix what is safe to fix (see check.cpp and lock_check.cpp); without it, check
-  // only resets what this attachment owns anyway (its own lock row).
+  // Verifies every invariant of format.h (after reaping the dead, watching nodes of another kernel
+  // for up to a lease); with repair, also releases what nobody else ever will (check.cpp:
+  // abandoned entries, unpinned condemned and leaked blocks; lock_check.cpp: tickets in rows no
+  // host owns). Without it, check only resets what this attachment owns anyway (its own lock row).
   CheckReport check(bool repair = false);
   // --- admin RPC (rpc_admin.cpp) -------------------------------------------------------------
   bool has_admin_mailbox() const { return hdr_ && (hdr_->compat & format::kCompatAdminMailbox); }
@@ -350,6 +362,16 @@ class Pool {
                   std::vector<uint64_t>& home_words);
   void condemn(uint64_t slot, uint64_t ready_word);
   bool reclaim_condemned(uint64_t slot);
+  // Entries nobody will finish (index.cpp): why (or ""), and their release.
+  std::string abandoned_by(uint64_t slot, uint64_t word, bool by_epoch);
+  bool release_abandoned(uint64_t slot, uint64_t word);
+  bool owner_closed(uint8_t node);  // of a FREE node slot
+  // check.cpp: the sections of check(), in order; each adds to r and, with r.repair, repairs.
+  bool node_attached(uint8_t node);  // CLAIMED or ALIVE (not judged: a dead one is reaped first)
+  void check_ns_lock(CheckReport& r);
+  void check_namespaces(CheckReport& r);
+  void check_index(CheckReport& r);  // entries, blocks and their accounting
+  void check_pins(CheckReport& r);
   bool writing_same_key(const NsHandle& ns, const Key& key, uint64_t slot, uint64_t writing_word);
   bool snapshot(uint64_t slot, uint64_t word, format::IndexEntry* out) const {
     return region_.snapshot(slot, word, out);
@@ -431,7 +453,8 @@ class Pool {
   uint32_t participant1_ = 0;  // tier-1 participant byte + 1 this attachment holds (0: none)
   bool observer_ = false;      // opened with attach=false: no namespaces, whether or not it has a node
   void release_dead_rows(uint32_t idx, uint64_t reclaiming_word);
-  void check_lock_area(CheckReport& r, bool repair);  // lock_check.cpp
+  void check_lock_area(CheckReport& r);        // lock_check.cpp (r.repair: may reset orphaned rows)
+  void watch_undecided_nodes(CheckReport& r);  // check.cpp
   uint64_t participant_offset(uint32_t i) const {
     return (1ull << 49) + (host_id_ & 0xFFFFF) * kParticipants + i;
   }

@@ -3,6 +3,7 @@
 // around every pool operation, and maps core errors to Python exceptions. No torch import.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
@@ -44,6 +45,18 @@ struct OpGuard {
   Pool* p;
   explicit OpGuard(PyPool& pp) : lock(pp.mu), p(&pp.get()) {}
 };
+
+// A node id from Python: any int. One that does not even fit the core's type is out of the
+// pool's range like any other (ValueError naming the range), not an overflow TypeError.
+uint32_t node_arg(const nb::int_& node, const Pool& p) {
+  int overflow = 0;
+  const long long v = PyLong_AsLongLongAndOverflow(node.ptr(), &overflow);
+  if (v == -1 && PyErr_Occurred()) throw nb::python_error();
+  if (overflow || v < 1 || v > int64_t(p.header().max_nodes))
+    throw ArgumentError("node " + std::string(nb::str(node).c_str()) + " out of range 1.." +
+                        std::to_string(p.header().max_nodes));
+  return uint32_t(v);
+}
 
 struct PyNamespace {
   PyPool* owner;
@@ -507,11 +520,16 @@ NB_MODULE(_core, m) {
           [](const std::string& path, uint64_t size, uint64_t chunk_bytes, uint64_t index_slots,
              uint32_t max_nodes, uint32_t pin_slots, uint32_t max_namespaces, const std::string& backend,
              bool exist_ok, uint32_t lease_ms, bool allow_foreign_owner, bool allow_group,
-             uint32_t lock_hosts, uint64_t stripe_bytes) {
+             std::optional<uint32_t> lock_hosts, std::optional<uint64_t> stripe_bytes) {
+            // None: the default (the core's 0); an explicit 0 is a mistake, never "the default".
+            if (stripe_bytes == 0u)
+              throw ArgumentError("a stripe size of 0 is not a size (leave it out for the default)");
+            if (lock_hosts == 0u)
+              throw ArgumentError("lock_hosts 0 is not a host count (leave it out for the default)");
             CreateOptions o;
-            o.stripe_bytes = stripe_bytes;
+            o.stripe_bytes = stripe_bytes.value_or(0);
             o.lease_ms = lease_ms;
-            o.lock_hosts = lock_hosts;
+            o.lock_hosts = lock_hosts.value_or(0);
             o.allow_foreign_owner = allow_foreign_owner, o.allow_group = allow_group;
             o.size = size, o.chunk_bytes = chunk_bytes, o.index_slots = index_slots;
             o.max_nodes = max_nodes, o.pin_slots = pin_slots, o.max_namespaces = max_namespaces;
@@ -531,8 +549,7 @@ NB_MODULE(_core, m) {
           "pin_slots"_a = kCreateDefaults.pin_slots, "max_namespaces"_a = kCreateDefaults.max_namespaces,
           "backend"_a = backend_name(kCreateDefaults.backend), "exist_ok"_a = false,
           "lease_ms"_a = kCreateDefaults.lease_ms, "allow_foreign_owner"_a = false, "allow_group"_a = false,
-          "lock_hosts"_a = kCreateDefaults.lock_hosts, "stripe_bytes"_a = kCreateDefaults.stripe_bytes,
-          nb::rv_policy::take_ownership)
+          "lock_hosts"_a = nb::none(), "stripe_bytes"_a = nb::none(), nb::rv_policy::take_ownership)
       .def_static(
           "open",
           [](const std::string& path, bool populate, bool read_only, bool attach, bool allow_foreign_owner,
@@ -637,6 +654,7 @@ NB_MODULE(_core, m) {
             d["ok"] = r.ok;
             d["errors"] = r.errors;
             d["warnings"] = r.warnings;
+            d["repaired"] = r.repaired;
             d["reclaimed_nodes"] = r.reclaimed_nodes;
             blocks["capacity"] = r.capacity_blocks;
             blocks["free"] = r.free_blocks;
@@ -651,7 +669,6 @@ NB_MODULE(_core, m) {
             d["free_chunks"] = r.free_chunks;
             d["active_chunks"] = r.active_chunks;
             d["undecided_nodes"] = r.undecided_nodes;
-            d["repaired"] = r.repaired;
             if (g.p->backend() == Backend::multihost) {
               nb::dict lock;
               lock["foreign"] = r.lock_tickets_foreign;
@@ -662,11 +679,12 @@ NB_MODULE(_core, m) {
             }
             return d;
           },
-          nb::arg("repair") = false)
+          "repair"_a = false)
       .def(
           "ping",
-          [](PyPool& pp, uint32_t node, uint64_t timeout_ms) {
+          [](PyPool& pp, const nb::int_& node_id, uint64_t timeout_ms) {
             OpGuard g(pp);
+            const uint32_t node = node_arg(node_id, *g.p);
             PingResult r;
             {
               nb::gil_scoped_release nogil;
@@ -701,8 +719,9 @@ NB_MODULE(_core, m) {
            })
       .def(
           "reap_node",
-          [](PyPool& pp, uint32_t node, bool force, uint64_t wait_ms) {
+          [](PyPool& pp, const nb::int_& node_id, bool force, uint64_t wait_ms) {
             OpGuard g(pp);
+            const uint32_t node = node_arg(node_id, *g.p);
             NodeInfo n;
             bool reclaimed = false;
             {
@@ -967,6 +986,7 @@ NB_MODULE(_core, m) {
         d["lease_ms"] = row(kCreateDefaults.lease_ms, format::kLeaseMsMin, format::kLeaseMsMax);
         d["stripe_bytes"] =
             row(format::kStripeBytesDefault, format::kStripeBytesMin, format::kStripeBytesMax);
+        d["lock_hosts"] = row(format::kLockHostsDefault, 1, format::kMaxLockHosts);
         nb::dict backend;
         backend["default"] = backend_name(kCreateDefaults.backend);
         d["backend"] = backend;

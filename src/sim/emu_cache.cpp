@@ -169,7 +169,10 @@ void EmuCache::at_point(const void* p, size_t n) {
     // A pause past the lease (a VM stall, SIGSTOP). Only where no checked line is dirty: the
     // protocol's stated assumption is that no pause falls between a store and its write-back.
     if (dirty_checked_lines() == 0) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms_));
+      // Cut short by force_crash(): the end of a run must not wait out a pause of a long lease.
+      const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(pause_ms_);
+      while (std::chrono::steady_clock::now() < until && !force_crash_.load(std::memory_order_relaxed))
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
       pause_ms_ = 0;
       ++pauses_;
     } else {

@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <memory>
@@ -25,6 +26,11 @@ using Clock = std::chrono::steady_clock;
 using format::PoolHeader;
 constexpr uint32_t kKeys = 256;  // keys of the main namespace
 constexpr uint64_t kBlockBytes = 1024;
+// The time budget of a run (SimOptions::seconds is the whole of it):
+constexpr double kStopSeconds = 0.5;      // hosts finish their operation; stragglers are crashed
+constexpr double kJoinSeconds = 0.15;     // ...and then end: a crashed straggler at its next call
+constexpr double kCheckSeconds = 0.25;    // the final check itself, after its lease wait
+constexpr double kMinWorkSeconds = 0.25;  // less workload than this proves nothing: refused
 
 uint64_t mix(uint64_t x) {
   x += 0x9E3779B97F4A7C15ull;
@@ -302,7 +308,8 @@ std::vector<char> make_image(const SimOptions& o, PoolHeader* hdr) {
   c.max_namespaces = 8;
   c.backend = o.backend == "flush" ? Backend::flush : Backend::multihost;
   c.lease_ms = o.lease_ms;
-  c.lock_hosts = uint32_t(o.hosts + 5);  // + the final checker (a slot per attempt)
+  // + the final checker (a slot per attempt); only the multihost backend has a lock area
+  if (c.backend == Backend::multihost) c.lock_hosts = uint32_t(o.hosts + 5);
   {
     // The creator attaches on this machine (real memory) with the checker's slot.
     OpenOptions oo;
@@ -372,9 +379,29 @@ std::string SimResult::to_json(const SimOptions& o) const {
   return s.str();
 }
 
+double reserved_seconds(const SimOptions& o) {
+  // The checker's own attach may wait a lease behind a crashed host's lock ticket, then it
+  // watches two leases so that every crashed host is dead by lease: three leases in all.
+  return kStopSeconds + kJoinSeconds + (3.0 * o.lease_ms + 100) / 1000 + kCheckSeconds;
+}
+double min_seconds(const SimOptions& o) { return reserved_seconds(o) + kMinWorkSeconds; }
+
 SimResult run_sim(const SimOptions& o) {
+  const auto start = Clock::now();
   if (o.hosts < 1 || o.hosts > int(format::kMaxLockHosts) - 5) throw ArgumentError("hosts must be in 1..59");
   if (o.seconds <= 0) throw ArgumentError("seconds must be positive");
+  // --seconds bounds the whole run: a lease whose waits do not fit is refused now, not waited out.
+  if (o.seconds < min_seconds(o)) {
+    char msg[400];
+    std::snprintf(msg, sizeof msg,
+                  "--seconds %g is too short for --lease-ms %u: %.2f s of the run go to stopping the "
+                  "hosts and to the final check (which may wait three leases for crashed hosts "
+                  "to be judged dead); give --seconds >= %.2f or a shorter --lease-ms",
+                  o.seconds, o.lease_ms, reserved_seconds(o), min_seconds(o));
+    throw ArgumentError(msg);
+  }
+  const auto deadline = start + std::chrono::duration<double>(o.seconds);
+  const auto end = deadline - std::chrono::duration<double>(reserved_seconds(o));
   Shared S;
   S.o = o;
   S.cfg.sw.no_flush = o.brk == "flush";
@@ -400,7 +427,6 @@ SimResult run_sim(const SimOptions& o) {
   // Faults: every ~0.4 s one host is armed to crash or to pause past its lease at a random later
   // coherence call (alternating), so a 2-second run sees a few of each.
   std::mt19937_64 rng(mix(o.seed ^ 0xFA17));
-  const auto end = Clock::now() + std::chrono::duration<double>(o.seconds);
   int event = 0;
   while (Clock::now() < end) {
     std::this_thread::sleep_for(std::chrono::milliseconds(std::min<int64_t>(
@@ -418,9 +444,9 @@ SimResult run_sim(const SimOptions& o) {
     if (!crash && o.pauses) c.arm_pause(uint64_t(o.lease_ms) * 3 / 2);
   }
   S.stop = true;
-  // Hosts finish their operation; one still stuck after a second (a broken discipline can stall
-  // it in lease waits) crashes at its next coherence call.
-  const auto grace = Clock::now() + std::chrono::seconds(1);
+  // Hosts finish their operation; one still stuck after kStopSeconds (a broken discipline can
+  // stall it in lease waits; a pause is cut short) crashes at its next coherence call.
+  const auto grace = Clock::now() + std::chrono::duration<double>(kStopSeconds);
   for (int h = 0; h < o.hosts; ++h) {
     while (!S.done[h].load() && Clock::now() < grace)
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
@@ -453,6 +479,16 @@ SimResult run_sim(const SimOptions& o) {
         p = Pool::open_emulated(eh);
         cache.set_ticker([q = p.get()] { q->heartbeat_tick(); }, uint64_t(o.lease_ms) * 1'000'000 / 8);
         const auto until = Clock::now() + std::chrono::milliseconds(o.lease_ms * 2 + 100);
+        // A retry after a fence (or a stop that overran) may not fit in --seconds any more: then
+        // the check is reported incomplete rather than run early (crashed hosts not yet dead by
+        // lease would look like stuck entries) or run past the bound.
+        if (until + std::chrono::duration<double>(kCheckSeconds) > deadline) {
+          cache.set_ticker(nullptr, 0);
+          p->abandon();
+          r.check_incomplete = true;
+          S.note("final check incomplete: --seconds left too little time for its lease wait");
+          break;
+        }
         while (Clock::now() < until) {
           p->heartbeat_tick();
           p->reap_dead_nodes();

@@ -12,7 +12,9 @@ namespace cxlkv::sim {
 
 struct SimOptions {
   int hosts = 3;
-  double seconds = 2.0;
+  // The whole run, wall clock: the workload gets what is left after the phases planned up front
+  // (reserved_seconds). A run whose lease leaves no workload is refused (ArgumentError).
+  double seconds = 4.0;
   uint64_t seed = 1;
   std::string brk;  // "", "flush", "invalidate", "lock"
   // multihost, or flush: the one-host discipline (claim = CAS on the host's own cache), which the
@@ -41,6 +43,13 @@ struct SimResult {
   std::vector<std::string> notes;  // first check errors and unexpected exceptions
   std::string to_json(const SimOptions& o) const;
 };
+
+// The part of o.seconds that is not workload: hosts stopping, then the final check, which waits
+// a lease behind a crashed host's lock ticket, then two so that every crashed host is judged dead by
+// lease before it checks the pool.
+double reserved_seconds(const SimOptions& o);
+// The shortest o.seconds run_sim accepts for o.lease_ms (reserved_seconds + a minimal workload).
+double min_seconds(const SimOptions& o);
 
 SimResult run_sim(const SimOptions& o);
 

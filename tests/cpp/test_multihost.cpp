@@ -29,8 +29,9 @@ sim::SimResult run(int hosts, double seconds, uint64_t seed, const std::string& 
   sim::SimOptions o;
   o.fault = fault;
   o.hosts = hosts;
-  o.seconds = seconds * kTimeScale;
   o.seed = seed;
+  // `seconds` of workload: SimOptions::seconds bounds the whole run, lease waits included.
+  o.seconds = sim::reserved_seconds(o) + seconds * kTimeScale;
   o.brk = brk;
   o.backend = backend;
   auto r = sim::run_sim(o);
@@ -65,6 +66,24 @@ TEST(Emulator, CorrectProtocolHasNoViolations) {
   EXPECT_GT(crashes, 0u);
   EXPECT_GT(pauses, 0u);
   EXPECT_GT(verified, 1000u);
+}
+
+// --seconds bounds the whole run: a lease whose waits cannot fit is refused up front (it used to
+// run for minutes: --seconds 4 --lease-ms 60000), and a run that fits ends by its bound.
+TEST(Emulator, SecondsBoundTheWholeRun) {
+  sim::SimOptions o;
+  o.seconds = 4;
+  o.lease_ms = 60000;
+  try {
+    sim::run_sim(o);
+    FAIL() << "a 60 s lease in a 4 s run was accepted";
+  } catch (const ArgumentError& e) {
+    EXPECT_NE(std::string(e.what()).find("give --seconds >= 181"), std::string::npos) << e.what();
+  }
+  o.lease_ms = 200;
+  o.seconds = sim::min_seconds(o);
+  EXPECT_GT(o.seconds, 0.5);
+  EXPECT_NO_THROW(sim::run_sim(o));  // accepted at its minimum
 }
 
 TEST(Emulator, MoreHostsHaveNoViolations) {

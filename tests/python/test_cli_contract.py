@@ -121,3 +121,57 @@ def test_every_command_has_a_smoke_test():
     assert ("pool", "create") in leaves and ("demo",) in leaves
     missing = [" ".join(c) for c in leaves if ", ".join(f'"{w}"' for w in c) + "," not in smoke]
     assert not missing, f"commands without a smoke test in test_cli_smoke.py: {missing}"
+
+
+def test_create_help_lists_every_backend_and_lock_hosts(capsys):
+    """Each backend the core knows is named and explained (a new one needs its line in
+    parser.BACKEND_HELP); --lock-hosts shows the core's range."""
+    assert set(cli_parser.BACKEND_HELP) == set(cxlkv._core.backends())
+    cli.main(["pool", "create", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for name, line in cli_parser.BACKEND_HELP.items():
+        assert f"{name}: {' '.join(line.split())}" in out, name
+    o = cxlkv.create_options()["lock_hosts"]
+    assert "--lock-hosts" in out and f"{o['min']}..{o['max']} (default {o['default']})" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["pool", "ping", str(2**32), "/nonexistent/pool"], "out of range 1..254"),
+        (["pool", "reap", str(2**64), "/nonexistent/pool"], "out of range 1..254"),
+        (["pool", "reap", "0", "/nonexistent/pool"], "must be positive"),
+        (
+            ["pool", "create", "/nonexistent/pool", "--size", "16MiB", "--stripe-size", "0"],
+            "0 is not a stripe size",
+        ),
+        (
+            ["pool", "create", "/nonexistent/pool", "--size", "16MiB", "--lock-hosts", "65"],
+            "out of range 1..64",
+        ),
+    ],
+)
+def test_bad_values_are_usage_errors_before_any_pool_is_touched(capsys, argv, message):
+    assert cli.main(argv) == ExitCode.ERROR
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1] and err[-1].startswith("cxlkv"), err
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--stripe-size", "2MiB"], "--stripe-size is only meaningful for a pool of several devices"),
+        (["--lock-hosts", "4"], "--lock-hosts only goes with --backend multihost"),
+        (["--lock-hosts", "4", "--backend", "flush"], "--lock-hosts only goes with --backend multihost"),
+    ],
+)
+def test_create_options_that_do_not_apply_are_refused(capsys, extra, message):
+    assert cli.main(["pool", "create", "/nonexistent/dir/pool", "--size", "16MiB", *extra]) == ExitCode.ERROR
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"cxlkv: error: {message}") and "\n" not in err, err
+
+
+def test_check_has_repair():
+    args = cli.build_parser().parse_args(["pool", "check", "/p", "--repair"])
+    assert args.repair is True
+    assert cli.build_parser().parse_args(["pool", "check", "/p"]).repair is False

@@ -540,7 +540,7 @@ def test_sim_smoke():
     """``cxlkv sim``: a short clean run through the installed CLI (the proof itself, many seeds and
     every negative control, is tests/cpp/test_multihost.cpp and tests/python/test_sim.py)."""
     out = json_of(
-        ok(cxlkv_cli("sim", "--hosts", "2", "--seconds", "0.5", "--seed", "3", "--json")),
+        ok(cxlkv_cli("sim", "--hosts", "2", "--seconds", "2", "--lease-ms", "200", "--seed", "3", "--json")),
         {"ops", "verified_reads", "violations", "crashes", "pauses"},
     )
     assert out["violations"] == 0 and out["ops"] > 0

@@ -26,7 +26,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_sim_clean_run_has_no_violations():
-    r = _cli("sim", "--hosts", "3", "--seconds", "1", "--seed", "5", "--json")
+    r = _cli("sim", "--hosts", "3", "--seconds", "3", "--seed", "5", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out.keys() >= SIM_KEYS
@@ -38,12 +38,32 @@ def test_sim_negative_control_is_caught():
     # exit 0 means: the broken discipline WAS caught (violations > 0). Hosts are threads: a seed
     # fixes the workload, not the interleaving, so a loaded machine gets a few seeds to show it.
     for seed in ("5", "6", "7", "8"):
-        r = _cli("sim", "--hosts", "3", "--seconds", "1", "--seed", seed, "--break", "invalidate", "--json")
+        r = _cli("sim", "--hosts", "3", "--seconds", "3", "--seed", seed, "--break", "invalidate", "--json")
         if r.returncode == 0:
             assert json.loads(r.stdout)["violations"] > 0
             return
         assert r.returncode == 1, r.stderr  # not caught with this seed: exit 1, one line
     pytest.fail("skipped invalidations were caught by none of 4 seeds")
+
+
+def test_sim_seconds_bound_the_whole_run():
+    """--seconds 4 --lease-ms 60000 used to run for minutes (the final check waits up to three leases).
+    Now a lease that does not fit is refused at once, naming the shortest --seconds that fits;
+    a lease that fits runs, and ends (the subprocess timeout is the assertion, not a speed)."""
+    r = subprocess.run(
+        [CXLKV, "sim", "--seconds", "4", "--lease-ms", "60000"], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and "give --seconds >= 181" in r.stderr, r.stderr
+    r = subprocess.run(
+        [CXLKV, "sim", "--hosts", "2", "--seconds", "4", "--lease-ms", "700", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["violations"] == 0 and out["ops"] > 0 and not out["check_incomplete"], out
 
 
 def test_sim_bad_arguments_exit_2():

@@ -1,12 +1,14 @@
 """The ``cxlkv`` command line: pool administration, benchmarks and the demo.
 
     cxlkv pool create [PATH] --size 4GiB [--chunk-size 8MiB] [--index-slots N] [--max-nodes N]
-                           [--max-namespaces N] [--pin-slots N] [--backend coherent|flush]
-                           [--lease-ms MS] [--force [--ignore-attached]]
+                           [--max-namespaces N] [--pin-slots N] [--backend coherent|flush|multihost]
+                           [--lock-hosts N] [--stripe-size 2MiB] [--lease-ms MS]
+                           [--force [--ignore-attached]]
     cxlkv pool info    [PATH] [--json]      read-only: needs no write access, takes no node slot;
                                             header, geometry, namespaces, nodes and their liveness
     cxlkv pool stats   [PATH] [--json]
-    cxlkv pool check   [PATH] [--json]      exit 1 when an inconsistency is found
+    cxlkv pool check   [PATH] [--repair] [--json]   exit 1 when an inconsistency is left
+                                            (--repair: also releases what nobody else will)
     cxlkv pool reap    NODE [PATH] [--force] [--json]   reclaim one dead node (--force: even a live one)
     cxlkv pool destroy [PATH] [--ignore-attached] [--force]
     (pool commands refuse a pool owned or writable by another user unless --allow-foreign-owner;

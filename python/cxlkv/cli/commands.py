@@ -35,12 +35,22 @@ def cmd_pool_create(args: argparse.Namespace) -> int:
         "max_namespaces",
         "lease_ms",
         "stripe_size",
+        "lock_hosts",
     ):
         v = getattr(args, name)
         if v is not None:
             kwargs[name] = v
     if args.ignore_attached and not args.force:
         raise CommandError("--ignore-attached only goes with --force")
+    # The core refuses these too; checked here first so that --force destroys nothing for them.
+    if args.stripe_size is not None and len(device_paths(args.path)) < 2:
+        raise CommandError(
+            f"--stripe-size is only meaningful for a pool of several devices (A,B,...); {args.path} is one"
+        )
+    if args.lock_hosts is not None and args.backend != "multihost":
+        raise CommandError(
+            f"--lock-hosts only goes with --backend multihost (the {args.backend} backend has no lock area)"
+        )
     if args.force and any(os.path.lexists(d) for d in device_paths(args.path)):
         # Replaces a pool, or a bad / half-made pool file; never one that live processes use
         # unless --ignore-attached (they would keep serving the unlinked pool: split brain).
@@ -67,6 +77,10 @@ def _node_rows(nodes: list[dict]) -> list[dict]:
     rows = []
     for n in nodes:
         row = {c: n.get(c) for c in _NODE_COLUMNS}
+        if n.get("observer"):
+            row["state"] = f"{row['state']} (observer)"
+        if n.get("host_slot", -1) >= 0:  # multihost: the node's row of the lock area
+            row["host slot"] = n["host_slot"]
         beat = n.get("last_beat_unix_ns") or 0
         row["last_beat"] = f"{max(0.0, time.time() - beat / 1e9):.1f}s ago" if beat else "-"
         rows.append(row)
@@ -129,7 +143,12 @@ def cmd_pool_reap(args: argparse.Namespace) -> int:
                 "process is fenced (its next operation fails) and blocks it was writing are lost",
                 file=sys.stderr,
             )
-        res = dict(pool.reap_node(args.node, force=args.force))
+        wait = 0.0
+        if args.wait is not None:  # --wait without SECONDS: three leases
+            wait = args.wait or 3 * pool.info()["lease_ms"] / 1000
+            if not args.json:
+                print(f"cxlkv: watching node {args.node} for up to {wait:.1f} s", file=sys.stderr)
+        res = dict(pool.reap_node(args.node, force=args.force, wait=wait))
     if args.json:
         print_json(res)
     else:
@@ -151,15 +170,17 @@ def cmd_pool_reap(args: argparse.Namespace) -> int:
 
 def cmd_pool_check(args: argparse.Namespace) -> int:
     with _observer(args.path, args.allow_foreign_owner) as pool:
-        report = dict(pool.check())
+        report = dict(pool.check(repair=args.repair))
     errors = list(report.get("errors") or [])
     ok = bool(report.get("ok", not errors)) and not errors
     if args.json:
         print_json(report)
     else:
         con = make_console()
-        rest = {k: v for k, v in report.items() if k not in ("ok", "errors", "warnings")}
+        rest = {k: v for k, v in report.items() if k not in ("ok", "errors", "warnings", "repaired")}
         render_mapping(con, f"check {args.path}", rest)
+        for w in report.get("repaired") or []:
+            con.print(f"[green]repaired:[/green] {escape(str(w))}")
         for w in report.get("warnings") or []:
             con.print(f"[yellow]warning:[/yellow] {escape(str(w))}")
         for e in errors:

@@ -52,6 +52,26 @@ def _size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _stripe_size_arg(text: str) -> int:
+    v = _size_arg(text)
+    if v == 0:
+        raise argparse.ArgumentTypeError("0 is not a stripe size (leave --stripe-size out for the default)")
+    return v
+
+
+def _ranged_int(option: dict[str, Any]):
+    """An int type bounded by one row of :func:`cxlkv.create_options` (or of a pool's limits)."""
+
+    def parse(text: str) -> int:
+        v = _pos_int(text)
+        hi = option["max"]
+        if v < option["min"] or (hi is not None and v > hi):
+            raise argparse.ArgumentTypeError(f"{v} is out of range {option['min']}..{hi}")
+        return v
+
+    return parse
+
+
 def _pos_int(text: str) -> int:
     try:
         v = int(text, 0)
@@ -113,6 +133,21 @@ def _range(option: dict[str, Any]) -> str:
     return f"{option['min']}..{hi if hi is not None else ''} (default {option['default']})"
 
 
+# One line per backend for `pool create --backend` (coherence.h, docs/ARCHITECTURE.md §2, §11).
+# The contract test holds this to cxlkv._core.backends(): a new backend needs its line here.
+BACKEND_HELP = {
+    "coherent": "one host, hardware-coherent memory (DRAM, /dev/shm, a coherent CXL device)",
+    "flush": "one host, non-coherent CXL memory: metadata written back and re-read explicitly "
+    "(clwb/clflushopt), payloads by streaming stores",
+    "multihost": "several hosts on one CXL 2.0 pool without coherence between them: the flush "
+    "discipline plus a cross-host lock (bakery) for claims and lease fencing; see --lock-hosts",
+}
+
+
+def _backend_help() -> str:
+    return "; ".join(f"{name}: {BACKEND_HELP[name]}" for name in cxlkv._core.backends())
+
+
 _PATH_HELP = (
     "pool file or /dev/daxX.Y, or several joined by commas (A,B,...: one pool striped over them, "
     "first device first)"
@@ -134,6 +169,8 @@ class _Parser(argparse.ArgumentParser):
         self.print_usage(sys.stderr)
         self.exit(2, f"{self.prog}: error: {message}\n")
 
+
+_NODE_HELP = "node id, as listed by 'pool info' (1..the pool's max_nodes)"
 
 _FOREIGN_HELP = (
     "accept a pool owned by another user or writable by others (that user can read and corrupt every block)"
@@ -168,10 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--chunk-size", type=_size_arg, default=None, help="allocator chunk size, e.g. 8MiB")
     c.add_argument(
         "--stripe-size",
-        type=_size_arg,
+        type=_stripe_size_arg,
         default=None,
-        help="a PATH of several devices (A,B,...): bytes per stripe, a power of two, "
-        f"{_range(create['stripe_bytes'])}",
+        help="only for a PATH of several devices (A,B,...; an error otherwise): bytes per stripe, "
+        f"a power of two, {_range(create['stripe_bytes'])}",
     )
     c.add_argument(
         "--index-slots", type=_pos_int, default=None, help="index entries (rounded to a power of two)"
@@ -198,7 +235,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--backend",
         choices=cxlkv._core.backends(),
         default=create["backend"]["default"],
-        help="memory backend: coherent (one host) or flush (non-coherent CXL) (default %(default)s)",
+        help=f"memory backend (default %(default)s). {_backend_help()}",
+    )
+    c.add_argument(
+        "--lock-hosts",
+        type=_ranged_int(create["lock_hosts"]),
+        default=None,
+        help="only with --backend multihost (an error otherwise): rows of the lock area, the most "
+        f"hosts that can attach, {_range(create['lock_hosts'])}",
     )
     c.add_argument(
         "--lease-ms",
@@ -224,27 +268,47 @@ def build_parser() -> argparse.ArgumentParser:
     for name, func, helptext in (
         ("info", cmd_pool_info, "show the pool header, geometry and namespaces"),
         ("stats", cmd_pool_stats, "show usage and hit/miss/eviction counters"),
-        ("check", cmd_pool_check, "verify the pool's invariants (exit 1 on any inconsistency)"),
+        ("check", cmd_pool_check, "verify the pool's invariants (exit 1 on any inconsistency left)"),
     ):
         s = psub.add_parser(name, help=helptext)
         _pool_path_arg(s, default_pool)
         s.add_argument("--json", action="store_true", help="print one JSON object")
         s.add_argument("--allow-foreign-owner", action="store_true", help=_FOREIGN_HELP)
+        if name == "check":
+            s.add_argument(
+                "--repair",
+                action="store_true",
+                help="also release what nobody else ever will (entries whose writer is gone, "
+                "condemned or leaked blocks no one holds) and list each repair",
+            )
         s.set_defaults(func=func)
 
+    # Node ids are 1..max_nodes of the pool: the format's bound here, the pool's own in the core.
+    node_id = _ranged_int({**create["max_nodes"], "min": 1})
     r = psub.add_parser("reap", help="reclaim one dead node (what it held: pins, half-written blocks)")
-    r.add_argument("node", type=_pos_int, help="node id, as listed by 'pool info'")
+    r.add_argument("node", type=node_id, help=_NODE_HELP)
     _pool_path_arg(r, default_pool)
     r.add_argument(
         "--force",
         action="store_true",
         help="reclaim even a node judged alive (its process is fenced); exit 1 without it",
     )
+    r.add_argument(
+        "--wait",
+        type=_pos_float,
+        nargs="?",
+        const=0.0,
+        default=None,
+        metavar="SECONDS",
+        help="keep watching a node judged alive or undecided until it is dead, then reclaim it "
+        "(default: three leases; a node of another host is judged by its heartbeat lease). Without "
+        "it, a node of another host is watched for one lease at most",
+    )
     r.add_argument("--json", action="store_true", help="print one JSON object")
     r.set_defaults(func=cmd_pool_reap)
 
     pg = psub.add_parser("ping", help="round trip through a node's admin mailbox (shared-memory RPC)")
-    pg.add_argument("node", type=_pos_int, help="node id, as listed by 'pool info'")
+    pg.add_argument("node", type=node_id, help=_NODE_HELP)
     _pool_path_arg(pg, default_pool)
     pg.add_argument(
         "--count", type=_pos_int, default=3, help="round trips (default 3; the first wakes an idle responder)"
@@ -422,7 +486,14 @@ def build_parser() -> argparse.ArgumentParser:
     # sim ----------------------------------------------------------------------------------------
     sm = sub.add_parser("sim", help="multi-host proof: simulated hosts without coherence, checked")
     sm.add_argument("--hosts", type=_pos_int, default=3, help="simulated hosts (default 3, at most 59)")
-    sm.add_argument("--seconds", type=_pos_float, default=2.0, help="run time (default 2)")
+    sm.add_argument(
+        "--seconds",
+        type=_pos_float,
+        default=4.0,
+        help="bound of the whole run (default 4): the workload gets what is left after stopping the "
+        "hosts and the final check (two leases and under a second); a --lease-ms that leaves too "
+        "little is refused, naming the shortest --seconds that fits",
+    )
     sm.add_argument("--seed", type=int, default=1, help="random seed (default 1)")
     sm.add_argument(
         "--break",
