@@ -75,7 +75,7 @@ def test_fenced_engine_opens_the_pool_again_and_keeps_the_cache(pool_path, model
     lines = fenced_lines(caplog)
     assert len(lines) == 2, lines  # once per fence: the scheduler's node and the worker's
     for s, n in zip((b.sched._session, b.worker._session), old, strict=True):
-        assert any(f"node {n} was fenced" in ln and f"as node {s.node}" in ln for ln in lines), lines
+        assert any(f"node {n} was fenced" in ln and f"as new node {s.node}" in ln for ln in lines), lines
     assert all(pool_path in ln for ln in lines)
     a.close(), b.close()
     with cxlkv.Pool.open(pool_path, attach=False) as p:

@@ -170,7 +170,7 @@ class PoolSession:
             return False
         self.log.warning(
             "cxlkv%s: pool %s: node %d was fenced (seen in %s): paused or reaped past its lease; "
-            "opened the pool again as node %d, serving with the KV cache again (fence %d of this "
+            "opened the pool again as new node %d, serving with the KV cache again (fence %d of this "
             "connector, counted as pool_fenced)",
             self.who,
             self.path,
