@@ -49,7 +49,7 @@ def fenced_lines(caplog) -> list[str]:
 
 @pytest.mark.parametrize("backend", ["coherent", "multihost"])
 def test_fenced_engine_opens_the_pool_again_and_keeps_the_cache(pool_path, model_dir, caplog, backend):
-    cxlkv.Pool.create(pool_path, "16MiB", chunk_size="1MiB", backend=backend, lease_ms=2000).close()
+    cxlkv.Pool.create(pool_path, "16MiB", chunk_size="1MiB", backend=backend, lease_ms=6000).close()
     toks = tokens(30, 6 * BS + 1)
     a = published(pool_path, model_dir, "r", toks)
     b = Engine(pool_path, model_dir)
@@ -87,7 +87,7 @@ def test_fenced_engine_opens_the_pool_again_and_keeps_the_cache(pool_path, model
 def test_lease_of_the_fenced_node_is_dropped_untouched(pool_path, model_dir, caplog):
     """A lease taken before the fence is released after it: a no-op on the closed handle (the
     reclaimer cleared its pins), not a pool failure; the cache stays on."""
-    cxlkv.Pool.create(pool_path, "16MiB", chunk_size="1MiB", backend="multihost", lease_ms=2000).close()
+    cxlkv.Pool.create(pool_path, "16MiB", chunk_size="1MiB", backend="multihost", lease_ms=6000).close()
     toks = tokens(31, 4 * BS + 1)
     a = published(pool_path, model_dir, "r", toks)
     b = Engine(pool_path, model_dir)
@@ -106,7 +106,7 @@ def test_reopen_failing_falls_back_to_no_cache(pool_path, model_dir, caplog, mon
     """Bounded: a reopen that keeps failing ends in the guard's verdict (no cache, one ERROR
     line), not in a retry per step forever."""
     monkeypatch.setattr(pool_session, "RETRY_DELAY_S", 0.0)
-    cxlkv.Pool.create(pool_path, "16MiB", chunk_size="1MiB", lease_ms=2000).close()
+    cxlkv.Pool.create(pool_path, "16MiB", chunk_size="1MiB", lease_ms=6000).close()
     toks = tokens(32, 4 * BS + 1)
     a = published(pool_path, model_dir, "r", toks)
     b = Engine(pool_path, model_dir)

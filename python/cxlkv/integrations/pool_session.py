@@ -7,8 +7,8 @@ handle publishes nothing more, and every call on it raises ``FencedError``. So a
 failures of pool_guard.py, does not turn the process into "no cache". The session:
 
 * closes the fenced handle. Leases taken through it become no-ops (the core drops the pins of a
-  fenced or closed pool without touching the pool; the reclaimer has cleared them), so no lease or
-  namespace of the old node is ever used again;
+  fenced or closed pool without touching the pool; they and the old node's slot are reclaimed as a
+  dead node's), so no lease or namespace of the old node is ever used again;
 * attaches again (a new node) and opens the namespace again under the same name;
 * logs one WARNING per fence naming the pool and both nodes, and counts it (``pool_fenced``);
 * retries the call that saw the fence once, on the new node: lookups, stores and deletes are
