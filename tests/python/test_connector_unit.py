@@ -353,7 +353,7 @@ class Engine:
         rid, idx = self.fail_next_load
         for op in meta.loads:
             if op.req_id == rid:
-                real = self.worker._ns
+                real = self.worker._session.ns
 
                 class Failing:
                     block_bytes = real.block_bytes
@@ -367,7 +367,7 @@ class Engine:
                     def __getattr__(_, name):
                         return getattr(real, name)  # noqa: B023 - one load op per request and step
 
-                self.worker._ns = Failing()
+                self.worker._session.ns = Failing()
                 self.fail_next_load = None
                 self._restore = real
 
@@ -376,7 +376,7 @@ class Engine:
         self.sched.request_finished(r["req"], r["blocks"])
         self.free.extend(r["blocks"])
         if hasattr(self, "_restore"):
-            self.worker._ns = self._restore
+            self.worker._session.ns = self._restore
 
     def close(self) -> None:
         self.worker.shutdown()
@@ -438,7 +438,7 @@ def test_lease_lifetime_alloc_meta_output_finish(pool_path, model_dir):
     toks = tokens(2, 6 * BS + 1)
     a = published(pool_path, model_dir, "r", toks)
     b = Engine(pool_path, model_dir)
-    ns = b.sched._ns
+    ns = b.sched._session.ns
     key0 = b.sched._keys_for(make_req("x", toks)).extend(toks)[0]
     b.add("r", toks)
     st = b.sched._reqs["r"]
@@ -561,7 +561,7 @@ def test_f5_failed_saves_counted_and_logged_once(pool_path, model_dir, caplog):
     a = Engine(pool_path, model_dir)
     toks = tokens(10, 6 * BS + 1)
     a.add("r", toks)
-    real = a.worker._ns
+    real = a.worker._session.ns
 
     class Full:
         block_bytes = real.block_bytes
@@ -572,7 +572,7 @@ def test_f5_failed_saves_counted_and_logged_once(pool_path, model_dir, caplog):
         def __getattr__(_, name):
             return getattr(real, name)
 
-    a.worker._ns = Full()
+    a.worker._session.ns = Full()
     a.step({"r": len(toks)})
     assert a.stats.data["save_failed_blocks"] == 4
     toks2 = tokens(16, 6 * BS + 1)
@@ -581,7 +581,7 @@ def test_f5_failed_saves_counted_and_logged_once(pool_path, model_dir, caplog):
     assert a.stats.data["save_failed_blocks"] == 8
     msgs = [r.getMessage() for r in caplog.records if "could not be saved" in r.getMessage()]
     assert len(msgs) == 1 and pool_path in msgs[0]  # once per cause, not per request
-    a.worker._ns = real
+    a.worker._session.ns = real
     a.finish("r"), a.finish("r2")
     a.close()
 
@@ -627,7 +627,7 @@ def test_f6_pool_file_deleted_degrades_to_no_cache(pool_path, model_dir, caplog)
     assert not meta.saves and not meta.loads
     a.finish("r2")
     assert a.stats.data["pool_disabled"] == 1
-    assert not a.worker._guard.usable() and "deleted" in a.worker._guard.cause
+    assert not a.worker._session.usable() and "deleted" in a.worker._session.guard.cause
     a.close()
 
 
@@ -699,7 +699,7 @@ def test_pool_failure_after_lookup_makes_vllm_recompute(pool_path, model_dir):
     a = published(pool_path, model_dir, "r", toks)
     b = Engine(pool_path, model_dir)
     assert b.add("r", toks) == 6 * BS
-    b.worker._guard.fail("test: pool broken")
+    b.worker._session.guard.fail("test: pool broken")
     b.step({"r": 1})
     assert b.reqs["r"]["computed"] == 0
     assert b.stats.data["load_failed_blocks"] == 6

@@ -8,7 +8,8 @@ connector (bool), role ("kv_both" ...), on_pool_error ("fail": an unusable pool 
 instead of serving without the cache), max_num_batched_tokens (optional), prefix_caching (bool,
 default true), ids (bool: report prompt token ids), max_tokens, rounds: [{"prompts": [{"prompt":
 str, "cache_salt": str?}], "before": "corrupt_pool" | "corrupt_depth:D" | "unlink_pool" |
-"truncate_pool" | "replace_pool" | null}].
+"truncate_pool" | "replace_pool" | null, "wait_for": path?}]. A round with "wait_for" prints
+`WAITING <round>` and starts once that file exists (the test stops and resumes the engine there).
 """
 
 import json
@@ -91,6 +92,13 @@ def main() -> None:
     sp = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), logprobs=1)
     for i, rnd in enumerate(spec["rounds"]):
         extra = {}
+        if rnd.get("wait_for"):
+            print("WAITING", i, flush=True)
+            deadline = time.monotonic() + 600  # the test's own timeouts are shorter
+            while not os.path.exists(rnd["wait_for"]):
+                if time.monotonic() > deadline:
+                    sys.exit(f"llm_driver: {rnd['wait_for']} never appeared")
+                time.sleep(0.05)
         before = rnd.get("before") or ""
         if before == "corrupt_pool":
             extra["corrupted"] = corrupt_pool(spec["pool"])

@@ -16,6 +16,9 @@ are kept alive for the rest of the process (:meth:`PoolGuard.retire`).
 
 The verdict is process-wide (keyed by the mapped file's device, inode and pool uuid), so the scheduler-side
 and worker-side connectors of one process stop together.
+
+A fence (``FencedError``: this node may have been declared dead by a peer) is not a bad pool: it is
+raised through :meth:`call` and :meth:`retire` for pool_session.py, which opens the pool again.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+from cxlkv.errors import FencedError
 
 T = TypeVar("T")
 
@@ -75,6 +80,11 @@ class PoolGuard:
         guard = cls(None, path, logger)
         guard.fail(cause, exc)
         return guard
+
+    @property
+    def identity(self) -> tuple[int, int, str]:
+        """(st_dev, st_ino, uuid) of the mapped pool: which pool this is, across reopens."""
+        return self._key
 
     # -------------------------------------------------------------------------------------------
     def _file_problem(self) -> str | None:
@@ -137,6 +147,8 @@ class PoolGuard:
             return None
         try:
             return fn(*args, **kwargs)
+        except FencedError:
+            raise  # this node's, not the pool's: the caller opens the pool again
         except Exception as e:  # noqa: BLE001 - any pool failure degrades to "no cache"
             self.fail(f"{what} failed", e)
             return None
@@ -152,6 +164,14 @@ class PoolGuard:
             try:
                 (getattr(obj, "release", None) or obj.close)()
                 return
+            except FencedError:
+                raise  # the core keeps the lease's pins and drops them untouched later
             except Exception as e:  # noqa: BLE001
                 self.fail("release failed", e)
         _keep_forever(obj)
+
+    def release_pool(self) -> None:
+        """Closes the pool (as :meth:`retire` does) and forgets it: from then on the files are
+        judged by ``stat`` alone (a closed pool answers nothing)."""
+        self.retire(self.pool)
+        self.pool = None

@@ -30,7 +30,10 @@ for it are held; they go out once the load's step completed without errors, and 
 it failed (the blocks from the first failed one on are saved again after vLLM recomputes them).
 
 A pool that fails (truncated, deleted or replaced file, any error from the core) turns the
-process into "no cache" with one log line (pool_guard.py); the engine keeps serving.
+process into "no cache" with one log line (pool_guard.py); the engine keeps serving. A node that
+was fenced (the engine paused past the pool's lease, or reaped by force) is not a failed pool: the
+connector opens the pool again as a new node, logs it once and keeps using the cache
+(pool_session.py).
 
 Extra config keys: ``pool_path`` (default: ``cxlkv.default_pool_path()``, i.e. ``$CXLKV_POOL`` or
 /dev/shm/cxlkv-<uid>/pool; a comma-separated string or a list of paths: a striped pool),
@@ -63,7 +66,7 @@ import cxlkv
 from cxlkv.integrations import identity as ident
 from cxlkv.integrations.keys import ChainedKeys, MMSpan, root_key
 from cxlkv.integrations.placement import placement_device
-from cxlkv.integrations.pool_guard import PoolGuard
+from cxlkv.integrations.pool_session import PoolSession
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -90,6 +93,7 @@ STAT_KEYS = (
     "pin_capped_blocks",
     "uncacheable_requests",
     "pool_disabled",
+    "pool_fenced",
 )
 
 
@@ -265,47 +269,54 @@ class CxlKVConnector(KVConnectorBase_V1):
             if extra.get("namespace")
             else self.identity.namespace_name()
         )
-        self._pool: cxlkv.Pool | None = None
-        # The namespace once opened. Every use goes through self._guard.call, which runs nothing
-        # while the guard is unusable, as it is from the start when opening failed.
-        self._ns: Any = None
-        try:
-            self._pool = cxlkv.Pool.open_or_create(
+        self._counters: dict[str, int] = {}  # scheduler side, sent to the worker per step
+        self._stats = CxlKVStats()  # worker side
+
+        def open_pool(create: bool) -> cxlkv.Pool:
+            if not create:  # again, after a fence: the pool that was there, never a new one
+                return cxlkv.Pool.open(self._pool_path)
+            return cxlkv.Pool.open_or_create(
                 self._pool_path,
                 extra.get("pool_size", "4GiB"),
                 **({"chunk_size": extra["chunk_size"]} if "chunk_size" in extra else {}),
             )
-            self._guard = PoolGuard(
-                self._pool, self._pool_path, logger, float(extra.get("file_check_interval_s", 0.001))
-            )
-            device = placement_device(
-                extra.get("pool_device"), self.identity.tp_rank, len(self._pool.info()["devices"])
-            )
-            self._ns = self._pool.namespace(_layout(self.identity), name=self._ns_name, device=device)
-        except (cxlkv.CxlkvError, OSError, ValueError) as e:
-            # A damaged or unusable pool must not keep the engine from serving (without the
-            # cache); "on_pool_error": "fail" restores fail-fast start-up.
-            if extra.get("on_pool_error", "degrade") == "fail":
-                raise
-            self._guard = PoolGuard.unusable(self._pool_path, logger, "opening it failed", e)
+
+        def open_namespace(pool: cxlkv.Pool) -> Any:
+            n = len(pool.info()["devices"])
+            device = placement_device(extra.get("pool_device"), self.identity.tp_rank, n)
+            return pool.namespace(_layout(self.identity), name=self._ns_name, device=device)
+
+        # Every use of the pool goes through self._session.call, which runs nothing while the pool
+        # is unusable (from the start when opening failed), and opens it again after a fence. A
+        # damaged or unusable pool must not keep the engine from serving (without the cache);
+        # "on_pool_error": "fail" restores fail-fast start-up.
+        self._session = PoolSession(
+            self._pool_path,
+            logger,
+            open_pool,
+            open_namespace,
+            who=f" ({role.name.lower()})",
+            check_interval_s=float(extra.get("file_check_interval_s", 0.001)),
+            count=self._count_here,
+            fail_fast=extra.get("on_pool_error", "degrade") == "fail",
+        )
         self._logged: set[str] = set()
         self._adapters: dict[tuple[str, float], str | None] = {}
         # scheduler side
         self._reqs: dict[str, _ReqState] = {}
         self._step = 0
         self._completed_steps = 0
-        self._counters: dict[str, int] = {}
         self._disabled_reported = False
         # worker side
         self._kv_arrays: list = []
         self._block_dim = 0
         self._load_errors: set[int] = set()
         self._failed_reqs: set[str] = set()
-        self._stats = CxlKVStats()
         logger.info(
-            "cxlkv connector (%s) on pool %s, namespace %r (%s), %d-byte blocks",
+            "cxlkv connector (%s) on pool %s as node %d, namespace %r (%s), %d-byte blocks",
             role.name,
             self._pool_path,
+            self._session.node,
             self._ns_name,
             self.identity.source(),
             self._block_bytes,
@@ -341,6 +352,13 @@ class CxlKVConnector(KVConnectorBase_V1):
 
     def _count(self, key: str, n: int = 1) -> None:
         self._counters[key] = self._counters.get(key, 0) + n
+
+    def _count_here(self, key: str) -> None:
+        """A counter of either side: the scheduler's travel to the worker with the next step."""
+        if self.role == KVConnectorRole.WORKER:
+            self._stats.data[key] = self._stats.data.get(key, 0) + 1
+        else:
+            self._count(key)
 
     def _adapter_id(self, lora: Any) -> str | None:
         """The adapter's content digest (cached by path and mtime); None if unreadable."""
@@ -415,7 +433,7 @@ class CxlKVConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int):
         st = self._state(request)
         self._release(st)
-        if not self._can_load or st.keys is None or not self._guard.usable():
+        if not self._can_load or st.keys is None or not self._session.usable():
             return 0, False
         prompt = (
             request.prompt_token_ids
@@ -428,14 +446,14 @@ class CxlKVConnector(KVConnectorBase_V1):
         if max_blocks <= have:
             return 0, False
         keys = st.keys.extend(prompt, upto_blocks=max_blocks)
-        lease = self._guard.call("acquire", lambda: self._ns.acquire(keys[:max_blocks]))
+        lease = self._session.call("acquire", lambda ns: ns.acquire(keys[:max_blocks]))
         if lease is None:
             return 0, False
         hit = len(lease)
         if hit < max_blocks:
             self._check_pin_cap(request.request_id, keys[hit:max_blocks], hit)
         if hit <= have:
-            self._guard.retire(lease)
+            self._session.retire(lease)
             return 0, False
         st.lease = lease
         st.load = BlockOp(request.request_id, keys[have:hit], [], start_depth=have)
@@ -450,7 +468,7 @@ class CxlKVConnector(KVConnectorBase_V1):
 
     def _check_pin_cap(self, req_id: str, rest: list, hit: int) -> None:
         """A hit that stopped while the next block is in the pool was capped by pin slots."""
-        more = self._guard.call("match_prefix", lambda: self._ns.match_prefix(rest)) or 0
+        more = self._session.call("match_prefix", lambda ns: ns.match_prefix(rest)) or 0
         if more > 0:
             self._count("pin_capped_requests")
             self._count("pin_capped_blocks", more)
@@ -491,7 +509,7 @@ class CxlKVConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         self._step += 1
         meta = CxlKVConnectorMetadata()
-        if not self._guard.usable() and not self._disabled_reported:
+        if not self._session.usable() and self._session.disabled and not self._disabled_reported:
             self._disabled_reported = True
             self._count("pool_disabled")
         sched = scheduler_output.num_scheduled_tokens
@@ -529,7 +547,7 @@ class CxlKVConnector(KVConnectorBase_V1):
             st.saved_blocks = max(st.saved_blocks, st.load.start_depth + len(st.load.keys))
             st.inflight, st.lease_step = st.load, self._step
             st.load = None
-        if not self._can_save or st.keys is None or not self._guard.usable():
+        if not self._can_save or st.keys is None or not self._session.usable():
             return
         if st.held and st.inflight is None:  # their load was confirmed
             meta.saves.extend(st.held)
@@ -579,7 +597,7 @@ class CxlKVConnector(KVConnectorBase_V1):
         self._release(st)
         # The block that failed (corrupt, or gone) must not be found again by anyone; the core
         # drops a checksum failure itself, this covers a pin that kept it (no-op when absent).
-        self._guard.call("delete", lambda: self._ns.delete(op.keys[first_bad]))
+        self._session.call("delete", lambda ns: ns.delete(op.keys[first_bad]))
         logger.info(
             "cxlkv: %s: load failed at block %d; vLLM recomputes from there and the "
             "connector saves those blocks again",
@@ -595,7 +613,7 @@ class CxlKVConnector(KVConnectorBase_V1):
 
     def _release(self, st: _ReqState) -> None:
         if st.lease is not None:
-            self._guard.retire(st.lease)
+            self._session.retire(st.lease)
             st.lease = None
             st.lease_step = None
 
@@ -630,12 +648,14 @@ class CxlKVConnector(KVConnectorBase_V1):
                 self._stats.data[k] = self._stats.data.get(k, 0) + v
         for op in meta.loads:
             t0 = time.perf_counter()
+            # Not retried after a fence: the blocks were pinned by the fenced node's lease.
             n = (
-                self._guard.call(
+                self._session.call(
                     "load",
-                    lambda op=op: self._ns.load(
+                    lambda ns, op=op: ns.load(
                         op.keys, self._kv_arrays, op.block_ids, block_dim=self._block_dim
                     ),
+                    retry=False,
                 )
                 or 0
             )
@@ -668,9 +688,9 @@ class CxlKVConnector(KVConnectorBase_V1):
                 self._stats.data["saves_dropped_after_failed_load"] += len(op.keys)
                 continue
             t0 = time.perf_counter()
-            n = self._guard.call(
+            n = self._session.call(
                 "store",
-                lambda op=op: self._ns.store(
+                lambda ns, op=op: ns.store(
                     op.keys,
                     self._kv_arrays,
                     op.block_ids,
@@ -713,4 +733,4 @@ class CxlKVConnector(KVConnectorBase_V1):
     def shutdown(self):
         for st in self._reqs.values():
             self._release(st)
-        self._guard.retire(self._pool)
+        self._session.close()
