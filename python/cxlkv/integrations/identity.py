@@ -10,9 +10,12 @@ Recipe (docs/IDENTITY.md explains the why and the limits):
   canonical dtype table, the KV scales, the quantization method, the block size, the TP rank/size
   and the device's byte layout: :class:`KVIdentity`.
 
-Per-file digests are cached by (path, size, mtime) beside the model (``.cxlkv-identity.json``)
-or, where that directory is read-only, under ``~/.cache/cxlkv/identity/``: a 100 GB checkpoint
-costs a few thousand small reads once, then a stat per file.
+Per-file digests are cached beside the model (``.cxlkv-identity.json``) or, where that directory
+is read-only, under ``~/.cache/cxlkv/identity/`` (keyed by the resolved path): a 100 GB checkpoint
+costs a few thousand small reads once, then a stat per file. The cache is a hint, never an
+authority: an entry counts only when every stat field of the file (device, inode, size, mtime,
+ctime) matches, a cache file counts only when its owner is trusted and nobody else can write it,
+and anything malformed is recomputed (:mod:`cxlkv.integrations.identity_cache`).
 
 Usable without vLLM (the connector in :mod:`cxlkv.integrations.vllm` is one user).
 """
@@ -29,7 +32,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from cxlkv.integrations.identity_cache import CACHE_FILE, IdentityCache
+
 __all__ = [
+    "CACHE_FILE",
     "IDENTITY_VERSION",
     "SAMPLE_BYTES",
     "KVIdentity",
@@ -48,7 +54,6 @@ SAMPLES_PER_TENSOR = 3  # start, middle, end of every tensor
 WHOLE_TENSOR_BYTES = 3 * SAMPLE_BYTES  # smaller tensors (norms, biases) are hashed whole
 BLOB_WINDOW_STRIDE = 64 << 20  # unparsed weight files: one window per 64 MiB, at least 64
 BLOB_MIN_WINDOWS = 64
-CACHE_FILE = ".cxlkv-identity.json"
 WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth", ".ckpt", ".npz", ".msgpack", ".h5")
 # Files beside the weights that change the model's computation (config, quantization, generation
 # is not one of them): hashed whole, they are small.
@@ -257,35 +262,6 @@ def tensor_digest(data: Any) -> str:
     return hashlib.sha256(memoryview(data).cast("B")).hexdigest()
 
 
-# -------------------------------------------------------------------------------------------------
-# the cache
-def _cache_path(root: Path) -> Path:
-    d = root if root.is_dir() else root.parent
-    if os.access(d, os.W_OK):
-        return d / (CACHE_FILE if root.is_dir() else f".{root.name}{CACHE_FILE}")
-    tag = hashlib.sha256(str(root).encode()).hexdigest()[:24]
-    return Path.home() / ".cache" / "cxlkv" / "identity" / f"{tag}.json"
-
-
-def _load_cache(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-        return data if data.get("version") == IDENTITY_VERSION else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _save_cache(path: Path, data: dict) -> None:
-    """Best effort (a read-only tree, a full disk just mean recomputing next time); atomic."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, sort_keys=True, indent=0))
-        os.replace(tmp, path)
-    except OSError:
-        pass
-
-
 @dataclasses.dataclass(frozen=True)
 class WeightsDigest:
     digest: str  # sha256 hex over every weight/config file's digest
@@ -325,34 +301,25 @@ def weights_digest(path: PathLike) -> WeightsDigest:
     The same bytes at another path give the same digest (file names relative to the directory
     are hashed, absolute paths are not); any change to a sampled window, a tensor table, a file
     size or a config file gives another."""
-    root = Path(path).expanduser().absolute()
+    # Resolved: a symlink such as /models/current re-pointed to another version is another model.
+    root = Path(path).expanduser().resolve()
     files = _weight_files(root)
     if not any(f.suffix in WEIGHT_SUFFIXES for f in files):
         raise FileNotFoundError(f"no weight files ({', '.join(WEIGHT_SUFFIXES)}) under {root}")
-    cache_file = _cache_path(root)
-    cache = _load_cache(cache_file)
-    entries = cache.get("files", {})
-    fresh = {}
+    # Names inside a directory (shards) are content; the name of a lone file (a .gguf) is not.
+    stats = [("" if root.is_file() else f.relative_to(root).as_posix(), f, f.stat()) for f in files]
+    cache = IdentityCache(root, {st.st_uid for _, _, st in stats}, IDENTITY_VERSION)
     h = hashlib.sha256(IDENTITY_VERSION.encode())
     total = 0
-    for f in files:
-        # Names inside a directory (shards) are content; the name of a lone file (a .gguf) is not.
-        rel = "" if root.is_file() else f.relative_to(root).as_posix()
-        st = f.stat()
-        stamp = [st.st_size, st.st_mtime_ns]
-        hit = entries.get(rel)
-        if hit and hit.get("stamp") == stamp:
-            digest = hit["digest"]
-        elif f.name in CONFIG_FILES:
-            digest = hashlib.sha256(f.read_bytes()).hexdigest()
-        else:
-            digest = file_digest(f)
-        fresh[rel] = {"stamp": stamp, "digest": digest}
+    for rel, f, st in stats:
+        digest = cache.get(rel, st)
+        if digest is None:
+            digest = hashlib.sha256(f.read_bytes()).hexdigest() if f.name in CONFIG_FILES else file_digest(f)
+        cache.put(rel, st, digest)
         total += st.st_size
         name = rel.encode()
         h.update(struct.pack("<I", len(name)) + name + bytes.fromhex(digest))
-    if fresh != entries:
-        _save_cache(cache_file, {"version": IDENTITY_VERSION, "files": fresh})
+    cache.save()
     return WeightsDigest(h.hexdigest(), len(files), total, _hf_commit(root), str(root))
 
 
