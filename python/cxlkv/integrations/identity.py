@@ -42,10 +42,12 @@ __all__ = [
     "WeightsDigest",
     "adapter_digest",
     "canonical_dtype",
+    "config_digest",
     "file_digest",
     "short_name",
     "tensor_digest",
     "weights_digest",
+    "weights_identity",
 ]
 
 IDENTITY_VERSION = "cxlkv/identity/v1"  # bump when the recipe changes: old namespaces stay apart
@@ -273,7 +275,7 @@ class WeightsDigest:
     def describe(self) -> str:
         gb = self.total_bytes / 1e9
         commit = f" hf-commit {self.commit[:12]}" if self.commit else ""
-        return f"weights sha256~{self.digest[:16]} ({self.files} files, {gb:.2f} GB){commit} at {self.path}"
+        return f"sha256~{self.digest[:16]} ({self.files} files, {gb:.2f} GB){commit} at {self.path}"
 
 
 def _weight_files(root: Path) -> list[Path]:
@@ -321,6 +323,51 @@ def weights_digest(path: PathLike) -> WeightsDigest:
         h.update(struct.pack("<I", len(name)) + name + bytes.fromhex(digest))
     cache.save()
     return WeightsDigest(h.hexdigest(), len(files), total, _hf_commit(root), str(root))
+
+
+# Keys of a loaded config that name where it came from, not what it computes.
+CONFIG_PROVENANCE_KEYS = frozenset({"_name_or_path", "name_or_path", "_commit_hash", "transformers_version"})
+
+
+def _strip_provenance(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _strip_provenance(v) for k, v in value.items() if k not in CONFIG_PROVENANCE_KEYS}
+    if isinstance(value, list | tuple):
+        return [_strip_provenance(v) for v in value]
+    return value
+
+
+def config_digest(paths: Iterable[PathLike] = (), loaded: dict | None = None) -> str:
+    """Digest of the configuration an engine computes with, beyond the model directory's own
+    config files (those are in :func:`weights_digest`): the config files of every other path the
+    engine read a config from (vLLM's ``hf_config_path``: a directory's CONFIG_FILES, or a file),
+    by content, and ``loaded``, the config as the engine parsed it (overrides and values derived
+    from a GGUF included), minus the keys that only say where it came from."""
+    h = hashlib.sha256(IDENTITY_VERSION.encode() + b"|config")
+    for p in sorted({Path(p).expanduser().resolve() for p in paths}):
+        found = [p / n for n in CONFIG_FILES if (p / n).is_file()] if p.is_dir() else [p]
+        for f in found:
+            name = f.name.encode()  # not the path: another directory with equal bytes is equal
+            h.update(struct.pack("<I", len(name)) + name + hashlib.sha256(f.read_bytes()).digest())
+    if loaded is not None:
+        h.update(b"loaded" + json.dumps(_strip_provenance(loaded), sort_keys=True, default=str).encode())
+    return h.hexdigest()
+
+
+def weights_identity(files: WeightsDigest, config: str, loaded: Any = None) -> tuple[str, str]:
+    """(KVIdentity.weights, its source text) from the sampled file digest, the config digest and,
+    when the engine could hash them, the weights as loaded (a loaded_weights.LoadedDigest). The
+    two kinds never share a name: "loaded:" / "sampled:" lead the weights field, and the source,
+    which ``cxlkv pool info`` shows, says which one a namespace used."""
+    parts = [files.digest, config] + ([loaded.digest] if loaded is not None else [])
+    kind = "loaded" if loaded is not None else "sampled"
+    digest = hashlib.sha256("|".join([kind, *parts]).encode()).hexdigest()
+    where = f" at {files.path}" if files.path else ""
+    if loaded is not None:
+        source = f"weights as loaded {loaded.describe()} + files sha256~{files.digest[:12]}{where}"
+    else:
+        source = f"weights sampled {files.describe()}"
+    return f"{kind}:{digest}", source
 
 
 def adapter_digest(path: PathLike) -> str:

@@ -24,7 +24,9 @@ import dataclasses
 import hashlib
 import os
 import struct
+import sys
 import time
+import types
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -33,7 +35,7 @@ LOADED_VERSION = "cxlkv/loaded-weights/v1"  # bump when the recipe changes
 CHUNK_BYTES = 64 << 20  # unit of parallelism; big enough that per-chunk overhead is nothing
 MAX_THREADS = 16
 
-__all__ = ["LOADED_VERSION", "LoadedDigest", "loaded_weights_digest", "module_digest"]
+__all__ = ["LOADED_VERSION", "LoadedDigest", "caller_model", "loaded_weights_digest", "module_digest"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +46,7 @@ class LoadedDigest:
     seconds: float = dataclasses.field(default=0.0, compare=False)
 
     def describe(self) -> str:
-        return f"loaded sha256~{self.digest[:16]} ({self.tensors} tensors, {self.total_bytes / 1e9:.2f} GB, every byte)"
+        return f"sha256~{self.digest[:16]} (every byte of {self.tensors} tensors, {self.total_bytes / 1e9:.2f} GB)"
 
 
 def _raw(t: Any) -> tuple[str, tuple, int, Callable[[int, int], Any]]:
@@ -105,3 +107,30 @@ def module_digest(module: Any, threads: int | None = None) -> LoadedDigest:
     """Digest of a torch module's parameters (this process's shard of them). Buffers are left
     out: they are computed from the config by code (rotary tables) or are scratch space."""
     return loaded_weights_digest(module.named_parameters(), threads)
+
+
+def caller_model(max_frames: int = 32) -> Any:
+    """The loaded model of the engine worker that is calling us, or None.
+
+    vLLM hands a KV connector no reference to the model; but it builds the worker-side connector
+    inside ``Worker.initialize_from_config`` (after ``load_model``), so the worker is on the call
+    stack: the first ``self`` up the stack that is a model runner (``get_model()``) or a worker
+    (``model_runner.get_model()``) holds this rank's weights. Scanning the garbage collector for
+    the module that contains the attention layers was the other option: slower, and it finds
+    wrappers (torch.compile's) whose parameter names differ between processes."""
+    frame: types.FrameType | None = sys._getframe(1)
+    for _ in range(max_frames):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        for cand in (owner, getattr(owner, "model_runner", None)):
+            get_model = getattr(cand, "get_model", None)
+            if callable(get_model) and not isinstance(cand, type):
+                try:
+                    model = get_model()
+                except Exception:  # noqa: BLE001 - not loaded (yet): keep looking, else None
+                    continue
+                if callable(getattr(model, "named_parameters", None)):
+                    return model
+        frame = frame.f_back
+    return None

@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
 )
@@ -61,6 +62,7 @@ from vllm.logger import init_logger
 
 import cxlkv
 from cxlkv.integrations import identity as ident
+from cxlkv.integrations import loaded_weights as lw
 from cxlkv.integrations.keys import ChainedKeys, MMSpan, root_key
 from cxlkv.integrations.placement import placement_device
 from cxlkv.integrations.pool_guard import PoolGuard
@@ -180,6 +182,43 @@ def _kv_scales(vllm_config: Any, dtype: str) -> str:
     return "checkpoint-or-unit"  # scales from the checkpoint (in the weights digest) or 1.0
 
 
+def _config_paths(mc: Any) -> list[str]:
+    """Config sources other than the model directory (whose config files weights_digest hashes)."""
+    p = getattr(mc, "hf_config_path", None)
+    return [str(p)] if p and os.path.exists(str(p)) else []
+
+
+def _loaded_config(mc: Any) -> dict | None:
+    """The config as vLLM parsed it (hf_config_path, hf_overrides, GGUF metadata all end up here)."""
+    to_dict = getattr(getattr(mc, "hf_config", None), "to_dict", None)
+    return to_dict() if callable(to_dict) else None
+
+
+def hashes_loaded_weights(extra: dict) -> bool:
+    """Whether the workers name the namespace by the weights as loaded (the default) rather
+    than by the sampled file digest ("weights_identity": "sampled"). An operator's model_id or
+    namespace replaces both."""
+    mode = extra.get("weights_identity", "loaded")
+    if mode not in ("loaded", "sampled"):
+        raise ValueError(f"cxlkv: weights_identity must be 'loaded' or 'sampled', not {mode!r}")
+    return mode == "loaded" and not extra.get("model_id") and not extra.get("namespace")
+
+
+def loaded_digest() -> lw.LoadedDigest | None:
+    """This worker's weights as loaded (every byte of its TP rank's parameters), or None when
+    the model is not reachable (the namespace then uses the sampled file digest, and says so)."""
+    model = lw.caller_model()
+    if model is None:
+        logger.warning(
+            "cxlkv: the loaded model is not reachable from the connector; the namespace is "
+            "named by the sampled file digest (docs/IDENTITY.md)"
+        )
+        return None
+    d = lw.module_digest(model)
+    logger.info("cxlkv: weights as loaded: %s, hashed in %.2f s", d.describe(), d.seconds)
+    return d
+
+
 def derive_identity(
     vllm_config: Any,
     spec: Any,
@@ -189,6 +228,7 @@ def derive_identity(
     tp_rank: int,
     tp_size: int,
     extra: dict,
+    loaded: lw.LoadedDigest | None = None,
 ) -> ident.KVIdentity:
     mc = vllm_config.model_config
     if extra.get("model_id"):
@@ -202,7 +242,8 @@ def derive_identity(
                 "namespace from them; set kv_connector_extra_config.model_id"
             )
         w = ident.weights_digest(path)
-        weights, source = w.digest, w.describe()
+        config = ident.config_digest(_config_paths(mc), _loaded_config(mc))
+        weights, source = ident.weights_identity(w, config, loaded)
     dtype = _kv_dtype(vllm_config, spec)
     backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
     device = vllm_config.device_config.device_type
@@ -225,6 +266,31 @@ def derive_identity(
         device_layout=f"{device}|{backend or 'auto'}|{type(spec).__name__}|{sys.byteorder}",
         block_bytes=block_bytes,
     )
+
+
+@dataclasses.dataclass
+class CxlKVHandshake(KVConnectorHandshakeMetadata):
+    """What a worker tells the scheduler side: the namespace it derived and the weights field
+    (with its source text) that the scheduler cannot compute, not holding the weights."""
+
+    namespace: str
+    weights: str
+    weights_source: str
+
+
+class _AwaitingWorkers:
+    """The scheduler's namespace until the workers report theirs. vLLM's engine core reports
+    before the first request; an engine that never does gets the namespace of the sampled
+    file digest at first use: the one workers that could not hash their weights use."""
+
+    def __init__(self, open_namespace: Any) -> None:
+        self._open = open_namespace
+        self._ns: Any = None
+
+    def __getattr__(self, name: str) -> Any:
+        if self._ns is None:
+            self._ns = self._open()
+        return getattr(self._ns, name)
 
 
 def _layout(identity: ident.KVIdentity) -> cxlkv.KVLayout:
@@ -258,6 +324,7 @@ class CxlKVConnector(KVConnectorBase_V1):
         pool_path = extra.get("pool_path") or cxlkv.default_pool_path()
         # A striped pool: a comma-separated string or a JSON list of device paths.
         self._pool_path = ",".join(map(str, pool_path)) if isinstance(pool_path, list) else str(pool_path)
+        self._awaits_workers = role == KVConnectorRole.SCHEDULER and hashes_loaded_weights(extra)
         self.identity = self._describe(vllm_config, kv_cache_config)
         self._block_bytes = self.identity.block_bytes
         self._ns_name = (
@@ -281,7 +348,10 @@ class CxlKVConnector(KVConnectorBase_V1):
             device = placement_device(
                 extra.get("pool_device"), self.identity.tp_rank, len(self._pool.info()["devices"])
             )
-            self._ns = self._pool.namespace(_layout(self.identity), name=self._ns_name, device=device)
+            if self._awaits_workers:  # identity: opened when the workers report (handshake)
+                self._ns = _AwaitingWorkers(self._open_namespace)
+            else:
+                self._ns = self._pool.namespace(_layout(self.identity), name=self._ns_name, device=device)
         except (cxlkv.CxlkvError, OSError, ValueError) as e:
             # A damaged or unusable pool must not keep the engine from serving (without the
             # cache); "on_pool_error": "fail" restores fail-fast start-up.
@@ -330,8 +400,50 @@ class CxlKVConnector(KVConnectorBase_V1):
 
             tp_rank = get_tensor_model_parallel_rank()
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        # The worker holds the loaded weights (vLLM builds it after load_model); the scheduler
+        # never sees them and adopts rank 0's identity in set_xfer_handshake_metadata.
+        loaded = (
+            loaded_digest() if self.role == KVConnectorRole.WORKER and hashes_loaded_weights(extra) else None
+        )
         return derive_identity(
-            vllm_config, spec, layers, spec.page_size_bytes * layers, kind, tp_rank, tp_size, extra
+            vllm_config, spec, layers, spec.page_size_bytes * layers, kind, tp_rank, tp_size, extra, loaded
+        )
+
+    def _open_namespace(self) -> Any:
+        assert self._pool is not None
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        device = placement_device(
+            extra.get("pool_device"), self.identity.tp_rank, len(self._pool.info()["devices"])
+        )
+        return self._pool.namespace(_layout(self.identity), name=self._ns_name, device=device)
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        """Worker: the identity this rank derived (vLLM hands it to the scheduler side)."""
+        if self.role != KVConnectorRole.WORKER:
+            return None
+        return CxlKVHandshake(self._ns_name, self.identity.weights, self.identity.weights_source)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        """Scheduler: name the namespace as TP rank 0 did from the weights it loaded (the keys'
+        root and the lookups must be those of the namespace the workers load from and save to);
+        every other field is this side's own, and must give the workers' name."""
+        meta = metadata.get(0)
+        if not self._awaits_workers or not isinstance(meta, CxlKVHandshake):
+            return
+        self._awaits_workers = False
+        adopted = dataclasses.replace(self.identity, weights=meta.weights, weights_source=meta.weights_source)
+        if adopted.namespace_name() != meta.namespace:
+            self._guard.fail(
+                "the workers derived another KV namespace",
+                ValueError(
+                    f"workers: {meta.namespace}, scheduler: {adopted.namespace_name()} ({adopted.source()})"
+                ),
+            )
+            return
+        self.identity, self._ns_name = adopted, meta.namespace
+        self._ns = self._guard.call("namespace", self._open_namespace)
+        logger.info(
+            "cxlkv: namespace %r (%s), reported by the workers", self._ns_name, self.identity.source()
         )
 
     def _once(self, cause: str, msg: str, *args: Any) -> None:
