@@ -127,3 +127,24 @@ def test_hf_config_path_is_hashed(tmp_path):
     assert names["a"] == names["a2"]
     assert names["b"] != names["a"]
     assert names["none"] != names["b"]
+
+
+def test_weights_repacked_out_of_reach_hash_every_byte_of_the_files(pool_path, tmp_path):
+    """What vLLM CPU does (a oneDNN handle holds the projection, `weight` is emptied): the
+    worker hashes every byte of the weight files instead, and the source says so."""
+
+    def repacked(m):
+        m[1].weight = torch.nn.Parameter(torch.empty(0, dtype=torch.float16), requires_grad=False)
+        return m
+
+    m = model()
+    a = save(m, tmp_path / "a")
+    sched, worker = engine(pool_path, a, repacked(model()))
+    assert sched._ns_name == worker._ns_name
+    assert worker.identity.source().startswith("weights file bytes sha256~")
+    assert (
+        engine(pool_path, save(model(), tmp_path / "copy"), repacked(model()))[1]._ns_name == worker._ns_name
+    )
+    rome_edit(m)
+    b = save(m, tmp_path / "b")  # the edit the sampled digest misses, on disk this time
+    assert engine(pool_path, b, repacked(model()))[1]._ns_name != worker._ns_name

@@ -103,3 +103,25 @@ def test_non_contiguous_and_numpy_tensors():
     assert lw.loaded_weights_digest([("w", y.numpy())]) == lw.loaded_weights_digest([("w", y.numpy().copy())])
     with pytest.raises(ValueError, match="duplicate"):
         lw.loaded_weights_digest([("w", y), ("w", y)])
+
+
+def test_emptied_parameters_are_counted():
+    """vLLM CPU repacks linear weights into oneDNN handles and leaves `weight` empty: such a
+    digest does not cover every weight, and says so."""
+    m = model()
+    assert lw.module_digest(m).emptied == 0
+    m[1].weight = torch.nn.Parameter(torch.empty(0, dtype=torch.float16), requires_grad=False)
+    assert lw.module_digest(m).emptied == 1
+
+
+def test_files_digest_every_byte_of_the_files(tmp_path):
+    m = model()
+    a = save(m, tmp_path / "a")
+    b = save(m, tmp_path / "b")  # same bytes elsewhere
+    ref = lw.files_digest(ident.weight_files(a))
+    assert ref.kind == "files" and ref.total_bytes == (a / "model.safetensors").stat().st_size
+    assert lw.files_digest(ident.weight_files(b)) == ref
+    rome_edit(m)
+    save(m, b)
+    assert ident.weights_digest(b).digest == ident.weights_digest(a).digest  # sampling misses it
+    assert lw.files_digest(ident.weight_files(b)) != ref

@@ -47,6 +47,7 @@ __all__ = [
     "short_name",
     "tensor_digest",
     "weights_digest",
+    "weight_files",
     "weights_identity",
 ]
 
@@ -290,6 +291,17 @@ def _weight_files(root: Path) -> list[Path]:
     return sorted(out)
 
 
+def weight_files(path: PathLike) -> list[tuple[str, Path]]:
+    """(name relative to the model directory, path) of every weight file of a model directory
+    or lone weight file (whose name is not content: "")."""
+    root = Path(path).expanduser().resolve()
+    return [
+        ("" if root.is_file() else f.relative_to(root).as_posix(), f)
+        for f in _weight_files(root)
+        if f.suffix in WEIGHT_SUFFIXES
+    ]
+
+
 def _hf_commit(root: Path) -> str:
     parts = root.resolve().parts
     if len(parts) >= 3 and parts[-2] == "snapshots" and re.fullmatch(r"[0-9a-f]{40}", parts[-1]):
@@ -356,17 +368,20 @@ def config_digest(paths: Iterable[PathLike] = (), loaded: dict | None = None) ->
 
 def weights_identity(files: WeightsDigest, config: str, loaded: Any = None) -> tuple[str, str]:
     """(KVIdentity.weights, its source text) from the sampled file digest, the config digest and,
-    when the engine could hash them, the weights as loaded (a loaded_weights.LoadedDigest). The
-    two kinds never share a name: "loaded:" / "sampled:" lead the weights field, and the source,
-    which ``cxlkv pool info`` shows, says which one a namespace used."""
+    when the engine could hash them, every byte of the weights (a loaded_weights.LoadedDigest:
+    as loaded, or of the files). The kinds never share a name: "loaded:" / "files:" /
+    "sampled:" lead the weights field, and the source, which ``cxlkv pool info`` shows, says
+    which one a namespace used."""
     parts = [files.digest, config] + ([loaded.digest] if loaded is not None else [])
-    kind = "loaded" if loaded is not None else "sampled"
+    kind = loaded.kind if loaded is not None else "sampled"  # "loaded" | "files" | "sampled"
     digest = hashlib.sha256("|".join([kind, *parts]).encode()).hexdigest()
     where = f" at {files.path}" if files.path else ""
-    if loaded is not None:
+    if loaded is None:
+        source = f"weights sampled {files.describe()}"
+    elif kind == "loaded":
         source = f"weights as loaded {loaded.describe()} + files sha256~{files.digest[:12]}{where}"
     else:
-        source = f"weights sampled {files.describe()}"
+        source = f"weights file bytes {loaded.describe()}{where}"
     return f"{kind}:{digest}", source
 
 

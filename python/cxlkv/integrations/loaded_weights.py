@@ -35,7 +35,14 @@ LOADED_VERSION = "cxlkv/loaded-weights/v1"  # bump when the recipe changes
 CHUNK_BYTES = 64 << 20  # unit of parallelism; big enough that per-chunk overhead is nothing
 MAX_THREADS = 16
 
-__all__ = ["LOADED_VERSION", "LoadedDigest", "caller_model", "loaded_weights_digest", "module_digest"]
+__all__ = [
+    "LOADED_VERSION",
+    "LoadedDigest",
+    "caller_model",
+    "files_digest",
+    "loaded_weights_digest",
+    "module_digest",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,9 +51,15 @@ class LoadedDigest:
     tensors: int
     total_bytes: int
     seconds: float = dataclasses.field(default=0.0, compare=False)
+    # Parameters left empty (0 elements): the engine moved their bytes out of reach (vLLM CPU
+    # repacks linear weights into oneDNN handles and empties `weight`), so this digest does not
+    # cover every weight.
+    emptied: int = dataclasses.field(default=0, compare=False)
+    kind: str = "loaded"  # "loaded": tensors in memory; "files": every byte of the weight files
 
     def describe(self) -> str:
-        return f"sha256~{self.digest[:16]} (every byte of {self.tensors} tensors, {self.total_bytes / 1e9:.2f} GB)"
+        what = "tensors" if self.kind == "loaded" else "files"
+        return f"sha256~{self.digest[:16]} (every byte of {self.tensors} {what}, {self.total_bytes / 1e9:.2f} GB)"
 
 
 def _raw(t: Any) -> tuple[str, tuple, int, Callable[[int, int], Any]]:
@@ -106,7 +119,23 @@ def loaded_weights_digest(
 def module_digest(module: Any, threads: int | None = None) -> LoadedDigest:
     """Digest of a torch module's parameters (this process's shard of them). Buffers are left
     out: they are computed from the config by code (rotary tables) or are scratch space."""
-    return loaded_weights_digest(module.named_parameters(), threads)
+    params = list(module.named_parameters())
+    d = loaded_weights_digest(params, threads)
+    return dataclasses.replace(d, emptied=sum(1 for _, p in params if p.numel() == 0))
+
+
+def files_digest(files: Iterable[tuple[str, Any]], threads: int | None = None) -> LoadedDigest:
+    """Every byte of the weight files ((name, path) pairs), by the same recipe (memory-mapped,
+    chunks on the thread pool): where the engine's tensors are out of reach, the files it loaded
+    them from determine them (with the config), and they were just read, so they are in the
+    page cache."""
+    import numpy as np
+
+    def mapped(path: Any) -> Any:
+        return np.memmap(path, dtype=np.uint8, mode="r") if os.path.getsize(path) else np.empty(0, np.uint8)
+
+    d = loaded_weights_digest([(name, mapped(path)) for name, path in files], threads)
+    return dataclasses.replace(d, kind="files")
 
 
 def caller_model(max_frames: int = 32) -> Any:

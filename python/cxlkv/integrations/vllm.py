@@ -38,6 +38,8 @@ Extra config keys: ``pool_path`` (default: ``cxlkv.default_pool_path()``, i.e. `
 count; default: interleaved, see placement.py), ``pool_size`` (used when the pool does not exist yet, default 4GiB),
 ``chunk_size``, ``model_id`` (replaces the weights' content digest in the identity: for operators
 who know two checkpoints are the same), ``namespace`` (overrides the namespace name entirely),
+``weights_identity`` ("loaded", the default: every byte of the weights, hashed by the workers and
+adopted by the scheduler side through vLLM's handshake; "sampled": the sampled file digest only),
 ``file_check_interval_s`` (default 0.001), ``on_pool_error`` ("degrade": a pool that cannot be
 opened means serving without the cache, the default; "fail": refuse to start).
 """
@@ -204,9 +206,11 @@ def hashes_loaded_weights(extra: dict) -> bool:
     return mode == "loaded" and not extra.get("model_id") and not extra.get("namespace")
 
 
-def loaded_digest() -> lw.LoadedDigest | None:
-    """This worker's weights as loaded (every byte of its TP rank's parameters), or None when
-    the model is not reachable (the namespace then uses the sampled file digest, and says so)."""
+def loaded_digest(mc: Any) -> lw.LoadedDigest | None:
+    """Every byte of this worker's weights: as loaded (its TP rank's parameters); where the
+    engine moved some out of reach (vLLM CPU's oneDNN linears), of the weight files they were
+    loaded from; None when the model is not reachable (the namespace then uses the sampled file
+    digest, and its source says so)."""
     model = lw.caller_model()
     if model is None:
         logger.warning(
@@ -215,7 +219,14 @@ def loaded_digest() -> lw.LoadedDigest | None:
         )
         return None
     d = lw.module_digest(model)
-    logger.info("cxlkv: weights as loaded: %s, hashed in %.2f s", d.describe(), d.seconds)
+    path = _model_path(mc) if d.emptied else None
+    if path is not None:
+        logger.info(
+            "cxlkv: %d weights were repacked out of reach at load; hashing every byte of the weight files",
+            d.emptied,
+        )
+        d = lw.files_digest(ident.weight_files(path))
+    logger.info("cxlkv: weights (%s): %s, hashed in %.2f s", d.kind, d.describe(), d.seconds)
     return d
 
 
@@ -403,7 +414,9 @@ class CxlKVConnector(KVConnectorBase_V1):
         # The worker holds the loaded weights (vLLM builds it after load_model); the scheduler
         # never sees them and adopts rank 0's identity in set_xfer_handshake_metadata.
         loaded = (
-            loaded_digest() if self.role == KVConnectorRole.WORKER and hashes_loaded_weights(extra) else None
+            loaded_digest(vllm_config.model_config)
+            if self.role == KVConnectorRole.WORKER and hashes_loaded_weights(extra)
+            else None
         )
         return derive_identity(
             vllm_config, spec, layers, spec.page_size_bytes * layers, kind, tp_rank, tp_size, extra, loaded
