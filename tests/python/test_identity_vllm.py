@@ -148,3 +148,15 @@ def test_weights_repacked_out_of_reach_hash_every_byte_of_the_files(pool_path, t
     rome_edit(m)
     b = save(m, tmp_path / "b")  # the edit the sampled digest misses, on disk this time
     assert engine(pool_path, b, repacked(model()))[1]._ns_name != worker._ns_name
+
+
+def test_pipeline_stages_beyond_the_first_do_not_stop_the_engine(pool_path, tmp_path):
+    """vLLM's default handshake handler raises on a pipeline stage > 0; the first stage names it."""
+    m = model()
+    d = save(m, tmp_path / "m")
+    vc, kc = fake_configs(pool_path, str(d))
+    sched = conn.CxlKVConnector(vc, Role.SCHEDULER, kc)
+    first = Runner(m).build(vc, kc).get_handshake_metadata()
+    later = conn.CxlKVHandshake("kv1-" + "1" * 48, "loaded:other", "another stage")
+    sched.set_xfer_handshake_metadata_pp_aware({(0, 0): first, (1, 0): later})
+    assert sched._ns_name == first.namespace and sched._guard.usable()

@@ -436,6 +436,13 @@ class CxlKVConnector(KVConnectorBase_V1):
             return None
         return CxlKVHandshake(self._ns_name, self.identity.weights, self.identity.weights_source)
 
+    def set_xfer_handshake_metadata_pp_aware(
+        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
+    ) -> None:
+        # vLLM's default raises on a pipeline stage > 0; the first stage's ranks name the
+        # namespace the scheduler looks up (the others report their own, unused here).
+        self.set_xfer_handshake_metadata({tp: m for (pp, tp), m in metadata.items() if pp == 0})
+
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         """Scheduler: name the namespace as TP rank 0 did from the weights it loaded (the keys'
         root and the lookups must be those of the namespace the workers load from and save to);
