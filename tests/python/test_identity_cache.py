@@ -87,7 +87,6 @@ def test_forged_cache_owned_by_another_user_is_ignored(tmp_path):
     assert ident.weights_digest(b).digest == digest_b
 
 
-@needs_root
 @pytest.mark.parametrize("mode", [0o664, 0o646, 0o666])
 def test_forged_cache_writable_by_others_is_ignored(tmp_path, mode):
     a, b = make_model(tmp_path / "a", 1), make_model(tmp_path / "b", 2)
@@ -180,9 +179,18 @@ def test_normalised_mtime_rewrite_in_place_is_noticed(tmp_path):
     assert ident.weights_digest(a).digest == fresh_digest(a) != first
 
 
-def _digest_as(uid: int, path: Path, home: Path) -> str:
-    """weights_digest(path) computed by user ``uid`` (a forked child) with HOME=home: root may
-    write every directory, so a read-only model directory needs another user."""
+def _digest_read_only(path: Path, home: Path) -> str:
+    """weights_digest(path) by a user who cannot write the model directories, with HOME=home:
+    root may write every directory, so root forks a child that becomes ``nobody``; another user
+    computes it in-process (the directories are made read-only by the caller)."""
+    if os.geteuid() != 0:
+        old = os.environ.get("HOME")
+        os.environ["HOME"] = str(home)
+        try:
+            return ident.weights_digest(path).digest
+        finally:
+            os.environ["HOME"] = old or ""
+    uid = NOBODY
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # child: never returns into pytest
@@ -207,7 +215,6 @@ def _digest_as(uid: int, path: Path, home: Path) -> str:
     return out
 
 
-@needs_root
 def test_read_only_symlink_repointed_to_same_shape_version_with_normalised_mtimes(tmp_path):
     """/models/current -> v1, then -> v2 (same shapes and sizes, mtimes normalised as in a Nix
     store): the cache in the home directory must not give v2 the digest of v1."""
@@ -222,17 +229,23 @@ def test_read_only_symlink_repointed_to_same_shape_version_with_normalised_mtime
         ]
         home = base / "home"
         home.mkdir()
-        os.chown(home, NOBODY, NOBODY)
+        if os.geteuid() == 0:
+            os.chown(home, NOBODY, NOBODY)
+        for d in (v1, v2):
+            os.chmod(d, 0o555)  # read-only for its owner too: the cache goes to HOME
         current = base / "current"
         current.symlink_to(v1)
-        d1 = _digest_as(NOBODY, current, home)
+        d1 = _digest_read_only(current, home)
         assert list((home / ".cache" / "cxlkv" / "identity").glob("*.json"))  # the home cache was used
         assert not (v1 / ident.CACHE_FILE).exists()
         current.unlink()
         current.symlink_to(v2)
-        d2 = _digest_as(NOBODY, current, home)
+        d2 = _digest_read_only(current, home)
         assert d2 != d1
         assert d2 == fresh_digest(v2) and d1 == fresh_digest(v1)
-        assert _digest_as(NOBODY, current, home) == d2  # and the cache still answers
+        assert _digest_read_only(current, home) == d2  # and the cache still answers
     finally:
+        for d in (base / "v1", base / "v2"):
+            if d.exists():
+                os.chmod(d, 0o755)
         shutil.rmtree(base)
