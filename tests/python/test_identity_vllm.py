@@ -16,7 +16,7 @@ import cxlkv
 vllm_base = pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
 torch = pytest.importorskip("torch")
 from test_connector_unit import fake_configs  # noqa: E402
-from test_loaded_weights import model, rome_edit, save  # noqa: E402
+from test_loaded_weights import ROWS, model, rome_edit, save  # noqa: E402
 
 from cxlkv.integrations import vllm as conn  # noqa: E402
 
@@ -160,3 +160,11 @@ def test_pipeline_stages_beyond_the_first_do_not_stop_the_engine(pool_path, tmp_
     later = conn.CxlKVHandshake("kv1-" + "1" * 48, "loaded:other", "another stage")
     sched.set_xfer_handshake_metadata_pp_aware({(0, 0): first, (1, 0): later})
     assert sched._ns_name == first.namespace and sched._guard.usable()
+
+
+def test_weights_that_cannot_be_hashed_fall_back_to_sampled(pool_path, tmp_path):
+    m = model()
+    d = save(m, tmp_path / "m")
+    m[2].weight = torch.nn.Parameter(torch.empty(ROWS, device="meta"), requires_grad=False)  # no bytes
+    sched, worker = engine(pool_path, d, m)
+    assert worker.identity.source().startswith("weights sampled") and sched._ns_name == worker._ns_name

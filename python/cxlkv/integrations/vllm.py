@@ -218,14 +218,20 @@ def loaded_digest(mc: Any) -> lw.LoadedDigest | None:
             "named by the sampled file digest (docs/IDENTITY.md)"
         )
         return None
-    d = lw.module_digest(model)
-    path = _model_path(mc) if d.emptied else None
-    if path is not None:
-        logger.info(
-            "cxlkv: %d weights were repacked out of reach at load; hashing every byte of the weight files",
-            d.emptied,
+    try:
+        d = lw.module_digest(model)
+        path = _model_path(mc) if d.emptied else None
+        if path is not None:
+            logger.info(
+                "cxlkv: %d weights were repacked out of reach at load; hashing every byte of the weight files",
+                d.emptied,
+            )
+            d = lw.files_digest(ident.weight_files(path))
+    except (RuntimeError, TypeError, ValueError, OSError) as e:  # a tensor numpy cannot view, ...
+        logger.warning(
+            "cxlkv: the weights cannot be hashed (%s); the namespace is named by the sampled file digest", e
         )
-        d = lw.files_digest(ident.weight_files(path))
+        return None
     logger.info("cxlkv: weights (%s): %s, hashed in %.2f s", d.kind, d.describe(), d.seconds)
     return d
 
