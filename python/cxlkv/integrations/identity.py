@@ -10,9 +10,12 @@ Recipe (docs/IDENTITY.md explains the why and the limits):
   canonical dtype table, the KV scales, the quantization method, the block size, the TP rank/size
   and the device's byte layout: :class:`KVIdentity`.
 
-Per-file digests are cached by (path, size, mtime) beside the model (``.cxlkv-identity.json``)
-or, where that directory is read-only, under ``~/.cache/cxlkv/identity/``: a 100 GB checkpoint
-costs a few thousand small reads once, then a stat per file.
+Per-file digests are cached beside the model (``.cxlkv-identity.json``) or, where that directory
+is read-only, under ``~/.cache/cxlkv/identity/`` (keyed by the resolved path): a 100 GB checkpoint
+costs a few thousand small reads once, then a stat per file. The cache is a hint, never an
+authority: an entry counts only when every stat field of the file (device, inode, size, mtime,
+ctime) matches, a cache file counts only when its owner is trusted and nobody else can write it,
+and anything malformed is recomputed (:mod:`cxlkv.integrations.identity_cache`).
 
 Usable without vLLM (the connector in :mod:`cxlkv.integrations.vllm` is one user).
 """
@@ -29,17 +32,23 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from cxlkv.integrations.identity_cache import CACHE_FILE, IdentityCache
+
 __all__ = [
+    "CACHE_FILE",
     "IDENTITY_VERSION",
     "SAMPLE_BYTES",
     "KVIdentity",
     "WeightsDigest",
     "adapter_digest",
     "canonical_dtype",
+    "config_digest",
     "file_digest",
     "short_name",
     "tensor_digest",
+    "weight_files",
     "weights_digest",
+    "weights_identity",
 ]
 
 IDENTITY_VERSION = "cxlkv/identity/v1"  # bump when the recipe changes: old namespaces stay apart
@@ -48,7 +57,6 @@ SAMPLES_PER_TENSOR = 3  # start, middle, end of every tensor
 WHOLE_TENSOR_BYTES = 3 * SAMPLE_BYTES  # smaller tensors (norms, biases) are hashed whole
 BLOB_WINDOW_STRIDE = 64 << 20  # unparsed weight files: one window per 64 MiB, at least 64
 BLOB_MIN_WINDOWS = 64
-CACHE_FILE = ".cxlkv-identity.json"
 WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth", ".ckpt", ".npz", ".msgpack", ".h5")
 # Files beside the weights that change the model's computation (config, quantization, generation
 # is not one of them): hashed whole, they are small.
@@ -257,35 +265,6 @@ def tensor_digest(data: Any) -> str:
     return hashlib.sha256(memoryview(data).cast("B")).hexdigest()
 
 
-# -------------------------------------------------------------------------------------------------
-# the cache
-def _cache_path(root: Path) -> Path:
-    d = root if root.is_dir() else root.parent
-    if os.access(d, os.W_OK):
-        return d / (CACHE_FILE if root.is_dir() else f".{root.name}{CACHE_FILE}")
-    tag = hashlib.sha256(str(root).encode()).hexdigest()[:24]
-    return Path.home() / ".cache" / "cxlkv" / "identity" / f"{tag}.json"
-
-
-def _load_cache(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-        return data if data.get("version") == IDENTITY_VERSION else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _save_cache(path: Path, data: dict) -> None:
-    """Best effort (a read-only tree, a full disk just mean recomputing next time); atomic."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, sort_keys=True, indent=0))
-        os.replace(tmp, path)
-    except OSError:
-        pass
-
-
 @dataclasses.dataclass(frozen=True)
 class WeightsDigest:
     digest: str  # sha256 hex over every weight/config file's digest
@@ -297,7 +276,7 @@ class WeightsDigest:
     def describe(self) -> str:
         gb = self.total_bytes / 1e9
         commit = f" hf-commit {self.commit[:12]}" if self.commit else ""
-        return f"weights sha256~{self.digest[:16]} ({self.files} files, {gb:.2f} GB){commit} at {self.path}"
+        return f"sha256~{self.digest[:16]} ({self.files} files, {gb:.2f} GB){commit} at {self.path}"
 
 
 def _weight_files(root: Path) -> list[Path]:
@@ -310,6 +289,17 @@ def _weight_files(root: Path) -> list[Path]:
             Path(dirpath) / fn for fn in filenames if fn.endswith(WEIGHT_SUFFIXES) or fn in CONFIG_FILES
         )
     return sorted(out)
+
+
+def weight_files(path: PathLike) -> list[tuple[str, Path]]:
+    """(name relative to the model directory, path) of every weight file of a model directory
+    or lone weight file (whose name is not content: "")."""
+    root = Path(path).expanduser().resolve()
+    return [
+        ("" if root.is_file() else f.relative_to(root).as_posix(), f)
+        for f in _weight_files(root)
+        if f.suffix in WEIGHT_SUFFIXES
+    ]
 
 
 def _hf_commit(root: Path) -> str:
@@ -325,35 +315,74 @@ def weights_digest(path: PathLike) -> WeightsDigest:
     The same bytes at another path give the same digest (file names relative to the directory
     are hashed, absolute paths are not); any change to a sampled window, a tensor table, a file
     size or a config file gives another."""
-    root = Path(path).expanduser().absolute()
+    # Resolved: a symlink such as /models/current re-pointed to another version is another model.
+    root = Path(path).expanduser().resolve()
     files = _weight_files(root)
     if not any(f.suffix in WEIGHT_SUFFIXES for f in files):
         raise FileNotFoundError(f"no weight files ({', '.join(WEIGHT_SUFFIXES)}) under {root}")
-    cache_file = _cache_path(root)
-    cache = _load_cache(cache_file)
-    entries = cache.get("files", {})
-    fresh = {}
+    # Names inside a directory (shards) are content; the name of a lone file (a .gguf) is not.
+    stats = [("" if root.is_file() else f.relative_to(root).as_posix(), f, f.stat()) for f in files]
+    cache = IdentityCache(root, {st.st_uid for _, _, st in stats}, IDENTITY_VERSION)
     h = hashlib.sha256(IDENTITY_VERSION.encode())
     total = 0
-    for f in files:
-        # Names inside a directory (shards) are content; the name of a lone file (a .gguf) is not.
-        rel = "" if root.is_file() else f.relative_to(root).as_posix()
-        st = f.stat()
-        stamp = [st.st_size, st.st_mtime_ns]
-        hit = entries.get(rel)
-        if hit and hit.get("stamp") == stamp:
-            digest = hit["digest"]
-        elif f.name in CONFIG_FILES:
-            digest = hashlib.sha256(f.read_bytes()).hexdigest()
-        else:
-            digest = file_digest(f)
-        fresh[rel] = {"stamp": stamp, "digest": digest}
+    for rel, f, st in stats:
+        digest = cache.get(rel, st)
+        if digest is None:
+            digest = hashlib.sha256(f.read_bytes()).hexdigest() if f.name in CONFIG_FILES else file_digest(f)
+        cache.put(rel, st, digest)
         total += st.st_size
         name = rel.encode()
         h.update(struct.pack("<I", len(name)) + name + bytes.fromhex(digest))
-    if fresh != entries:
-        _save_cache(cache_file, {"version": IDENTITY_VERSION, "files": fresh})
+    cache.save()
     return WeightsDigest(h.hexdigest(), len(files), total, _hf_commit(root), str(root))
+
+
+# Keys of a loaded config that name where it came from, not what it computes.
+CONFIG_PROVENANCE_KEYS = frozenset({"_name_or_path", "name_or_path", "_commit_hash", "transformers_version"})
+
+
+def _strip_provenance(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _strip_provenance(v) for k, v in value.items() if k not in CONFIG_PROVENANCE_KEYS}
+    if isinstance(value, list | tuple):
+        return [_strip_provenance(v) for v in value]
+    return value
+
+
+def config_digest(paths: Iterable[PathLike] = (), loaded: dict | None = None) -> str:
+    """Digest of the configuration an engine computes with, beyond the model directory's own
+    config files (those are in :func:`weights_digest`): the config files of every other path the
+    engine read a config from (vLLM's ``hf_config_path``: a directory's CONFIG_FILES, or a file),
+    by content, and ``loaded``, the config as the engine parsed it (overrides and values derived
+    from a GGUF included), minus the keys that only say where it came from."""
+    h = hashlib.sha256(IDENTITY_VERSION.encode() + b"|config")
+    for p in sorted({Path(p).expanduser().resolve() for p in paths}):
+        found = [p / n for n in CONFIG_FILES if (p / n).is_file()] if p.is_dir() else [p]
+        for f in found:
+            name = f.name.encode()  # not the path: another directory with equal bytes is equal
+            h.update(struct.pack("<I", len(name)) + name + hashlib.sha256(f.read_bytes()).digest())
+    if loaded is not None:
+        h.update(b"loaded" + json.dumps(_strip_provenance(loaded), sort_keys=True, default=str).encode())
+    return h.hexdigest()
+
+
+def weights_identity(files: WeightsDigest, config: str, loaded: Any = None) -> tuple[str, str]:
+    """(KVIdentity.weights, its source text) from the sampled file digest, the config digest and,
+    when the engine could hash them, every byte of the weights (a loaded_weights.LoadedDigest:
+    as loaded, or of the files). The kinds never share a name: "loaded:" / "files:" /
+    "sampled:" lead the weights field, and the source, which ``cxlkv pool info`` shows, says
+    which one a namespace used."""
+    parts = [files.digest, config] + ([loaded.digest] if loaded is not None else [])
+    kind = loaded.kind if loaded is not None else "sampled"  # "loaded" | "files" | "sampled"
+    digest = hashlib.sha256("|".join([kind, *parts]).encode()).hexdigest()
+    where = f" at {files.path}" if files.path else ""
+    if loaded is None:
+        source = f"weights sampled {files.describe()}"
+    elif kind == "loaded":
+        source = f"weights as loaded {loaded.describe()} + files sha256~{files.digest[:12]}{where}"
+    else:
+        source = f"weights file bytes {loaded.describe()}{where}"
+    return f"{kind}:{digest}", source
 
 
 def adapter_digest(path: PathLike) -> str:

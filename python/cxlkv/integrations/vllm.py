@@ -41,6 +41,8 @@ Extra config keys: ``pool_path`` (default: ``cxlkv.default_pool_path()``, i.e. `
 count; default: interleaved, see placement.py), ``pool_size`` (used when the pool does not exist yet, default 4GiB),
 ``chunk_size``, ``model_id`` (replaces the weights' content digest in the identity: for operators
 who know two checkpoints are the same), ``namespace`` (overrides the namespace name entirely),
+``weights_identity`` ("loaded", the default: every byte of the weights, hashed by the workers and
+adopted by the scheduler side through vLLM's handshake; "sampled": the sampled file digest only),
 ``file_check_interval_s`` (default 0.001), ``on_pool_error`` ("degrade": a pool that cannot be
 opened means serving without the cache, the default; "fail": refuse to start).
 """
@@ -56,6 +58,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
 )
@@ -64,6 +67,7 @@ from vllm.logger import init_logger
 
 import cxlkv
 from cxlkv.integrations import identity as ident
+from cxlkv.integrations import loaded_weights as lw
 from cxlkv.integrations.keys import ChainedKeys, MMSpan, root_key
 from cxlkv.integrations.placement import placement_device
 from cxlkv.integrations.pool_session import PoolSession
@@ -184,6 +188,58 @@ def _kv_scales(vllm_config: Any, dtype: str) -> str:
     return "checkpoint-or-unit"  # scales from the checkpoint (in the weights digest) or 1.0
 
 
+def _config_paths(mc: Any) -> list[str]:
+    """Config sources other than the model directory (whose config files weights_digest hashes)."""
+    p = getattr(mc, "hf_config_path", None)
+    return [str(p)] if p and os.path.exists(str(p)) else []
+
+
+def _loaded_config(mc: Any) -> dict | None:
+    """The config as vLLM parsed it (hf_config_path, hf_overrides, GGUF metadata all end up here)."""
+    to_dict = getattr(getattr(mc, "hf_config", None), "to_dict", None)
+    return to_dict() if callable(to_dict) else None
+
+
+def hashes_loaded_weights(extra: dict) -> bool:
+    """Whether the workers name the namespace by the weights as loaded (the default) rather
+    than by the sampled file digest ("weights_identity": "sampled"). An operator's model_id or
+    namespace replaces both."""
+    mode = extra.get("weights_identity", "loaded")
+    if mode not in ("loaded", "sampled"):
+        raise ValueError(f"cxlkv: weights_identity must be 'loaded' or 'sampled', not {mode!r}")
+    return mode == "loaded" and not extra.get("model_id") and not extra.get("namespace")
+
+
+def loaded_digest(mc: Any) -> lw.LoadedDigest | None:
+    """Every byte of this worker's weights: as loaded (its TP rank's parameters); where the
+    engine moved some out of reach (vLLM CPU's oneDNN linears), of the weight files they were
+    loaded from; None when the model is not reachable (the namespace then uses the sampled file
+    digest, and its source says so)."""
+    model = lw.caller_model()
+    if model is None:
+        logger.warning(
+            "cxlkv: the loaded model is not reachable from the connector; the namespace is "
+            "named by the sampled file digest (docs/IDENTITY.md)"
+        )
+        return None
+    try:
+        d = lw.module_digest(model)
+        path = _model_path(mc) if d.emptied else None
+        if path is not None:
+            logger.info(
+                "cxlkv: %d weights were repacked out of reach at load; hashing every byte of the weight files",
+                d.emptied,
+            )
+            d = lw.files_digest(ident.weight_files(path))
+    except (RuntimeError, TypeError, ValueError, OSError) as e:  # a tensor numpy cannot view, ...
+        logger.warning(
+            "cxlkv: the weights cannot be hashed (%s); the namespace is named by the sampled file digest", e
+        )
+        return None
+    logger.info("cxlkv: weights (%s): %s, hashed in %.2f s", d.kind, d.describe(), d.seconds)
+    return d
+
+
 def derive_identity(
     vllm_config: Any,
     spec: Any,
@@ -193,6 +249,7 @@ def derive_identity(
     tp_rank: int,
     tp_size: int,
     extra: dict,
+    loaded: lw.LoadedDigest | None = None,
 ) -> ident.KVIdentity:
     mc = vllm_config.model_config
     if extra.get("model_id"):
@@ -206,7 +263,8 @@ def derive_identity(
                 "namespace from them; set kv_connector_extra_config.model_id"
             )
         w = ident.weights_digest(path)
-        weights, source = w.digest, w.describe()
+        config = ident.config_digest(_config_paths(mc), _loaded_config(mc))
+        weights, source = ident.weights_identity(w, config, loaded)
     dtype = _kv_dtype(vllm_config, spec)
     backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
     device = vllm_config.device_config.device_type
@@ -229,6 +287,31 @@ def derive_identity(
         device_layout=f"{device}|{backend or 'auto'}|{type(spec).__name__}|{sys.byteorder}",
         block_bytes=block_bytes,
     )
+
+
+@dataclasses.dataclass
+class CxlKVHandshake(KVConnectorHandshakeMetadata):
+    """What a worker tells the scheduler side: the namespace it derived and the weights field
+    (with its source text) that the scheduler cannot compute, not holding the weights."""
+
+    namespace: str
+    weights: str
+    weights_source: str
+
+
+class _AwaitingWorkers:
+    """The scheduler's namespace until the workers report theirs. vLLM's engine core reports
+    before the first request; an engine that never does gets the namespace of the sampled
+    file digest at first use: the one workers that could not hash their weights use."""
+
+    def __init__(self, open_namespace: Any) -> None:
+        self._open = open_namespace
+        self._ns: Any = None
+
+    def __getattr__(self, name: str) -> Any:
+        if self._ns is None:
+            self._ns = self._open()
+        return getattr(self._ns, name)
 
 
 def _layout(identity: ident.KVIdentity) -> cxlkv.KVLayout:
@@ -262,6 +345,7 @@ class CxlKVConnector(KVConnectorBase_V1):
         pool_path = extra.get("pool_path") or cxlkv.default_pool_path()
         # A striped pool: a comma-separated string or a JSON list of device paths.
         self._pool_path = ",".join(map(str, pool_path)) if isinstance(pool_path, list) else str(pool_path)
+        self._awaits_workers = role == KVConnectorRole.SCHEDULER and hashes_loaded_weights(extra)
         self.identity = self._describe(vllm_config, kv_cache_config)
         self._block_bytes = self.identity.block_bytes
         self._ns_name = (
@@ -282,9 +366,9 @@ class CxlKVConnector(KVConnectorBase_V1):
             )
 
         def open_namespace(pool: cxlkv.Pool) -> Any:
-            n = len(pool.info()["devices"])
-            device = placement_device(extra.get("pool_device"), self.identity.tp_rank, n)
-            return pool.namespace(_layout(self.identity), name=self._ns_name, device=device)
+            if self._awaits_workers:  # identity: opened when the workers report (handshake)
+                return _AwaitingWorkers(lambda: self._open_namespace(pool))
+            return self._open_namespace(pool)
 
         # Every use of the pool goes through self._session.call, which runs nothing while the pool
         # is unusable (from the start when opening failed), and opens it again after a fence. A
@@ -341,8 +425,61 @@ class CxlKVConnector(KVConnectorBase_V1):
 
             tp_rank = get_tensor_model_parallel_rank()
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        # The worker holds the loaded weights (vLLM builds it after load_model); the scheduler
+        # never sees them and adopts rank 0's identity in set_xfer_handshake_metadata.
+        loaded = (
+            loaded_digest(vllm_config.model_config)
+            if self.role == KVConnectorRole.WORKER and hashes_loaded_weights(extra)
+            else None
+        )
         return derive_identity(
-            vllm_config, spec, layers, spec.page_size_bytes * layers, kind, tp_rank, tp_size, extra
+            vllm_config, spec, layers, spec.page_size_bytes * layers, kind, tp_rank, tp_size, extra, loaded
+        )
+
+    def _open_namespace(self, pool: cxlkv.Pool) -> Any:
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        device = placement_device(
+            extra.get("pool_device"), self.identity.tp_rank, len(pool.info()["devices"])
+        )
+        return pool.namespace(_layout(self.identity), name=self._ns_name, device=device)
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        """Worker: the identity this rank derived (vLLM hands it to the scheduler side)."""
+        if self.role != KVConnectorRole.WORKER:
+            return None
+        return CxlKVHandshake(self._ns_name, self.identity.weights, self.identity.weights_source)
+
+    def set_xfer_handshake_metadata_pp_aware(
+        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
+    ) -> None:
+        # vLLM's default raises on a pipeline stage > 0; the first stage's ranks name the
+        # namespace the scheduler looks up (the others report their own, unused here).
+        self.set_xfer_handshake_metadata({tp: m for (pp, tp), m in metadata.items() if pp == 0})
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        """Scheduler: name the namespace as TP rank 0 did from the weights it loaded (the keys'
+        root and the lookups must be those of the namespace the workers load from and save to);
+        every other field is this side's own, and must give the workers' name."""
+        meta = metadata.get(0)
+        if not self._awaits_workers or not isinstance(meta, CxlKVHandshake):
+            return
+        self._awaits_workers = False
+        adopted = dataclasses.replace(self.identity, weights=meta.weights, weights_source=meta.weights_source)
+        if adopted.namespace_name() != meta.namespace:
+            self._session.guard.fail(
+                "the workers derived another KV namespace",
+                ValueError(
+                    f"workers: {meta.namespace}, scheduler: {adopted.namespace_name()} ({adopted.source()})"
+                ),
+            )
+            return
+        self.identity, self._ns_name = adopted, meta.namespace
+        # The session's pool now (it may be a new node after a fence); a fence here reopens it.
+        ns = self._session.call("namespace", lambda _awaiting: self._open_namespace(self._session.pool))
+        if ns is not None:
+            self._session.ns = ns
+        logger.info(
+            "cxlkv: namespace %r (%s), reported by the workers", self._ns_name, self.identity.source()
         )
 
     def _once(self, cause: str, msg: str, *args: Any) -> None:
