@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <thread>
+#include <utility>
 
 #include "checksum.h"
 #include "errors.h"
@@ -228,7 +229,7 @@ bool Bakery::reset_orphaned_row(uint32_t k, uint32_t j, const LockLine& seen) {
   LockLine* l = line(k, j);
   c_.coh.invalidate(l, sizeof *l);
   if (l->choosing != seen.choosing || l->number != seen.number || l->node != seen.node ||
-      l->node_word != seen.node_word)
+      l->node_word != seen.node_word || l->waits != seen.waits)
     return false;  // it moved: someone uses the row after all
   check_fence();
   l->choosing = 0, l->number = 0, l->node = 0, l->node_word = 0;
@@ -318,11 +319,15 @@ void Bakery::acquire_tier1(uint32_t k, const void* addr) {
       // write from anywhere in the pod) is nobody's; the CAS below is among our host's processes.
       bool gone = participant_gone(v) || !tier1_holder_plausible(v);
       if (!gone) {
-        // Silence: the word, and its node's (state, beat), unchanged for a lease on our clock.
+        // Silence: the word, and its holder's pulse, unchanged for a lease on our clock: for a
+        // node, its (state, beat); for a node-less holder (attach, observer on a full table),
+        // the row's `waits`, which it advances while it waits in tier 2 (the pulse peers use).
         uint32_t node = tier1_node(v);
         uint64_t st = 0, bt = 0;
         if (node != 0 && node <= c_.max_nodes)
           st = c_.coh.read(&c_.nodes[node - 1].state), bt = holder_beat(node);
+        else if (node == 0)
+          bt = std::atomic_ref<uint64_t>(line(k, c_.slot)->waits).load(std::memory_order_relaxed);
         if (since == 0 || v != seen || st != seen_state || bt != seen_beat)
           seen = v, seen_state = st, seen_beat = bt, since = t;
         else
@@ -369,23 +374,30 @@ void Bakery::release_row(uint32_t k) {
     tier1_cas(k, mine, 0);  // fails if a host-mate took it over: then it is theirs
     return;
   }
+  // Taken over (we looked silent for a lease): the row is a host-mate's now; not ours to write.
+  if (std::atomic_ref<uint64_t>(tier1(k)).load(std::memory_order_acquire) != mine) return;
   me->number = 0, me->choosing = 0;
+  bump(me);  // while the word is ours: the one writer of `waits` (no bump of a successor is lost)
   tier1_cas(k, mine, 0);
   // One write-back carries the reset ticket and the free tier-1 word (a crashed host's successor
   // then finds the word free in memory). A host-mate that took the word meanwhile may have stored
   // its first fields already: writing them back early is harmless (each word is its own register).
-  bump(me);
   write_back(me);
 }
 
 void Bakery::lock(const void* addr) {
   const uint32_t k = stripe_of(addr);
   // Without a node (an observer on a full node table, or an attach before its slot is ALIVE) our
-  // ticket names node 0, which peers skip once it stood still for a lease on their clock (they
-  // have no beat to watch). The fence then runs from this acquisition: every ticket write below
-  // changes the line, so peers restart their clocks after this instant, and check_fence stops us
-  // storing half a lease later. A node has a heartbeat instead; its fence runs from its last beat.
-  if (node_ == 0) c_.last_beat->store(liveness::mono_ns(), std::memory_order_release);
+  // ticket names node 0, which peers skip once its line stood still for a lease on their clock.
+  // The fence then runs from our own line's writes (the first ticket write below, then each
+  // progress write), and since that base is per attachment, a node-less attachment holds one
+  // stripe at a time (nodeless_mu_): a thread of it could not refresh the fence of another's line.
+  // A node has a heartbeat instead; its fence runs from its last beat.
+  std::unique_lock<std::recursive_mutex> nodeless;
+  if (node_ == 0) {
+    nodeless = std::unique_lock<std::recursive_mutex>(nodeless_mu_);
+    c_.last_beat->store(liveness::mono_ns(), std::memory_order_release);  // nothing written yet
+  }
   check_fence();     // a fenced attachment touches no row
   local_[k].lock();  // tier 1: threads of this attachment
   if (depth_[k]++ != 0) {
@@ -398,6 +410,8 @@ void Bakery::lock(const void* addr) {
     acquire_tier1(k, addr);  // tier 1: processes of this host
     row = true;
     LockLine* me = line(k, c_.slot);
+    // Node-less: the fence runs from this first write (tier 1 may have waited for host-mates).
+    if (nodeless.owns_lock()) c_.last_beat->store(liveness::mono_ns(), std::memory_order_release);
     check_fence();  // before each write of the row: a silent holder may have been taken over
     me->choosing = 1;
     me->node = node_;
@@ -490,6 +504,9 @@ void Bakery::lock(const void* addr) {
         }
         if (t - last_progress > progress_ns) {
           check_fence();  // on the previous fence base: a lapsed holder is not revived here
+          if (std::atomic_ref<uint64_t>(tier1(k)).load(std::memory_order_acquire) !=
+              mine_.load(std::memory_order_relaxed))
+            throw fenced_error(where_);  // a host-mate took our row over: we looked silent
           const uint64_t published = liveness::mono_ns();
           bump(me);
           write_back(me);
@@ -519,6 +536,10 @@ void Bakery::lock(const void* addr) {
     local_[k].unlock();
     throw;
   }
+  if (nodeless.owns_lock()) {
+    nodeless.release();  // held until unlock(k): one stripe at a time without a node
+    nodeless_held_[k] = true;
+  }
   if (CacheModel* m = c_.coh.model()) m->lock_entered(k);
 }
 
@@ -529,8 +550,10 @@ void Bakery::unlock(const void* addr) {
     release_row(k);
   } catch (...) {
   }
+  const bool nodeless = std::exchange(nodeless_held_[k], false);
   --depth_[k];
   local_[k].unlock();
+  if (nodeless) nodeless_mu_.unlock();
 }
 
 }  // namespace cxlkv

@@ -135,6 +135,11 @@ class Bakery final : public Arbiter {
   std::atomic<uint64_t> mine_{0};  // our tier-1 word
   std::array<std::mutex, format::kLockStripes> local_;  // tier 1, threads of this attachment
   std::array<uint32_t, format::kLockStripes> depth_{};  // re-entry guard (a bug, not a feature)
+  // A node-less attachment (attach in progress, observer on a full node table) holds at most one
+  // stripe at a time: its fence base (last_beat) is refreshed by its own line's writes, which
+  // must be the writes of the ticket it holds. nodeless_held_[k]: released by unlock(k).
+  std::recursive_mutex nodeless_mu_;
+  std::array<bool, format::kLockStripes> nodeless_held_{};
   std::atomic<uint64_t> skipped_{0}, takeovers_{0}, voided_{0}, healed_{0};
   // Tickets this attachment already skipped after a lease of silence, per (stripe, row): the same
   // ticket, still with a silent holder, is skipped again at once instead of after another lease

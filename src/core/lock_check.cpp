@@ -11,14 +11,19 @@
 //   stuck:   the ticket of a live holder of that row that did not move while we looked (a
 //            critical section lasts microseconds). Warning; a waiter gives up on it after
 //            Bakery::kWaitLeases leases (LockTimeoutError).
-// Repairs: our own row is ours to write, so its stale tickets are reset by every check. A row
-// with no live node (orphaned) is reset only with --repair, and only if the ticket is still the
-// one we saw: it is the one write of a row by another host, safe as long as no host starts using
-// that row during the check (a host that attaches there probes or is configured there and writes
-// its first ticket after its attach publishes it; a row is orphaned only while no node names it).
+// Repairs: our own row is ours to write, so its stale tickets are reset by every check (under its
+// tier-1 word). A row with no live node (orphaned) is reset only with --repair, only for tickets
+// every waiter already ignores (void, or node-less), only once its whole line (`waits`
+// included: every write of a row changes it) stood still for a lease, and only if the line is
+// still that one right before the write-back. It is the one write of a row by another host: a
+// host that starts on that row (its attach takes the row before its node is ALIVE) in the
+// instant between that last compare and the write-back is the residual race, which is why it is
+// an operator's action and never a waiter's. Rows whose host lives heal themselves
+// (Bakery::heal_own_row, on every beat).
 #include <chrono>
 #include <thread>
 
+#include "liveness.h"
 #include "pool.h"
 
 namespace cxlkv {
@@ -27,7 +32,8 @@ using namespace format;
 
 namespace {
 bool same_ticket(const LockLine& a, const LockLine& b) {
-  return a.choosing == b.choosing && a.number == b.number && a.node == b.node && a.node_word == b.node_word;
+  return a.choosing == b.choosing && a.number == b.number && a.node == b.node && a.node_word == b.node_word &&
+         a.waits == b.waits;
 }
 std::string describe(uint32_t k, uint32_t j, const LockLine& t) {
   return "lock stripe " + std::to_string(k) + " row " + std::to_string(j) + ": ticket (choosing " +
@@ -37,11 +43,11 @@ std::string describe(uint32_t k, uint32_t j, const LockLine& t) {
 }  // namespace
 
 void Pool::check_lock_area(CheckReport& r) {
-  const bool repair = r.repair;
   const uint32_t hosts = hdr_->lock_hosts;
   struct Seen {
     uint32_t k, j;
     LockLine t;
+    bool foreign = false, row_live = false;
   };
   std::vector<Seen> seen;
   for (uint32_t k = 0; k < kLockStripes; ++k)
@@ -50,13 +56,16 @@ void Pool::check_lock_area(CheckReport& r) {
       if (t.choosing || t.number) seen.push_back({k, j, t});  // a release leaves node/node_word
     }
   if (seen.empty()) return;
-  // A live holder's ticket moves within microseconds: judge only what stood still.
+  const uint64_t first_look = liveness::mono_ns();
+  // A live holder's ticket moves within microseconds: judge only what stood still (every write
+  // of a row changes its `waits`, so an unchanged line was not written in between).
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   RowUse use = row_use();
-  for (const Seen& s : seen) {
+  std::vector<Seen> orphaned;  // --repair: reset once they stood still for a lease
+  for (Seen& s : seen) {
     if (!same_ticket(bakery_->read_ticket(s.k, s.j), s.t)) continue;
     const bool own = s.j == host_slot_;
-    const bool row_live = own ? node_id_ != 0 || use.mate[s.j] : use.mate[s.j] || use.other[s.j] != 0;
+    s.row_live = own ? node_id_ != 0 || use.mate[s.j] : use.mate[s.j] || use.other[s.j] != 0;
     const std::string what = describe(s.k, s.j, s.t);
     if (s.t.node != 0 && bakery_->ticket_owner_attached(s.t, s.j)) {
       ++r.lock_tickets_stuck;
@@ -64,38 +73,68 @@ void Pool::check_lock_area(CheckReport& r) {
                            " did not move while checked (a holder stalled inside the lock?)");
       continue;
     }
-    bool foreign = false;
     if (s.t.node != 0 && s.t.node <= hdr_->max_nodes) {
       NodeSlot* n = node_slot(uint32_t(s.t.node - 1));
-      foreign = coh_.read(&n->state) == s.t.node_word && node_state(s.t.node_word) == kNodeAlive;
-      if (foreign) {
+      s.foreign = coh_.read(&n->state) == s.t.node_word && node_state(s.t.node_word) == kNodeAlive;
+      if (s.foreign) {
         coh_.invalidate(n, sizeof *n);
-        foreign = n->host_slot != uint64_t(s.j) + 1;
+        s.foreign = n->host_slot != uint64_t(s.j) + 1;
       }
     }
+    // Our own row is ours to write: reset under its tier-1 word (a host-mate that holds the word,
+    // e.g. while attaching, keeps its ticket).
     bool reset = false;
-    if (own || (repair && !row_live)) {
-      try {
+    if (own) try {
+        reset = bakery_->reset_own_row(s.k);
+      } catch (const FencedError&) {
+      }
+    if (reset) {
+      ++r.lock_rows_reset;
+      r.fixed(what + (s.foreign ? " (foreign)" : " (stale)") + " reset");
+    } else if (r.repair && !s.row_live && !own) {
+      orphaned.push_back(s);
+    } else {
+      report_ticket(r, s.t, what, s.foreign, s.row_live);
+    }
+  }
+  if (orphaned.empty()) return;
+  // --repair on rows no live node owns: only tickets every waiter already ignores (void, or
+  // skipped after a lease of standstill), and only once the line stood still for a whole lease on
+  // our clock (an attacher of that row that waits keeps advancing `waits`), and the row still
+  // has no live node. The reset compares the whole line again right before its write-back.
+  const uint64_t lease_ns = uint64_t(hdr_->lease_ms) * 1'000'000;
+  const uint64_t now = liveness::mono_ns();
+  if (now < first_look + lease_ns + 10'000'000)
+    std::this_thread::sleep_for(std::chrono::nanoseconds(first_look + lease_ns + 10'000'000 - now));
+  use = row_use();
+  for (const Seen& s : orphaned) {
+    const std::string what = describe(s.k, s.j, s.t);
+    bool reset = false;
+    if (!use.mate[s.j] && !use.other[s.j]) try {
         reset = bakery_->reset_orphaned_row(s.k, s.j, s.t);
       } catch (const FencedError&) {
       }
-    }
     if (reset) {
       ++r.lock_rows_reset;
-      r.fixed(what + (foreign ? " (foreign)" : " (stale)") + " reset");
-      continue;
+      r.fixed(what + (s.foreign ? " (foreign)" : " (stale)") + " reset (no host owns the row)");
+    } else if (same_ticket(bakery_->read_ticket(s.k, s.j), s.t)) {
+      report_ticket(r, s.t, what, s.foreign, true);
     }
-    if (foreign) {
-      ++r.lock_tickets_foreign;
-      r.error(what + " names node " + std::to_string(s.t.node) +
-              " of another row: a stray or hostile write (waiters ignore it)" +
-              (row_live ? "; its row's host overwrites it on its next lock"
-                        : "; `cxlkv pool check --repair` resets it"));
-    } else {
-      ++r.lock_tickets_stale;
-      r.warnings.push_back(what + " is stale (its holder is gone; waiters ignore it)" +
-                           (row_live ? "" : "; `cxlkv pool check --repair` resets it"));
-    }
+  }
+}
+
+void Pool::report_ticket(CheckReport& r, const LockLine& t, const std::string& what, bool foreign,
+                         bool row_live) {
+  if (foreign) {
+    ++r.lock_tickets_foreign;
+    r.error(what + " names node " + std::to_string(t.node) +
+            " of another row: a stray or hostile write (waiters ignore it)" +
+            (row_live ? "; its row's host resets it within a quarter lease"
+                      : "; `cxlkv pool check --repair` resets it"));
+  } else {
+    ++r.lock_tickets_stale;
+    r.warnings.push_back(what + " is stale (its holder is gone; waiters ignore it)" +
+                         (row_live ? "" : "; `cxlkv pool check --repair` resets it"));
   }
 }
 

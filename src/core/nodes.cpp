@@ -34,7 +34,10 @@ void Pool::attach_node(bool observer) {
   for (;;) {
     // Not attached yet: nobody can declare us dead, so the fence starts from now (multihost).
     last_beat_ns_.store(liveness::mono_ns(), std::memory_order_release);
-    for (uint32_t i = 0; i < hdr_->max_nodes; ++i) {
+    for (uint32_t n = 0; n < hdr_->max_nodes; ++n) {
+      // An observer takes the highest free slot: the low ones are where the node it was opened
+      // to reap (and reclaimed at open) was, and where attachers look first.
+      const uint32_t i = observer ? hdr_->max_nodes - 1 - n : n;
       NodeSlot* s = node_slot(i);
       uint64_t w = coh_.read(&s->state);
       if (node_state(w) != kNodeFree) continue;
@@ -180,6 +183,13 @@ std::vector<NodeInfo> Pool::nodes() {
 NodeInfo Pool::reap_node(uint32_t id, bool force, bool* reclaimed, uint64_t wait_ms) {
   if (id == 0 || id > hdr_->max_nodes)
     throw ArgumentError("node id must be in 1.." + std::to_string(hdr_->max_nodes));
+  if (id == node_id_ && observer_) {  // the node was gone when this observer took its slot
+    *reclaimed = false;
+    NodeInfo n;
+    n.id = id;
+    n.evidence = "not attached (reclaimed, or never attached, before this command took the slot)";
+    return n;
+  }
   if (id == node_id_) throw ArgumentError("node " + std::to_string(id) + " is this attachment itself");
   *reclaimed = false;
   const uint32_t idx = id - 1;

@@ -453,7 +453,9 @@ class Pool {
   uint32_t participant1_ = 0;  // tier-1 participant byte + 1 this attachment holds (0: none)
   bool observer_ = false;      // opened with attach=false: no namespaces, whether or not it has a node
   void release_dead_rows(uint32_t idx, uint64_t reclaiming_word);
-  void check_lock_area(CheckReport& r);        // lock_check.cpp (r.repair: may reset orphaned rows)
+  void check_lock_area(CheckReport& r);  // lock_check.cpp (r.repair: may reset orphaned rows)
+  void report_ticket(CheckReport& r, const format::LockLine& t, const std::string& what, bool foreign,
+                     bool row_live);
   void watch_undecided_nodes(CheckReport& r);  // check.cpp
   uint64_t participant_offset(uint32_t i) const {
     return (1ull << 49) + (host_id_ & 0xFFFFF) * kParticipants + i;

@@ -405,5 +405,75 @@ TEST(BakeryTickets, AWaitingHolderIsProgressNotABoundToGiveUpOn) {
   holder.join();
 }
 
+// Found by the issue-14 review: a node-less tier-1 holder (an attach in progress) that waits in
+// tier 2 for more than a lease behind a live waiter of another host was taken over by its
+// host-mate, whose silence rule ignored the row's `waits` (the node-less holder's pulse): both
+// entered the stripe. Two attachments of one host (one node-less), one stripe, one other host
+// whose live node-less waiter holds a ticket for 1.6 leases.
+TEST(BakeryTickets, WaitingNodelessTier1HolderIsNotTakenOver) {
+  constexpr uint64_t kLease = 200'000'000;
+  constexpr uint32_t kHosts = 4, kRowA = 1, kRowJ = 3;
+  const size_t bytes = 1 << 16;
+  std::unique_ptr<char, decltype(&std::free)> mem(static_cast<char*>(std::aligned_alloc(4096, bytes)),
+                                                  &std::free);
+  char* base = mem.get();
+  std::memset(base, 0, bytes);
+  auto* nodes = reinterpret_cast<format::NodeSlot*>(base + 16384);
+  const uint64_t mword = format::make_node_word(format::kNodeAlive, 7, 5);
+  nodes[1].state = mword, nodes[1].host_slot = kRowA + 1, nodes[1].host_id = 42, nodes[1].flags = 1;
+  std::atomic<bool> fenced_h{false}, fenced_m{false};
+  std::atomic<uint64_t> beat_h{liveness::mono_ns()}, beat_m{liveness::mono_ns()};
+  auto config = [&](std::atomic<bool>* f, std::atomic<uint64_t>* lb) {
+    Bakery::Config c;
+    c.base = base, c.hosts = kHosts, c.slot = kRowA, c.max_nodes = 4, c.nodes = nodes;
+    c.lease_ns = kLease, c.coh = Coherence(Backend::multihost), c.fenced = f, c.last_beat = lb;
+    c.pool = "pool test", c.host_id = 42, c.pool_bytes = bytes;
+    return c;
+  };
+  Bakery h(config(&fenced_h, &beat_h));  // attach in progress: no node
+  Bakery m(config(&fenced_m, &beat_m));
+  m.set_node(2, mword);
+  const char* addr = base + 32768;
+  std::atomic<bool> stop{false};
+  std::thread heartbeat([&] {  // m's heartbeat
+    while (!stop) {
+      std::atomic_ref<uint64_t>(nodes[1].beat).fetch_add(1);
+      beat_m.store(liveness::mono_ns());
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  });
+  const uint32_t k = h.stripe_of(addr);
+  auto* lj =
+      reinterpret_cast<format::LockLine*>(base + format::kLockAreaOff) + (uint64_t(k) * kHosts + kRowJ);
+  lj->number = 1, lj->waits = 1;
+  const uint64_t t0 = liveness::mono_ns();
+  std::thread host_j([&] {  // a live node-less waiter of host J: its waits advance
+    while (liveness::mono_ns() - t0 < kLease * 16 / 10) {
+      std::atomic_ref<uint64_t>(lj->waits).fetch_add(1);
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    std::atomic_ref<uint64_t>(lj->number).store(0);
+    std::atomic_ref<uint64_t>(lj->waits).fetch_add(1);
+  });
+  std::atomic<int> inside{0}, most{0};
+  auto critical = [&](Bakery& b, uint64_t delay_ms) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+    b.lock(addr);
+    const int n = ++inside;
+    for (int seen = most.load(); n > seen && !most.compare_exchange_weak(seen, n);) {
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    --inside;
+    b.unlock(addr);
+  };
+  std::thread th([&] { critical(h, 10); });
+  std::thread tm([&] { critical(m, 20); });
+  th.join(), tm.join(), host_j.join();
+  stop = true;
+  heartbeat.join();
+  EXPECT_EQ(most.load(), 1) << "two processes of one host inside one stripe";
+  EXPECT_EQ(h.takeovers() + m.takeovers(), 0u);
+}
+
 }  // namespace
 }  // namespace cxlkv::test
