@@ -355,12 +355,17 @@ class Pool:
         s["namespaces"] = len(self.namespaces())
         return s
 
-    def check(self, repair: bool = False) -> dict:
-        """Reclaims what dead processes left (watching nodes of another kernel for up to a lease
-        until each is judged), then verifies every invariant of the format. repair=True also releases what nobody else ever would (entries whose writer is gone,
-        condemned blocks no pin holds, leaked blocks of gone writers), each listed in
-        ``repaired`` (one line each) instead of ``errors``."""
-        return self._core.check(repair)
+    def check(self, repair: bool = False, wait: float | None = 0.0) -> dict:
+        """Reclaims what dead processes left, then verifies every invariant of the format.
+        Nodes of another kernel are judged by their heartbeat lease: ``wait`` seconds are spent
+        watching those not judged yet (``None``: up to a lease and a quarter, as ``cxlkv pool
+        check`` does); any still undecided make the report fail (``undecided_nodes``).
+        repair=True also releases what nobody else ever would (entries whose writer is gone,
+        condemned blocks no pin holds, leaked blocks of gone writers, lock rows no host owns),
+        each listed in ``repaired`` (one line each) instead of ``errors``."""
+        if wait is not None and not wait >= 0:
+            raise ValueError(f"wait must be >= 0 seconds or None, got {wait}")
+        return self._core.check(repair, -1 if wait is None else int(wait * 1000))
 
     def reap_dead_nodes(self) -> int:
         """Reclaims every node judged dead now; returns how many."""

@@ -29,10 +29,10 @@ const char* entry_state_name(uint8_t st) { return st == kWriting ? "WRITING" : "
 void pause_before_reread() { std::this_thread::sleep_for(std::chrono::milliseconds(50)); }
 }  // namespace
 
-CheckReport Pool::check(bool repair) {
+CheckReport Pool::check(bool repair, int64_t watch_ms) {
   CheckReport r;
   r.repair = repair;
-  watch_undecided_nodes(r);
+  watch_undecided_nodes(r, watch_ms);
   // Reclaims of this attachment since it opened the pool (the reap at open included) or since
   // its last check: an observer `pool check` reports what its own open reclaimed (F20).
   r.reclaimed_nodes = reaped_unreported_.exchange(0, std::memory_order_relaxed);
@@ -50,11 +50,13 @@ CheckReport Pool::check(bool repair) {
 }
 
 // Nodes of another kernel are judged by their lease: watch until each one is decided (alive once
-// its beat moves, dead after a lease of silence, then reclaimed), at most a lease and a quarter.
-// A check that could not judge a node must not call the pool consistent.
-void Pool::watch_undecided_nodes(CheckReport& r) {
+// its beat moves, dead after a lease of silence, then reclaimed), at most watch_ms (< 0: a lease
+// and a quarter). A check that could not judge a node must not call the pool consistent.
+void Pool::watch_undecided_nodes(CheckReport& r, int64_t watch_ms) {
   const uint64_t lease_ns = uint64_t(hdr_->lease_ms) * 1'000'000;
-  const uint64_t deadline = liveness::mono_ns() + lease_ns + lease_ns / 4 + 100'000'000;
+  const uint64_t watch_ns =
+      watch_ms < 0 ? lease_ns + lease_ns / 4 + 100'000'000 : uint64_t(watch_ms) * 1'000'000;
+  const uint64_t deadline = liveness::mono_ns() + watch_ns;
   uint64_t undecided = 0;
   reap_pass(&undecided);
   while (undecided && liveness::mono_ns() < deadline) {
@@ -65,8 +67,9 @@ void Pool::watch_undecided_nodes(CheckReport& r) {
   }
   r.undecided_nodes = undecided;
   if (undecided)
-    r.error(std::to_string(undecided) + " nodes of another kernel are undecided (their heartbeat was " +
-            "watched for a lease without a verdict): run the check again");
+    r.error(std::to_string(undecided) + " nodes of another kernel are undecided (judged by their " +
+            "heartbeat lease, which this check did not watch long enough): `cxlkv pool check` watches " +
+            "up to a lease");
 }
 
 bool Pool::node_attached(uint8_t node) {

@@ -292,7 +292,10 @@ class Pool {
   // for up to a lease); with repair, also releases what nobody else ever will (check.cpp:
   // abandoned entries, unpinned condemned and leaked blocks; lock_check.cpp: tickets in rows no
   // host owns). Without it, check only resets what this attachment owns anyway (its own lock row).
-  CheckReport check(bool repair = false);
+  // watch_ms: how long to watch nodes of another kernel that are not judged yet (undecided nodes
+  // make the report fail): 0 = not at all (a library call must not block for a lease, which the
+  // header may set to an hour), < 0 = a lease and a quarter (`cxlkv pool check`).
+  CheckReport check(bool repair = false, int64_t watch_ms = 0);
   // --- admin RPC (rpc_admin.cpp) -------------------------------------------------------------
   bool has_admin_mailbox() const { return hdr_ && (hdr_->compat & format::kCompatAdminMailbox); }
   // One round trip through node `node`'s admin mailbox; needs an attached pool (our node id is
@@ -456,7 +459,7 @@ class Pool {
   void check_lock_area(CheckReport& r);  // lock_check.cpp (r.repair: may reset orphaned rows)
   void report_ticket(CheckReport& r, const format::LockLine& t, const std::string& what, bool foreign,
                      bool row_live);
-  void watch_undecided_nodes(CheckReport& r);  // check.cpp
+  void watch_undecided_nodes(CheckReport& r, int64_t watch_ms);  // check.cpp
   uint64_t participant_offset(uint32_t i) const {
     return (1ull << 49) + (host_id_ & 0xFFFFF) * kParticipants + i;
   }

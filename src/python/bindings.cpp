@@ -643,12 +643,12 @@ NB_MODULE(_core, m) {
            })
       .def(
           "check",
-          [](PyPool& pp, bool repair) {
+          [](PyPool& pp, bool repair, int64_t watch_ms) {
             OpGuard g(pp);
             CheckReport r;
             {
               nb::gil_scoped_release nogil;
-              r = g.p->check(repair);
+              r = g.p->check(repair, watch_ms);
             }
             nb::dict d, blocks;
             d["ok"] = r.ok;
@@ -679,7 +679,7 @@ NB_MODULE(_core, m) {
             }
             return d;
           },
-          "repair"_a = false)
+          "repair"_a = false, "watch_ms"_a = 0)
       .def(
           "ping",
           [](PyPool& pp, const nb::int_& node_id, uint64_t timeout_ms) {

@@ -34,17 +34,9 @@ import pytest
 import cxlkv
 import cxlkv_testutil as tu
 from conftest import MiB
+from test_multihost_procs import LAYOUT as SLOW_HOST_LAYOUT
 
-LAYOUT = dict(
-    model_id="heal",
-    dtype="bytes",
-    num_layers=1,
-    num_kv_heads=1,
-    head_size=1024,
-    tokens_per_block=1,
-    kind="opaque",
-    block_bytes=1024,
-)
+LAYOUT = dict(SLOW_HOST_LAYOUT, model_id="heal")  # opaque 1 KiB blocks
 LOCK_AREA_OFF = 8192  # format.h kLockAreaOff
 LOCK_STRIPES = 16  # format.h kLockStripes
 NODE_SLOT_BYTES = 128

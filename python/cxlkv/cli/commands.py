@@ -170,7 +170,8 @@ def cmd_pool_reap(args: argparse.Namespace) -> int:
 
 def cmd_pool_check(args: argparse.Namespace) -> int:
     with _observer(args.path, args.allow_foreign_owner) as pool:
-        report = dict(pool.check(repair=args.repair))
+        # Nodes of other hosts are judged by their lease: watch them for up to one (no-wait: 0).
+        report = dict(pool.check(repair=args.repair, wait=0.0 if args.no_wait else None))
     errors = list(report.get("errors") or [])
     ok = bool(report.get("ok", not errors)) and not errors
     if args.json:

@@ -279,7 +279,13 @@ def build_parser() -> argparse.ArgumentParser:
                 "--repair",
                 action="store_true",
                 help="also release what nobody else ever will (entries whose writer is gone, "
-                "condemned or leaked blocks no one holds) and list each repair",
+                "condemned or leaked blocks no one holds, lock rows no host owns) and list each repair",
+            )
+            s.add_argument(
+                "--no-wait",
+                action="store_true",
+                help="do not watch nodes of other hosts for up to a lease before judging them "
+                "(multihost); any not judged yet then fail the check as undecided",
             )
         s.set_defaults(func=func)
 
