@@ -1,7 +1,7 @@
 """What naming a namespace by the weights as loaded costs (docs/IDENTITY.md, "The weights as
 loaded"): loaded_weights.module_digest over a real model, against baselines of the same run.
 
-    python -m cxlkv.integrations.bench_loaded_weights [MODEL_DIR] [--rounds N] [--json]
+    python -m cxlkv.tools.bench_loaded_weights [MODEL_DIR] [--rounds N] [--json]
 
 MODEL_DIR defaults to SmolLM2-135M (cxlkv.testing.models.smollm2), loaded in bf16 with
 transformers. Also every byte of its weight files (loaded_weights.files_digest, page cache warm:
