@@ -226,11 +226,8 @@ bool Bakery::reset_own_row(uint32_t k) {
 bool Bakery::reset_orphaned_row(uint32_t k, uint32_t j, const LockLine& seen) {
   if (j == c_.slot) return reset_own_row(k);
   check_fence();
+  if (!same_line(read_ticket(k, j), seen)) return false;  // it moved: someone uses the row after all
   LockLine* l = line(k, j);
-  c_.coh.invalidate(l, sizeof *l);
-  if (l->choosing != seen.choosing || l->number != seen.number || l->node != seen.node ||
-      l->node_word != seen.node_word || l->waits != seen.waits)
-    return false;  // it moved: someone uses the row after all
   check_fence();
   l->choosing = 0, l->number = 0, l->node = 0, l->node_word = 0;
   bump(l);
@@ -444,11 +441,7 @@ void Bakery::lock(const void* addr) {
       uint64_t since = 0, beat0 = 0, spins = 0, last_tick = liveness::mono_ns();
       uint64_t blocked_since = last_tick, waits_seen = 0;
       for (;;) {
-        LockLine* l = line(k, j);
-        c_.coh.invalidate(l, sizeof *l);
-        LockLine now{};
-        now.choosing = l->choosing, now.number = l->number, now.node = l->node, now.node_word = l->node_word;
-        now.waits = l->waits;
+        const LockLine now = read_ticket(k, j);
         bool ahead = now.number != 0 && (now.number < mine || (now.number == mine && j < c_.slot));
         if (!now.choosing && !ahead) break;
         // The row is untrusted input: a ticket is honoured only while it can be its host's. One

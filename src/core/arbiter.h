@@ -98,6 +98,9 @@ class Bakery final : public Arbiter {
   // over and released. Never blocks. Returns the stripes reset (counted in healed()).
   uint32_t heal_own_row();
   uint64_t healed() const { return healed_.load(std::memory_order_relaxed); }
+  // The ticket words and `waits` of two reads of a line agree: every write of a row bumps `waits`,
+  // so equal means "not written in between".
+  static bool same_line(const format::LockLine& a, const format::LockLine& b);
   // `pool check` (lock_check.cpp): the ticket of (stripe, row) as memory holds it now.
   format::LockLine read_ticket(uint32_t stripe, uint32_t row) const;
   // Resets this attachment's own row of a stripe (we are its host): takes the tier-1 word if it
@@ -164,7 +167,6 @@ class Bakery final : public Arbiter {
   std::mutex watch_mu_;
   std::vector<Observed> observed_;
   void bump(format::LockLine* me) const;  // waits + 1: every write of our line changes it
-  static bool same_line(const format::LockLine& a, const format::LockLine& b);
   format::LockLine observe(uint32_t stripe, uint32_t row,
                            const std::function<uint64_t(const format::LockLine&)>& pulse,
                            uint64_t* since = nullptr);

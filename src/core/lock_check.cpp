@@ -31,10 +31,6 @@ namespace cxlkv {
 using namespace format;
 
 namespace {
-bool same_ticket(const LockLine& a, const LockLine& b) {
-  return a.choosing == b.choosing && a.number == b.number && a.node == b.node && a.node_word == b.node_word &&
-         a.waits == b.waits;
-}
 std::string describe(uint32_t k, uint32_t j, const LockLine& t) {
   return "lock stripe " + std::to_string(k) + " row " + std::to_string(j) + ": ticket (choosing " +
          std::to_string(t.choosing) + ", number " + std::to_string(t.number) + ", node " +
@@ -63,7 +59,7 @@ void Pool::check_lock_area(CheckReport& r) {
   RowUse use = row_use();
   std::vector<Seen> orphaned;  // --repair: reset once they stood still for a lease
   for (Seen& s : seen) {
-    if (!same_ticket(bakery_->read_ticket(s.k, s.j), s.t)) continue;
+    if (!Bakery::same_line(bakery_->read_ticket(s.k, s.j), s.t)) continue;
     const bool own = s.j == host_slot_;
     s.row_live = own ? node_id_ != 0 || use.mate[s.j] : use.mate[s.j] || use.other[s.j] != 0;
     const std::string what = describe(s.k, s.j, s.t);
@@ -117,7 +113,7 @@ void Pool::check_lock_area(CheckReport& r) {
     if (reset) {
       ++r.lock_rows_reset;
       r.fixed(what + (s.foreign ? " (foreign)" : " (stale)") + " reset (no host owns the row)");
-    } else if (same_ticket(bakery_->read_ticket(s.k, s.j), s.t)) {
+    } else if (Bakery::same_line(bakery_->read_ticket(s.k, s.j), s.t)) {
       report_ticket(r, s.t, what, s.foreign, true);
     }
   }
