@@ -168,10 +168,17 @@ def cmd_pool_reap(args: argparse.Namespace) -> int:
     return ExitCode.CHECK_FAILED
 
 
+CHECK_WATCH_MAX_S = 20.0  # `pool check` watches nodes of other hosts at most this long
+
+
 def cmd_pool_check(args: argparse.Namespace) -> int:
     with _observer(args.path, args.allow_foreign_owner) as pool:
-        # Nodes of other hosts are judged by their lease: watch them for up to one (no-wait: 0).
-        report = dict(pool.check(repair=args.repair, wait=0.0 if args.no_wait else None))
+        # Nodes of other hosts are judged by their lease: watch them for up to a lease and a
+        # quarter, but never longer than CHECK_WATCH_MAX_S (the lease comes from the pool header,
+        # which may say an hour); what is still undecided then fails the check as undecided.
+        lease_s = pool.info()["lease_ms"] / 1000
+        wait = 0.0 if args.no_wait else min(1.25 * lease_s + 0.1, CHECK_WATCH_MAX_S)
+        report = dict(pool.check(repair=args.repair, wait=wait))
     errors = list(report.get("errors") or [])
     ok = bool(report.get("ok", not errors)) and not errors
     if args.json:

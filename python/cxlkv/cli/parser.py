@@ -284,8 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
             s.add_argument(
                 "--no-wait",
                 action="store_true",
-                help="do not watch nodes of other hosts for up to a lease before judging them "
-                "(multihost); any not judged yet then fail the check as undecided",
+                help="do not watch nodes of other hosts before judging them (by default: up to a "
+                "lease and a quarter, at most 20 s); any not judged yet fail the check as undecided",
             )
         s.set_defaults(func=func)
 
