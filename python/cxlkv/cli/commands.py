@@ -448,3 +448,71 @@ def cmd_sim(args: argparse.Namespace) -> int:
         what = "violations found" if expect_clean else "the negative control was NOT caught"
         raise CommandError(f"sim: {what}", exit_code=ExitCode.CHECK_FAILED)
     return ExitCode.OK
+
+
+# ---------------------------------------------------------------------------------------------
+# roi
+
+
+def _roi_inputs(args: argparse.Namespace, notes: list[str]):
+    from cxlkv.tools import roi
+
+    cfg = roi.load_config(args.model_config) if args.model_config else None
+    if cfg is not None and args.context_tokens is None:
+        raise CommandError("--model-config needs --context-tokens (the average prompt length)")
+    r, h, gbps = args.new_prompt_ratio, args.multi_round_ratio, args.load_gbps
+    if args.from_bench:
+        b = roi.from_bench(args.from_bench, config=args.bench_config)
+        notes.append(
+            f"from {args.from_bench}: {args.bench_config} at concurrency {b['concurrency']} had a "
+            f"prefix hit rate of {b['hit_rate']:.1%}; read as h = 1, r = 1 - hit rate (every "
+            "request loads its cached share; a full miss paying no load is not modelled)"
+        )
+        r = 1.0 - b["hit_rate"] if r is None else r
+        h = 1.0 if h is None else h
+        gbps = b["load_gbps"] if gbps is None else gbps
+    if args.prefill_tflop is not None:
+        c0 = args.prefill_tflop * roi.TERA
+    elif cfg is not None:
+        params = roi.model_params(cfg)
+        c0 = 2.0 * params * args.context_tokens
+        notes.append(
+            f"C0 = 2 x {params / 1e9:.3g} G parameters x {args.context_tokens} tokens = {c0 / roi.TERA:.3g} TFLOP"
+        )
+    else:
+        raise CommandError("give --prefill-tflop, or --model-config with --context-tokens")
+    missing = [n for n, v in (("--new-prompt-ratio", r), ("--multi-round-ratio", h)) if v is None]
+    if missing:
+        raise CommandError(f"give {' and '.join(missing)} (or --from-bench)")
+    load_s = args.load_s
+    if load_s is None:
+        if cfg is None or gbps is None:
+            raise CommandError(
+                "give --load-s, or --model-config with --context-tokens and a load bandwidth "
+                "(--load-gbps, or a --from-bench file that recorded one)"
+            )
+        kv = roi.kv_bytes_per_token(cfg, args.kv_dtype) * (1.0 - r) * args.context_tokens
+        load_s = kv / (gbps * 1e9)
+        notes.append(f"T_load = {kv / 1e6:.3g} MB of KV at {gbps:g} GB/s = {load_s * 1e3:.3g} ms")
+    return roi.RoiInputs(
+        gpu_flops=args.gpu_tflops * roi.TERA,
+        prefill_flop=c0,
+        new_prompt_ratio=r,
+        slo_s=args.slo_s,
+        load_s=load_s,
+        multi_round_ratio=h,
+        rps=args.rps,
+    )
+
+
+def cmd_roi(args: argparse.Namespace) -> int:
+    from cxlkv.tools import roi
+
+    notes: list[str] = []
+    result = roi.compute(_roi_inputs(args, notes))
+    result["notes"] = notes
+    if args.json:
+        print_json(result)
+    else:
+        roi.print_result(make_console(), result)
+    return ExitCode.OK

@@ -34,6 +34,7 @@ from .commands import (
     cmd_pool_ping,
     cmd_pool_reap,
     cmd_pool_stats,
+    cmd_roi,
     cmd_sim,
 )
 
@@ -523,4 +524,38 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sm.add_argument("--json", action="store_true", help="print the result as one JSON object")
     sm.set_defaults(func=cmd_sim)
+    # roi ----------------------------------------------------------------------------------------
+    ro = sub.add_parser(
+        "roi",
+        help="GPUs needed with and without the pool (the ByteDance cost model, seed 003 Table 1)",
+    )
+    ro.add_argument("--gpu-tflops", type=_pos_float, required=True, help="P: one GPU's TFLOP/s")
+    ro.add_argument("--prefill-tflop", type=_pos_float, help="C0: TFLOP of an initial request's prefill")
+    ro.add_argument(
+        "--model-config", help="a Hugging Face config.json: C0 = 2 x parameters x --context-tokens"
+    )
+    ro.add_argument(
+        "--context-tokens", type=_pos_int, help="average prompt length in tokens (with --model-config)"
+    )
+    ro.add_argument(
+        "--kv-dtype", default=None, help="KV dtype for the bytes a hit loads (default: the config's)"
+    )
+    ro.add_argument(
+        "--new-prompt-ratio", type=float, help="r: share of a follow-up's prompt that is new (0..1)"
+    )
+    ro.add_argument("--slo-s", type=_pos_float, required=True, help="T_slo: the TTFT SLO in seconds")
+    ro.add_argument("--load-s", type=float, help="T_load: seconds to load a prefix's KV from the pool")
+    ro.add_argument(
+        "--load-gbps", type=_pos_float, help="pool load bandwidth, GB/s (T_load from the KV bytes)"
+    )
+    ro.add_argument("--multi-round-ratio", type=float, help="h: share of requests that are follow-ups (0..1)")
+    ro.add_argument("--rps", type=_pos_float, required=True, help="R: prefill requests/s to serve")
+    ro.add_argument(
+        "--from-bench", help="a `cxlkv bench serve --json` file: measured hit rate (and bandwidth)"
+    )
+    ro.add_argument(
+        "--bench-config", default="cxlkv", help="which configuration of --from-bench (default cxlkv)"
+    )
+    ro.add_argument("--json", action="store_true", help="print one JSON object")
+    ro.set_defaults(func=cmd_roi)
     return p
