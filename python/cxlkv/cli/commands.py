@@ -327,7 +327,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         _require_vllm("demo --vllm")
         from cxlkv.tools import demo_vllm
 
-        demo_vllm.run(make_console())
+        demo_vllm.run(make_console(), repeats=args.repeats)
         return ExitCode.OK
     from cxlkv.tools import demo
 

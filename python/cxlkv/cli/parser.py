@@ -489,6 +489,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the real thing: two vLLM servers (SmolLM2) sharing a pool, a multi-turn "
         "conversation moved from one to the other, TTFT against plain vLLM (needs vLLM)",
     )
+    dm.add_argument(
+        "--repeats",
+        type=_pos_int,
+        default=3,
+        help="with --vllm: conversations run; each TTFT cell is their median (default 3)",
+    )
     dm.set_defaults(func=cmd_demo)
     # sim ----------------------------------------------------------------------------------------
     sm = sub.add_parser("sim", help="multi-host proof: simulated hosts without coherence, checked")
