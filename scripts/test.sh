@@ -26,7 +26,7 @@ cmake --build build/asan
 
 echo "== Python tests (pytest; includes the format fuzzer, the live-corruption probe and the model"
 echo "   state machine: their seeds are printed, CXLKV_FUZZ_SEED=<seed> replays one)"
-CXLKV_FUZZ_OUT="$ROOT/build/fuzz-failures" python -m pytest tests/python -q -p no:cacheprovider "$@"
+CXLKV_FUZZ_OUT="$ROOT/build/fuzz-failures" python -m pytest tests/python -q -p no:cacheprovider --durations=15 "$@"
 
 echo "== Python tests again on the 'flush' backend (non-coherent CXL discipline, one host)"
 CXLKV_TEST_BACKEND=flush python -m pytest -q -p no:cacheprovider "$@" \
@@ -47,7 +47,7 @@ echo "== vLLM integration tests (real vLLM CPU engines, one process each)"
 bash "$ROOT/scripts/setup-vllm.sh" "$VENV"
 # The connector's unit tests (fake scheduler, no engine) need vLLM importable: run them here.
 python -m pytest tests/python/test_connector_unit.py -q -p no:cacheprovider "$@"
-python -m pytest tests/vllm -q -p no:cacheprovider "$@"
+python -m pytest tests/vllm -q -p no:cacheprovider --durations=10 "$@"
 # Every CLI command runs in CI at least once: the two that start vLLM engines (`bench vllm` with the
 # tiny model and one turn, `demo --vllm`) run here, now that vLLM is importable (~5-8 min).
 python -m pytest tests/python/test_cli_smoke.py -q -p no:cacheprovider -k "bench_vllm_tiny or demo_vllm" "$@"
