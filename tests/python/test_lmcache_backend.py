@@ -20,7 +20,9 @@ import time
 import numpy as np
 import pytest
 
-lmcache = pytest.importorskip("lmcache", reason="lmcache not installed (pip install --no-deps lmcache==0.5.6, docs/INTEGRATIONS.md)")
+lmcache = pytest.importorskip(
+    "lmcache", reason="lmcache not installed (pip install --no-deps lmcache==0.5.6, docs/INTEGRATIONS.md)"
+)
 torch = pytest.importorskip("torch")
 
 from lmcache.v1.distributed.api import ObjectKey  # noqa: E402
@@ -43,7 +45,9 @@ def _fake_model(path, seed: int) -> str:
 
     os.makedirs(path, exist_ok=True)
     rng = np.random.default_rng(seed)
-    save_file({"w": rng.standard_normal((64, 64)).astype(np.float32)}, os.path.join(path, "model.safetensors"))
+    save_file(
+        {"w": rng.standard_normal((64, 64)).astype(np.float32)}, os.path.join(path, "model.safetensors")
+    )
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump({"model_type": "llama", "num_hidden_layers": 2}, f)
     return str(path)
@@ -68,7 +72,11 @@ def _obj(fill: np.ndarray | None = None) -> TensorMemoryObj:
     if fill is not None:
         raw.copy_(torch.from_numpy(fill))
     meta = MemoryObjMetadata(
-        shape=torch.Size([CHUNK_BYTES]), dtype=torch.uint8, address=0, phy_size=CHUNK_BYTES, ref_count=1,
+        shape=torch.Size([CHUNK_BYTES]),
+        dtype=torch.uint8,
+        address=0,
+        phy_size=CHUNK_BYTES,
+        ref_count=1,
         fmt=MemoryFormat.KV_2LTD,
     )
     return TensorMemoryObj(raw, meta, None)
@@ -207,7 +215,10 @@ def test_concurrent_submits_from_threads(servers, tmp_path):
     completions, drained by LMCache's demux thread, each name their own task."""
     a, b = servers
     model = _fake_model(tmp_path / "m", seed=1)
-    per_thread = {t: ([ObjectKey(bytes([t, i]) * 8, model, 0, 0, "") for i in range(4)], _payload(4, t)) for t in range(4)}
+    per_thread = {
+        t: ([ObjectKey(bytes([t, i]) * 8, model, 0, 0, "") for i in range(4)], _payload(4, t))
+        for t in range(4)
+    }
     # L1 keeps its objects alive until the store completes (the views do not own the memory)
     sources = {t: [_obj(d) for d in data] for t, (_, data) in per_thread.items()}
     tasks: dict[int, int] = {}

@@ -30,6 +30,7 @@ cases; ``kv_dtype`` in ``adapter_params`` closes the rest for a deployment that 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -169,20 +170,24 @@ class CxlKVL2Connector:
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
-            fid, op, keys, views = job
-            try:
-                results = self._session.call(f"lmcache {op}", lambda pool: self._batch(pool, op, keys, views))
-                ok, error = results is not None, "" if results is not None else "cxlkv pool unusable"
-                results = results if results is not None else [False] * len(keys)
-                if op == "set":
-                    ok = ok and all(results)
-                    error = error or ("" if ok else f"{results.count(False)} of {len(keys)} not stored")
-            except Exception as e:
-                log.exception("cxlkv lmcache %s failed", op)
-                ok, error, results = False, f"{type(e).__name__}: {e}", [False] * len(keys)
-            with self._done_lock:
-                self._done.append((fid, ok, error, results))
-            os.eventfd_write(self._efd, 1)
+            self._complete(*job)
+
+    def _complete(self, fid: int, op: str, keys: list[str], views: list[Any] | None) -> None:
+        try:
+            results = self._session.call(
+                f"lmcache {op}", functools.partial(self._batch, op=op, keys=keys, views=views)
+            )
+            ok, error = results is not None, "" if results is not None else "cxlkv pool unusable"
+            results = results if results is not None else [False] * len(keys)
+            if op == "set":
+                ok = ok and all(results)
+                error = error or ("" if ok else f"{results.count(False)} of {len(keys)} not stored")
+        except Exception as e:
+            log.exception("cxlkv lmcache %s failed", op)
+            ok, error, results = False, f"{type(e).__name__}: {e}", [False] * len(keys)
+        with self._done_lock:
+            self._done.append((fid, ok, error, results))
+        os.eventfd_write(self._efd, 1)
 
     def _batch(self, pool: Any, op: str, keys: list[str], views: list[Any] | None) -> list[bool]:
         if pool is not self._ns_pool:  # a new attachment (first call, or after a fence)
@@ -257,7 +262,9 @@ class CxlKVL2Connector:
                 sizes.append(size)
         return sizes
 
-    def _namespace(self, pool: Any, prefix: Callable[[int], ident.KVIdentity], size: int, create: bool) -> Any:
+    def _namespace(
+        self, pool: Any, prefix: Callable[[int], ident.KVIdentity], size: int, create: bool
+    ) -> Any:
         identity = prefix(size)
         name = identity.namespace_name()
         ns = self._ns.get(name)
