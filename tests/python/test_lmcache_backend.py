@@ -53,13 +53,13 @@ def _fake_model(path, seed: int) -> str:
     return str(path)
 
 
-def _adapter(pool_path: str):
+def _adapter(pool_path: str, **params):
     """What ``lmcache server --l2-adapter '<json>'`` does with our JSON."""
     spec = {
         "type": "native_plugin",
         "module_path": "cxlkv.integrations.lmcache",
         "class_name": "CxlKVL2Connector",
-        "adapter_params": {"pool_path": pool_path},
+        "adapter_params": {"pool_path": pool_path, **params},
     }
     parser = add_l2_adapters_args(argparse.ArgumentParser())
     config = parse_args_to_l2_adapters_config(parser.parse_args(["--l2-adapter", json.dumps(spec)]))
@@ -167,6 +167,21 @@ def test_identity_follows_the_weights_not_the_name(servers, tmp_path):
     assert _lookup(b, _keys(other, 2)) == [False, False]
     assert _lookup(b, _keys(model, 2, salt="tenant-b")) == [False, False]
     assert _lookup(b, _keys(model, 2, rank=1)) == [False, False]
+
+
+def test_stated_kv_dtype_is_another_namespace(servers, tmp_path, lmcache_pool):
+    """LMCache's key has no KV dtype; a server told its dtype shares only with the same dtype."""
+    a, _ = servers
+    model = _fake_model(tmp_path / "m", seed=1)
+    _store(a, _keys(model, 2), [_obj(d) for d in _payload(2)])
+    fp8, alias = _adapter(lmcache_pool, kv_dtype="fp8_e4m3"), _adapter(lmcache_pool, kv_dtype="torch.float8_e4m3fn")
+    try:
+        assert _lookup(fp8, _keys(model, 2)) == [False, False]
+        _store(fp8, _keys(model, 1), [_obj(d) for d in _payload(1)])
+        assert _lookup(alias, _keys(model, 2)) == [True, False]
+    finally:
+        fp8.close()
+        alias.close()
 
 
 def test_unresolvable_model_is_never_stored(servers, tmp_path):

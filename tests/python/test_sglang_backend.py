@@ -69,7 +69,7 @@ def _host_pool(layout: str) -> MHATokenToKVPoolHost:
     )  # fmt: skip
 
 
-def _backend(pool_path: str, model: str, host, tp_rank: int = 0):
+def _backend(pool_path: str, model: str | None, host, tp_rank: int = 0):
     """What SGLang's cache controller does with ``--hicache-storage-backend dynamic``."""
     extra = {
         "backend_name": "cxlkv",
@@ -77,8 +77,9 @@ def _backend(pool_path: str, model: str, host, tp_rank: int = 0):
         "class_name": "CxlKVHiCacheStorage",
         "interface_v1": 1,
         "pool_path": pool_path,
-        "model_path": model,
     }
+    if model is not None:
+        extra["model_path"] = model
     config = HiCacheStorageConfig(
         tp_rank=tp_rank, tp_size=2, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
         is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=host.layout == "page_first",
@@ -140,10 +141,13 @@ def test_identity_weights_rank_and_layout(sg_pool, tmp_path):
     a = _backend(sg_pool, model, _host_pool("page_first"))
     keys = [f"{i:064x}" for i in range(1, 3)]
     assert a.batch_set_v1(keys, _indices([1, 2])) == [True, True]
-    assert _backend(sg_pool, str(copy), _host_pool("page_first")).batch_exists(keys) == 2
-    assert _backend(sg_pool, other, _host_pool("page_first")).batch_exists(keys) == 0
-    assert _backend(sg_pool, model, _host_pool("page_first"), tp_rank=1).batch_exists(keys) == 0
-    assert _backend(sg_pool, model, _host_pool("layer_first")).batch_exists(keys) == 0
+    expected = {(str(copy), "page_first", 0): 2, (other, "page_first", 0): 0, (model, "page_first", 1): 0,
+                (model, "layer_first", 0): 0}  # fmt: skip
+    for (weights, layout, rank), hits in expected.items():
+        b = _backend(sg_pool, weights, _host_pool(layout), tp_rank=rank)
+        assert b.batch_exists(keys) == hits, (weights, layout, rank)
+        b.close()
+    a.close()
 
 
 def test_threads_share_one_backend(sg_pool, tmp_path):
@@ -179,4 +183,13 @@ def test_threads_share_one_backend(sg_pool, tmp_path):
         th.start()
     for th in threads:
         th.join(60)
+    storage.close()
     assert not errors, errors
+
+
+def test_a_model_name_that_names_no_weights_is_refused(sg_pool):
+    """SGLang's model_name ("served-alias" here) is not identity: without weights, no backend."""
+    from cxlkv.integrations.external_identity import UnresolvableModelError
+
+    with pytest.raises(UnresolvableModelError, match="served-alias"):
+        _backend(sg_pool, None, _host_pool("page_first"))
