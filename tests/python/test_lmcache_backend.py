@@ -174,7 +174,10 @@ def test_stated_kv_dtype_is_another_namespace(servers, tmp_path, lmcache_pool):
     a, _ = servers
     model = _fake_model(tmp_path / "m", seed=1)
     _store(a, _keys(model, 2), [_obj(d) for d in _payload(2)])
-    fp8, alias = _adapter(lmcache_pool, kv_dtype="fp8_e4m3"), _adapter(lmcache_pool, kv_dtype="torch.float8_e4m3fn")
+    fp8, alias = (
+        _adapter(lmcache_pool, kv_dtype="fp8_e4m3"),
+        _adapter(lmcache_pool, kv_dtype="torch.float8_e4m3fn"),
+    )
     try:
         assert _lookup(fp8, _keys(model, 2)) == [False, False]
         _store(fp8, _keys(model, 1), [_obj(d) for d in _payload(1)])
