@@ -38,7 +38,7 @@ MAY_IMPORT: dict[str, set[str]] = {
 }
 SUBPACKAGE_LAYERS = {"tools", "cli", "integrations", "testing"}
 # Modules that need a third-party package beyond the core dependencies to import at all.
-OPTIONAL_DEPS = {"vllm", "aiohttp", "torch"}
+OPTIONAL_DEPS = {"vllm", "aiohttp", "torch", "sglang"}
 
 
 def module_files() -> dict[str, Path]:

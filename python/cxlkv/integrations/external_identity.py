@@ -1,0 +1,65 @@
+"""The weights part of the identity for serving systems other than vLLM (LMCache, SGLang).
+
+Those systems hand a storage backend a model *name* (LMCache: vLLM's ``model_config.model``;
+SGLang: its ``model_path``/served name) and opaque bytes. The name is what an operator typed, so
+it never becomes the identity: it is resolved to the weights it names on this host (a local
+directory, or the Hugging Face snapshot of a hub id, offline) and the weights are digested by
+content (every byte of the weight files + the sampled per-tensor digest + the config files, the
+``files:`` kind of docs/IDENTITY.md). Two hosts naming the same bytes by different paths share a
+namespace; two different checkpoints typed with the same alias never do.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from pathlib import Path
+
+from cxlkv.integrations import identity as ident
+from cxlkv.integrations.loaded_weights import files_digest
+
+
+class UnresolvableModelError(LookupError):
+    """A model name that names no weights on this host: nothing can be stored under it."""
+
+
+def resolve_model_dir(ref: str) -> Path:
+    """The directory (or lone weight file) that ``ref`` names on this host."""
+    p = Path(ref).expanduser()
+    if p.exists():
+        return p.resolve()
+    try:  # a hub id: the snapshot the engine downloaded (never a network call from here)
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(ref, local_files_only=True)).resolve()
+    except Exception as e:
+        raise UnresolvableModelError(
+            f"model {ref!r} is neither a local path nor a downloaded Hugging Face snapshot; "
+            "cxlkv derives its namespace from the weights' bytes and cannot store its KV "
+            f"({type(e).__name__})"
+        ) from e
+
+
+_lock = threading.Lock()
+
+
+@functools.lru_cache(maxsize=64)
+def _weights_of_dir(root: str, stamp: tuple) -> tuple[str, str]:
+    files = ident.weights_digest(root)
+    every_byte = files_digest(ident.weight_files(root))
+    return ident.weights_identity(files, ident.config_digest(), every_byte)
+
+
+def weights_of(ref: str) -> tuple[str, str]:
+    """(KVIdentity.weights, its source text) of the model ``ref`` names. Cached per resolved path
+    and the (inode, size, mtime_ns, ctime_ns) of its weight files, so a re-pointed symlink or a
+    rewritten file is digested again."""
+    root = resolve_model_dir(ref)
+    stamp = tuple(
+        (name, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        for name, path in ident.weight_files(root)
+        for st in (os.stat(path),)
+    )
+    with _lock:  # one digest at a time: two threads asking for one model hash it once
+        return _weights_of_dir(str(root), stamp)

@@ -1,0 +1,240 @@
+"""cxlkv as an SGLang HiCache storage backend (the L3 tier behind SGLang's host pool).
+
+    python -m sglang.launch_server ... --enable-hierarchical-cache \\
+        --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \\
+        '{"backend_name": "cxlkv", "module_path": "cxlkv.integrations.sglang",
+          "class_name": "CxlKVHiCacheStorage", "interface_v1": 1,
+          "pool_path": "/dev/shm/cxlkv-1000/pool", "model_path": "/models/x"}'
+
+``interface_v1`` makes SGLang call the zero-copy ``batch_get_v1`` / ``batch_set_v1`` with the
+host pool's token indices: one SGLang page is one cxlkv block, gathered from (and scattered into)
+SGLang's host buffer by the core's copy engine, with no intermediate tensor. ``batch_exists``
+returns the leading run of pages present (``match_prefix``).
+
+Identity (docs/IDENTITY.md): the namespace is derived from the weights ``model_path`` (default:
+SGLang's ``model_name``) names on this host, by content (external_identity.py), and from
+everything SGLang's page key does not cover: KV dtype, layer/head geometry, page size, TP rank
+(MLA pools are replicated across ranks: one shared slice), pipeline stage and its layers,
+context-parallel rank, the host pool's class, byte layout and storage format tag. Inside it a
+page's key is sha256(version | SGLang's page hash): the hash chains the token ids of the whole
+prefix and is seeded with the request's ``extra_key`` (LoRA) and ``cache_salt``.
+
+Thread-safe: SGLang's prefetch and backup threads call concurrently; pool calls are serialised by
+one lock (the copies are memory-bound; the lock also guards re-attachment after a fence).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+
+import cxlkv
+from cxlkv.integrations import identity as ident
+from cxlkv.integrations.external_identity import weights_of
+from cxlkv.integrations.pool_session import PoolSession
+
+log = logging.getLogger("cxlkv.sglang")
+
+KEY_VERSION = b"cxlkv/sglang/v1"
+
+
+def pool_key(page_hash: str) -> bytes:
+    return hashlib.sha256(KEY_VERSION + page_hash.encode()).digest()
+
+
+class UnsupportedHostPoolError(TypeError):
+    """A host pool whose page is not one gatherable block (layout or class cxlkv does not map)."""
+
+
+def page_view(host_pool: Any) -> tuple[torch.Tensor, int]:
+    """(view, block_dim): SGLang's host buffer as ``[..., page, ...rest]`` so that the pieces
+    ``view[..., p, ...]`` (every index of the dims before block_dim) are exactly page p's bytes,
+    the same pieces ``get_page_buffer_meta`` lists. Zero-copy: a view of ``kv_buffer``."""
+    buf, layout, pages = host_pool.kv_buffer, host_pool.layout, host_pool.page_num
+    if not buf.is_contiguous():
+        raise UnsupportedHostPoolError(f"{type(host_pool).__name__}: kv_buffer is not contiguous")
+    mha = buf.dim() >= 1 and buf.shape[0] == 2 and buf.dim() in (5, 6)
+    lead = (2,) if mha else ()
+    if layout == "layer_first":
+        return buf.view(*lead, host_pool.layer_num, pages, -1), len(lead) + 1
+    if layout in ("page_first", "page_first_direct") or (mha and layout == "page_head"):
+        return buf.view(*lead, pages, -1), len(lead)
+    raise UnsupportedHostPoolError(f"{type(host_pool).__name__}: layout {layout!r} is not supported by cxlkv")
+
+
+class CxlKVHiCacheStorage(HiCacheStorage):
+    """SGLang HiCache storage in a cxlkv pool. extra_config: ``pool_path`` (default: cxlkv's
+    default pool), ``pool_size`` (create it if missing), ``model_path`` (the weights; default
+    SGLang's model_name)."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None) -> None:
+        extra = dict(storage_config.extra_config or {})
+        self.config = storage_config
+        self._path = str(extra.get("pool_path") or cxlkv.default_pool_path())
+        self._size = extra.get("pool_size")
+        model = extra.get("model_path") or storage_config.model_name
+        if not model:
+            raise ValueError("cxlkv HiCache storage: no model_path in the extra config and no model_name")
+        self._weights, self._weights_source = weights_of(str(model))  # UnresolvableModelError: clear
+        self._lock = threading.Lock()
+        self._session: PoolSession | None = None
+        self._view: torch.Tensor | None = None
+        self._block_dim = 0
+        self.identity: ident.KVIdentity | None = None
+
+    # ------------------------------------------------------------------ registration
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        view, block_dim = page_view(mem_pool_host)
+        self.identity = self._identity(mem_pool_host, view, block_dim)
+        layout = cxlkv.KVLayout(
+            model_id=self.identity.model_id(),
+            dtype=self.identity.dtype,
+            num_layers=self.identity.num_layers,
+            num_kv_heads=self.identity.num_kv_heads,
+            head_size=self.identity.head_size,
+            tokens_per_block=self.identity.block_size,
+            kind=self.identity.kind,
+            tp_rank=self.identity.tp_rank,
+            tp_size=self.identity.tp_size,
+            block_bytes=self.identity.block_bytes,
+            source=self.identity.source(),
+        )
+        name = self.identity.namespace_name()
+        with self._lock:
+            self._view, self._block_dim = view, block_dim
+            self._session = PoolSession(
+                self._path,
+                log,
+                self._open_pool,
+                lambda pool: pool.namespace(layout, name),
+                who="sglang-hicache",
+                fail_fast=True,
+            )
+
+    def _identity(self, host: Any, view: torch.Tensor, block_dim: int) -> ident.KVIdentity:
+        c = self.config
+        mla = bool(c.is_mla_model)
+        page_bytes = 1
+        for i, n in enumerate(view.shape):
+            if i != block_dim:
+                page_bytes *= n
+        page_bytes *= view.element_size()
+        if not mla and getattr(host, "v_head_dim", host.head_dim) != host.head_dim:
+            raise UnsupportedHostPoolError(f"{type(host).__name__}: K and V head sizes differ")
+        if c.should_split_heads:
+            raise UnsupportedHostPoolError("tp_lcm_size head splitting is not supported by cxlkv")
+        head_size = host.kv_cache_dim if mla else host.head_dim
+        layout = (
+            f"sglang/{type(host).__name__}/{host.layout}/pp{c.pp_rank}of{c.pp_size}"
+            f"/layers{host.start_layer}-{host.end_layer}/cp{c.attn_cp_rank}of{c.attn_cp_size}"
+            f"/dcp{c.dcp_rank}of{c.dcp_size}/{host.storage_format_tag or '-'}/{sys.byteorder}"
+        )
+        return ident.KVIdentity(
+            weights=self._weights,
+            dtype=ident.canonical_dtype(host.dtype),
+            kind="mla" if mla else "dense",
+            num_layers=host.layer_num,
+            num_kv_heads=1 if mla else host.head_num,
+            head_size=head_size,
+            block_size=host.page_size,
+            tp_rank=0 if mla else c.tp_rank,
+            tp_size=1 if mla else c.tp_size,
+            device_layout=layout,
+            block_bytes=page_bytes,
+            weights_source=self._weights_source,
+        )
+
+    def _open_pool(self, create: bool) -> Any:
+        if create and self._size is not None:
+            return cxlkv.Pool.open_or_create(self._path, self._size)
+        return cxlkv.Pool.open(self._path)
+
+    # ------------------------------------------------------------------ zero-copy interface
+    def _pages(self, keys: list[str], host_indices: torch.Tensor) -> list[int]:
+        page = self.mem_pool_host.page_size
+        if host_indices.numel() != len(keys) * page:
+            raise ValueError(f"{len(keys)} keys but {host_indices.numel()} host indices (page size {page})")
+        firsts = host_indices.reshape(len(keys), page)[:, 0].tolist()
+        if any(i % page for i in firsts):
+            raise ValueError("host indices do not start on page boundaries")
+        return [i // page for i in firsts]
+
+    def _call(self, what: str, fn: Callable[[Any], Any]) -> Any:
+        if self._session is None:
+            raise RuntimeError("cxlkv HiCache storage: register_mem_pool_host was not called")
+        with self._lock:
+            return self._session.call(what, fn)
+
+    def _copy(self, op: str, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
+        if not keys:
+            return []
+        pages = self._pages(keys, host_indices)
+        pkeys = [pool_key(k) for k in keys]
+
+        def run(ns: Any) -> int:
+            copy = ns.store if op == "store" else ns.load
+            return int(copy(pkeys, [self._view], pages, block_dim=self._block_dim))
+
+        done = self._call(f"sglang {op}", run) or 0
+        return [i < done for i in range(len(keys))]
+
+    def batch_set_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
+        return self._copy("store", keys, host_indices)
+
+    def batch_get_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
+        return self._copy("load", keys, host_indices)
+
+    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        if not keys:
+            return 0
+        pkeys = [pool_key(k) for k in keys]
+        return int(self._call("sglang exists", lambda ns: ns.match_prefix(pkeys)) or 0)
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    # ------------------------------------------------------------------ tensor interface (interface_v1 off)
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
+        if target_location is None:
+            raise ValueError("cxlkv HiCache storage: get needs a target_location tensor")
+        out = target_location.view(-1).view(torch.uint8).numpy()
+        ok = self._call("sglang get", lambda ns: ns.get(pool_key(key), out))
+        return target_location if ok else None
+
+    def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list:
+        return [self.get(k, t) for k, t in zip(keys, target_locations, strict=True)]
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        src = value if value is not None else target_location
+        data = src.contiguous().view(-1).view(torch.uint8).numpy()
+        return bool(self._call("sglang set", functools.partial(_put, key=pool_key(key), data=data)))
+
+    def batch_set(
+        self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None
+    ) -> bool:
+        srcs = values if values is not None else target_locations
+        stored = [self.set(k, v) for k, v in zip(keys, srcs, strict=True)]  # every one, not up to a failure
+        return all(stored)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._session is not None:
+                self._session.close()
+                self._session = None
+
+
+def _put(ns: Any, key: bytes, data: Any) -> bool:
+    return bool(ns.put(key, data))

@@ -1,0 +1,195 @@
+"""cxlkv as SGLang's HiCache storage, against SGLang's real classes on CPU.
+
+The backend is created by SGLang's own ``StorageBackendFactory`` from the ``dynamic`` config
+(what ``--hicache-storage-backend dynamic --hicache-storage-backend-extra-config ...`` does), and
+copies pages straight into a real ``MHATokenToKVPoolHost`` (SGLang's host pool, built on CPU from
+CPU "device" buffers) in every layout cxlkv maps. Two backends on one pool stand for two SGLang
+servers. What cannot run here: SGLang's engine (CUDA), so the cache controller's threads that
+call these methods are not exercised; the threads below stand in for them.
+Needs ``pip install --no-deps sglang==0.5.23 orjson IPython torchvision`` (docs/INTEGRATIONS.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+import numpy as np
+import pytest
+
+pytest.importorskip(
+    "sglang.srt.mem_cache.hicache_storage",
+    reason="sglang not installed (pip install --no-deps sglang==0.5.23 orjson IPython torchvision)",
+    exc_type=ImportError,
+)
+import torch
+from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+LAYERS, HEADS, HEAD_DIM, PAGE, DEVICE_TOKENS = 2, 2, 8, 4, 64
+LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
+
+
+def _fake_model(path, seed: int) -> str:
+    from safetensors.numpy import save_file
+
+    os.makedirs(path, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    save_file(
+        {"w": rng.standard_normal((32, 32)).astype(np.float32)}, os.path.join(path, "model.safetensors")
+    )
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({"model_type": "llama"}, f)
+    return str(path)
+
+
+def _host_pool(layout: str) -> MHATokenToKVPoolHost:
+    """SGLang's MHA host pool over CPU device buffers (pin_memory off: no CUDA)."""
+    k = tuple(torch.zeros(DEVICE_TOKENS, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(LAYERS))
+    v = tuple(torch.zeros(DEVICE_TOKENS, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(LAYERS))
+
+    def ptrs(ts):
+        return torch.tensor([t.data_ptr() for t in ts], dtype=torch.uint64)
+
+    info = MHABufferInfo(
+        buffers=KVBuffers(k=k, v=v, k_data_ptrs=ptrs(k), v_data_ptrs=ptrs(v), layout=KVBufferLayout.NHD),
+        page_size=PAGE,
+        head_num=HEADS,
+        head_dim=HEAD_DIM,
+        v_head_dim=HEAD_DIM,
+        dtype=torch.bfloat16,
+        device=torch.device("cpu"),
+    )
+    return MHATokenToKVPoolHost(
+        info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
+        device_capacity_tokens=DEVICE_TOKENS, start_layer=0, end_layer=LAYERS,
+    )  # fmt: skip
+
+
+def _backend(pool_path: str, model: str | None, host, tp_rank: int = 0):
+    """What SGLang's cache controller does with ``--hicache-storage-backend dynamic``."""
+    extra = {
+        "backend_name": "cxlkv",
+        "module_path": "cxlkv.integrations.sglang",
+        "class_name": "CxlKVHiCacheStorage",
+        "interface_v1": 1,
+        "pool_path": pool_path,
+    }
+    if model is not None:
+        extra["model_path"] = model
+    config = HiCacheStorageConfig(
+        tp_rank=tp_rank, tp_size=2, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=host.layout == "page_first",
+        model_name="served-alias", extra_config=extra,
+    )  # fmt: skip
+    storage = StorageBackendFactory.create_backend("dynamic", config, host)
+    assert isinstance(storage, HiCacheStorage)
+    storage.register_mem_pool_host(host)
+    return storage
+
+
+def _page_bytes(host, page: int) -> bytes:
+    """Page ``page``'s bytes as SGLang's own zero-copy metadata lists them."""
+    import ctypes
+
+    ptrs, sizes = host.get_page_buffer_meta(torch.arange(page * PAGE, (page + 1) * PAGE))
+    return b"".join(ctypes.string_at(p, n) for p, n in zip(ptrs, sizes, strict=True))
+
+
+def _indices(pages: list[int]) -> torch.Tensor:
+    return torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in pages])
+
+
+@pytest.fixture
+def sg_pool(make_pool, pool_path):
+    make_pool(size=32 << 20, chunk_size=1 << 20)
+    return pool_path
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_round_trip_through_real_host_pools(sg_pool, tmp_path, layout):
+    model = _fake_model(tmp_path / "m", 1)
+    host_a, host_b = _host_pool(layout), _host_pool(layout)
+    a, b = _backend(sg_pool, model, host_a), _backend(sg_pool, model, host_b)
+    host_a.kv_buffer.view(-1).view(torch.uint8).copy_(
+        torch.from_numpy(
+            np.random.default_rng(3).integers(0, 256, host_a.kv_buffer.numel() * 2, dtype=np.uint8)
+        )
+    )
+    keys = [f"{i:064x}" for i in range(1, 6)]
+    assert a.batch_set_v1(keys[:4], _indices([3, 5, 6, 9])) == [True] * 4
+    assert b.batch_exists(keys) == 4  # the leading run
+    assert b.batch_exists([keys[4], *keys[:4]]) == 0
+    assert b.batch_get_v1(keys[:4], _indices([0, 1, 2, 7])) == [True] * 4
+    for src, dst in zip([3, 5, 6, 9], [0, 1, 2, 7], strict=True):
+        assert _page_bytes(host_b, dst) == _page_bytes(host_a, src)
+    assert _page_bytes(host_b, 8) == bytes(len(_page_bytes(host_b, 8)))  # nothing else written
+    assert b.batch_get_v1([keys[4], keys[0]], _indices([10, 11])) == [False, False]
+    a.close()
+    b.close()
+
+
+def test_identity_weights_rank_and_layout(sg_pool, tmp_path):
+    model = _fake_model(tmp_path / "m", 1)
+    import shutil
+
+    copy = shutil.copytree(model, tmp_path / "copy")
+    other = _fake_model(tmp_path / "other", 2)
+    a = _backend(sg_pool, model, _host_pool("page_first"))
+    keys = [f"{i:064x}" for i in range(1, 3)]
+    assert a.batch_set_v1(keys, _indices([1, 2])) == [True, True]
+    expected = {(str(copy), "page_first", 0): 2, (other, "page_first", 0): 0, (model, "page_first", 1): 0,
+                (model, "layer_first", 0): 0}  # fmt: skip
+    for (weights, layout, rank), hits in expected.items():
+        b = _backend(sg_pool, weights, _host_pool(layout), tp_rank=rank)
+        assert b.batch_exists(keys) == hits, (weights, layout, rank)
+        b.close()
+    a.close()
+
+
+def test_threads_share_one_backend(sg_pool, tmp_path):
+    """SGLang's prefetch and backup threads call one backend at once."""
+    model = _fake_model(tmp_path / "m", 1)
+    host = _host_pool("page_first")
+    storage = _backend(sg_pool, model, host)
+    pages_per_thread, threads_n = 3, 4
+    host.kv_buffer.view(-1).view(torch.uint8).copy_(
+        torch.from_numpy(
+            np.random.default_rng(5).integers(0, 256, host.kv_buffer.numel() * 2, dtype=np.uint8)
+        )
+    )
+    expected = {p: _page_bytes(host, p) for p in range(threads_n * pages_per_thread)}
+    errors: list[BaseException] = []
+
+    def worker(t: int) -> None:
+        try:
+            src = list(range(t * pages_per_thread, (t + 1) * pages_per_thread))
+            dst = [p + 16 for p in src]
+            keys = [f"{t:032x}{p:032x}" for p in src]
+            for _ in range(5):
+                assert storage.batch_set_v1(keys, _indices(src)) == [True] * len(keys)
+                assert storage.batch_exists(keys) == len(keys)
+                assert storage.batch_get_v1(keys, _indices(dst)) == [True] * len(keys)
+                for s, d in zip(src, dst, strict=True):
+                    assert _page_bytes(host, d) == expected[s]
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(threads_n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    storage.close()
+    assert not errors, errors
+
+
+def test_a_model_name_that_names_no_weights_is_refused(sg_pool):
+    """SGLang's model_name ("served-alias" here) is not identity: without weights, no backend."""
+    from cxlkv.integrations.external_identity import UnresolvableModelError
+
+    with pytest.raises(UnresolvableModelError, match="served-alias"):
+        _backend(sg_pool, None, _host_pool("page_first"))
