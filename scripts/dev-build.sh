@@ -6,4 +6,6 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-/work/venv-dev}
 exec 9>/tmp/cxlkv-dev-build.lock
 flock 9
-"$VENV/bin/pip" install -q --no-build-isolation -Cbuild-dir=build/dev . 2>&1 | tail -30
+# python -m pip, not bin/pip: a hard-linked venv copy keeps the console scripts of the venv it was
+# copied from in their shebangs, and bin/pip would install into that venv instead.
+"$VENV/bin/python" -m pip install -q --no-build-isolation -Cbuild-dir=build/dev . 2>&1 | tail -30
