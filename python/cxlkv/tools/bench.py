@@ -67,7 +67,8 @@ def _huge_buffer(nbytes: int) -> np.ndarray:
     memcpy baselines copy into huge pages where the kernel gives them (what it gave is read back
     with ``page_info`` and reported beside the pool's)."""
     huge = 2 * _MiB
-    m = mmap.mmap(-1, nbytes + huge)
+    # private: Python's default anonymous map is shared, i.e. shmem, which shmem_enabled governs
+    m = mmap.mmap(-1, nbytes + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     base = np.frombuffer(m, dtype=np.uint8)
     off = -base.ctypes.data % huge
     if hasattr(mmap, "MADV_HUGEPAGE"):
