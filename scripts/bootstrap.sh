@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs everything cxlkv needs on a fresh Debian/Ubuntu machine, idempotently:
-# system packages (compiler, CMake, Ninja, GoogleTest, xxHash headers), a virtual environment in
-# .venv, and cxlkv itself with its test and dev (style tools) extras. Sourced by scripts/test.sh
+# system packages (compiler, CMake, Ninja, GoogleTest: the C++ tests; xxHash is vendored in
+# third_party/), a virtual environment in .venv, and cxlkv itself with its test and dev (style
+# tools) extras. Sourced by scripts/test.sh
 # and scripts/demo.sh.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -11,7 +12,6 @@ need_apt=()
 command -v c++ >/dev/null || need_apt+=(g++)
 command -v cmake >/dev/null || need_apt+=(cmake)
 command -v ninja >/dev/null || need_apt+=(ninja-build)
-[ -f /usr/include/xxhash.h ] || need_apt+=(libxxhash-dev)
 [ -d /usr/include/gtest ] || need_apt+=(libgtest-dev)
 command -v gdb >/dev/null || need_apt+=(gdb)
 python3 -c "import venv, ensurepip" 2>/dev/null || need_apt+=(python3-venv)

@@ -9,10 +9,7 @@
 
 // Inlined into the lookup loops (XXH_INLINE_ALL): the same XXH3-64 as xxh3() in checksum.cpp,
 // without a call per key.
-#ifndef XXH_INLINE_ALL
-#define XXH_INLINE_ALL
-#endif
-#include <xxhash.h>
+#include "xxhash_inline.h"
 
 namespace cxlkv {
 

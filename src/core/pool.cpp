@@ -132,7 +132,10 @@ std::unique_ptr<Pool> Pool::create(const std::string& path, const CreateOptions&
       if (exist_ok) return open(path, open_options_of(opt));
       throw OsError(EEXIST, "pool " + path + " already exists");
     }
-    plan_geometry(h, opt);
+    // Where huge pages may back the file, the pool is whole huge pages (huge_pages.h).
+    CreateOptions fitted = opt;
+    fitted.size = fit_huge_pages(path, opt.size);
+    plan_geometry(h, fitted);
     remove_stale_init_files(path);
     uint8_t r[4];
     (void)::getrandom(r, sizeof r, 0);
@@ -140,7 +143,7 @@ std::unique_ptr<Pool> Pool::create(const std::string& path, const CreateOptions&
     std::snprintf(suffix, sizeof suffix, ".init-%d-%02x%02x%02x%02x", int(::getpid()), r[0], r[1], r[2],
                   r[3]);
     tmp = path + suffix;
-    m = Mapping::create_file(tmp, opt.size);  // zero-filled: every state word starts FREE/EMPTY
+    m = Mapping::create_file(tmp, fitted.size);  // zero-filled: every state word starts FREE/EMPTY
   }
 
   h.checksum = header_checksum(h);

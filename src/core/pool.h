@@ -228,6 +228,8 @@ class Pool {
   // The mapped file's identity (fstat of the fd that was mapped) and whether `path` still names it.
   uint64_t file_dev() const { return map_.file_dev(); }
   uint64_t file_ino() const { return map_.file_ino(); }
+  // The page size that backs this process's mapping of the pool, as obtained (huge_pages.h).
+  PageInfo page_info() const { return map_.page_info(); }
   bool file_replaced() const;
   // True once a SIGBUS in this pool's mapping was turned into zero pages (file shrunk under us).
   bool truncated() const { return map_.truncated(); }

@@ -350,6 +350,11 @@ nb::dict info_dict(Pool& p) {
   d["lock_hosts"] = h.lock_hosts;  // multihost: rows of the lock area (0 otherwise)
   d["host_slot"] = h.lock_hosts ? int64_t(p.host_slot()) : int64_t(-1);
   d["nt_copy_kernel"] = nt_copy_kernel_name();
+  // The page size this process's mapping got (not the one asked for): huge_pages.h.
+  const PageInfo pg = p.page_info();
+  d["page_bytes"] = pg.page_bytes;
+  d["huge_page_resident_bytes"] = pg.huge_bytes;
+  d["resident_bytes"] = pg.resident_bytes;
   // Device interleaving: 0 and one device for a single-device pool.
   d["stripe_bytes"] = p.stripes().striped() ? p.stripes().stripe : 0;
   nb::list devs;
@@ -441,7 +446,8 @@ nb::list names_of(std::span<const NamedCode> table) {
 
 }  // namespace
 
-void bind_rpc(nb::module_& m);  // bindings_rpc.cpp
+void bind_rpc(nb::module_& m);       // bindings_rpc.cpp
+void bind_platform(nb::module_& m);  // bindings_platform.cpp
 
 NB_MODULE(_core, m) {
   m.doc() = "cxlkv core: a KV-cache block store in a shared-memory (CXL) pool";
@@ -935,6 +941,7 @@ NB_MODULE(_core, m) {
       "otherwise.");
   m.def("backends", [] { return names_of(backend_names()); });
   bind_rpc(m);
+  bind_platform(m);
   m.def("layout_kinds", [] { return names_of(layout_kind_names()); });
   m.def(
       "layout_fields",

@@ -368,7 +368,12 @@ def build_parser() -> argparse.ArgumentParser:
         "1 compares like for like with the single-threaded memcpy)",
     )
     bc.add_argument(
-        "--pool-dir", default="/dev/shm", help="where the temporary pool lives (default /dev/shm)"
+        "--dir",
+        "--pool-dir",
+        dest="pool_dir",
+        default="/dev/shm",
+        help="where the temporary pool lives (default /dev/shm); a hugetlbfs or a tmpfs mounted "
+        "huge=always puts it on 2 MiB pages (page_bytes in the result says what it got)",
     )
     bc.add_argument(
         "--devices",

@@ -25,6 +25,7 @@ all processes at once as well.
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import random
 import statistics
@@ -59,6 +60,24 @@ def _gbps(nbytes: int, ns: float) -> float:
 
 def _med(xs: list[int]) -> float:
     return float(statistics.median(xs))
+
+
+def _huge_buffer(nbytes: int) -> np.ndarray:
+    """uint16 zeros of nbytes in anonymous memory on a 2 MiB boundary with MADV_HUGEPAGE, so the
+    memcpy baselines copy into huge pages where the kernel gives them (what it gave is read back
+    with ``page_info`` and reported beside the pool's)."""
+    huge = 2 * _MiB
+    # private: Python's default anonymous map is shared, i.e. shmem, which shmem_enabled governs
+    m = mmap.mmap(-1, nbytes + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    base = np.frombuffer(m, dtype=np.uint8)
+    off = -base.ctypes.data % huge
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        m.madvise(mmap.MADV_HUGEPAGE, off, nbytes)
+    return base[off : off + nbytes].view(np.uint16)
+
+
+def _page_bytes(a: np.ndarray) -> int:
+    return int(cxlkv._core.page_info(a.ctypes.data, a.nbytes)["page_bytes"])
 
 
 # =============================================================================================
@@ -126,6 +145,8 @@ def bench_copy(
     out: dict[str, Any] = {"bench": "copy", "backend": backend}
     for k in (
         "geometry",
+        "page_bytes",
+        "memcpy_page_bytes",
         "store_gbps",
         "load_gbps",
         "memcpy_gbps",
@@ -156,7 +177,10 @@ def bench_copy(
         "the like-for-like ratios. Use --copy-threads 1 to compare single-threaded. "
         "memcpy_contig_2t_gbps: the contiguous copy split in two halves on two threads; "
         "*_vs_memcpy_contig (goal >= 0.9 with --copy-threads 1) and *_vs_memcpy_contig_2t (goal "
-        ">= 0.9 with --copy-threads 2) compare the pool, checksum included, with those limits."
+        ">= 0.9 with --copy-threads 2) compare the pool, checksum included, with those limits. "
+        "page_bytes: the page size the pool's mapping got (read back from the kernel, not the one "
+        "asked for; 2 MiB needs --dir on hugetlbfs or a tmpfs mounted huge=always|advise); "
+        "memcpy_page_bytes: the same for the memcpy baselines' buffers (MADV_HUGEPAGE)."
     )
     return out
 
@@ -189,9 +213,12 @@ def _bench_copy_one(
     dst = [np.ones(shape, dtype=np.uint16) for _ in range(L)]  # ones: fault the pages in now
     block_ids = [int(b) for b in rng.permutation(nblocks)]
 
-    # memcpy baselines: gather into / scatter out of a contiguous buffer in pool block order
-    flat = np.ones(nbytes // 2, dtype=np.uint16)
-    flat2 = np.ones(nbytes // 2, dtype=np.uint16)
+    # memcpy baselines: gather into / scatter out of a contiguous buffer in pool block order, on
+    # huge pages where the kernel gives them (the pool's pages are compared with these)
+    flat = _huge_buffer(nbytes)
+    flat2 = _huge_buffer(nbytes)
+    flat.fill(1)  # ones: fault the pages in now
+    flat2.fill(1)
     gather: list[tuple[np.ndarray, np.ndarray]] = []
     scatter: list[tuple[np.ndarray, np.ndarray]] = []
     for i, bid in enumerate(block_ids):
@@ -354,7 +381,9 @@ def _bench_copy_one(
                 t["contig"].append(t_c)
                 t["contig_2t"].append(t_c2)
             stats = pool.stats()
-            stripe_bytes = pool.info()["stripe_bytes"]
+            info = pool.info()
+            stripe_bytes = info["stripe_bytes"]
+            page_bytes = info["page_bytes"]  # what the pool's mapping got, after every round
     finally:
         pair.shutdown()
         if executor is not None:
@@ -374,6 +403,9 @@ def _bench_copy_one(
         "geometry": name,
         "devices": devices,
         "stripe_bytes": stripe_bytes,
+        "pool_dir": pool_dir,
+        "page_bytes": page_bytes,
+        "memcpy_page_bytes": _page_bytes(flat2),
         "layout": dict(g),
         "blocks": nblocks,
         "block_bytes": block_bytes,
@@ -415,7 +447,8 @@ def _bench_copy_one(
         r["pool_" + k] = stats[k]
     log(
         f"  store {r['store_gbps']:.2f} GB/s, load {r['load_gbps']:.2f} GB/s, "
-        f"memcpy {r['memcpy_gbps']:.2f} GB/s, contiguous memcpy {r['memcpy_contig_gbps']:.2f} GB/s"
+        f"memcpy {r['memcpy_gbps']:.2f} GB/s, contiguous memcpy {r['memcpy_contig_gbps']:.2f} GB/s "
+        f"(pages: pool {format_size(page_bytes)}, memcpy {format_size(r['memcpy_page_bytes'])})"
     )
     return r
 
@@ -431,6 +464,10 @@ def print_copy_result(console, result: dict[str, Any]) -> None:
     rows = [
         ("batch", lambda r: f"{r['blocks']} x {format_size(r['block_bytes'])}"),
         ("fragments/block", lambda r: f"{r['fragments_per_block']} x {format_size(r['fragment_bytes'])}"),
+        (
+            "pages: pool / memcpy",
+            lambda r: f"{format_size(r['page_bytes'])} / {format_size(r['memcpy_page_bytes'])}",
+        ),
         ("store GB/s", lambda r: f"[bold]{r['store_gbps']:.2f}[/bold]"),
         ("load GB/s", lambda r: f"[bold]{r['load_gbps']:.2f}[/bold]"),
         ("memcpy gather GB/s", lambda r: f"{r['memcpy_gbps']:.2f} ({r['memcpy_baseline']})"),

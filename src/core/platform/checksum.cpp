@@ -1,7 +1,6 @@
 #include "checksum.h"
 
-#include <xxh_x86dispatch.h>
-#include <xxhash.h>
+#include "xxhash_inline.h"
 
 #include <algorithm>
 #include <cstring>
@@ -16,7 +15,7 @@ const xxh3k::HashFn kHash = xxh3k::pick_hash();
 const xxh3k::CopyHashFn kCopyHash = xxh3k::pick_copy_hash();
 }  // namespace
 
-uint64_t xxh3(const void* p, size_t n, uint64_t seed) { return XXH3_64bits_withSeed_dispatch(p, n, seed); }
+uint64_t xxh3(const void* p, size_t n, uint64_t seed) { return XXH3_64bits_withSeed(p, n, seed); }
 
 const char* checksum_copy_kernel_name() {
   if (kCopyHash) return "avx512-fused";

@@ -4,8 +4,7 @@
 // after each full block acc = (acc ^ (acc >> 47) ^ key) * PRIME32_1.
 #include "checksum_kernels.h"
 
-#define XXH_STATIC_LINKING_ONLY  // XXH3_generateSecret_fromSeed
-#include <xxhash.h>
+#include "xxhash_inline.h"  // XXH3_generateSecret_fromSeed
 
 #include <cstring>
 

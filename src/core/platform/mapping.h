@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "huge_pages.h"
 #include "striping.h"
 
 struct stat;
@@ -42,7 +43,9 @@ class Mapping {
                                bool allow_foreign_owner = true, bool allow_group = false);
   // Creates a new file of `size` bytes at `tmp_path`, mode 0600 (exclusive create). Its pages are
   // allocated and zeroed here (on tmpfs, zeroing otherwise happens at first touch, inside the
-  // first store to each block: measured 4-30x slower stores on a fresh pool).
+  // first store to each block: measured 4-30x slower stores on a fresh pool), as huge pages where
+  // the filesystem gives them (huge_pages.h); on hugetlbfs `size` must be whole huge pages.
+  // Every file mapping (here and in open_existing) starts on a huge-page boundary.
   static Mapping create_file(const std::string& tmp_path, uint64_t size);
   // Maps a devdax device for creation (its whole size, or `size` if smaller).
   static Mapping open_devdax_for_create(const std::string& path, uint64_t size);
@@ -77,6 +80,8 @@ class Mapping {
   // F14: a SIGBUS inside a registered mapping (the file shrank under us) is answered by mapping
   // zero pages over the rest of the mapping and setting this flag; the access then reads zeros.
   bool truncated() const;
+  // The page size actually backing the mapping, read back from the kernel (huge_pages.h).
+  PageInfo page_info() const;
 
  private:
   char* base_ = nullptr;
