@@ -13,6 +13,7 @@
 #include <shared_mutex>
 
 #include "bench.h"
+#include "bindings_tokens.h"
 #include "checksum.h"
 #include "cpu_features.h"
 #include "dtype.h"
@@ -442,6 +443,12 @@ nb::list names_of(std::span<const NamedCode> table) {
 }  // namespace
 
 void bind_rpc(nb::module_& m);  // bindings_rpc.cpp
+// bindings_tokens.cpp (the token store) reaches a Namespace object's pool through this.
+NsAccess token_ns_access(nb::handle o) {
+  PyNamespace& n = nb::cast<PyNamespace&>(o);
+  OpGuard g(*n.owner);
+  return NsAccess{std::move(g.lock), g.p, n.h};
+}
 
 NB_MODULE(_core, m) {
   m.doc() = "cxlkv core: a KV-cache block store in a shared-memory (CXL) pool";
@@ -935,6 +942,7 @@ NB_MODULE(_core, m) {
       "otherwise.");
   m.def("backends", [] { return names_of(backend_names()); });
   bind_rpc(m);
+  bind_tokens(m, token_ns_access);
   m.def("layout_kinds", [] { return names_of(layout_kind_names()); });
   m.def(
       "layout_fields",
