@@ -1,6 +1,7 @@
 // Token-addressable blocks: sealing, resolving and row gathers (token_rows.h has the format).
 #include "token_rows.h"
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
 
@@ -35,14 +36,21 @@ uint64_t mix(uint64_t x) {
 
 }  // namespace
 
+// XXH3-64 with seed 0, then the row's seed mixed in: XXH3's own seeded variant derives a secret
+// per call for inputs over 240 bytes (every row format here), which would cost more than the row.
+// mix() is a bijection, so rows of equal bytes at different (sequence, layer, position) still get
+// different checks, and a row moved elsewhere never verifies.
+uint64_t row_check(const void* row, size_t n, uint64_t seed) { return mix(xxh3(row, n) ^ seed); }
+
 TokenGeometry TokenGeometry::make(uint64_t layers, uint64_t tokens_per_block, uint64_t row_bytes) {
   constexpr uint64_t kMax32 = std::numeric_limits<uint32_t>::max();
   if (layers == 0 || tokens_per_block == 0 || row_bytes == 0 || layers > 4096 || tokens_per_block > 65536 ||
       row_bytes > (1u << 20))
-    throw ArgumentError("token geometry out of range: layers 1..4096, tokens_per_block 1..65536, row bytes "
-                        "1..1 MiB (got " +
-                        std::to_string(layers) + ", " + std::to_string(tokens_per_block) + ", " +
-                        std::to_string(row_bytes) + ")");
+    throw ArgumentError(
+        "token geometry out of range: layers 1..4096, tokens_per_block 1..65536, row bytes "
+        "1..1 MiB (got " +
+        std::to_string(layers) + ", " + std::to_string(tokens_per_block) + ", " + std::to_string(row_bytes) +
+        ")");
   TokenGeometry g{uint32_t(layers), uint32_t(tokens_per_block), uint32_t(row_bytes)};
   if (g.block_bytes() > kMax32 * 16) throw ArgumentError("token block too large");
   return g;
@@ -59,24 +67,35 @@ void seal_block(char* block, const TokenGeometry& g, uint64_t seq_hash, uint32_t
   std::memset(block + g.payload_bytes(), 0, g.header_off() - g.payload_bytes());
   const uint64_t base_pos = chunk * g.tokens_per_block;
   for (uint32_t l = 0; l < g.layers; ++l) {
-    std::memset(block + g.row_off(l, valid_tokens), 0, uint64_t(g.tokens_per_block - valid_tokens) * g.row_bytes);
+    std::memset(block + g.row_off(l, valid_tokens), 0,
+                uint64_t(g.tokens_per_block - valid_tokens) * g.row_bytes);
     for (uint32_t t = 0; t < valid_tokens; ++t) {
-      uint64_t h = xxh3(block + g.row_off(l, t), g.row_bytes, row_seed(seq_hash, stream, l, base_pos + t));
+      uint64_t h = row_check(block + g.row_off(l, t), g.row_bytes, row_seed(seq_hash, stream, l, base_pos + t));
       std::memcpy(block + g.hash_off(l, t), &h, 8);
     }
   }
-  TokenBlockHeader hdr{kTokenBlockMagic, kTokenBlockVersion, stream, g.layers, g.tokens_per_block,
-                       g.row_bytes, valid_tokens, chunk, seq_hash, 0, 0};
+  TokenBlockHeader hdr{kTokenBlockMagic,
+                       kTokenBlockVersion,
+                       stream,
+                       g.layers,
+                       g.tokens_per_block,
+                       g.row_bytes,
+                       valid_tokens,
+                       chunk,
+                       seq_hash,
+                       0,
+                       0};
   hdr.header_hash = header_hash(hdr);
   std::memcpy(block + g.header_off(), &hdr, sizeof hdr);
 }
 
-std::vector<ResolvedBlock> resolve_blocks(Pool& pool, const NsHandle& ns, const TokenGeometry& g, const Key* keys,
-                                          size_t n, uint64_t seq_hash, uint32_t stream, uint64_t first_chunk) {
+std::vector<ResolvedBlock> resolve_blocks(Pool& pool, const NsHandle& ns, const TokenGeometry& g,
+                                          const Key* keys, size_t n, uint64_t seq_hash, uint32_t stream,
+                                          uint64_t first_chunk) {
   std::vector<ResolvedBlock> out;
   if (ns.block_bytes != g.block_bytes())
-    throw ArgumentError("namespace block size " + std::to_string(ns.block_bytes) + " is not the token block size " +
-                        std::to_string(g.block_bytes()));
+    throw ArgumentError("namespace block size " + std::to_string(ns.block_bytes) +
+                        " is not the token block size " + std::to_string(g.block_bytes()));
   for (size_t i = 0; i < n; ++i) {
     uint64_t off = 0, len = 0;
     if (!pool.locate(ns, keys[i], &off, &len) || len != g.block_bytes()) break;
@@ -85,8 +104,9 @@ std::vector<ResolvedBlock> resolve_blocks(Pool& pool, const NsHandle& ns, const 
     TokenBlockHeader h;  // a private copy: validated, then believed
     std::memcpy(&h, hp, sizeof h);
     const bool ok = h.magic == kTokenBlockMagic && h.version == kTokenBlockVersion && h.stream == stream &&
-                    h.layers == g.layers && h.tokens_per_block == g.tokens_per_block && h.row_bytes == g.row_bytes &&
-                    h.valid_tokens >= 1 && h.valid_tokens <= g.tokens_per_block && h.chunk == first_chunk + i &&
+                    h.layers == g.layers && h.tokens_per_block == g.tokens_per_block &&
+                    h.row_bytes == g.row_bytes && h.valid_tokens >= 1 &&
+                    h.valid_tokens <= g.tokens_per_block && h.chunk == first_chunk + i &&
                     h.seq_hash == seq_hash && h.reserved == 0 && h.header_hash == header_hash(h);
     if (!ok) break;
     out.push_back({off, h.valid_tokens});
@@ -108,11 +128,23 @@ GatherResult gather_rows(const Pool& pool, const SeqRows& s, uint32_t first_laye
     }
   }
   const uint64_t R = g.row_bytes;
+  // Rows are scattered over the pool: ask for row i + kAhead while row i is copied, so the
+  // misses of a top-k gather overlap instead of being paid one after another.
+  constexpr size_t kAhead = 8;
+  auto prefetch = [&](uint32_t layer, int64_t pos) {
+    const uint64_t c = uint64_t(pos) / g.tokens_per_block;
+    const char* blk = pool.arena_bytes(s.offsets[c], g.block_bytes());
+    if (!blk) return;
+    const char* row = blk + g.row_off(layer, uint32_t(uint64_t(pos) % g.tokens_per_block));
+    for (uint64_t off = 0; off < R; off += 64) __builtin_prefetch(row + off);
+  };
   for (uint32_t j = 0; j < n_layers; ++j) {
     const uint32_t layer = first_layer + j;
     const int64_t* idx = indices_per_layer ? indices + size_t(j) * k : indices;
     char* dst = out + size_t(j) * k * R;
+    for (size_t i = 0; i < std::min(k, kAhead); ++i) prefetch(layer, idx[i]);
     for (size_t i = 0; i < k; ++i, dst += R) {
+      if (i + kAhead < k) prefetch(layer, idx[i + kAhead]);
       const uint64_t pos = uint64_t(idx[i]);
       const uint64_t c = pos / g.tokens_per_block;
       const uint32_t t = uint32_t(pos % g.tokens_per_block);
@@ -124,8 +156,9 @@ GatherResult gather_rows(const Pool& pool, const SeqRows& s, uint32_t first_laye
       }
       // Hash the bytes as delivered (never re-read the pool): a concurrent writer can only make
       // the comparison fail, never make it pass for bytes other than those in dst.
-      if (!blk || xxh3(dst, R, row_seed(s.seq_hash, s.stream, layer, pos)) != want) {
-        r.status = GatherResult::kMiss, r.bad_pos = size_t(j) * k + i, r.bad_index = idx[i], r.bad_layer = layer;
+      if (!blk || row_check(dst, R, row_seed(s.seq_hash, s.stream, layer, pos)) != want) {
+        r.status = GatherResult::kMiss, r.bad_pos = size_t(j) * k + i, r.bad_index = idx[i],
+        r.bad_layer = layer;
         return r;
       }
     }

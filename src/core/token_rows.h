@@ -6,7 +6,8 @@
 // chunk are contiguous and a top-k gather of one layer touches only the rows it asks for:
 //
 //   [0, payload)             rows: row (layer l, token t) at (l * T + t) * row_bytes
-//   [hashes_off, +L*T*8)     one XXH3-64 per row, seeded by (sequence, stream, layer, position)
+//   [hashes_off, +L*T*8)     one check per row: XXH3-64 of its bytes mixed with a seed of
+//                            (sequence, stream, layer, position) (row_check)
 //   [header_off, +64)        TokenBlockHeader (below)
 //
 // Integrity at row granularity: a gather hashes every row it delivered (in the caller's memory,
@@ -63,6 +64,8 @@ struct TokenGeometry {
 
 // The seed of row (layer, position) of a sequence's stream.
 uint64_t row_seed(uint64_t seq_hash, uint32_t stream, uint32_t layer, uint64_t position);
+// The stored check of a row: binds its bytes to its seed (token_rows.cpp says how).
+uint64_t row_check(const void* row, size_t n, uint64_t seed);
 
 // Completes a block the caller filled with rows (positions >= valid zeroed here): row hashes and
 // header. `block` holds g.block_bytes() bytes.
@@ -78,8 +81,9 @@ struct ResolvedBlock {
 // Locates keys[i] (chunk first_chunk + i of the sequence) and checks each block's header against
 // what the caller expects. Returns the leading blocks that are present and well-formed; the first
 // absent or foreign one stops the list (the caller should hold pins on them: see token_store.py).
-std::vector<ResolvedBlock> resolve_blocks(Pool& pool, const NsHandle& ns, const TokenGeometry& g, const Key* keys,
-                                          size_t n, uint64_t seq_hash, uint32_t stream, uint64_t first_chunk);
+std::vector<ResolvedBlock> resolve_blocks(Pool& pool, const NsHandle& ns, const TokenGeometry& g,
+                                          const Key* keys, size_t n, uint64_t seq_hash, uint32_t stream,
+                                          uint64_t first_chunk);
 
 // What one gather asks for. offsets[c]: pool offset of chunk c's block (from resolve_blocks);
 // n_tokens: the sequence length the caller resolved (every index must be below it).

@@ -82,14 +82,15 @@ void bind_tokens(nb::module_& m, NsAccessFn access) {
         for (auto& b : r) out.emplace_back(b.offset, b.valid_tokens);
         return out;
       },
-      "ns"_a, "keys"_a, "layers"_a, "tokens_per_block"_a, "row_bytes"_a, "seq_hash"_a, "stream"_a, "first_chunk"_a,
+      "ns"_a, "keys"_a, "layers"_a, "tokens_per_block"_a, "row_bytes"_a, "seq_hash"_a, "stream"_a,
+      "first_chunk"_a,
       "[(offset, valid_tokens)] of the leading present, well-formed blocks keys[i] = chunk first_chunk + i.");
 
   m.def(
       "token_gather",
       [](nb::handle ns, uint64_t layers, uint64_t tokens_per_block, uint64_t row_bytes, uint64_t seq_hash,
-         uint32_t stream, uint64_t n_tokens, Offsets offsets, uint32_t first_layer, uint32_t n_layers, Indices indices,
-         bool per_layer, Bytes out) -> nb::object {
+         uint32_t stream, uint64_t n_tokens, Offsets offsets, uint32_t first_layer, uint32_t n_layers,
+         Indices indices, bool per_layer, Bytes out) -> nb::object {
         auto g = tokens::TokenGeometry::make(layers, tokens_per_block, row_bytes);
         if (n_layers == 0 || first_layer >= g.layers || n_layers > g.layers - first_layer)
           throw nb::index_error(("layers [" + std::to_string(first_layer) + ", +" + std::to_string(n_layers) +
@@ -99,9 +100,9 @@ void bind_tokens(nb::module_& m, NsAccessFn access) {
         if (per_layer && n_idx % n_layers) throw ArgumentError("per-layer indices must be n_layers x k");
         const size_t k = per_layer ? n_idx / n_layers : n_idx;
         if (out.nbytes() != uint64_t(n_layers) * k * g.row_bytes)
-          throw ArgumentError("out has " + std::to_string(out.nbytes()) + " bytes; " + std::to_string(n_layers) +
-                              " layers x " + std::to_string(k) + " rows x " + std::to_string(g.row_bytes) +
-                              " B expected");
+          throw ArgumentError("out has " + std::to_string(out.nbytes()) + " bytes; " +
+                              std::to_string(n_layers) + " layers x " + std::to_string(k) + " rows x " +
+                              std::to_string(g.row_bytes) + " B expected");
         if (offsets.shape(0) * uint64_t(g.tokens_per_block) < n_tokens)
           throw ArgumentError("fewer blocks than the sequence length needs");
         tokens::SeqRows s{&g, seq_hash, stream, n_tokens, offsets.data(), offsets.shape(0)};
@@ -120,8 +121,8 @@ void bind_tokens(nb::module_& m, NsAccessFn access) {
         if (r.status == tokens::GatherResult::kMiss) return nb::make_tuple(r.bad_layer, r.bad_index);
         return nb::none();
       },
-      "ns"_a, "layers"_a, "tokens_per_block"_a, "row_bytes"_a, "seq_hash"_a, "stream"_a, "n_tokens"_a, "offsets"_a,
-      "first_layer"_a, "n_layers"_a, "indices"_a, "per_layer"_a, "out"_a,
+      "ns"_a, "layers"_a, "tokens_per_block"_a, "row_bytes"_a, "seq_hash"_a, "stream"_a, "n_tokens"_a,
+      "offsets"_a, "first_layer"_a, "n_layers"_a, "indices"_a, "per_layer"_a, "out"_a,
       "Verified row gather (token_rows.h). None, or (layer, index) of the first row that failed "
       "verification (absent, reused or corrupt: a miss). IndexError for an index out of range.");
 }
