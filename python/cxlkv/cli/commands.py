@@ -314,7 +314,9 @@ def cmd_bench_sparse(args: argparse.Namespace) -> int:
 
     unknown = [f for f in args.formats if f not in bench_sparse.FORMATS]
     if unknown:
-        raise CommandError(f"bench sparse: unknown row format {unknown[0]!r} (one of {', '.join(bench_sparse.FORMATS)})")
+        raise CommandError(
+            f"bench sparse: unknown row format {unknown[0]!r} (one of {', '.join(bench_sparse.FORMATS)})"
+        )
     result = bench_sparse.bench_sparse(
         contexts=args.contexts,
         topk=args.topk,

@@ -184,7 +184,11 @@ class HotBuffer:
             if out.shape != (L, k, self.store.row_bytes) or out.dtype != np.uint8:
                 raise ValueError(f"out must be uint8 [{L}, {k}, {self.store.row_bytes}]")
             # rows moved as the widest word dividing them: numpy's take copies item by item
-            word = next(w for w in (np.uint64, np.uint32, np.uint16, np.uint8) if self.store.row_bytes % w().itemsize == 0)
+            word = next(
+                w
+                for w in (np.uint64, np.uint32, np.uint16, np.uint8)
+                if self.store.row_bytes % w().itemsize == 0
+            )
             np.take(
                 self.rows.reshape(-1, self.store.row_bytes).view(word),
                 self._flat(np.arange(L)[:, None], slots),

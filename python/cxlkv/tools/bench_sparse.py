@@ -56,7 +56,7 @@ def _topk(rng: np.random.Generator, layers: int, context: int, k: int) -> np.nda
 def _next_topk(rng: np.random.Generator, prev: np.ndarray, context: int, hit: float) -> np.ndarray:
     """Keeps a fraction ``hit`` of each layer's previous top-k and draws the rest anew."""
     layers, k = prev.shape
-    keep = int(round(hit * k))
+    keep = round(hit * k)
     out = np.empty_like(prev)
     for layer in range(layers):
         kept = rng.choice(prev[layer], keep, replace=False)
@@ -68,11 +68,24 @@ def _next_topk(rng: np.random.Generator, prev: np.ndarray, context: int, hit: fl
 
 
 def _measure_context(
-    pool_dir: str, fmt: str, row_bytes: int, context: int, layers: int, topk: int, hit_rates: list, steps: int,
-    repeats: int, rng: np.random.Generator, say: Callable[[str], None],
+    pool_dir: str,
+    fmt: str,
+    row_bytes: int,
+    context: int,
+    layers: int,
+    topk: int,
+    hit_rates: list,
+    steps: int,
+    repeats: int,
+    rng: np.random.Generator,
+    say: Callable[[str], None],
 ) -> dict:
     layout = cxlkv.KVLayout(
-        f"bench/deepseek-v3.2-{fmt}", dtype="uint8", kind="mla", num_layers=layers, head_size=row_bytes,
+        f"bench/deepseek-v3.2-{fmt}",
+        dtype="uint8",
+        kind="mla",
+        num_layers=layers,
+        head_size=row_bytes,
         tokens_per_block=TOKENS_PER_BLOCK,
     )
     row_total = layers * context * row_bytes
@@ -118,7 +131,7 @@ def _measure_context(
             np.copyto(flat_out, packed[start : start + sparse_bytes])
 
         memcpy_s = _best(memcpy, repeats)
-        del packed
+        packed = np.empty(0, np.uint8)  # frees the reference's buffer before the hot-buffer runs
         full_bytes = row_total
         say(f"{fmt} {context // 1024}K: full {full_s * 1e3:.1f} ms, top-{k} {sparse_s * 1e3:.2f} ms")
         hot = []
@@ -196,12 +209,11 @@ def bench_sparse(
     seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
     rng = np.random.default_rng(seed)
     say = progress(quiet)
-    results = []
-    for fmt in formats:
-        for ctx in contexts:
-            results.append(
-                _measure_context(pool_dir, fmt, FORMATS[fmt], ctx, layers, topk, hit_rates, steps, repeats, rng, say)
-            )
+    results = [
+        _measure_context(pool_dir, fmt, FORMATS[fmt], ctx, layers, topk, hit_rates, steps, repeats, rng, say)
+        for fmt in formats
+        for ctx in contexts
+    ]
     return {
         "benchmark": "sparse",
         "model_layers": MODEL_LAYERS,
@@ -224,15 +236,32 @@ def print_result(con: Any, r: dict) -> None:
         title=f"top-{r['topk']} token fetch vs the whole context ({r['layers_measured']} of "
         f"{r['model_layers']} layers measured; bytes and ms scaled to {r['model_layers']})"
     )
-    for col in ("format", "context", "full MB", "top-k MB", "bytes ratio", "full ms", "top-k ms",
-                "latency ratio", "gather GB/s", "memcpy GB/s", "gather/memcpy"):
+    for col in (
+        "format",
+        "context",
+        "full MB",
+        "top-k MB",
+        "bytes ratio",
+        "full ms",
+        "top-k ms",
+        "latency ratio",
+        "gather GB/s",
+        "memcpy GB/s",
+        "gather/memcpy",
+    ):
         t.add_column(col, justify="right")
     for x in r["results"]:
         t.add_row(
-            x["format"], f"{x['context_tokens'] // 1024}K", f"{x['full_bytes_model'] / 1e6:.0f}",
-            f"{x['sparse_bytes_model'] / 1e6:.1f}", f"{x['bytes_ratio']:.1f}x",
-            f"{x['full_latency_s_model'] * 1e3:.1f}", f"{x['sparse_latency_s_model'] * 1e3:.2f}",
-            f"{x['latency_ratio']:.1f}x", f"{x['gather_gbps']:.2f}", f"{x['memcpy_packed_gbps']:.2f}",
+            x["format"],
+            f"{x['context_tokens'] // 1024}K",
+            f"{x['full_bytes_model'] / 1e6:.0f}",
+            f"{x['sparse_bytes_model'] / 1e6:.1f}",
+            f"{x['bytes_ratio']:.1f}x",
+            f"{x['full_latency_s_model'] * 1e3:.1f}",
+            f"{x['sparse_latency_s_model'] * 1e3:.2f}",
+            f"{x['latency_ratio']:.1f}x",
+            f"{x['gather_gbps']:.2f}",
+            f"{x['memcpy_packed_gbps']:.2f}",
             f"{x['gather_vs_memcpy']:.2f}",
         )
     con.print(t)
@@ -242,9 +271,13 @@ def print_result(con: Any, r: dict) -> None:
     for x in r["results"]:
         for y in x["hot_buffer"]:
             h.add_row(
-                x["format"], f"{x['context_tokens'] // 1024}K", f"{y['hit_rate']:.2f}",
-                f"{y['bytes_per_step_model'] / 1e6:.1f}", f"{y['latency_s_model'] * 1e3:.2f}",
-                f"{y['bytes_ratio']:.0f}x", f"{y['latency_ratio']:.1f}x",
+                x["format"],
+                f"{x['context_tokens'] // 1024}K",
+                f"{y['hit_rate']:.2f}",
+                f"{y['bytes_per_step_model'] / 1e6:.1f}",
+                f"{y['latency_s_model'] * 1e3:.2f}",
+                f"{y['bytes_ratio']:.0f}x",
+                f"{y['latency_ratio']:.1f}x",
             )
     con.print(h)
     con.print(f"[dim]seed {r['seed']}, load average {r['load_average']}[/dim]")
