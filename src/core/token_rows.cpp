@@ -70,7 +70,8 @@ void seal_block(char* block, const TokenGeometry& g, uint64_t seq_hash, uint32_t
     std::memset(block + g.row_off(l, valid_tokens), 0,
                 uint64_t(g.tokens_per_block - valid_tokens) * g.row_bytes);
     for (uint32_t t = 0; t < valid_tokens; ++t) {
-      uint64_t h = row_check(block + g.row_off(l, t), g.row_bytes, row_seed(seq_hash, stream, l, base_pos + t));
+      uint64_t h =
+          row_check(block + g.row_off(l, t), g.row_bytes, row_seed(seq_hash, stream, l, base_pos + t));
       std::memcpy(block + g.hash_off(l, t), &h, 8);
     }
   }
@@ -130,7 +131,7 @@ GatherResult gather_rows(const Pool& pool, const SeqRows& s, uint32_t first_laye
   const uint64_t R = g.row_bytes;
   // Rows are scattered over the pool: ask for row i + kAhead while row i is copied, so the
   // misses of a top-k gather overlap instead of being paid one after another.
-  constexpr size_t kAhead = 8;
+  constexpr size_t kAhead = 16;
   auto prefetch = [&](uint32_t layer, int64_t pos) {
     const uint64_t c = uint64_t(pos) / g.tokens_per_block;
     const char* blk = pool.arena_bytes(s.offsets[c], g.block_bytes());
