@@ -552,7 +552,9 @@ def test_bench_sparse_smoke(scratch_pool_dir):
     same run, the pools it made removed; the table prints too."""
     tiny = ["--contexts", "1K,2K", "--topk", "64", "--layers", "2", "--steps", "2", "--hit-rates", "0.5,0.9"]
     tiny += ["--pool-dir", str(scratch_pool_dir)]
-    out = json_of(ok(cxlkv_cli("bench", "sparse", "--json", *tiny)), {"results", "layers_measured", "model_layers"})
+    out = json_of(
+        ok(cxlkv_cli("bench", "sparse", "--json", *tiny)), {"results", "layers_measured", "model_layers"}
+    )
     assert out["layers_measured"] == 2 and out["model_layers"] == 61
     assert len(out["results"]) == 4  # two formats x two contexts
     for x in out["results"]:
