@@ -111,7 +111,7 @@ KERNEL_CHECK = r"""
 import os, sys, torch
 assert os.environ["TRITON_INTERPRET"] == "1"
 from cxlkv.kernels.rows import gather_rows, scatter_rows
-g = torch.Generator().manual_seed(int(sys.argv[1]))
+g = torch.Generator().manual_seed(int(sys.argv[2]))
 for dtype, width in ((torch.uint8, 656), (torch.bfloat16, 576), (torch.float32, 33)):
     src = torch.randint(0, 256, (37, width * torch.tensor([], dtype=dtype).element_size()), generator=g,
                         dtype=torch.uint8).view(dtype)
@@ -139,18 +139,6 @@ print("kernels exact")
 """
 
 
-def test_triton_row_kernels_exact_under_interpreter():
-    pytest.importorskip("torch")
-    pytest.importorskip("triton")
-    seed = _seed()
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run(
-        [sys.executable, "-c", KERNEL_CHECK, str(seed)], capture_output=True, text=True, timeout=120, env=env
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "kernels exact" in r.stdout
-
-
 HOT_TORCH = r"""
 import os, sys, uuid, numpy as np, torch, cxlkv
 from cxlkv.integrations.hot_buffer import HotBuffer
@@ -172,16 +160,20 @@ pool.close()
 """
 
 
-def test_hot_buffer_on_torch_tensors_through_the_kernels(pool_path):
+def test_triton_kernels_exact_and_hot_buffer_on_torch_under_interpreter(pool_path):
+    """One subprocess (TRITON_INTERPRET is read at import; torch and triton load once): the row
+    kernels bit-exact on random rows and indices, then a torch-backed hot buffer moved by them."""
     pytest.importorskip("torch")
     pytest.importorskip("triton")
+    seed = _seed()
     env = dict(os.environ, TRITON_INTERPRET="1")
+    code = KERNEL_CHECK + HOT_TORCH
     r = subprocess.run(
-        [sys.executable, "-c", HOT_TORCH, pool_path, str(_seed())],
+        [sys.executable, "-c", code, pool_path, str(seed)],
         capture_output=True,
         text=True,
         timeout=120,
         env=env,
     )
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "hot torch exact" in r.stdout
+    assert "kernels exact" in r.stdout and "hot torch exact" in r.stdout
