@@ -29,6 +29,7 @@ from .errors import (
 )
 from .paths import DEFAULT_POOL_PATH, default_pool_path, ensure_private_dir, join_device_paths
 from .sizes import format_size, parse_size
+from .token_store import PoolFullError, SequenceMissError, TokenStore, open_token_store
 
 __all__ = [
     "DEFAULT_POOL_PATH",
@@ -46,9 +47,12 @@ __all__ = [
     "Pool",
     "PoolCorruptError",
     "PoolFormatError",
+    "PoolFullError",
     "PoolNotReadyError",
     "PoolTruncatedError",
     "PoolVersionError",
+    "SequenceMissError",
+    "TokenStore",
     "create_options",
     "default_pool_path",
     "dtype_bytes",
@@ -345,6 +349,21 @@ class Pool:
 
     def namespaces(self) -> list:
         return self._core.namespaces()
+
+    def token_store(
+        self,
+        layout: KVLayout,
+        *,
+        max_tokens_per_seq: int,
+        indexer: bool = False,
+        placement: str | None = "request",
+    ) -> TokenStore:
+        """Token-addressable, layer-first rows of ``layout`` (docs/API.md, "Token store"):
+        ``append(seq_key, rows)``, ``gather(seq_key, layer, indices, out)``,
+        ``gather_layers(seq_key, indices, out)``. indexer=True adds ``.indexer``, the DeepSeek-V3.2
+        indexer cache as a second stream of the same sequences. placement="request": on a striped
+        pool each sequence on one device, sequences spread over devices; None: interleaved."""
+        return open_token_store(self, layout, max_tokens_per_seq, indexer, placement)
 
     # -- observability --------------------------------------------------------------------
     def stats(self) -> dict:

@@ -248,6 +248,9 @@ class Pool {
   NsHandle bind_device(const NsHandle& ns, int device) const;
   // Where the payload of `key` lies: pool offset and length; false if absent.
   bool locate(const NsHandle& ns, const Key& key, uint64_t* offset, uint64_t* length);
+  // The pool bytes [offset, offset + length) if they lie wholly inside the arena, else null
+  // (token_rows.cpp: row gathers from offsets a caller kept; the bytes are payload, unvalidated).
+  const char* arena_bytes(uint64_t offset, uint64_t length) const;
   std::vector<DeviceUse> device_usage();
   std::vector<std::pair<NsHandle, Layout>> list_namespaces();
 

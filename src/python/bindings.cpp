@@ -13,6 +13,7 @@
 #include <shared_mutex>
 
 #include "bench.h"
+#include "bindings_tokens.h"
 #include "checksum.h"
 #include "cpu_features.h"
 #include "dtype.h"
@@ -448,6 +449,12 @@ nb::list names_of(std::span<const NamedCode> table) {
 
 void bind_rpc(nb::module_& m);       // bindings_rpc.cpp
 void bind_platform(nb::module_& m);  // bindings_platform.cpp
+// bindings_tokens.cpp (the token store) reaches a Namespace object's pool through this.
+NsAccess token_ns_access(nb::handle o) {
+  PyNamespace& n = nb::cast<PyNamespace&>(o);
+  OpGuard g(*n.owner);
+  return NsAccess{std::move(g.lock), g.p, n.h};
+}
 
 NB_MODULE(_core, m) {
   m.doc() = "cxlkv core: a KV-cache block store in a shared-memory (CXL) pool";
@@ -942,6 +949,7 @@ NB_MODULE(_core, m) {
   m.def("backends", [] { return names_of(backend_names()); });
   bind_rpc(m);
   bind_platform(m);
+  bind_tokens(m, token_ns_access);
   m.def("layout_kinds", [] { return names_of(layout_kind_names()); });
   m.def(
       "layout_fields",

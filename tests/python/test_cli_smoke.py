@@ -545,3 +545,21 @@ def test_sim_smoke():
         {"ops", "verified_reads", "violations", "crashes", "pauses"},
     )
     assert out["violations"] == 0 and out["ops"] > 0
+
+
+def test_bench_sparse_smoke(scratch_pool_dir):
+    """`bench sparse` at a tiny geometry: the JSON fields the issue names, ratios measured in the
+    same run, the pools it made removed; the table prints too."""
+    tiny = ["--contexts", "1K,2K", "--topk", "64", "--layers", "2", "--steps", "2", "--hit-rates", "0.5,0.9"]
+    tiny += ["--pool-dir", str(scratch_pool_dir)]
+    out = json_of(
+        ok(cxlkv_cli("bench", "sparse", "--json", *tiny)), {"results", "layers_measured", "model_layers"}
+    )
+    assert out["layers_measured"] == 2 and out["model_layers"] == 61
+    assert len(out["results"]) == 4  # two formats x two contexts
+    for x in out["results"]:
+        assert {"context_tokens", "topk", "bytes_ratio", "latency_ratio", "gather_vs_memcpy"} <= set(x)
+        assert x["bytes_ratio"] == x["context_tokens"] / 64
+        assert len(x["hot_buffer"]) == 2 and all(0 <= h["hit_rate"] <= 1 for h in x["hot_buffer"])
+    assert not os.listdir(scratch_pool_dir)
+    assert "bytes ratio" in ok(cxlkv_cli("bench", "sparse", *tiny, "--formats", "bf16")).stdout

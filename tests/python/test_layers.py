@@ -31,12 +31,13 @@ PKG = "cxlkv"
 MAY_IMPORT: dict[str, set[str]] = {
     "api": {"api"},
     "testing": {"api"},
-    "integrations": {"api", "integrations"},
-    "tools": {"api", "tools", "testing", "integrations"},  # a benchmark measures an integration
+    "kernels": {"kernels"},  # Triton kernels: torch/triton only, imported lazily
+    "integrations": {"api", "integrations", "kernels"},
+    "tools": {"api", "tools", "testing", "integrations", "kernels"},  # a benchmark measures an integration
     "cli": {"api", "tools", "cli"},
     "main": {"cli"},
 }
-SUBPACKAGE_LAYERS = {"tools", "cli", "integrations", "testing"}
+SUBPACKAGE_LAYERS = {"tools", "cli", "integrations", "testing", "kernels"}
 # Modules that need a third-party package beyond the core dependencies to import at all.
 OPTIONAL_DEPS = {"vllm", "aiohttp", "torch", "sglang"}
 

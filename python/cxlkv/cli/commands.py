@@ -309,6 +309,32 @@ def cmd_bench_index(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+def cmd_bench_sparse(args: argparse.Namespace) -> int:
+    from cxlkv.tools import bench_sparse
+
+    unknown = [f for f in args.formats if f not in bench_sparse.FORMATS]
+    if unknown:
+        raise CommandError(
+            f"bench sparse: unknown row format {unknown[0]!r} (one of {', '.join(bench_sparse.FORMATS)})"
+        )
+    result = bench_sparse.bench_sparse(
+        contexts=args.contexts,
+        topk=args.topk,
+        layers=args.layers,
+        formats=args.formats,
+        hit_rates=args.hit_rates,
+        steps=args.steps,
+        pool_dir=args.pool_dir,
+        seed=args.seed,
+        quiet=args.json,
+    )
+    if args.json:
+        print_json(result)
+    else:
+        bench_sparse.print_result(make_console(), result)
+    return ExitCode.OK
+
+
 def cmd_bench_failover(args: argparse.Namespace) -> int:
     from cxlkv.tools import failover
 

@@ -474,6 +474,63 @@ def build_parser() -> argparse.ArgumentParser:
     bv.add_argument("--json", action="store_true", help="print one JSON object")
     bv.set_defaults(func=cmd_bench_vllm)
 
+    # bench sparse (issue 15): top-k token rows from the pool vs the whole context
+    from .commands import cmd_bench_sparse
+
+    def _tokens_list(text: str) -> list[int]:
+        out = [
+            _pos_int(p.strip()[:-1]) * 1024 if p.strip()[-1:] in "kK" else _pos_int(p.strip())
+            for p in text.split(",")
+            if p.strip()
+        ]
+        if not out:
+            raise argparse.ArgumentTypeError(f"invalid context list {text!r}")
+        return out
+
+    def _rates(text: str) -> list[float]:
+        out = [float(p) for p in text.split(",") if p.strip()]
+        if not out or not all(0 <= r <= 1 for r in out):
+            raise argparse.ArgumentTypeError(f"hit rates are numbers in [0, 1], got {text!r}")
+        return out
+
+    bs = bsub.add_parser(
+        "sparse",
+        help="DeepSeek-V3.2 sparse attention: top-k token rows per layer from the pool vs the "
+        "whole context, with and without the hot buffer (same run)",
+    )
+    bs.add_argument(
+        "--contexts",
+        type=_tokens_list,
+        default=[16384, 32768, 65536, 131072],
+        help="context lengths in tokens, e.g. 16K,128K (default 16K,32K,64K,128K)",
+    )
+    bs.add_argument("--topk", type=_pos_int, default=2048, help="tokens per layer per step (default 2048)")
+    bs.add_argument(
+        "--layers",
+        type=_pos_int,
+        default=4,
+        help="layers stored and measured (of 61; bytes and times scale linearly; default 4)",
+    )
+    bs.add_argument(
+        "--formats",
+        type=lambda t: [f for f in t.split(",") if f],
+        default=["fp8_ds_mla", "bf16"],
+        help="row formats: fp8_ds_mla (656 B), bf16 (1,152 B)",
+    )
+    bs.add_argument(
+        "--hit-rates",
+        type=_rates,
+        default=[0.5, 0.8, 0.95],
+        help="hot-buffer hit rates to simulate (default 0.5,0.8,0.95)",
+    )
+    bs.add_argument("--steps", type=_pos_int, default=8, help="decode steps timed per hit rate (default 8)")
+    bs.add_argument("--seed", type=int, default=None, help="seed of rows and indices (default: random)")
+    bs.add_argument(
+        "--pool-dir", default="/dev/shm", help="where the temporary pools live (default /dev/shm)"
+    )
+    bs.add_argument("--json", action="store_true", help="print one JSON object")
+    bs.set_defaults(func=cmd_bench_sparse)
+
     # demo -------------------------------------------------------------------------------------
     dm = sub.add_parser("demo", help="several processes sharing one pool: hit rates and bandwidth")
     dm.add_argument("--procs", type=_pos_int, default=4, help="worker processes (default 4)")

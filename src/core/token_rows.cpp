@@ -1,0 +1,171 @@
+// Token-addressable blocks: sealing, resolving and row gathers (token_rows.h has the format).
+#include "token_rows.h"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+
+#include "checksum.h"
+#include "errors.h"
+
+namespace cxlkv {
+
+// No ensure_usable() here: called per row, under an operation that checked it (bindings' OpGuard).
+const char* Pool::arena_bytes(uint64_t offset, uint64_t length) const {
+  if (!hdr_) return nullptr;
+  const uint64_t start = hdr_->arena_off;
+  const uint64_t end = start + hdr_->chunk_count * chunk_stride();
+  if (offset < start || offset > end || length > end - offset) return nullptr;
+  return region_.base() + offset;
+}
+
+namespace tokens {
+
+namespace {
+
+uint64_t header_hash(const TokenBlockHeader& h) { return xxh3(&h, offsetof(TokenBlockHeader, header_hash)); }
+
+// splitmix64's finalizer: a cheap bijective mix, so distinct (layer, position) give distinct seeds.
+uint64_t mix(uint64_t x) {
+  x ^= x >> 30;
+  x *= 0xbf58476d1ce4e5b9ull;
+  x ^= x >> 27;
+  x *= 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+}  // namespace
+
+// XXH3-64 with seed 0, then the row's seed mixed in: XXH3's own seeded variant derives a secret
+// per call for inputs over 240 bytes (every row format here), which would cost more than the row.
+// mix() is a bijection, so rows of equal bytes at different (sequence, layer, position) still get
+// different checks, and a row moved elsewhere never verifies.
+uint64_t row_check(const void* row, size_t n, uint64_t seed) { return mix(xxh3(row, n) ^ seed); }
+
+TokenGeometry TokenGeometry::make(uint64_t layers, uint64_t tokens_per_block, uint64_t row_bytes) {
+  constexpr uint64_t kMax32 = std::numeric_limits<uint32_t>::max();
+  if (layers == 0 || tokens_per_block == 0 || row_bytes == 0 || layers > 4096 || tokens_per_block > 65536 ||
+      row_bytes > (1u << 20))
+    throw ArgumentError(
+        "token geometry out of range: layers 1..4096, tokens_per_block 1..65536, row bytes "
+        "1..1 MiB (got " +
+        std::to_string(layers) + ", " + std::to_string(tokens_per_block) + ", " + std::to_string(row_bytes) +
+        ")");
+  TokenGeometry g{uint32_t(layers), uint32_t(tokens_per_block), uint32_t(row_bytes)};
+  if (g.block_bytes() > kMax32 * 16) throw ArgumentError("token block too large");
+  return g;
+}
+
+uint64_t row_seed(uint64_t seq_hash, uint32_t stream, uint32_t layer, uint64_t position) {
+  return mix(seq_hash ^ mix((uint64_t(stream) << 48) ^ (uint64_t(layer) << 32) ^ mix(position + 1)));
+}
+
+void seal_block(char* block, const TokenGeometry& g, uint64_t seq_hash, uint32_t stream, uint64_t chunk,
+                uint32_t valid_tokens) {
+  if (valid_tokens == 0 || valid_tokens > g.tokens_per_block)
+    throw ArgumentError("valid_tokens must be 1.." + std::to_string(g.tokens_per_block));
+  std::memset(block + g.payload_bytes(), 0, g.header_off() - g.payload_bytes());
+  const uint64_t base_pos = chunk * g.tokens_per_block;
+  for (uint32_t l = 0; l < g.layers; ++l) {
+    std::memset(block + g.row_off(l, valid_tokens), 0,
+                uint64_t(g.tokens_per_block - valid_tokens) * g.row_bytes);
+    for (uint32_t t = 0; t < valid_tokens; ++t) {
+      uint64_t h =
+          row_check(block + g.row_off(l, t), g.row_bytes, row_seed(seq_hash, stream, l, base_pos + t));
+      std::memcpy(block + g.hash_off(l, t), &h, 8);
+    }
+  }
+  TokenBlockHeader hdr{kTokenBlockMagic,
+                       kTokenBlockVersion,
+                       stream,
+                       g.layers,
+                       g.tokens_per_block,
+                       g.row_bytes,
+                       valid_tokens,
+                       chunk,
+                       seq_hash,
+                       0,
+                       0};
+  hdr.header_hash = header_hash(hdr);
+  std::memcpy(block + g.header_off(), &hdr, sizeof hdr);
+}
+
+std::vector<ResolvedBlock> resolve_blocks(Pool& pool, const NsHandle& ns, const TokenGeometry& g,
+                                          const Key* keys, size_t n, uint64_t seq_hash, uint32_t stream,
+                                          uint64_t first_chunk) {
+  std::vector<ResolvedBlock> out;
+  if (ns.block_bytes != g.block_bytes())
+    throw ArgumentError("namespace block size " + std::to_string(ns.block_bytes) +
+                        " is not the token block size " + std::to_string(g.block_bytes()));
+  for (size_t i = 0; i < n; ++i) {
+    uint64_t off = 0, len = 0;
+    if (!pool.locate(ns, keys[i], &off, &len) || len != g.block_bytes()) break;
+    const char* hp = pool.arena_bytes(off + g.header_off(), sizeof(TokenBlockHeader));
+    if (!hp) break;
+    TokenBlockHeader h;  // a private copy: validated, then believed
+    std::memcpy(&h, hp, sizeof h);
+    const bool ok = h.magic == kTokenBlockMagic && h.version == kTokenBlockVersion && h.stream == stream &&
+                    h.layers == g.layers && h.tokens_per_block == g.tokens_per_block &&
+                    h.row_bytes == g.row_bytes && h.valid_tokens >= 1 &&
+                    h.valid_tokens <= g.tokens_per_block && h.chunk == first_chunk + i &&
+                    h.seq_hash == seq_hash && h.reserved == 0 && h.header_hash == header_hash(h);
+    if (!ok) break;
+    out.push_back({off, h.valid_tokens});
+    if (h.valid_tokens < g.tokens_per_block) break;  // a partial block ends the sequence
+  }
+  return out;
+}
+
+GatherResult gather_rows(const Pool& pool, const SeqRows& s, uint32_t first_layer, uint32_t n_layers,
+                         const int64_t* indices, size_t k, bool indices_per_layer, char* out) {
+  const TokenGeometry& g = *s.g;
+  GatherResult r;
+  const size_t n_idx = indices_per_layer ? size_t(n_layers) * k : k;
+  for (size_t i = 0; i < n_idx; ++i) {
+    if (indices[i] < 0 || uint64_t(indices[i]) >= s.n_tokens ||
+        uint64_t(indices[i]) / g.tokens_per_block >= s.n_blocks) {
+      r.status = GatherResult::kIndexOutOfRange, r.bad_pos = i, r.bad_index = indices[i];
+      return r;
+    }
+  }
+  const uint64_t R = g.row_bytes;
+  // Rows are scattered over the pool: ask for row i + kAhead while row i is copied, so the
+  // misses of a top-k gather overlap instead of being paid one after another.
+  constexpr size_t kAhead = 16;
+  auto prefetch = [&](uint32_t layer, int64_t pos) {
+    const uint64_t c = uint64_t(pos) / g.tokens_per_block;
+    const char* blk = pool.arena_bytes(s.offsets[c], g.block_bytes());
+    if (!blk) return;
+    const char* row = blk + g.row_off(layer, uint32_t(uint64_t(pos) % g.tokens_per_block));
+    for (uint64_t off = 0; off < R; off += 64) __builtin_prefetch(row + off);
+  };
+  for (uint32_t j = 0; j < n_layers; ++j) {
+    const uint32_t layer = first_layer + j;
+    const int64_t* idx = indices_per_layer ? indices + size_t(j) * k : indices;
+    char* dst = out + size_t(j) * k * R;
+    for (size_t i = 0; i < std::min(k, kAhead); ++i) prefetch(layer, idx[i]);
+    for (size_t i = 0; i < k; ++i, dst += R) {
+      if (i + kAhead < k) prefetch(layer, idx[i + kAhead]);
+      const uint64_t pos = uint64_t(idx[i]);
+      const uint64_t c = pos / g.tokens_per_block;
+      const uint32_t t = uint32_t(pos % g.tokens_per_block);
+      const char* blk = pool.arena_bytes(s.offsets[c], g.block_bytes());
+      uint64_t want = 0;
+      if (blk) {
+        std::memcpy(dst, blk + g.row_off(layer, t), R);
+        std::memcpy(&want, blk + g.hash_off(layer, t), 8);
+      }
+      // Hash the bytes as delivered (never re-read the pool): a concurrent writer can only make
+      // the comparison fail, never make it pass for bytes other than those in dst.
+      if (!blk || row_check(dst, R, row_seed(s.seq_hash, s.stream, layer, pos)) != want) {
+        r.status = GatherResult::kMiss, r.bad_pos = size_t(j) * k + i, r.bad_index = idx[i],
+        r.bad_layer = layer;
+        return r;
+      }
+    }
+  }
+  return r;
+}
+
+}  // namespace tokens
+}  // namespace cxlkv

@@ -1,0 +1,115 @@
+// Token-addressable, layer-first blocks (SAC §4.3.1): the row store behind `pool.token_store`.
+//
+// A sequence's rows are cut into chunks of `tokens_per_block` tokens; chunk c is ONE pool block of
+// a token namespace (an ordinary namespace: index, pins, eviction and the whole-block checksum of
+// put/get all apply). Inside the block the rows are layer-first, so the rows of one layer for a
+// chunk are contiguous and a top-k gather of one layer touches only the rows it asks for:
+//
+//   [0, payload)             rows: row (layer l, token t) at (l * T + t) * row_bytes
+//   [hashes_off, +L*T*8)     one check per row: XXH3-64 of its bytes mixed with a seed of
+//                            (sequence, stream, layer, position) (row_check)
+//   [header_off, +64)        TokenBlockHeader (below)
+//
+// Integrity at row granularity: a gather hashes every row it delivered (in the caller's memory,
+// after the copy) and compares it with the row's stored hash. The seed binds a row to its
+// sequence, stream, layer and absolute position, so bytes of another block, another sequence or a
+// reused block never verify: a sequence evicted, overwritten or corrupted under a reader is a
+// miss, never wrong rows (probability 2^-64 per row). Cost: one hash per row read, not per block.
+//
+// The block's bytes are payload to the pool format (format.h is unchanged); their own format is
+// versioned here (kTokenBlockVersion) and part of the namespace identity through block_bytes and
+// the namespace name the Python layer gives (python/cxlkv/token_store.py).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "pool.h"
+
+namespace cxlkv::tokens {
+
+constexpr uint64_t kTokenBlockMagic = 0x4b4f54564b4c5843ull;  // "CXLKVTOK" little-endian
+constexpr uint32_t kTokenBlockVersion = 1;
+
+// Invariants: written once by the block's writer before put(); header_hash = XXH3-64 of the 56
+// bytes before it; 1 <= valid_tokens <= tokens_per_block; rows at positions >= valid_tokens are
+// zero and their hash is 0 (never read: a gather refuses indices >= the sequence length).
+struct TokenBlockHeader {
+  uint64_t magic;
+  uint32_t version, stream;
+  uint32_t layers, tokens_per_block;
+  uint32_t row_bytes, valid_tokens;
+  uint64_t chunk;     // index of this block in its sequence: tokens [chunk*T, chunk*T + valid)
+  uint64_t seq_hash;  // the sequence this block belongs to (token_store.py derives it)
+  uint64_t reserved;  // 0
+  uint64_t header_hash;
+};
+static_assert(sizeof(TokenBlockHeader) == 64);
+
+struct TokenGeometry {
+  uint32_t layers = 0, tokens_per_block = 0, row_bytes = 0;
+  // Throws ArgumentError on a zero field or a block too large to describe.
+  static TokenGeometry make(uint64_t layers, uint64_t tokens_per_block, uint64_t row_bytes);
+  uint64_t rows() const { return uint64_t(layers) * tokens_per_block; }
+  uint64_t payload_bytes() const { return rows() * row_bytes; }
+  uint64_t hashes_off() const { return (payload_bytes() + 63) / 64 * 64; }
+  uint64_t header_off() const { return hashes_off() + (rows() * 8 + 63) / 64 * 64; }
+  uint64_t block_bytes() const { return header_off() + sizeof(TokenBlockHeader); }
+  uint64_t row_off(uint32_t layer, uint32_t t) const {
+    return (uint64_t(layer) * tokens_per_block + t) * row_bytes;
+  }
+  uint64_t hash_off(uint32_t layer, uint32_t t) const {
+    return hashes_off() + (uint64_t(layer) * tokens_per_block + t) * 8;
+  }
+};
+
+// The seed of row (layer, position) of a sequence's stream.
+uint64_t row_seed(uint64_t seq_hash, uint32_t stream, uint32_t layer, uint64_t position);
+// The stored check of a row: binds its bytes to its seed (token_rows.cpp says how).
+uint64_t row_check(const void* row, size_t n, uint64_t seed);
+
+// Completes a block the caller filled with rows (positions >= valid zeroed here): row hashes and
+// header. `block` holds g.block_bytes() bytes.
+void seal_block(char* block, const TokenGeometry& g, uint64_t seq_hash, uint32_t stream, uint64_t chunk,
+                uint32_t valid_tokens);
+
+// One pinned block of a sequence: where its bytes lie in the pool and how many tokens it holds.
+struct ResolvedBlock {
+  uint64_t offset;
+  uint32_t valid_tokens;
+};
+
+// Locates keys[i] (chunk first_chunk + i of the sequence) and checks each block's header against
+// what the caller expects. Returns the leading blocks that are present and well-formed; the first
+// absent or foreign one stops the list (the caller should hold pins on them: see token_store.py).
+std::vector<ResolvedBlock> resolve_blocks(Pool& pool, const NsHandle& ns, const TokenGeometry& g,
+                                          const Key* keys, size_t n, uint64_t seq_hash, uint32_t stream,
+                                          uint64_t first_chunk);
+
+// What one gather asks for. offsets[c]: pool offset of chunk c's block (from resolve_blocks);
+// n_tokens: the sequence length the caller resolved (every index must be below it).
+struct SeqRows {
+  const TokenGeometry* g;
+  uint64_t seq_hash;
+  uint32_t stream;
+  uint64_t n_tokens;
+  const uint64_t* offsets;
+  size_t n_blocks;
+};
+
+// The result of a gather: ok, an index out of range (bad_pos: its position in `indices`), or a
+// row that failed verification / lies outside the arena (a miss: bad_pos names it).
+struct GatherResult {
+  enum Status { kOk, kIndexOutOfRange, kMiss } status = kOk;
+  size_t bad_pos = 0;
+  int64_t bad_index = 0;
+  uint32_t bad_layer = 0;
+};
+
+// Copies rows into out: for j in [0, n_layers) and i in [0, k), the row (first_layer + j,
+// indices[j * k + i]) (indices_per_layer) or (first_layer + j, indices[i]) (shared) goes to
+// out + (j * k + i) * row_bytes. Every delivered row is verified; all indices are checked before
+// any byte is copied.
+GatherResult gather_rows(const Pool& pool, const SeqRows& s, uint32_t first_layer, uint32_t n_layers,
+                         const int64_t* indices, size_t k, bool indices_per_layer, char* out);
+
+}  // namespace cxlkv::tokens
