@@ -563,3 +563,15 @@ def test_bench_sparse_smoke(scratch_pool_dir):
         assert len(x["hot_buffer"]) == 2 and all(0 <= h["hit_rate"] <= 1 for h in x["hot_buffer"])
     assert not os.listdir(scratch_pool_dir)
     assert "bytes ratio" in ok(cxlkv_cli("bench", "sparse", *tiny, "--formats", "bf16")).stdout
+
+
+def test_roi_smoke():
+    """The cost model through the installed CLI: the paper's example, one JSON object."""
+    r = ok(
+        cxlkv_cli(
+            "roi", "--gpu-tflops", "100", "--prefill-tflop", "25", "--new-prompt-ratio", "0.1",
+            "--slo-s", "0.4", "--load-s", "0.1", "--multi-round-ratio", "1", "--rps", "120", "--json",
+        )
+    )  # fmt: skip
+    out = json.loads(r.stdout)
+    assert (out["gpus_baseline"], out["gpus_pool"]) == (75, 10)
