@@ -1,0 +1,276 @@
+"""``cxlkv events``: one pool-wide stream of KV events that routers index (llm-d, Dynamo).
+
+Source: the pool itself. Every ``interval`` seconds the index is scanned (``index_scan``, a
+read-only seqlock snapshot of every READY entry) and diffed with the previous scan by
+``(slot, generation)``: an incarnation that appeared is a ``BlockStored``, one that is gone a
+``BlockRemoved``. So every host's puts and evictions are seen, whoever made them, and nothing is
+added to the store path: publishing can neither block nor fail a store (it takes no lock, no pin
+and writes nothing to the pool). A block put and evicted between two scans is never seen; that is
+the price of reading instead of hooking.
+
+Token ids come from the token records the connector puts beside the blocks it confirms
+(integrations/token_records.py), each checked against the block's key; a block without a valid
+record (stored by another client, or whose record was evicted) is published after
+``record_wait_s`` without token ids.
+
+Wire format: vLLM's ``ZmqEventPublisher``: a PUB socket sending (topic, seq as 8 bytes big-endian,
+msgpack of a ``KVEventBatch``: ``[ts, [event, ...]]``, each event a map tagged ``type`` with
+vLLM's field names), one sequence for the whole pool (all namespaces, all topics); a ROUTER socket
+answering replay requests (``[b"", start seq]``) from a bounded buffer, ended by seq -1. The
+topic is ``kv@<pod>@<model>`` as llm-d parses it (``--topic`` template).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Callable
+
+import cxlkv
+from cxlkv.errors import CommandError
+from cxlkv.index_scan import scan_index
+from cxlkv.integrations import token_records as tr
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+DEFAULT_TOPIC = "kv@cxlkv-{pool}@{namespace}"
+
+
+def pool_medium(pool: cxlkv.Pool) -> str:
+    """The medium that names this pool in events (the connector's events use the same)."""
+    return f"cxlkv:{pool.uuid}"
+
+
+def stored_event(key: bytes, rec: tr.TokenRecord | None, block_size: int, medium: str) -> dict:
+    """vLLM's BlockStored as a map (its msgspec encoding: tag ``type``, its field names)."""
+    return {
+        "type": "BlockStored",
+        "block_hashes": [key],
+        "parent_block_hash": None if rec is None or rec.first else rec.prev,
+        "token_ids": [] if rec is None else rec.token_ids,
+        "block_size": block_size,
+        "lora_id": None if rec is None else rec.lora_id,
+        "medium": medium,
+        "lora_name": None if rec is None else rec.lora_name,
+    }
+
+
+def removed_event(keys: list, medium: str) -> dict:
+    return {"type": "BlockRemoved", "block_hashes": keys, "medium": medium}
+
+
+@dataclasses.dataclass
+class _Pending:
+    key: bytes
+    ns_id: int
+    depth: int
+    deadline: float
+
+
+class PoolEventSource:
+    """Diffs successive scans of a pool's index into vLLM-shaped events, per namespace."""
+
+    def __init__(
+        self,
+        pool: cxlkv.Pool,
+        *,
+        record_wait_s: float = 1.0,
+        namespace: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.pool, self.medium = pool, pool_medium(pool)
+        self.record_wait_s, self.only = record_wait_s, namespace
+        self._clock = clock
+        self._known: dict[int, tuple[int, int, bytes]] = {}  # slot -> (gen, ns_id, key), published
+        self._pending: dict[int, tuple[int, _Pending]] = {}  # slot -> (gen, waiting for its record)
+        self._ns: dict[int, dict] = {}
+        self._records: dict[int, object] = {}  # block size -> record namespace handle
+        self.records_found = self.records_missing = 0
+
+    def namespace(self, ns_id: int) -> dict | None:
+        if ns_id not in self._ns:
+            self._ns = {n["id"]: n for n in self.pool.namespaces()}
+        return self._ns.get(ns_id)
+
+    def _record(self, key: bytes, block_size: int) -> tr.TokenRecord | None:
+        if block_size not in self._records:
+            name = tr.namespace_name(block_size)
+            exists = any(n["name"] == name for n in self.pool.namespaces())
+            # Opened only if a connector made it: a reader never creates namespaces.
+            self._records[block_size] = (
+                self.pool.namespace(tr.layout(block_size), name=name) if exists else None
+            )
+        ns = self._records[block_size]
+        if ns is None:
+            return None
+        return tr.decode(ns.get_bytes(tr.record_key(key)), key, block_size)  # type: ignore[attr-defined]
+
+    def _wanted(self, info: dict | None) -> bool:
+        return info is not None and not tr.is_record_namespace(info) and self.only in (None, info["name"])
+
+    def poll(self) -> dict[int, list]:
+        """Events since the last poll: {namespace id: [event, ...]}, removals first."""
+        now = self._clock()
+        scan = scan_index(self.pool)
+        current: dict[int, tuple[int, int, bytes, int]] = {}
+        for slot, gen, ns_id, depth, key in scan.entries():
+            current[slot] = (gen, ns_id, key, depth)
+        out: dict[int, list] = collections.defaultdict(list)
+        removed: dict[int, list] = collections.defaultdict(list)
+        for slot, (gen, ns_id, key) in list(self._known.items()):
+            if slot in scan.unstable:
+                continue  # unknown this time: keep what we knew
+            cur = current.get(slot)
+            if cur is None or cur[0] != gen:
+                removed[ns_id].append(key)
+                del self._known[slot]
+        for slot, (gen, _p) in list(self._pending.items()):
+            cur = current.get(slot)
+            if slot not in scan.unstable and (cur is None or cur[0] != gen):
+                del self._pending[slot]  # gone before it was published: nothing to say
+        for ns_id, keys in removed.items():
+            out[ns_id].append(removed_event(keys, self.medium))
+        fresh = []
+        for slot, (gen, ns_id, key, depth) in current.items():
+            known = self._known.get(slot)
+            if (known is not None and known[0] == gen) or (
+                slot in self._pending and self._pending[slot][0] == gen
+            ):
+                continue
+            if not self._wanted(self.namespace(ns_id)):
+                continue
+            self._pending[slot] = (gen, _Pending(key, ns_id, depth, now + self.record_wait_s))
+            fresh.append(slot)
+        # Parents before children (depth is the writer's hint; ties keep slot order).
+        for slot in sorted(self._pending, key=lambda s: self._pending[s][1].depth):
+            gen, p = self._pending[slot]
+            info = self.namespace(p.ns_id)
+            if info is None:
+                del self._pending[slot]
+                continue
+            bs = int(info["tokens_per_block"])
+            rec = self._record(p.key, bs)
+            if rec is None and now < p.deadline:
+                continue  # its record may still come (the connector writes it a step later)
+            self.records_found += rec is not None
+            self.records_missing += rec is None
+            out[p.ns_id].append(stored_event(p.key, rec, bs, self.medium))
+            self._known[slot] = (gen, p.ns_id, p.key)
+            del self._pending[slot]
+        return dict(out)
+
+
+class ReplayPublisher:
+    """vLLM's ZMQ publisher protocol over one sequence: PUB (topic, seq, payload) and a ROUTER
+    answering replays from the last ``buffer`` messages. Never blocks: PUB drops at its HWM."""
+
+    def __init__(
+        self, endpoint: str, replay_endpoint: str | None, *, buffer: int = 10_000, hwm: int = 100_000
+    ):
+        try:
+            import msgspec
+            import zmq
+        except ImportError as e:
+            raise CommandError(
+                f"cxlkv events needs pyzmq and msgspec ({e}): pip install 'cxlkv[events]'"
+            ) from e
+        self._zmq, self._encode = zmq, msgspec.msgpack.Encoder().encode
+        self._ctx = zmq.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.set_hwm(hwm)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self.endpoint = self._bind(self._pub, endpoint)
+        self._replay = None
+        self.replay_endpoint = None
+        if replay_endpoint:
+            self._replay = self._ctx.socket(zmq.ROUTER)
+            self._replay.setsockopt(zmq.LINGER, 0)
+            self.replay_endpoint = self._bind(self._replay, replay_endpoint)
+        self._buffer: collections.deque = collections.deque(maxlen=buffer)
+        self.next_seq = 0
+
+    def _bind(self, sock, endpoint: str) -> str:
+        try:
+            sock.bind(endpoint)
+        except self._zmq.ZMQError as e:
+            raise CommandError(f"cannot bind {endpoint}: {e}") from e
+        return sock.getsockopt_string(self._zmq.LAST_ENDPOINT)
+
+    def publish(self, topic: str, events: list, ts: float | None = None) -> int:
+        payload = self._encode([time.time() if ts is None else ts, events])
+        seq = self.next_seq
+        self.next_seq += 1
+        frames = (topic.encode(), seq.to_bytes(8, "big"), payload)
+        try:
+            self._pub.send_multipart(frames, flags=self._zmq.NOBLOCK)
+        except self._zmq.Again:
+            pass  # a slow subscriber: it recovers the message through the replay socket
+        self._buffer.append((seq, frames))
+        return seq
+
+    def serve_replays(self, timeout_s: float) -> int:
+        """Answers replay requests arriving within timeout_s; returns how many were served."""
+        if self._replay is None:
+            time.sleep(timeout_s)
+            return 0
+        served = 0
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._replay.poll(int(left * 1000)):
+                return served
+            frames = self._replay.recv_multipart()
+            if len(frames) != 3 or len(frames[2]) != 8:
+                continue  # not a replay request: vLLM's publisher ignores those too
+            client, start = frames[0], int.from_bytes(frames[2], "big")
+            for seq, msg in list(self._buffer):
+                if seq >= start:
+                    self._replay.send_multipart((client, b"", *msg))
+            self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
+            served += 1
+
+    def close(self) -> None:
+        self._pub.close(0)
+        if self._replay is not None:
+            self._replay.close(0)
+        self._ctx.term()
+
+
+def topic_for(template: str, pool: cxlkv.Pool, info: dict) -> str:
+    return template.format(pool=pool.uuid[:8], namespace=info["name"], model=info["model_id"])
+
+
+def run(
+    pool: cxlkv.Pool,
+    publisher: ReplayPublisher,
+    *,
+    interval_s: float = 0.1,
+    topic: str = DEFAULT_TOPIC,
+    namespace: str | None = None,
+    record_wait_s: float = 1.0,
+    duration_s: float | None = None,
+    on_batch: Callable[[int, str, list], None] | None = None,
+) -> dict:
+    """Polls the pool and publishes until duration_s (None: until interrupted). Returns counts."""
+    source = PoolEventSource(pool, record_wait_s=record_wait_s, namespace=namespace)
+    start = time.monotonic()
+    published = events = 0
+    try:
+        while duration_s is None or time.monotonic() - start < duration_s:
+            for ns_id, batch in source.poll().items():
+                info = source.namespace(ns_id) or {"name": f"ns{ns_id}", "model_id": ""}
+                t = topic_for(topic, pool, info)
+                seq = publisher.publish(t, batch)
+                published += 1
+                events += len(batch)
+                if on_batch is not None:
+                    on_batch(seq, t, batch)
+            publisher.serve_replays(interval_s)
+    except KeyboardInterrupt:
+        pass
+    return {
+        "messages": published,
+        "events": events,
+        "records_found": source.records_found,
+        "records_missing": source.records_missing,
+    }
