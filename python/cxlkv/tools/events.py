@@ -27,6 +27,8 @@ import dataclasses
 import time
 from collections.abc import Callable
 
+import numpy as np
+
 import cxlkv
 from cxlkv.errors import CommandError
 from cxlkv.index_scan import scan_index
@@ -67,8 +69,17 @@ class _Pending:
     deadline: float
 
 
+_KNOWN = np.dtype([("id", "<u8"), ("ns_id", "<u4"), ("key", "V32")])
+
+
+def _ids(slots: np.ndarray, gens: np.ndarray) -> np.ndarray:
+    """One uint64 per incarnation: slot above the 24-bit generation (format.h)."""
+    return (slots.astype(np.uint64) << np.uint64(24)) | gens.astype(np.uint64)
+
+
 class PoolEventSource:
-    """Diffs successive scans of a pool's index into vLLM-shaped events, per namespace."""
+    """Diffs successive scans of a pool's index into vLLM-shaped events, per namespace. The diff
+    is vectorised (numpy over the scan's records): only what changed is looked at one by one."""
 
     def __init__(
         self,
@@ -81,10 +92,10 @@ class PoolEventSource:
         self.pool, self.medium = pool, pool_medium(pool)
         self.record_wait_s, self.only = record_wait_s, namespace
         self._clock = clock
-        self._known: dict[int, tuple[int, int, bytes]] = {}  # slot -> (gen, ns_id, key), published
-        self._pending: dict[int, tuple[int, _Pending]] = {}  # slot -> (gen, waiting for its record)
+        self._known = np.zeros(0, _KNOWN)  # published incarnations, sorted by id
+        self._pending: dict[int, _Pending] = {}  # id -> a new block waiting for its token record
         self._ns: dict[int, dict] = {}
-        self._records: dict[int, object] = {}  # block size -> record namespace handle
+        self._records: dict[int, object] = {}  # block size -> record namespace handle (or None)
         self.records_found = self.records_missing = 0
 
     def namespace(self, ns_id: int) -> dict | None:
@@ -112,51 +123,57 @@ class PoolEventSource:
         """Events since the last poll: {namespace id: [event, ...]}, removals first."""
         now = self._clock()
         scan = scan_index(self.pool)
-        current: dict[int, tuple[int, int, bytes, int]] = {}
-        for slot, gen, ns_id, depth, key in scan.entries():
-            current[slot] = (gen, ns_id, key, depth)
+        rec = scan.records
+        ids = _ids(rec["slot"], rec["gen"])
+        unstable = np.fromiter(scan.unstable, np.uint64, len(scan.unstable))
         out: dict[int, list] = collections.defaultdict(list)
-        removed: dict[int, list] = collections.defaultdict(list)
-        for slot, (gen, ns_id, key) in list(self._known.items()):
-            if slot in scan.unstable:
-                continue  # unknown this time: keep what we knew
-            cur = current.get(slot)
-            if cur is None or cur[0] != gen:
-                removed[ns_id].append(key)
-                del self._known[slot]
-        for slot, (gen, _p) in list(self._pending.items()):
-            cur = current.get(slot)
-            if slot not in scan.unstable and (cur is None or cur[0] != gen):
-                del self._pending[slot]  # gone before it was published: nothing to say
-        for ns_id, keys in removed.items():
-            out[ns_id].append(removed_event(keys, self.medium))
-        fresh = []
-        for slot, (gen, ns_id, key, depth) in current.items():
-            known = self._known.get(slot)
-            if (known is not None and known[0] == gen) or (
-                slot in self._pending and self._pending[slot][0] == gen
-            ):
+
+        # gone: published incarnations not in this scan (a slot read as unstable keeps its own)
+        gone = ~np.isin(self._known["id"], ids, assume_unique=True)
+        if unstable.size:
+            gone &= ~np.isin(self._known["id"] >> np.uint64(24), unstable)
+        for ns_id in np.unique(self._known["ns_id"][gone]):
+            keys = [bytes(k) for k in self._known["key"][gone & (self._known["ns_id"] == ns_id)]]
+            out[int(ns_id)].append(removed_event(keys, self.medium))
+        self._known = self._known[~gone]
+        present = set(ids.tolist()) if self._pending else set()
+        unstable_slots = scan.unstable
+        for i in [i for i in self._pending if i not in present and (i >> 24) not in unstable_slots]:
+            del self._pending[i]  # gone before it was published: nothing to say
+
+        # new: incarnations neither published nor pending
+        fresh = np.flatnonzero(~np.isin(ids, self._known["id"], assume_unique=True))
+        for j in fresh:
+            i = int(ids[j])
+            if i in self._pending:
                 continue
-            if not self._wanted(self.namespace(ns_id)):
-                continue
-            self._pending[slot] = (gen, _Pending(key, ns_id, depth, now + self.record_wait_s))
-            fresh.append(slot)
-        # Parents before children (depth is the writer's hint; ties keep slot order).
-        for slot in sorted(self._pending, key=lambda s: self._pending[s][1].depth):
-            gen, p = self._pending[slot]
+            ns_id = int(rec["ns_id"][j])
+            if self._wanted(self.namespace(ns_id)):
+                self._pending[i] = _Pending(
+                    bytes(rec["key"][j]), ns_id, int(rec["depth"][j]), now + self.record_wait_s
+                )
+
+        # publish pending blocks whose record arrived (or waited long enough), parents first
+        published = []
+        for i in sorted(self._pending, key=lambda i: self._pending[i].depth):
+            p = self._pending[i]
             info = self.namespace(p.ns_id)
             if info is None:
-                del self._pending[slot]
+                del self._pending[i]
                 continue
             bs = int(info["tokens_per_block"])
-            rec = self._record(p.key, bs)
-            if rec is None and now < p.deadline:
+            r = self._record(p.key, bs)
+            if r is None and now < p.deadline:
                 continue  # its record may still come (the connector writes it a step later)
-            self.records_found += rec is not None
-            self.records_missing += rec is None
-            out[p.ns_id].append(stored_event(p.key, rec, bs, self.medium))
-            self._known[slot] = (gen, p.ns_id, p.key)
-            del self._pending[slot]
+            self.records_found += r is not None
+            self.records_missing += r is None
+            out[p.ns_id].append(stored_event(p.key, r, bs, self.medium))
+            published.append((i, p.ns_id, p.key))
+            del self._pending[i]
+        if published:
+            add = np.array(published, _KNOWN)
+            self._known = np.concatenate([self._known, add])
+            self._known.sort(order="id")
         return dict(out)
 
 
