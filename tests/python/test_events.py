@@ -297,3 +297,44 @@ def test_query_cli_and_http(pool_path, model_dir):
             server.terminate()
             server.wait(10)
         e.close()
+
+
+# -------------------------------------------------------------------------------------------------
+# the pool is untrusted input
+def test_corrupt_index_entry_and_token_record_are_refused(pool_path, model_dir):
+    """An entry naming a namespace that does not exist is no block (the core's scan drops it); a
+    token record whose tokens do not hash to its key is not believed (the event has no tokens)."""
+    from cxlkv.index_scan import scan_index
+    from cxlkv.tools.events import PoolEventSource
+
+    e = Engine(pool_path, model_dir, kv_events=True)
+    try:
+        ns_name = e.sched._ns_name
+        toks = tokens(31, 2 * BS + 1)
+        keys = block_keys(toks, BS, ns_name)
+        run_request(e, "a", toks)
+        e.sched.take_events()  # writes the token records
+        with cxlkv.Pool.open(pool_path) as pool:
+            info = pool.info()
+            entries = {k: (slot, ns_id) for slot, _g, ns_id, _d, k in scan_index(pool).entries()}
+            # a record that lies: block 1's record with its first token changed
+            rns = pool.namespace(tr.layout(BS), name=tr.namespace_name(BS))
+            lie = bytearray(rns.get_bytes(tr.record_key(keys[1])))
+            lie[tr.RECORD_HEADER] ^= 1
+            assert rns.delete(tr.record_key(keys[1])) and rns.put(tr.record_key(keys[1]), bytes(lie))
+        # block 0's index entry now names namespace 4000 (max_namespaces is 64)
+        slot0 = entries[keys[0]][0]
+        with open(pool_path, "r+b") as f:
+            f.seek(info["index_off"] + slot0 * 64 + 40)  # IndexEntry.ns_id (format.h)
+            f.write((4000).to_bytes(4, "little"))
+        with cxlkv.Pool.open(pool_path) as pool:
+            found = {k for *_, k in scan_index(pool).entries()}
+            assert keys[0] not in found and keys[1] in found
+            events = PoolEventSource(pool, record_wait_s=0).poll()
+        stored = {
+            ev["block_hashes"][0]: ev for evs in events.values() for ev in evs if ev["type"] == "BlockStored"
+        }
+        assert keys[0] not in stored
+        assert stored[keys[1]]["token_ids"] == [] and stored[keys[1]]["parent_block_hash"] is None
+    finally:
+        e.close()
