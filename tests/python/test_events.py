@@ -338,3 +338,42 @@ def test_corrupt_index_entry_and_token_record_are_refused(pool_path, model_dir):
         assert stored[keys[1]]["token_ids"] == [] and stored[keys[1]]["parent_block_hash"] is None
     finally:
         e.close()
+
+
+def test_event_stream_survives_the_pool_being_recreated(pool_path):
+    """A pool destroyed and created again under `cxlkv events`: the old pool's topic gets
+    AllBlocksCleared, and the new pool's blocks follow on the same sequence."""
+    layout = cxlkv.KVLayout(
+        model_id="recreate", num_layers=1, num_kv_heads=1, head_size=8, tokens_per_block=BS
+    )
+    keys = block_keys(list(range(2 * BS)), BS, "kv1-recreate")
+    with cxlkv.Pool.create(pool_path, 16 << 20, chunk_size=1 << 20) as pool:
+        pool.namespace(layout, name="kv1-recreate").put(keys[0], b"a" * 64)
+        old_uuid = pool.uuid
+    port = free_port()
+    proc = cli(
+        "events",
+        pool_path,
+        "--endpoint",
+        f"tcp://127.0.0.1:{port}",
+        "--replay-endpoint",
+        "",
+        "--interval",
+        "0.05",
+        "--record-wait",
+        "0",
+        "--duration",
+        "60",
+        "--verbose",
+    )
+    try:
+        assert proc.stdout.readline().startswith(f"0 kv@cxlkv-{old_uuid[:8]}@kv1-recreate: BlockStored x1")
+        cxlkv.Pool.destroy(pool_path, ignore_attached=True)
+        with cxlkv.Pool.create(pool_path, 16 << 20, chunk_size=1 << 20) as pool:
+            pool.namespace(layout, name="kv1-recreate").put(keys[1], b"b" * 64)
+            new_uuid = pool.uuid
+        assert proc.stdout.readline().startswith(f"1 kv@cxlkv-{old_uuid[:8]}@kv1-recreate: AllBlocksCleared")
+        assert proc.stdout.readline().startswith(f"2 kv@cxlkv-{new_uuid[:8]}@kv1-recreate: BlockStored x1")
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -457,32 +457,38 @@ def cmd_sim(args: argparse.Namespace) -> int:
 def cmd_events(args: argparse.Namespace) -> int:
     from cxlkv.tools import events
 
-    with cxlkv.Pool.open(args.path) as pool:
+    pool = cxlkv.Pool.open(args.path)  # a missing or bad pool: an error now, exit 2; then run() owns it
+    try:
         publisher = events.ReplayPublisher(args.endpoint, args.replay_endpoint or None, buffer=args.buffer)
-        try:
-            print(
-                f"cxlkv events: pool {pool.path} ({events.pool_medium(pool)}): PUB {publisher.endpoint}, "
-                f"replay {publisher.replay_endpoint or '-'}, every {args.interval} s",
-                file=sys.stderr,
-                flush=True,
-            )
+    except BaseException:
+        pool.close()
+        raise
+    try:
+        print(
+            f"cxlkv events: pool {pool.path} ({events.pool_medium(pool)}): PUB {publisher.endpoint}, "
+            f"replay {publisher.replay_endpoint or '-'}, every {args.interval} s",
+            file=sys.stderr,
+            flush=True,
+        )
 
-            def show(seq: int, topic: str, batch: list) -> None:
-                kinds = ", ".join(f"{e['type']} x{len(e['block_hashes'])}" for e in batch)
-                print(f"{seq} {topic}: {kinds}", flush=True)
+        def show(seq: int, topic: str, batch: list) -> None:
+            kinds = ", ".join(f"{e['type']} x{len(e.get('block_hashes', ()))}" for e in batch)
+            print(f"{seq} {topic}: {kinds}", flush=True)
 
-            r = events.run(
-                pool,
-                publisher,
-                interval_s=args.interval,
-                topic=args.topic,
-                namespace=args.namespace,
-                record_wait_s=args.record_wait,
-                duration_s=args.duration,
-                on_batch=show if args.verbose else None,
-            )
-        finally:
-            publisher.close()
+        r = events.run(
+            pool,
+            publisher,
+            interval_s=args.interval,
+            topic=args.topic,
+            namespace=args.namespace,
+            record_wait_s=args.record_wait,
+            duration_s=args.duration,
+            on_batch=show if args.verbose else None,
+            reopen=lambda: cxlkv.Pool.open(args.path),
+            log=lambda msg: print(msg, file=sys.stderr, flush=True),
+        )
+    finally:
+        publisher.close()
     print(json.dumps(r), flush=True)
     return ExitCode.OK
 

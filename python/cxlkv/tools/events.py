@@ -257,6 +257,15 @@ def topic_for(template: str, pool: cxlkv.Pool, info: dict) -> str:
     return template.format(pool=pool.uuid[:8], namespace=info["name"], model=info["model_id"])
 
 
+# A pool that stops being usable under the stream: its blocks are announced cleared and it is
+# opened again (a new pool at the path, or this node again after a fence).
+_POOL_GONE = (cxlkv.FencedError, cxlkv.PoolTruncatedError, cxlkv.PoolCorruptError, FileNotFoundError)
+
+
+class _Replaced(Exception):
+    pass
+
+
 def run(
     pool: cxlkv.Pool,
     publisher: ReplayPublisher,
@@ -267,27 +276,69 @@ def run(
     record_wait_s: float = 1.0,
     duration_s: float | None = None,
     on_batch: Callable[[int, str, list], None] | None = None,
+    reopen: Callable[[], cxlkv.Pool] | None = None,
+    log: Callable[[str], None] = lambda _msg: None,
 ) -> dict:
-    """Polls the pool and publishes until duration_s (None: until interrupted). Returns counts."""
+    """Polls the pool and publishes until duration_s (None: until interrupted). Returns counts.
+    With ``reopen``, a pool that is replaced, truncated or fences this node is announced
+    ``AllBlocksCleared`` on every topic it published and opened again (retried every interval)."""
     source = PoolEventSource(pool, record_wait_s=record_wait_s, namespace=namespace)
     start = time.monotonic()
-    published = events = 0
+    published = events = reopened = 0
+    topics: set[str] = set()
+    found = missing = 0
+
+    def send(t: str, batch: list) -> None:
+        nonlocal published, events
+        seq = publisher.publish(t, batch)
+        published += 1
+        events += len(batch)
+        topics.add(t)
+        if on_batch is not None:
+            on_batch(seq, t, batch)
+
     try:
         while duration_s is None or time.monotonic() - start < duration_s:
-            for ns_id, batch in source.poll().items():
+            try:
+                if source is None:
+                    pool = reopen()  # type: ignore[misc]
+                    source = PoolEventSource(pool, record_wait_s=record_wait_s, namespace=namespace)
+                    reopened += 1
+                    log(f"cxlkv events: pool {pool.path} opened again ({pool_medium(pool)})")
+                if pool.file_replaced():
+                    raise _Replaced("the pool file was replaced")
+                batches = source.poll()
+            except (*_POOL_GONE, _Replaced) as e:
+                if reopen is None:
+                    raise
+                if source is not None:
+                    log(f"cxlkv events: pool {pool.path}: {e}; its blocks are announced cleared")
+                    found, missing = found + source.records_found, missing + source.records_missing
+                    for t in sorted(topics):
+                        send(t, [{"type": "AllBlocksCleared"}])
+                    topics.clear()
+                    source = None
+                    try:
+                        pool.close()
+                    except cxlkv.CxlkvError:
+                        pass
+                publisher.serve_replays(interval_s)
+                continue
+            for ns_id, batch in batches.items():
                 info = source.namespace(ns_id) or {"name": f"ns{ns_id}", "model_id": ""}
-                t = topic_for(topic, pool, info)
-                seq = publisher.publish(t, batch)
-                published += 1
-                events += len(batch)
-                if on_batch is not None:
-                    on_batch(seq, t, batch)
+                send(topic_for(topic, pool, info), batch)
             publisher.serve_replays(interval_s)
     except KeyboardInterrupt:
         pass
+    finally:
+        if reopen is not None and source is not None:
+            pool.close()
+    if source is not None:
+        found, missing = found + source.records_found, missing + source.records_missing
     return {
         "messages": published,
         "events": events,
-        "records_found": source.records_found,
-        "records_missing": source.records_missing,
+        "records_found": found,
+        "records_missing": missing,
+        "reopened": reopened,
     }
