@@ -14,9 +14,11 @@ connector's real store path (the scheduler/worker pair of test_connector_unit, n
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 
@@ -121,6 +123,23 @@ def test_connector_events_announce_only_what_the_pool_holds(pool_path, model_dir
         e.finish("b")
         done = [x for x in e.sched.take_events() if isinstance(x, kv_events.BlockStored)]
         assert any(x.block_hashes == block_keys(t2, BS, ns_name)[:2] for x in done)
+    finally:
+        e.close()
+
+
+def test_connector_announces_its_blocks_removed_when_the_pool_fails(pool_path, model_dir):
+    e = Engine(pool_path, model_dir, kv_events=True)
+    try:
+        toks = tokens(5, 3 * BS + 1)
+        run_request(e, "a", toks)
+        (stored,) = e.sched.take_events()
+        os.unlink(pool_path)  # the connector turns to "no cache" at its next use
+        time.sleep(0.01)  # the guard's stat interval (1 ms)
+        assert e.add("b", toks) == 0
+        (gone,) = e.sched.take_events()
+        assert isinstance(gone, kv_events.BlockRemoved)
+        assert gone.block_hashes == stored.block_hashes and gone.medium == stored.medium
+        assert not list(e.sched.take_events())  # said once
     finally:
         e.close()
 

@@ -772,8 +772,10 @@ class CxlKVConnector(KVConnectorBase_V1):
 
     def take_events(self):
         tracker = self._events_tracker()
-        if tracker is None or not self._session.usable():
+        if tracker is None:
             return ()
+        if not self._session.usable():
+            return tracker.pool_lost() if self._session.disabled else ()
         return self._session.call("events", lambda ns: tracker.take(self._session.pool, ns, self._reqs)) or ()
 
     # ------------------------------------------------------------------------------------------

@@ -17,7 +17,9 @@ which is what a router indexing this engine's media needs to know.
 Lost blocks: every step, the oldest ``checks_per_round`` announced keys are re-checked
 (``contains``); one that is gone (evicted by any host, or dropped after a failed load) is
 announced as ``BlockRemoved``. At most ``max_announced`` keys are tracked; the oldest beyond that
-are forgotten without an event (``cxlkv events`` gives the complete, pool-wide view).
+are forgotten without an event (``cxlkv events`` gives the complete, pool-wide view). When the
+connector stops using a pool that failed (deleted, replaced, truncated: "no cache"), every block
+still tracked is announced removed, once.
 
 Each announced block also gets a token record in the pool (token_records.py), so that the
 pool-wide stream of ``cxlkv events`` can publish its token ids too.
@@ -78,6 +80,7 @@ class ConnectorEvents:
         self._announced: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._records: tr.TokenRecordWriter | None = None
         self._records_pool: Any = None
+        self._medium: str | None = None  # of the pool the announced blocks are in
 
     def _writer(self, pool: Any) -> tr.TokenRecordWriter:
         if self._records is None or self._records_pool is not pool:  # a new pool after a fence
@@ -91,8 +94,18 @@ class ConnectorEvents:
         if t is None or t.state is not state:
             self._tracked[req_id] = _Tracked(state)
 
+    def pool_lost(self) -> list[KVCacheEvent]:
+        """The connector stopped using the pool (it failed: deleted, replaced, truncated): every
+        block announced is no longer reachable by this engine. Said once."""
+        if not self._announced or self._medium is None:
+            return []
+        gone = BlockRemoved(block_hashes=list(self._announced), medium=self._medium)
+        self._announced.clear()
+        self._tracked.clear()
+        return [gone]
+
     def take(self, pool: Any, ns: Any, live: dict) -> list[KVCacheEvent]:
-        medium = f"cxlkv:{pool.uuid}"
+        medium = self._medium = f"cxlkv:{pool.uuid}"
         events: list[KVCacheEvent] = []
         for rid, st in live.items():
             t = self._tracked.get(rid)
