@@ -140,6 +140,16 @@ struct Fragment {
   uint64_t bytes;
 };
 
+// One READY index entry as `Pool::scan_index` saw it (a consistent snapshot): which block of
+// which namespace lives in `slot`, in which incarnation (`gen` changes on every reuse of the slot).
+struct IndexRecord {
+  uint64_t slot;
+  uint32_t gen;
+  uint32_t ns_id;  // checked: 1..max_namespaces
+  uint16_t depth;  // the writer's chain depth (a hint)
+  uint8_t key[32];
+};
+
 struct PinRef {
   uint64_t slot;
   uint32_t gen;
@@ -311,6 +321,11 @@ class Pool {
     uint64_t capacity, free, used, free_chunks, active_chunks;
   };
   Occupancy occupancy();
+  // --- index scan (index_scan.cpp): the READY entries of slots [first, first + count) ---------
+  // Entries that stay in flight across a few re-reads go to `unstable` (their slot), so a caller
+  // diffing two scans keeps what it knew of them instead of reading them as gone.
+  std::vector<IndexRecord> scan_index(uint64_t first, uint64_t count, std::vector<uint64_t>* unstable);
+  uint64_t index_slots() const { return slot_mask_ + 1; }
 
  private:
   Pool() = default;

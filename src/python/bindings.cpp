@@ -455,6 +455,7 @@ NsAccess token_ns_access(nb::handle o) {
   OpGuard g(*n.owner);
   return NsAccess{std::move(g.lock), g.p, n.h};
 }
+nb::tuple scan_index_py(Pool& pool, uint64_t first, uint64_t count);  // bindings_events.cpp
 
 NB_MODULE(_core, m) {
   m.doc() = "cxlkv core: a KV-cache block store in a shared-memory (CXL) pool";
@@ -635,6 +636,15 @@ NB_MODULE(_core, m) {
              }
              return out;
            })
+      .def(
+          "scan_index",
+          [](PyPool& pp, uint64_t first, uint64_t count) {
+            OpGuard g(pp);
+            return scan_index_py(*g.p, first, count);
+          },
+          "first"_a = 0, "count"_a = UINT64_MAX,
+          "READY index entries of slots [first, first+count): (packed records, unstable slots); "
+          "see bindings_events.cpp for the record layout")
       .def("counters",
            [](PyPool& pp) {
              OpGuard g(pp);

@@ -575,3 +575,25 @@ def test_roi_smoke():
     )  # fmt: skip
     out = json.loads(r.stdout)
     assert (out["gpus_baseline"], out["gpus_pool"]) == (75, 10)
+
+
+def test_events_and_query_smoke(pool_path):
+    """Both router commands on a pool with one empty KV namespace (tests/python/test_events.py
+    covers them on populated pools, with a real subscriber and HTTP client)."""
+    with cxlkv.Pool.create(pool_path, 16 * MiB, chunk_size=1 * MiB) as pool:
+        pool.namespace(
+            cxlkv.KVLayout(model_id="smoke", num_layers=1, num_kv_heads=1, head_size=8), name="kv1-smoke"
+        )
+    argv = [
+        "events",
+        pool_path,
+        "--endpoint",
+        "tcp://127.0.0.1:0",
+        "--replay-endpoint",
+        "",
+        "--duration",
+        "0.3",
+    ]
+    assert json_of(ok(cxlkv_cli(*argv)), {"messages", "events"})["events"] == 0
+    out = json_of(ok(cxlkv_cli("query", "--pool", pool_path, "--json", "1", "2", "3")), {"matched_tokens"})
+    assert out["matched_tokens"] == 0 and out["namespace"] == "kv1-smoke"

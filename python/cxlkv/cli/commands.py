@@ -542,3 +542,82 @@ def cmd_roi(args: argparse.Namespace) -> int:
     else:
         roi.print_result(make_console(), result)
     return ExitCode.OK
+
+
+# ---------------------------------------------------------------------------------------------
+# events, query: what routers read (tools/events.py, tools/query.py)
+
+
+def cmd_events(args: argparse.Namespace) -> int:
+    from cxlkv.tools import events
+
+    pool = cxlkv.Pool.open(args.path)  # a missing or bad pool: an error now, exit 2; then run() owns it
+    try:
+        publisher = events.ReplayPublisher(args.endpoint, args.replay_endpoint or None, buffer=args.buffer)
+    except BaseException:
+        pool.close()
+        raise
+    try:
+        print(
+            f"cxlkv events: pool {pool.path} ({events.pool_medium(pool)}): PUB {publisher.endpoint}, "
+            f"replay {publisher.replay_endpoint or '-'}, every {args.interval} s",
+            file=sys.stderr,
+            flush=True,
+        )
+
+        def show(seq: int, topic: str, batch: list) -> None:
+            kinds = ", ".join(f"{e['type']} x{len(e.get('block_hashes', ()))}" for e in batch)
+            print(f"{seq} {topic}: {kinds}", flush=True)
+
+        r = events.run(
+            pool,
+            publisher,
+            interval_s=args.interval,
+            topic=args.topic,
+            namespace=args.namespace,
+            record_wait_s=args.record_wait,
+            duration_s=args.duration,
+            on_batch=show if args.verbose else None,
+            reopen=lambda: cxlkv.Pool.open(args.path),
+            log=lambda msg: print(msg, file=sys.stderr, flush=True),
+        )
+    finally:
+        publisher.close()
+    print(json.dumps(r), flush=True)
+    return ExitCode.OK
+
+
+def cmd_query(args: argparse.Namespace) -> int:
+    from cxlkv.tools import query
+
+    with cxlkv.Pool.open(args.path) as pool:
+        if args.serve is not None:
+            server = query.make_server(pool, args.host, args.serve)
+            print(
+                f"cxlkv query: POST http://{args.host}:{server.server_port}/query (pool {pool.path})",
+                file=sys.stderr,
+                flush=True,
+            )
+            try:
+                server.serve_forever()
+            except KeyboardInterrupt:
+                pass
+            finally:
+                server.server_close()
+            return ExitCode.OK
+        tokens = list(args.tokens)
+        if args.tokens_json is not None:
+            text = sys.stdin.read() if args.tokens_json == "-" else args.tokens_json
+            try:
+                tokens += json.loads(text)
+            except ValueError as e:
+                raise CommandError(f"--tokens-json: not JSON: {e}") from None
+        r = query.query(pool, tokens, model=args.namespace, lora_id=args.lora_id, cache_salt=args.cache_salt)
+    if args.json:
+        print(json.dumps(r))
+    else:
+        print(
+            f"{r['matched_tokens']} of {r['total_tokens']} tokens ({r['matched_blocks']} blocks of "
+            f"{r['block_size']}) in namespace {r['namespace']}"
+        )
+    return ExitCode.OK

@@ -27,6 +27,7 @@ from .commands import (
     cmd_bench_rpc,
     cmd_bench_vllm,
     cmd_demo,
+    cmd_events,
     cmd_pool_check,
     cmd_pool_create,
     cmd_pool_destroy,
@@ -34,6 +35,7 @@ from .commands import (
     cmd_pool_ping,
     cmd_pool_reap,
     cmd_pool_stats,
+    cmd_query,
     cmd_roi,
     cmd_sim,
 )
@@ -626,4 +628,58 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ro.add_argument("--json", action="store_true", help="print one JSON object")
     ro.set_defaults(func=cmd_roi)
+    # events, query (routers: tools/events.py, tools/query.py) ----------------------------------
+    ev = sub.add_parser("events", help="publish the pool's KV events (vLLM's ZMQ format) for routers")
+    ev.add_argument(
+        "path", nargs="?", default=default_pool, metavar="POOL", help=f"pool (default {default_pool})"
+    )
+    ev.add_argument(
+        "--endpoint", default="tcp://*:5557", help="ZMQ PUB address to bind (default %(default)s)"
+    )
+    ev.add_argument(
+        "--replay-endpoint",
+        default="tcp://*:5558",
+        help="ZMQ ROUTER address answering replays of missed sequence numbers (default %(default)s; "
+        "'' for none)",
+    )
+    ev.add_argument(
+        "--interval", type=_pos_float, default=0.1, help="seconds between index scans (default 0.1)"
+    )
+    ev.add_argument(
+        "--buffer", type=_pos_int, default=10_000, help="messages kept for replay (default 10000)"
+    )
+    ev.add_argument(
+        "--topic",
+        default="kv@cxlkv-{pool}@{namespace}",
+        help="topic template, llm-d's kv@<pod>@<model> ({pool}, {namespace}, {model}; default %(default)s)",
+    )
+    ev.add_argument("--namespace", default=None, help="only this namespace (pool name)")
+    ev.add_argument(
+        "--record-wait",
+        type=float,
+        default=1.0,
+        help="seconds a new block waits for its token record (default 1)",
+    )
+    ev.add_argument("--duration", type=_pos_float, default=None, help="stop after this many seconds")
+    ev.add_argument("--verbose", action="store_true", help="one line per published message on stdout")
+    ev.set_defaults(func=cmd_events)
+    qy = sub.add_parser("query", help="longest prefix of token ids whose KV is in the pool (CLI or HTTP)")
+    qy.add_argument("tokens", nargs="*", type=int, metavar="TOKEN", help="token ids (or --tokens-json)")
+    qy.add_argument("--pool", dest="path", default=default_pool, help=f"pool (default {default_pool})")
+    qy.add_argument("--tokens-json", default=None, help="a JSON list of token ids ('-': stdin)")
+    qy.add_argument(
+        "--namespace",
+        default=None,
+        help="KV namespace: its pool name (kv1-...) or weights identity (model_id)",
+    )
+    qy.add_argument(
+        "--lora-id", default=None, help="the adapter's content id, 'lora:<digest>' (not its name)"
+    )
+    qy.add_argument("--cache-salt", default=None, help="the tenant's cache_salt")
+    qy.add_argument(
+        "--serve", type=_pos_int, default=None, metavar="PORT", help="answer POST /query over HTTP"
+    )
+    qy.add_argument("--host", default="127.0.0.1", help="address --serve listens on (default %(default)s)")
+    qy.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    qy.set_defaults(func=cmd_query)
     return p

@@ -746,6 +746,9 @@ class CxlKVConnector(KVConnectorBase_V1):
         st = self._reqs.pop(request.request_id, None)
         if st is not None:
             self._release(st)
+            events = self._events_tracker()
+            if events is not None:  # its last saves are announced once stored
+                events.finished(request.request_id, st)
         return False, None
 
     def _release(self, st: _ReqState) -> None:
@@ -753,6 +756,27 @@ class CxlKVConnector(KVConnectorBase_V1):
             self._session.retire(st.lease)
             st.lease = None
             st.lease_step = None
+
+    # ------------------------------------------------------------------------------------------
+    # KV events (vllm_events.py): vLLM publishes what take_events returns (--kv-events-config)
+    def _events_tracker(self):
+        from cxlkv.integrations import vllm_events
+
+        if "_kv_events" not in self.__dict__:
+            extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+            on = self.role == KVConnectorRole.SCHEDULER and vllm_events.events_enabled(
+                self._vllm_config, extra
+            )
+            self._kv_events = vllm_events.ConnectorEvents(self._block_size) if on else None
+        return self._kv_events
+
+    def take_events(self):
+        tracker = self._events_tracker()
+        if tracker is None:
+            return ()
+        if not self._session.usable():
+            return tracker.pool_lost() if self._session.disabled else ()
+        return self._session.call("events", lambda ns: tracker.take(self._session.pool, ns, self._reqs)) or ()
 
     # ------------------------------------------------------------------------------------------
     # worker side
