@@ -19,32 +19,17 @@
 #include "layout.h"
 #include "names.h"
 #include "pool.h"
+#include "bindings_types.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
 using namespace cxlkv;
+using namespace cxlkv::bindings;
 
 namespace {
 
 // Pool creation's defaults: the core's CreateOptions, the one place they are written.
 const CreateOptions kCreateDefaults{};
-
-// Keeps a Pool alive and serializes close() against operations running without the GIL.
-struct PyPool {
-  std::unique_ptr<Pool> pool;
-  std::shared_mutex mu;
-  Pool& get() {
-    if (!pool) throw Error("pool is closed");
-    pool->ensure_usable();
-    return *pool;
-  }
-};
-
-struct OpGuard {
-  std::shared_lock<std::shared_mutex> lock;
-  Pool* p;
-  explicit OpGuard(PyPool& pp) : lock(pp.mu), p(&pp.get()) {}
-};
 
 // A node id from Python: any int. One that does not even fit the core's type is out of the
 // pool's range like any other (ValueError naming the range), not an overflow TypeError.
@@ -57,12 +42,6 @@ uint32_t node_arg(const nb::int_& node, const Pool& p) {
                         std::to_string(p.header().max_nodes));
   return uint32_t(v);
 }
-
-struct PyNamespace {
-  PyPool* owner;
-  NsHandle h;
-  Layout layout;
-};
 
 struct PyLease {
   PyPool* owner;
@@ -87,38 +66,6 @@ struct PyLease {
     }
   }
 };
-
-// A contiguous Python buffer (bytes, bytearray, memoryview, numpy array...).
-struct Buffer {
-  Py_buffer view{};
-  bool held = false;
-  Buffer(nb::handle obj, bool writable) {
-    int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
-    if (PyObject_GetBuffer(obj.ptr(), &view, flags) != 0) throw nb::python_error();
-    held = true;
-  }
-  ~Buffer() {
-    if (held) PyBuffer_Release(&view);
-  }
-  char* data() const { return static_cast<char*>(view.buf); }
-  uint64_t size() const { return uint64_t(view.len); }
-};
-
-Key to_key(nb::handle obj) {
-  Buffer b(obj, false);
-  if (b.size() != 32)
-    throw ArgumentError("keys must be exactly 32 bytes (vLLM block hashes are 32-byte digests), got " +
-                        std::to_string(b.size()));
-  Key k;
-  std::memcpy(k.data(), b.data(), 32);
-  return k;
-}
-
-std::vector<Key> to_keys(nb::handle seq) {
-  std::vector<Key> out;
-  for (nb::handle h : seq) out.push_back(to_key(h));
-  return out;
-}
 
 std::string py_type_name(nb::handle h) { return nb::str(nb::type_name(h.type())).c_str(); }
 
@@ -441,7 +388,8 @@ nb::list names_of(std::span<const NamedCode> table) {
 
 }  // namespace
 
-void bind_rpc(nb::module_& m);  // bindings_rpc.cpp
+void bind_rpc(nb::module_& m);       // bindings_rpc.cpp
+void bind_transfer(nb::module_& m);  // bindings_transfer.cpp
 
 NB_MODULE(_core, m) {
   m.doc() = "cxlkv core: a KV-cache block store in a shared-memory (CXL) pool";
@@ -589,7 +537,7 @@ NB_MODULE(_core, m) {
            [](PyPool& pp) {
              nb::gil_scoped_release nogil;
              std::unique_lock<std::shared_mutex> g(pp.mu);
-             if (pp.pool) pp.pool->close();
+             pp.close_pool();
            })
       .def_prop_ro("closed", [](PyPool& pp) { return !pp.pool || pp.pool->closed(); })
       .def_prop_ro("path", [](PyPool& pp) { return pp.get().path(); })
@@ -935,6 +883,7 @@ NB_MODULE(_core, m) {
       "otherwise.");
   m.def("backends", [] { return names_of(backend_names()); });
   bind_rpc(m);
+  bind_transfer(m);
   m.def("layout_kinds", [] { return names_of(layout_kind_names()); });
   m.def(
       "layout_fields",
