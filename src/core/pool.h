@@ -303,6 +303,11 @@ class Pool {
   // The mapping, taken out of a closed pool by a caller that lets devices read it (bindings:
   // views of the pool bytes outlive close(); their owner unmaps it when the last one goes).
   Mapping take_mapping_on_close();
+  // [offset, length) ranges covering the pool, each at most max_bytes, cut on pages between two
+  // chunks' payloads (no block is split): a device registers the mapping one range at a time
+  // (cudaHostRegister of >= 512 GiB at once fails on recent drivers). Throws ArgumentError when
+  // max_bytes is smaller than a chunk.
+  std::vector<std::pair<uint64_t, uint64_t>> transfer_ranges(uint64_t max_bytes, uint64_t page) const;
 
   // --- maintenance (nodes.cpp, check.cpp) ----------------------------------------------------
   uint64_t reap_dead_nodes();  // returns nodes reclaimed

@@ -180,4 +180,43 @@ void Pool::unpin_verified(std::vector<VerifiedBlock>* blocks) {
   blocks->clear();
 }
 
+std::vector<std::pair<uint64_t, uint64_t>> Pool::transfer_ranges(uint64_t max_bytes, uint64_t page) const {
+  ensure_usable();
+  if (page == 0 || (page & (page - 1)) || max_bytes < page)
+    throw ArgumentError("transfer ranges need a power-of-two page and a maximum of at least one page");
+  const uint64_t total = size(), arena = hdr_->arena_off, stride = chunk_stride(), desc = desc_bytes_;
+  // A boundary lies on a page, and between the end of chunk k-1's payload (= chunk k's start) and
+  // the start of chunk k's payload: no block is ever split between two ranges.
+  auto boundary = [&](uint64_t k, uint64_t* b) {
+    const uint64_t start = arena + k * stride, cut = (start + desc) & ~(page - 1);
+    *b = cut;
+    return cut >= start;
+  };
+  std::vector<std::pair<uint64_t, uint64_t>> out;
+  uint64_t at = 0;
+  while (at < total) {
+    if (total - at <= max_bytes) {
+      out.emplace_back(at, total - at);
+      break;
+    }
+    const uint64_t limit = at + max_bytes;
+    uint64_t cut = 0;
+    bool found = false;
+    for (uint64_t k = limit > arena ? std::min<uint64_t>((limit - arena) / stride, hdr_->chunk_count) : 0; k >= 1; --k) {
+      uint64_t b;
+      if (boundary(k, &b) && b > at && b <= limit) {
+        cut = b, found = true;
+        break;
+      }
+      if (arena + k * stride <= at) break;
+    }
+    if (!found)
+      throw ArgumentError("no chunk boundary on a page within " + std::to_string(max_bytes) + " bytes of offset " +
+                          std::to_string(at) + ": the pool cannot be registered in ranges that keep blocks whole");
+    out.emplace_back(at, cut - at);
+    at = cut;
+  }
+  return out;
+}
+
 }  // namespace cxlkv

@@ -10,6 +10,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/vector.h>
 
 #include "bindings_types.h"
@@ -194,4 +195,11 @@ void bind_transfer(nb::module_& m) {
       nb::scope(pool_type), nb::name("transfer_view"), nb::is_method(),
       "The pool bytes as a writable uint8 array (offsets of Reservation / VerifiedLease index it). "
       "It keeps the mapping alive after close(); write only blocks you reserved.");
+  pool_type.attr("transfer_ranges") = nb::cpp_function(
+      [](PyPool& pp, uint64_t max_bytes, uint64_t page) {
+        OpGuard g(pp);
+        return g.p->transfer_ranges(max_bytes, page);
+      },
+      nb::scope(pool_type), nb::name("transfer_ranges"), nb::is_method(), "max_bytes"_a, "page"_a = 4096,
+      "(offset, length) ranges covering the pool, each <= max_bytes, cut between chunks on a page.");
 }

@@ -31,14 +31,15 @@ PKG = "cxlkv"
 MAY_IMPORT: dict[str, set[str]] = {
     "api": {"api"},
     "testing": {"api"},
-    "integrations": {"api", "integrations"},
-    "tools": {"api", "tools", "testing", "integrations"},  # a benchmark measures an integration
+    "kernels": {"api", "kernels"},  # Triton kernels of the device data paths
+    "integrations": {"api", "integrations", "kernels"},
+    "tools": {"api", "tools", "testing", "integrations", "kernels"},  # a benchmark measures an integration
     "cli": {"api", "tools", "cli"},
     "main": {"cli"},
 }
-SUBPACKAGE_LAYERS = {"tools", "cli", "integrations", "testing"}
+SUBPACKAGE_LAYERS = {"tools", "cli", "integrations", "testing", "kernels"}
 # Modules that need a third-party package beyond the core dependencies to import at all.
-OPTIONAL_DEPS = {"vllm", "aiohttp", "torch"}
+OPTIONAL_DEPS = {"vllm", "aiohttp", "torch", "triton"}
 
 
 def module_files() -> dict[str, Path]:
