@@ -171,3 +171,13 @@ def test_without_cuda_the_registration_fails_with_a_reason(make_pool, monkeypatc
     monkeypatch.setattr(reg, "_find_cudart", lambda: (_ for _ in ()).throw(OSError("libcudart not found")))
     r = reg.register_pool(pool, background=False)
     assert r.state == "failed" and "libcudart" in r.reason
+
+
+def test_the_gpu_bench_logic_runs_on_cpu():
+    """scripts/gpu-check.sh's bandwidth bench, on CPU tensors: it runs and checks the layout."""
+    from cxlkv.tools import bench_cuda
+
+    r = bench_cuda.run("cpu", blocks=3, small=True, iters=1)
+    assert r["layout_matches_cpu_path"] is True
+    for k in ("gpu_to_pool", "pool_to_gpu"):
+        assert {"kernel_gbps", "memcpy_gbps", "per_fragment_gbps", "kernel_vs_memcpy", "kernel_vs_per_fragment"} <= set(r[k])
