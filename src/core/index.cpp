@@ -261,10 +261,10 @@ PutResult Pool::put_ex(const NsHandle& ns, const Key& key, const Piece* src, siz
   if (r != PutResult::stored) return r;
   try {
     return fill_claimed(ns, key, src, n, depth, total, c.slot, c.gen, c.tag) ? PutResult::stored
-                                                                               : PutResult::failed;
+                                                                             : PutResult::failed;
   } catch (...) {
     finish_evict(c.slot, make_entry_word(kWriting, uint8_t(node_id_), c.gen, c.tag));  // never leave a
-    throw;                                                                     // WRITING entry behind
+    throw;                                                                             // WRITING entry behind
   }
 }
 
@@ -355,7 +355,8 @@ bool Pool::claim_block(const NsHandle& ns, uint64_t slot, uint32_t gen, uint32_t
   if (!got) got = evict_from_queue(ns, chunk, block, slot);
   if (!got && now_unix_ns() - last_reap_ns_.load(std::memory_order_relaxed) > 100'000'000) {
     // Dead nodes may hold pins or blocks: reclaim them, then try both paths again.
-    if (reap_dead_nodes() > 0) got = alloc_block(ns, slot, chunk, block) || evict_from_queue(ns, chunk, block, slot);
+    if (reap_dead_nodes() > 0)
+      got = alloc_block(ns, slot, chunk, block) || evict_from_queue(ns, chunk, block, slot);
   }
   if (!got) {
     coh_.publish(&e->state, make_entry_word(kTombstone, 0, gen, tag));

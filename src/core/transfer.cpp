@@ -20,17 +20,10 @@ void Pool::reserve(const NsHandle& ns, const Key& key, uint16_t depth, Reservati
   r->depth = depth;
   Claimed c;
   switch (claim_entry(ns, key, depth, &c)) {
-    case PutResult::present:
-      r->state = Reservation::present;
-      return;
-    case PutResult::in_flight:
-      r->state = Reservation::in_flight;
-      return;
-    case PutResult::failed:
-      r->state = Reservation::failed;
-      return;
-    case PutResult::stored:
-      break;
+    case PutResult::present: r->state = Reservation::present; return;
+    case PutResult::in_flight: r->state = Reservation::in_flight; return;
+    case PutResult::failed: r->state = Reservation::failed; return;
+    case PutResult::stored: break;
   }
   uint64_t chunk = 0;
   uint32_t block = 0;
@@ -135,8 +128,9 @@ size_t Pool::pin_verified(const NsHandle& ns, const Key* keys, size_t n, std::ve
       release({p});
       break;
     }
-    VerifiedBlock b{f.slot, f.word, p.pin_index, uint64_t(block_payload(ns, f.e.chunk, f.e.block) - region_.base()),
-                    f.e.length, f.e.checksum};
+    VerifiedBlock b{f.slot,      f.word,
+                    p.pin_index, uint64_t(block_payload(ns, f.e.chunk, f.e.block) - region_.base()),
+                    f.e.length,  f.e.checksum};
     if (!verify_block(b)) {
       count(kChecksumFailures);
       condemn(f.slot, f.word);
@@ -202,7 +196,8 @@ std::vector<std::pair<uint64_t, uint64_t>> Pool::transfer_ranges(uint64_t max_by
     const uint64_t limit = at + max_bytes;
     uint64_t cut = 0;
     bool found = false;
-    for (uint64_t k = limit > arena ? std::min<uint64_t>((limit - arena) / stride, hdr_->chunk_count) : 0; k >= 1; --k) {
+    for (uint64_t k = limit > arena ? std::min<uint64_t>((limit - arena) / stride, hdr_->chunk_count) : 0;
+         k >= 1; --k) {
       uint64_t b;
       if (boundary(k, &b) && b > at && b <= limit) {
         cut = b, found = true;
@@ -211,8 +206,9 @@ std::vector<std::pair<uint64_t, uint64_t>> Pool::transfer_ranges(uint64_t max_by
       if (arena + k * stride <= at) break;
     }
     if (!found)
-      throw ArgumentError("no chunk boundary on a page within " + std::to_string(max_bytes) + " bytes of offset " +
-                          std::to_string(at) + ": the pool cannot be registered in ranges that keep blocks whole");
+      throw ArgumentError("no chunk boundary on a page within " + std::to_string(max_bytes) +
+                          " bytes of offset " + std::to_string(at) +
+                          ": the pool cannot be registered in ranges that keep blocks whole");
     out.emplace_back(at, cut - at);
     at = cut;
   }

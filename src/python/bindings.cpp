@@ -13,13 +13,13 @@
 #include <shared_mutex>
 
 #include "bench.h"
+#include "bindings_types.h"
 #include "checksum.h"
 #include "cpu_features.h"
 #include "dtype.h"
 #include "layout.h"
 #include "names.h"
 #include "pool.h"
-#include "bindings_types.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;

@@ -9,8 +9,8 @@
 // only (reserve, pin_verified), already bounds-checked against the pool's geometry.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
-#include <nanobind/stl/string.h>
 #include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include "bindings_types.h"
@@ -25,18 +25,12 @@ namespace {
 
 const char* state_name(Reservation::State s) {
   switch (s) {
-    case Reservation::reserved:
-      return "reserved";
-    case Reservation::present:
-      return "present";
-    case Reservation::in_flight:
-      return "in_flight";
-    case Reservation::failed:
-      return "failed";
-    case Reservation::committed:
-      return "committed";
-    case Reservation::aborted:
-      return "aborted";
+    case Reservation::reserved: return "reserved";
+    case Reservation::present: return "present";
+    case Reservation::in_flight: return "in_flight";
+    case Reservation::failed: return "failed";
+    case Reservation::committed: return "committed";
+    case Reservation::aborted: return "aborted";
   }
   return "?";
 }
@@ -92,7 +86,8 @@ struct PyVerifiedLease {
 nb::list offsets_of(const std::vector<Reservation>& items) {
   nb::list out;
   for (const auto& r : items)
-    out.append(r.state == Reservation::reserved || r.state == Reservation::committed ? int64_t(r.offset) : int64_t(-1));
+    out.append(r.state == Reservation::reserved || r.state == Reservation::committed ? int64_t(r.offset)
+                                                                                     : int64_t(-1));
   return out;
 }
 
@@ -103,8 +98,9 @@ void bind_transfer(nb::module_& m) {
                             "Blocks reserved for keys (Namespace.reserve): write them at `offsets` "
                             "of Pool.transfer_view(), then commit(); abort() (or dropping it) frees them.")
       .def("__len__", [](PyReservation& r) { return r.items.size(); })
-      .def_prop_ro("offsets", [](PyReservation& r) { return offsets_of(r.items); },
-                   "pool offset of each key's reserved (or committed) block, -1 where none was reserved")
+      .def_prop_ro(
+          "offsets", [](PyReservation& r) { return offsets_of(r.items); },
+          "pool offset of each key's reserved (or committed) block, -1 where none was reserved")
       .def_prop_ro(
           "states",
           [](PyReservation& r) {
@@ -119,8 +115,8 @@ void bind_transfer(nb::module_& m) {
            "leading keys present afterwards. Call only once the device's copy has completed.")
       .def("abort", &PyReservation::abort, "Frees every block not committed; nothing is published.");
 
-  nb::class_<PyVerifiedLease>(m, "VerifiedLease",
-                              "Leading blocks pinned and verified for a device read (Namespace.pin_verified).")
+  nb::class_<PyVerifiedLease>(
+      m, "VerifiedLease", "Leading blocks pinned and verified for a device read (Namespace.pin_verified).")
       .def("__len__", [](PyVerifiedLease& l) { return l.blocks.size(); })
       .def_prop_ro("offsets",
                    [](PyVerifiedLease& l) {
@@ -188,7 +184,8 @@ void bind_transfer(nb::module_& m) {
           pp.views = anchor;
         }
         auto* keep = new std::shared_ptr<MappingAnchor>(anchor);
-        nb::capsule owner(keep, [](void* k) noexcept { delete static_cast<std::shared_ptr<MappingAnchor>*>(k); });
+        nb::capsule owner(keep,
+                          [](void* k) noexcept { delete static_cast<std::shared_ptr<MappingAnchor>*>(k); });
         size_t shape[1] = {size_t(p.size())};
         return nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(p.mapped_base(), 1, shape, owner);
       },

@@ -88,5 +88,4 @@ inline std::vector<Key> to_keys(nb::handle seq) {
   return out;
 }
 
-
 }  // namespace cxlkv::bindings

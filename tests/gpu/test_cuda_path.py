@@ -16,8 +16,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 if not torch.cuda.is_available():
-    pytest.skip("no CUDA device (torch.cuda.is_available() is False): run scripts/gpu-check.sh on a GPU machine",
-                allow_module_level=True)
+    pytest.skip(
+        "no CUDA device (torch.cuda.is_available() is False): run scripts/gpu-check.sh on a GPU machine",
+        allow_module_level=True,
+    )
 
 import cxlkv  # noqa: E402
 from cxlkv.integrations.pool_session import PoolSession  # noqa: E402
@@ -47,26 +49,40 @@ def test_cuda_path_equals_cpu_path_on_the_same_blocks(pool, dtype):
     g = torch.Generator().manual_seed(seed)
     shape = (2, NB, BS, H, D)
     item = torch.tensor([], dtype=dtype).element_size()
-    src_cpu = [torch.randint(0, 256, (torch.Size(shape).numel() * item,), dtype=torch.uint8, generator=g)
-               .view(dtype).reshape(shape) for _ in range(LAYERS)]
+    src_cpu = [
+        torch.randint(0, 256, (torch.Size(shape).numel() * item,), dtype=torch.uint8, generator=g)
+        .view(dtype)
+        .reshape(shape)
+        for _ in range(LAYERS)
+    ]
     bb = LAYERS * 2 * BS * H * D * item
-    ns = pool.namespace(cxlkv.KVLayout(model_id="gpu/test", dtype=str(dtype), num_layers=LAYERS, num_kv_heads=H,
-                                       head_size=D, tokens_per_block=BS))
+    ns = pool.namespace(
+        cxlkv.KVLayout(
+            model_id="gpu/test",
+            dtype=str(dtype),
+            num_layers=LAYERS,
+            num_kv_heads=H,
+            head_size=D,
+            tokens_per_block=BS,
+        )
+    )
     assert ns.block_bytes == bb
     session = PoolSession(pool.path, logging.getLogger("gpu"), lambda c: pool, lambda p: ns)
     ids = [0, 17, NB - 1, 5]
     keys = [os.urandom(32) for _ in ids]
     assert ns.store(keys, src_cpu, ids, block_dim=1) == len(ids)  # the CPU path writes
 
-    poisoned = lambda dev: torch.full((torch.Size(shape).numel() * item,), 0xA5, dtype=torch.uint8,  # noqa: E731
-                                      device=dev).view(dtype).reshape(shape)
+    def poisoned(dev):
+        raw = torch.full((torch.Size(shape).numel() * item,), 0xA5, dtype=torch.uint8, device=dev)
+        return raw.view(dtype).reshape(shape)
+
     dst = [poisoned("cuda") for _ in range(LAYERS)]
     t = CudaTransfer(session, dst, 1, bb, background_register=False)
     load_ids = [3, 9, 40, 63]
     assert t.load(op("a", keys, load_ids)) == len(ids)
     assert t.registration.registered, t.registration.reason
-    for a, b in zip(src_cpu, dst):
-        for i, j in zip(ids, load_ids):
+    for a, b in zip(src_cpu, dst, strict=False):
+        for i, j in zip(ids, load_ids, strict=False):
             assert torch.equal(a[:, i].view(torch.uint8), b[:, j].cpu().view(torch.uint8))
 
     keys2 = [os.urandom(32) for _ in ids]
@@ -74,7 +90,7 @@ def test_cuda_path_equals_cpu_path_on_the_same_blocks(pool, dtype):
     assert h.result() == len(ids) and h.done()
     back = [poisoned("cpu") for _ in range(LAYERS)]
     assert ns.load(keys2, back, ids, block_dim=1) == len(ids)  # the CPU path reads
-    for a, b in zip(back, src_cpu):
+    for a, b in zip(back, src_cpu, strict=False):
         for i in ids:
             assert torch.equal(a[:, i].view(torch.uint8), b[:, i].view(torch.uint8))
     t.close()
@@ -84,12 +100,20 @@ def test_staged_path_on_the_gpu(pool):
     shape = (2, NB, BS, H, D)
     src = [torch.randn(shape, device="cuda").to(torch.bfloat16) for _ in range(2)]
     bb = 2 * 2 * BS * H * D * 2
-    ns = pool.namespace(cxlkv.KVLayout(model_id="gpu/staged", dtype="bf16", num_layers=2, num_kv_heads=H,
-                                       head_size=D, tokens_per_block=BS))
+    ns = pool.namespace(
+        cxlkv.KVLayout(
+            model_id="gpu/staged",
+            dtype="bf16",
+            num_layers=2,
+            num_kv_heads=H,
+            head_size=D,
+            tokens_per_block=BS,
+        )
+    )
     session = PoolSession(pool.path, logging.getLogger("gpu"), lambda c: pool, lambda p: ns)
     t = CudaTransfer(session, src, 1, bb, staging=True, background_register=False)
     keys = [os.urandom(32) for _ in range(3)]
     assert t.submit_save(op("s", keys, [1, 2, 3])).result() == 3
-    for k, b in zip(keys, [1, 2, 3]):
+    for k, b in zip(keys, [1, 2, 3], strict=False):
         assert ns.get_bytes(k) == paged.reference_pack(src, 1, b)
     t.close()

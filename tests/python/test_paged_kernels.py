@@ -63,8 +63,11 @@ def test_gather_then_scatter_is_exact(layout, dtype):
     pool = torch.full((10 * bb,), POISON, dtype=torch.uint8)
     plan = paged.plan_fragments(kv, block_dim, bb)
     paged.gather(plan, paged.pool_words(pool, plan.word_bytes), pool.numel(), ids, [s * bb for s in slots])
-    for b, s in zip(ids, slots):
-        assert pool[s * bb : (s + 1) * bb].numpy().tobytes() == paged.reference_pack(kv, block_dim, b), (seed, b)
+    for b, s in zip(ids, slots, strict=False):
+        assert pool[s * bb : (s + 1) * bb].numpy().tobytes() == paged.reference_pack(kv, block_dim, b), (
+            seed,
+            b,
+        )
     untouched = set(range(10)) - set(slots)
     for s in untouched:
         assert bool((pool[s * bb : (s + 1) * bb] == POISON).all()), (seed, s)
@@ -72,7 +75,7 @@ def test_gather_then_scatter_is_exact(layout, dtype):
     out = poisoned_like(kv)
     oplan = paged.plan_fragments(out, block_dim, bb)
     paged.scatter(oplan, paged.pool_words(pool, oplan.word_bytes), pool.numel(), ids, [s * bb for s in slots])
-    for a, o in zip(kv, out):
+    for a, o in zip(kv, out, strict=False):
         for b in range(nb):
             idx = (slice(None),) * block_dim + (b,)
             got, want = o[idx].view(torch.uint8), a[idx].view(torch.uint8)

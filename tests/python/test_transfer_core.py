@@ -9,6 +9,7 @@ import os
 
 import numpy as np
 import pytest
+
 from conftest import small_layout
 
 BB = 4096
@@ -29,7 +30,7 @@ def test_commit_publishes_only_after_the_checksum(small_ns):
     assert r.states == ["reserved"] * 3 and len(set(r.offsets)) == 3
     view = pool.transfer_view()
     data = [os.urandom(BB) for _ in ks]
-    for o, d in zip(r.offsets, data):
+    for o, d in zip(r.offsets, data, strict=False):
         write(view, o, d)
     assert not any(ns.contains(k) for k in ks)  # written, not published
     assert ns.get_bytes(ks[0]) is None

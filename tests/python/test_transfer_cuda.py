@@ -16,12 +16,12 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 from conftest import small_layout  # noqa: E402
-
 from cxlkv.integrations import cuda_registration as reg  # noqa: E402
 from cxlkv.integrations.pool_session import PoolSession  # noqa: E402
 from cxlkv.integrations.transfer_cuda import CudaTransfer  # noqa: E402
 
-def BlockOp(req_id, keys, block_ids, start_depth=0):  # noqa: N802 - vllm.BlockOp's fields
+
+def BlockOp(req_id, keys, block_ids, start_depth=0):
     # (importing vllm for its dataclass costs seconds of CI)
     return types.SimpleNamespace(req_id=req_id, keys=keys, block_ids=block_ids, start_depth=start_depth)
 
@@ -36,7 +36,11 @@ def kv(shape, seed=None, poison=False):
     n = torch.Size(shape).numel() * 2
     out = []
     for _ in range(LAYERS):
-        raw = torch.full((n,), 0xA5, dtype=torch.uint8) if poison else torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+        raw = (
+            torch.full((n,), 0xA5, dtype=torch.uint8)
+            if poison
+            else torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+        )
         out.append(raw.view(torch.bfloat16).reshape(shape))
     return out
 
@@ -47,7 +51,11 @@ def session_on(pool, ns):
 
 def blocks_equal(a, b, block_dim, ids):
     idx = lambda i: (slice(None),) * block_dim + (i,)  # noqa: E731
-    return all(torch.equal(x[idx(i)].view(torch.uint8), y[idx(i)].view(torch.uint8)) for x, y in zip(a, b) for i in ids)
+    return all(
+        torch.equal(x[idx(i)].view(torch.uint8), y[idx(i)].view(torch.uint8))
+        for x, y in zip(a, b, strict=False)
+        for i in ids
+    )
 
 
 @pytest.mark.parametrize("layout", sorted(SHAPES))
@@ -68,8 +76,10 @@ def test_device_path_and_cpu_path_share_blocks_both_ways(make_pool, layout, stag
     t = CudaTransfer(session_on(pool, ns), dst, block_dim, BB, staging=staging)
     load_ids = [2, 8, 5]
     assert t.load(BlockOp("r1", keys, load_ids)) == 3
-    for i, j in zip(ids, load_ids):
-        assert blocks_equal([a.narrow(block_dim, i, 1) for a in src], [b.narrow(block_dim, j, 1) for b in dst], block_dim, [0])
+    for i, j in zip(ids, load_ids, strict=False):
+        assert blocks_equal(
+            [a.narrow(block_dim, i, 1) for a in src], [b.narrow(block_dim, j, 1) for b in dst], block_dim, [0]
+        )
 
     # device path saves -> CPU path loads
     keys2 = [os.urandom(32) for _ in ids]
@@ -77,8 +87,13 @@ def test_device_path_and_cpu_path_share_blocks_both_ways(make_pool, layout, stag
     assert h.result() == 3 and h.done()
     back = kv(shape, poison=True)
     assert ns.load(keys2, back, ids, block_dim=block_dim) == 3
-    for i, j in zip(ids, load_ids):
-        assert blocks_equal([a.narrow(block_dim, j, 1) for a in dst], [b.narrow(block_dim, i, 1) for b in back], block_dim, [0])
+    for i, j in zip(ids, load_ids, strict=False):
+        assert blocks_equal(
+            [a.narrow(block_dim, j, 1) for a in dst],
+            [b.narrow(block_dim, i, 1) for b in back],
+            block_dim,
+            [0],
+        )
     assert t.submit_save(BlockOp("r2", keys2, load_ids)).result() == 3  # present: nothing rewritten
     t.close()
     assert pool.check()["ok"]
@@ -180,4 +195,10 @@ def test_the_gpu_bench_logic_runs_on_cpu():
     r = bench_cuda.run("cpu", blocks=3, small=True, iters=1)
     assert r["layout_matches_cpu_path"] is True
     for k in ("gpu_to_pool", "pool_to_gpu"):
-        assert {"kernel_gbps", "memcpy_gbps", "per_fragment_gbps", "kernel_vs_memcpy", "kernel_vs_per_fragment"} <= set(r[k])
+        assert {
+            "kernel_gbps",
+            "memcpy_gbps",
+            "per_fragment_gbps",
+            "kernel_vs_memcpy",
+            "kernel_vs_per_fragment",
+        } <= set(r[k])

@@ -136,7 +136,9 @@ class Registration:
                 addr = self._base + off
                 err = self._api.host_register(addr, n, HOST_REGISTER_MAPPED | HOST_REGISTER_PORTABLE)
                 if err:
-                    raise _Failed(f"cudaHostRegister of {n} bytes at pool offset {off}: {self._api.error_name(err)}")
+                    raise _Failed(
+                        f"cudaHostRegister of {n} bytes at pool offset {off}: {self._api.error_name(err)}"
+                    )
                 with self._lock:
                     self._done.append(addr)
                 err, dev = self._api.device_pointer(addr)
@@ -190,8 +192,9 @@ class _Failed(Exception):
     pass
 
 
-def register_pool(pool: Any, api: CudaApi | None = None, *, background: bool = True,
-                  max_range_bytes: int = MAX_RANGE_BYTES) -> Registration:
+def register_pool(
+    pool: Any, api: CudaApi | None = None, *, background: bool = True, max_range_bytes: int = MAX_RANGE_BYTES
+) -> Registration:
     """Registers ``pool``'s mapping (a cxlkv.Pool) with CUDA; see Registration."""
     view = pool.transfer_view()
     ranges = pool.transfer_ranges(max_range_bytes)

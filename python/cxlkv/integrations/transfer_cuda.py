@@ -52,9 +52,9 @@ class _Attached:
 
     def __init__(self, pool: Any, device: torch.device, api: Any, background: bool) -> None:
         self.pool = pool
-        self.view = pool.transfer_view()  # numpy uint8 over the pool; keeps the mapping alive
+        self.view: Any = pool.transfer_view()  # numpy uint8 over the pool; keeps the mapping alive
         self.size = int(self.view.shape[0])
-        self.cpu_bytes = torch.from_numpy(self.view)
+        self.cpu_bytes: Any = torch.from_numpy(self.view)
         self.registration = None
         if device.type == "cuda":
             from cxlkv.integrations.cuda_registration import register_pool
@@ -87,8 +87,10 @@ class _Device:
         """Orders the side stream after the compute stream's work so far; a context to launch in."""
         if not self.cuda:
             return _Null()
-        self.side.wait_stream(torch.cuda.current_stream(self.side.device))
-        return torch.cuda.stream(self.side)
+        side = self.side
+        assert side is not None
+        side.wait_stream(torch.cuda.current_stream(side.device))
+        return torch.cuda.stream(side)
 
     def record(self):
         if not self.cuda:
@@ -184,7 +186,9 @@ class CudaTransfer:
             else:
                 staged = self._stage_in(a, offs)
                 with self._dev.begin():
-                    paged.scatter(self._plan, staged, staged.numel() * self._plan.word_bytes, ids, self._packed(n))
+                    paged.scatter(
+                        self._plan, staged, staged.numel() * self._plan.word_bytes, ids, self._packed(n)
+                    )
             ev = self._dev.record()
             if ev is not None:
                 ev.synchronize()  # the bytes are in vLLM's blocks before the forward pass
@@ -253,7 +257,13 @@ class CudaTransfer:
         bb = self.block_bytes
         dev = torch.empty(len(ids) * bb, dtype=torch.uint8, device=self._device)
         with self._dev.begin():
-            paged.gather(self._plan, paged.pool_words(dev, self._plan.word_bytes), dev.numel(), ids, self._packed(len(ids)))
+            paged.gather(
+                self._plan,
+                paged.pool_words(dev, self._plan.word_bytes),
+                dev.numel(),
+                ids,
+                self._packed(len(ids)),
+            )
             if not self._dev.cuda:
                 return dev
             host = torch.empty(dev.numel(), dtype=torch.uint8, pin_memory=True)

@@ -19,11 +19,12 @@ registered pool mapping (a UVA pointer, see integrations/cuda_registration.py), 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
-import triton
-import triton.language as tl
+import triton  # type: ignore[import-untyped]
+import triton.language as tl  # type: ignore[import-untyped]
 
 CHUNK = 1024  # words per program: 8 KiB with 8-byte words
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -103,9 +104,11 @@ def plan_fragments(arrays: Sequence[torch.Tensor], block_dim: int, block_bytes: 
     for f in frags:
         pool_deltas.append(acc)
         acc += f[2]
-    w = _word_bytes([f[0] - base_addr for f in frags] + [f[1] for f in frags] + [f[2] for f in frags] + [block_bytes])
+    w = _word_bytes(
+        [f[0] - base_addr for f in frags] + [f[1] for f in frags] + [f[2] for f in frags] + [block_bytes]
+    )
     dt = _WORD_DTYPES[w]
-    kv_base = torch.empty(0, dtype=dt, device=device).set_(storage, 0, (storage.nbytes() // w,))
+    kv_base = torch.empty(0, dtype=dt, device=device).set_(storage, 0, (storage.nbytes() // w,), (1,))
     as_i64 = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
     return FragmentPlan(
         device=device,
@@ -163,7 +166,9 @@ def _copy_blocks(
             tl.store(kv_base + kv + o, tl.load(pool_base + pool + o, mask=m), mask=m)
 
 
-def _check(plan: FragmentPlan, pool_words: Any, pool_bytes: int, block_ids: Sequence[int], offsets: Sequence[int]):
+def _check(
+    plan: FragmentPlan, pool_words: Any, pool_bytes: int, block_ids: Sequence[int], offsets: Sequence[int]
+):
     if len(block_ids) != len(offsets):
         raise ValueError(f"{len(block_ids)} block ids for {len(offsets)} pool blocks")
     for b in block_ids:
@@ -203,12 +208,16 @@ def _launch(plan, pool_words, pool_bytes, block_ids, offsets, to_pool: bool, str
     )
 
 
-def gather(plan: FragmentPlan, pool_words: Any, pool_bytes: int, block_ids: Sequence[int], offsets: Sequence[int]) -> None:
+def gather(
+    plan: FragmentPlan, pool_words: Any, pool_bytes: int, block_ids: Sequence[int], offsets: Sequence[int]
+) -> None:
     """KV blocks ``block_ids`` -> pool blocks at byte ``offsets`` (one launch, all layers)."""
     _launch(plan, pool_words, pool_bytes, block_ids, offsets, to_pool=True)
 
 
-def scatter(plan: FragmentPlan, pool_words: Any, pool_bytes: int, block_ids: Sequence[int], offsets: Sequence[int]) -> None:
+def scatter(
+    plan: FragmentPlan, pool_words: Any, pool_bytes: int, block_ids: Sequence[int], offsets: Sequence[int]
+) -> None:
     """Pool blocks at byte ``offsets`` -> KV blocks ``block_ids`` (one launch, all layers)."""
     _launch(plan, pool_words, pool_bytes, block_ids, offsets, to_pool=False)
 
@@ -224,6 +233,6 @@ def reference_pack(arrays: Sequence[torch.Tensor], block_dim: int, block_id: int
     for a in arrays:
         bd = block_dim + a.dim() if block_dim < 0 else block_dim
         for idx in _c_order(a.shape[:bd]):
-            frag = a[(*idx, block_id)].contiguous().cpu()
+            frag = a[tuple(idx) + (block_id,)].contiguous().cpu()
             out.append(frag.view(torch.uint8).reshape(-1).numpy().tobytes())
     return b"".join(out)
