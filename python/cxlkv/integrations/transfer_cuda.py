@@ -184,8 +184,8 @@ class CudaTransfer:
                 with self._dev.begin():
                     paged.scatter(self._plan, a.words(self._plan.word_bytes, self._device), a.size, ids, offs)
             else:
-                staged = self._stage_in(a, offs)
-                with self._dev.begin():
+                with self._dev.begin():  # staged buffers are allocated on the side stream
+                    staged = self._stage_in(a, offs)
                     paged.scatter(
                         self._plan, staged, staged.numel() * self._plan.word_bytes, ids, self._packed(n)
                     )
@@ -255,8 +255,8 @@ class CudaTransfer:
 
     def _stage_out(self, ids: list) -> torch.Tensor:
         bb = self.block_bytes
-        dev = torch.empty(len(ids) * bb, dtype=torch.uint8, device=self._device)
-        with self._dev.begin():
+        with self._dev.begin():  # allocated on the side stream, which uses it
+            dev = torch.empty(len(ids) * bb, dtype=torch.uint8, device=self._device)
             paged.gather(
                 self._plan,
                 paged.pool_words(dev, self._plan.word_bytes),
