@@ -128,3 +128,41 @@ def test_the_view_outlives_close_and_ranges_keep_blocks_whole(make_pool):
     pool.close()
     view[offs[0]] = 1  # still mapped: the view owns the mapping now
     assert view[offs[0]] == 1
+
+
+_DIE_MID_SAVE = r"""
+import os, signal, sys
+import cxlkv
+sys.path.insert(0, {tests!r})
+from conftest import small_layout
+pool = cxlkv.Pool.open({path!r})
+ns = pool.namespace(small_layout(block_bytes={bb}))
+r = ns.reserve([bytes.fromhex(k) for k in {keys!r}])
+assert r.states == ["reserved"] * len({keys!r}), r.states
+print("reserved", flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # the device copy never completes, nothing commits
+"""
+
+
+def test_a_writer_killed_mid_save_leaves_nothing_published_and_nothing_lost(small_ns):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pool, ns = small_ns
+    ks = keys(3)
+    code = _DIE_MID_SAVE.format(
+        tests=str(Path(__file__).parent), path=pool.path, bb=BB, keys=[k.hex() for k in ks]
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "reserved" in p.stdout and p.returncode == -9, p.stderr
+    assert not any(ns.contains(k) for k in ks)
+    r = ns.reserve(ks)  # the dead writer's entries do not block the keys
+    assert r.states == ["reserved"] * 3
+    view = pool.transfer_view()
+    data = [os.urandom(BB) for _ in ks]
+    for o, d in zip(r.offsets, data, strict=True):
+        write(view, o, d)
+    assert r.commit() == 3 and [ns.get_bytes(k) for k in ks] == data
+    rep = pool.check(repair=True)
+    assert rep["ok"], rep
