@@ -9,11 +9,19 @@ import random
 
 import pytest
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: CPU tensors
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
+# triton.jit reads TRITON_INTERPRET when kernels/paged.py is imported: interpreted kernels run on
+# CPU tensors. Set for that import only, so that processes later tests start do not inherit it.
+_before = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"
 from cxlkv.kernels import paged  # noqa: E402
+
+if _before is None:
+    del os.environ["TRITON_INTERPRET"]
+else:
+    os.environ["TRITON_INTERPRET"] = _before
 
 POISON = 0xA5
 

@@ -11,14 +11,20 @@ import types
 
 import pytest
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
+_before = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"  # for the import of kernels/paged.py only (test_paged_kernels)
 
 from conftest import small_layout  # noqa: E402
 from cxlkv.integrations import cuda_registration as reg  # noqa: E402
 from cxlkv.integrations.pool_session import PoolSession  # noqa: E402
 from cxlkv.integrations.transfer_cuda import CudaTransfer  # noqa: E402
+
+if _before is None:
+    del os.environ["TRITON_INTERPRET"]
+else:
+    os.environ["TRITON_INTERPRET"] = _before
 
 
 def BlockOp(req_id, keys, block_ids, start_depth=0):
