@@ -316,6 +316,17 @@ class Pool:
     def uuid(self) -> str:
         return self._core.info()["uuid"]
 
+    def transfer_view(self):
+        """The pool bytes as one writable numpy uint8 array, for a device data path (the CUDA
+        transfer registers it with cudaHostRegister; docs/API.md "Device transfers"). Index it only
+        at offsets of Namespace.reserve / pin_verified. It keeps the mapping alive after close()."""
+        return self._core.transfer_view()
+
+    def transfer_ranges(self, max_bytes: int, page: int = 4096) -> list:
+        """(offset, length) ranges covering the pool, each <= max_bytes, cut on a page between two
+        chunks (never inside a block): how a device registers the mapping in pieces."""
+        return self._core.transfer_ranges(max_bytes, page)
+
     def info(self) -> dict:
         """Header fields, plus file_dev/file_ino: the identity of the mapped file, and
         ``stripe_bytes`` (0: not striped) and ``devices`` (index, path, pool_bytes, device_bytes,

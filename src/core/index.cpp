@@ -256,6 +256,21 @@ PutResult Pool::put_ex(const NsHandle& ns, const Key& key, const Piece* src, siz
   if (total > ns.block_bytes)
     throw ArgumentError("payload of " + std::to_string(total) + " bytes exceeds the namespace block size " +
                         std::to_string(ns.block_bytes));
+  Claimed c;
+  PutResult r = claim_entry(ns, key, depth, &c);
+  if (r != PutResult::stored) return r;
+  try {
+    return fill_claimed(ns, key, src, n, depth, total, c.slot, c.gen, c.tag) ? PutResult::stored
+                                                                             : PutResult::failed;
+  } catch (...) {
+    finish_evict(c.slot, make_entry_word(kWriting, uint8_t(node_id_), c.gen, c.tag));  // never leave a
+    throw;                                                                             // WRITING entry behind
+  }
+}
+
+// First half of put() (and of reserve(), transfer.cpp): an entry for `key` in WRITING, owned by
+// this node and naming the key, or why not (present, in flight elsewhere, no slot).
+PutResult Pool::claim_entry(const NsHandle& ns, const Key& key, uint16_t depth, Claimed* out) {
   KeyHash kh = key_hash(key.data(), ns.id, slot_mask_);
   for (int attempt = 0; attempt < 16; ++attempt) {
     uint64_t reuse = ~0ull, reuse_word = 0;
@@ -324,16 +339,35 @@ PutResult Pool::put_ex(const NsHandle& ns, const Key& key, const Piece* src, siz
       count(lost == PutResult::present ? kPutsPresent : kPutsInFlight);
       return lost;
     }
-    try {
-      return fill_claimed(ns, key, src, n, depth, total, reuse, gen, kh.tag) ? PutResult::stored
-                                                                             : PutResult::failed;
-    } catch (...) {
-      finish_evict(reuse, writing);  // never leave a WRITING entry or its block behind
-      throw;
-    }
+    *out = Claimed{reuse, gen, kh.tag};
+    return PutResult::stored;
   }
   count(kPutsFailed);
   return PutResult::failed;
+}
+
+// A block for the WRITING entry `slot` (allocated, else evicted, else after reaping the dead),
+// recorded in the entry at once so that a reclaimer finds it. None: the entry is tombstoned.
+bool Pool::claim_block(const NsHandle& ns, uint64_t slot, uint32_t gen, uint32_t tag, uint64_t* chunk,
+                       uint32_t* block) {
+  IndexEntry* e = entry(slot);
+  bool got = alloc_block(ns, slot, chunk, block);
+  if (!got) got = evict_from_queue(ns, chunk, block, slot);
+  if (!got && now_unix_ns() - last_reap_ns_.load(std::memory_order_relaxed) > 100'000'000) {
+    // Dead nodes may hold pins or blocks: reclaim them, then try both paths again.
+    if (reap_dead_nodes() > 0)
+      got = alloc_block(ns, slot, chunk, block) || evict_from_queue(ns, chunk, block, slot);
+  }
+  if (!got) {
+    coh_.publish(&e->state, make_entry_word(kTombstone, 0, gen, tag));
+    count(kPutsFailed);
+    return false;
+  }
+  coh_.check_fence();
+  e->chunk = uint32_t(*chunk);  // written early so a reclaimer can find the block
+  e->block = uint16_t(*block);
+  coh_.flush(e, sizeof *e);
+  return true;
 }
 
 // Second half of put(): this node owns `slot` in WRITING. Allocates a block (evicting if
@@ -345,22 +379,7 @@ bool Pool::fill_claimed(const NsHandle& ns, const Key& key, const Piece* src, si
   {  // (scope kept flat for readability of the publication order below)
     uint64_t chunk = 0;
     uint32_t block = 0;
-    bool got = alloc_block(ns, reuse, &chunk, &block);
-    if (!got) got = evict_from_queue(ns, &chunk, &block, reuse);
-    if (!got && now_unix_ns() - last_reap_ns_.load(std::memory_order_relaxed) > 100'000'000) {
-      // Dead nodes may hold pins or blocks: reclaim them, then try both paths again.
-      if (reap_dead_nodes() > 0)
-        got = alloc_block(ns, reuse, &chunk, &block) || evict_from_queue(ns, &chunk, &block, reuse);
-    }
-    if (!got) {
-      coh_.publish(&e->state, make_entry_word(kTombstone, 0, gen, tag));
-      count(kPutsFailed);
-      return false;
-    }
-    coh_.check_fence();
-    e->chunk = uint32_t(chunk);  // written early so a reclaimer can find the block
-    e->block = uint16_t(block);
-    coh_.flush(e, sizeof *e);
+    if (!claim_block(ns, slot, gen, tag, &chunk, &block)) return false;
     char* dst = block_payload(ns, chunk, block);
     Checksum hs;  // over the bytes written to the pool, not a second read of the caller's buffer
     for (size_t i = 0; i < n; ++i) {

@@ -384,8 +384,10 @@ bool Pool::mapping_intact() const {
   return ::fstat(lock_.fd, &st) != 0 || uint64_t(st.st_size) >= map_.size();
 }
 
-void Pool::close() {
-  if (!region_.base()) return;
+void Pool::close() { Mapping unmapped_here = take_mapping_on_close(); }
+
+Mapping Pool::take_mapping_on_close() {
+  if (!region_.base()) return Mapping();
   // A forked child unmaps only: the node slot and its lock belong to the parent (the child's
   // copy of the lock descriptor was closed at fork; the number may name another file now).
   if (fork_generation_ == fork_generation()) {
@@ -396,7 +398,7 @@ void Pool::close() {
   heartbeat_ = 0;
   responder_.reset();  // a forked child's copy: its thread is not in this process (never joined)
   region_.reset();
-  map_ = Mapping();
+  return std::move(map_);
 }
 
 void Pool::count(Counter c, uint64_t v) {

@@ -28,6 +28,7 @@
 #include "pin_slots.h"
 #include "region.h"
 #include "rpc.h"
+#include "transfer.h"
 
 namespace cxlkv {
 
@@ -294,6 +295,35 @@ class Pool {
               const int64_t* block_ids);
   static void set_copy_threads(unsigned n);
 
+  // --- device transfers (transfer.cpp, transfer.h) ------------------------------------------
+  // reserve: an entry in WRITING and a block of ns.block_bytes for the key, at r->offset in the
+  // pool (r->state reserved), or why not (present, in_flight, failed: nothing held).
+  void reserve(const NsHandle& ns, const Key& key, uint16_t depth, Reservation* r);
+  // commit: the device's copy into a reserved block is complete. Checks that the entry and the
+  // block are still this reservation's, checksums the pool bytes and publishes READY. False: not
+  // published (the reservation was lost or its entry corrupted), and released.
+  bool commit(const NsHandle& ns, Reservation* r);
+  void abort(const NsHandle& ns, Reservation* r);  // releases a reserved block: nothing published
+  // pin_verified: pins the leading present keys (as lease pins) whose block holds exactly
+  // ns.block_bytes and whose pool bytes match their checksum; the first mismatch is condemned (a
+  // miss, here and everywhere) and ends the count. Appends to *out; returns the count.
+  size_t pin_verified(const NsHandle& ns, const Key* keys, size_t n, std::vector<VerifiedBlock>* out);
+  // recheck: after the device read them, the leading count of `blocks` still READY under the word
+  // they were pinned with and matching their checksum; the first mismatch is condemned.
+  size_t recheck(const std::vector<VerifiedBlock>& blocks);
+  void unpin_verified(std::vector<VerifiedBlock>* blocks);
+  // The mapped pool bytes [base, base + size()), for a device to map (cudaHostRegister): offsets
+  // handed out above are relative to it. Null when closed.
+  char* mapped_base() const { return region_.base(); }
+  // The mapping, taken out of a closed pool by a caller that lets devices read it (bindings:
+  // views of the pool bytes outlive close(); their owner unmaps it when the last one goes).
+  Mapping take_mapping_on_close();
+  // [offset, length) ranges covering the pool, each at most max_bytes, cut on pages between two
+  // chunks' payloads (no block is split): a device registers the mapping one range at a time
+  // (cudaHostRegister of >= 512 GiB at once fails on recent drivers). Throws ArgumentError when
+  // max_bytes is smaller than a chunk.
+  std::vector<std::pair<uint64_t, uint64_t>> transfer_ranges(uint64_t max_bytes, uint64_t page) const;
+
   // --- maintenance (nodes.cpp, check.cpp) ----------------------------------------------------
   uint64_t reap_dead_nodes();  // returns nodes reclaimed
   // Reclaims node `id` if it is judged dead (waiting up to one lease to judge a node of another
@@ -407,6 +437,15 @@ class Pool {
   void finish_evict(uint64_t slot, uint64_t evicting_word);
   bool fill_claimed(const NsHandle& ns, const Key& key, const Piece* src, size_t n, uint16_t depth,
                     uint64_t total, uint64_t slot, uint32_t gen, uint32_t tag);
+  struct Claimed {
+    uint64_t slot;
+    uint32_t gen;
+    uint32_t tag;
+  };
+  PutResult claim_entry(const NsHandle& ns, const Key& key, uint16_t depth, Claimed* out);
+  bool claim_block(const NsHandle& ns, uint64_t slot, uint32_t gen, uint32_t tag, uint64_t* chunk,
+                   uint32_t* block);
+  bool verify_block(const VerifiedBlock& b);
   bool copy_out(const NsHandle& ns, const Found& f, const Piece* dst, size_t n);
   bool validate_ref(const NsHandle& ns, const format::IndexEntry& e) const;
   // allocator.cpp

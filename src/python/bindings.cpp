@@ -14,6 +14,7 @@
 
 #include "bench.h"
 #include "bindings_tokens.h"
+#include "bindings_types.h"
 #include "checksum.h"
 #include "cpu_features.h"
 #include "dtype.h"
@@ -24,28 +25,12 @@
 namespace nb = nanobind;
 using namespace nb::literals;
 using namespace cxlkv;
+using namespace cxlkv::bindings;
 
 namespace {
 
 // Pool creation's defaults: the core's CreateOptions, the one place they are written.
 const CreateOptions kCreateDefaults{};
-
-// Keeps a Pool alive and serializes close() against operations running without the GIL.
-struct PyPool {
-  std::unique_ptr<Pool> pool;
-  std::shared_mutex mu;
-  Pool& get() {
-    if (!pool) throw Error("pool is closed");
-    pool->ensure_usable();
-    return *pool;
-  }
-};
-
-struct OpGuard {
-  std::shared_lock<std::shared_mutex> lock;
-  Pool* p;
-  explicit OpGuard(PyPool& pp) : lock(pp.mu), p(&pp.get()) {}
-};
 
 // A node id from Python: any int. One that does not even fit the core's type is out of the
 // pool's range like any other (ValueError naming the range), not an overflow TypeError.
@@ -58,12 +43,6 @@ uint32_t node_arg(const nb::int_& node, const Pool& p) {
                         std::to_string(p.header().max_nodes));
   return uint32_t(v);
 }
-
-struct PyNamespace {
-  PyPool* owner;
-  NsHandle h;
-  Layout layout;
-};
 
 struct PyLease {
   PyPool* owner;
@@ -88,38 +67,6 @@ struct PyLease {
     }
   }
 };
-
-// A contiguous Python buffer (bytes, bytearray, memoryview, numpy array...).
-struct Buffer {
-  Py_buffer view{};
-  bool held = false;
-  Buffer(nb::handle obj, bool writable) {
-    int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
-    if (PyObject_GetBuffer(obj.ptr(), &view, flags) != 0) throw nb::python_error();
-    held = true;
-  }
-  ~Buffer() {
-    if (held) PyBuffer_Release(&view);
-  }
-  char* data() const { return static_cast<char*>(view.buf); }
-  uint64_t size() const { return uint64_t(view.len); }
-};
-
-Key to_key(nb::handle obj) {
-  Buffer b(obj, false);
-  if (b.size() != 32)
-    throw ArgumentError("keys must be exactly 32 bytes (vLLM block hashes are 32-byte digests), got " +
-                        std::to_string(b.size()));
-  Key k;
-  std::memcpy(k.data(), b.data(), 32);
-  return k;
-}
-
-std::vector<Key> to_keys(nb::handle seq) {
-  std::vector<Key> out;
-  for (nb::handle h : seq) out.push_back(to_key(h));
-  return out;
-}
 
 std::string py_type_name(nb::handle h) { return nb::str(nb::type_name(h.type())).c_str(); }
 
@@ -456,6 +403,7 @@ NsAccess token_ns_access(nb::handle o) {
   return NsAccess{std::move(g.lock), g.p, n.h};
 }
 nb::tuple scan_index_py(Pool& pool, uint64_t first, uint64_t count);  // bindings_events.cpp
+void bind_transfer(nb::module_& m);                                   // bindings_transfer.cpp
 
 NB_MODULE(_core, m) {
   m.doc() = "cxlkv core: a KV-cache block store in a shared-memory (CXL) pool";
@@ -603,7 +551,7 @@ NB_MODULE(_core, m) {
            [](PyPool& pp) {
              nb::gil_scoped_release nogil;
              std::unique_lock<std::shared_mutex> g(pp.mu);
-             if (pp.pool) pp.pool->close();
+             pp.close_pool();
            })
       .def_prop_ro("closed", [](PyPool& pp) { return !pp.pool || pp.pool->closed(); })
       .def_prop_ro("path", [](PyPool& pp) { return pp.get().path(); })
@@ -960,6 +908,7 @@ NB_MODULE(_core, m) {
   bind_rpc(m);
   bind_platform(m);
   bind_tokens(m, token_ns_access);
+  bind_transfer(m);
   m.def("layout_kinds", [] { return names_of(layout_kind_names()); });
   m.def(
       "layout_fields",

@@ -31,7 +31,7 @@ PKG = "cxlkv"
 MAY_IMPORT: dict[str, set[str]] = {
     "api": {"api"},
     "testing": {"api"},
-    "kernels": {"kernels"},  # Triton kernels: torch/triton only, imported lazily
+    "kernels": {"api", "kernels"},  # Triton kernels of the device data paths
     "integrations": {"api", "integrations", "kernels"},
     "tools": {"api", "tools", "testing", "integrations", "kernels"},  # a benchmark measures an integration
     "cli": {"api", "tools", "cli"},
@@ -39,7 +39,7 @@ MAY_IMPORT: dict[str, set[str]] = {
 }
 SUBPACKAGE_LAYERS = {"tools", "cli", "integrations", "testing", "kernels"}
 # Modules that need a third-party package beyond the core dependencies to import at all.
-OPTIONAL_DEPS = {"vllm", "aiohttp", "torch", "sglang"}
+OPTIONAL_DEPS = {"vllm", "aiohttp", "torch", "triton", "sglang"}
 
 
 def module_files() -> dict[str, Path]:

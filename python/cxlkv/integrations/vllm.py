@@ -794,6 +794,14 @@ class CxlKVConnector(KVConnectorBase_V1):
                 f"{self._ns_name!r} expects {self._block_bytes}"
             )
         self._kv_arrays = [a.detach() for a in arrays]
+        # KV on a GPU: the CUDA data path (transfer_cuda.py: one fused Triton kernel per batch,
+        # through the pool mapping registered with CUDA, else staged); on the CPU the core's copy
+        # engine (ns.store / ns.load) as before.
+        self._transfer = None
+        if first.is_cuda:
+            from cxlkv.integrations.transfer_cuda import CudaTransfer
+
+            self._transfer = CudaTransfer(self._session, self._kv_arrays, self._block_dim, self._block_bytes)
         logger.info(
             "cxlkv: %d KV layers registered, %s, block_dim=%d",
             len(arrays),

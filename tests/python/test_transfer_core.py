@@ -1,0 +1,168 @@
+"""The core's device-transfer protocol (src/core/transfer.cpp): a save in two phases (reserve ->
+bytes written at the block's pool offset -> commit checksums the pool bytes and publishes; abort
+or dropping the reservation publishes nothing) and a verified load (pin_verified / recheck):
+corruption anywhere is a miss, never wrong bytes."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from conftest import small_layout
+
+BB = 4096
+
+
+def keys(n):
+    return [os.urandom(32) for _ in range(n)]
+
+
+def write(view, offset, data):
+    view[offset : offset + len(data)] = np.frombuffer(data, np.uint8)
+
+
+def test_commit_publishes_only_after_the_checksum(small_ns):
+    pool, ns = small_ns
+    ks = keys(3)
+    r = ns.reserve(ks, start_depth=5)
+    assert r.states == ["reserved"] * 3 and len(set(r.offsets)) == 3
+    view = pool.transfer_view()
+    data = [os.urandom(BB) for _ in ks]
+    for o, d in zip(r.offsets, data, strict=False):
+        write(view, o, d)
+    assert not any(ns.contains(k) for k in ks)  # written, not published
+    assert ns.get_bytes(ks[0]) is None
+    assert ns.reserve(ks[:1]).states == ["in_flight"]  # another writer sees it in flight
+    assert r.commit() == 3
+    assert [ns.get_bytes(k) for k in ks] == data
+    assert ns.reserve(ks).states == ["present"] * 3
+    with ns.pin_verified(ks) as lease:
+        assert len(lease) == 3 and lease.offsets == r.offsets and lease.recheck() == 3
+    assert pool.check()["ok"]
+
+
+def test_abort_and_a_dropped_reservation_leave_nothing(small_ns):
+    pool, ns = small_ns
+    used = pool.stats()["blocks"]["used"] if "blocks" in pool.stats() else None
+    ks = keys(4)
+    r = ns.reserve(ks)
+    r.abort()
+    assert r.states == ["aborted"] * 4 and r.commit() == 0
+    assert not any(ns.contains(k) for k in ks)
+    r2 = ns.reserve(ks)
+    assert r2.states == ["reserved"] * 4
+    del r2  # never committed: aborted when it goes
+    assert ns.reserve(ks).states == ["reserved"] * 4  # (and aborted again at once)
+    rep = pool.check()
+    assert rep["ok"], rep
+    if used is not None:
+        assert pool.stats()["blocks"]["used"] == used
+
+
+def test_a_corrupted_reservation_is_not_published(small_ns):
+    pool, ns = small_ns
+    ks = keys(2)
+    r = ns.reserve(ks)
+    view = pool.transfer_view()
+    for o in r.offsets:
+        write(view, o, os.urandom(BB))
+    # A stray write into the reserved entry (it names the key from the reserve on): the commit
+    # reads the entry back and refuses to publish what is no longer its own.
+    at = bytes(view).find(ks[1])
+    assert at > 0
+    view[at] ^= 0xFF
+    assert r.commit() == 1
+    assert r.states == ["committed", "aborted"]
+    assert ns.contains(ks[0]) and not ns.contains(ks[1])
+
+
+def test_a_corrupted_published_block_is_a_miss(small_ns):
+    pool, ns = small_ns
+    ks = keys(3)
+    r = ns.reserve(ks)
+    view = pool.transfer_view()
+    for o in r.offsets:
+        write(view, o, os.urandom(BB))
+    assert r.commit() == 3
+    view[r.offsets[1] + 100] ^= 0x01  # a bit flips in the pool
+    with ns.pin_verified(ks) as lease:
+        assert len(lease) == 1  # the leading intact block only
+    assert ns.get_bytes(ks[1]) is None and not ns.contains(ks[1])  # condemned: a miss everywhere
+
+
+def test_recheck_catches_a_change_while_the_device_reads(small_ns):
+    pool, ns = small_ns
+    ks = keys(3)
+    r = ns.reserve(ks)
+    view = pool.transfer_view()
+    for o in r.offsets:
+        write(view, o, os.urandom(BB))
+    r.commit()
+    lease = ns.pin_verified(ks)
+    assert len(lease) == 3
+    view[lease.offsets[2] + 7] ^= 0x80  # after the verify, before the recheck
+    assert lease.recheck() == 2
+    lease.release()
+    assert ns.get_bytes(ks[2]) is None
+    assert ns.get_bytes(ks[0]) is not None
+
+
+def test_the_view_outlives_close_and_ranges_keep_blocks_whole(make_pool):
+    pool = make_pool(size=64 << 20, chunk_size=1 << 20)
+    ns = pool.namespace(small_layout(block_bytes=BB))
+    r = ns.reserve(keys(200))
+    offs = [o for o in r.offsets if o >= 0]
+    assert len(offs) == 200
+    most = (pool.info()["arena_off"] + (3 << 20)) // 4096 * 4096  # the metadata, then 3 chunks
+    ranges = pool.transfer_ranges(most)
+    assert len(ranges) > 3 and ranges[0][0] == 0 and sum(n for _, n in ranges) == pool.size
+    assert all(n <= most and o % 4096 == 0 for o, n in ranges)
+    cuts = [o for o, _ in ranges[1:]]
+    assert not any(o < c < o + BB for o in offs for c in cuts)
+    with pytest.raises(ValueError, match="chunk boundary"):
+        pool.transfer_ranges(64 << 10)
+    view = pool.transfer_view()
+    r.abort()
+    pool.close()
+    view[offs[0]] = 1  # still mapped: the view owns the mapping now
+    assert view[offs[0]] == 1
+
+
+_DIE_MID_SAVE = r"""
+import os, signal, sys
+import cxlkv
+sys.path.insert(0, {tests!r})
+from conftest import small_layout
+pool = cxlkv.Pool.open({path!r})
+ns = pool.namespace(small_layout(block_bytes={bb}))
+r = ns.reserve([bytes.fromhex(k) for k in {keys!r}])
+assert r.states == ["reserved"] * len({keys!r}), r.states
+print("reserved", flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # the device copy never completes, nothing commits
+"""
+
+
+def test_a_writer_killed_mid_save_leaves_nothing_published_and_nothing_lost(small_ns):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pool, ns = small_ns
+    ks = keys(3)
+    code = _DIE_MID_SAVE.format(
+        tests=str(Path(__file__).parent), path=pool.path, bb=BB, keys=[k.hex() for k in ks]
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "reserved" in p.stdout and p.returncode == -9, p.stderr
+    assert not any(ns.contains(k) for k in ks)
+    r = ns.reserve(ks)  # the dead writer's entries do not block the keys
+    assert r.states == ["reserved"] * 3
+    view = pool.transfer_view()
+    data = [os.urandom(BB) for _ in ks]
+    for o, d in zip(r.offsets, data, strict=True):
+        write(view, o, d)
+    assert r.commit() == 3 and [ns.get_bytes(k) for k in ks] == data
+    rep = pool.check(repair=True)
+    assert rep["ok"], rep

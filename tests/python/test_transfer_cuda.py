@@ -1,0 +1,210 @@
+"""CudaTransfer (integrations/transfer_cuda.py) on CPU tensors under Triton's interpreter: the
+connector's device path against the core's CPU path on the same blocks, both ways, direct and
+staged; and the CUDA registration's failure handling with a fake of the CUDA runtime calls."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import types
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+_before = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"  # for the import of kernels/paged.py only (test_paged_kernels)
+
+from conftest import small_layout  # noqa: E402
+from cxlkv.integrations import cuda_registration as reg  # noqa: E402
+from cxlkv.integrations.pool_session import PoolSession  # noqa: E402
+from cxlkv.integrations.transfer_cuda import CudaTransfer  # noqa: E402
+
+if _before is None:
+    del os.environ["TRITON_INTERPRET"]
+else:
+    os.environ["TRITON_INTERPRET"] = _before
+
+
+def BlockOp(req_id, keys, block_ids, start_depth=0):
+    # (importing vllm for its dataclass costs seconds of CI)
+    return types.SimpleNamespace(req_id=req_id, keys=keys, block_ids=block_ids, start_depth=start_depth)
+
+
+LAYERS, NB, BS, H, D = 2, 9, 4, 2, 8
+SHAPES = {"cuda": ((2, NB, BS, H, D), 1), "cpu": ((NB, 2, H, BS, D), 0)}
+BB = LAYERS * 2 * BS * H * D * 2  # bf16
+
+
+def kv(shape, seed=None, poison=False):
+    g = torch.Generator().manual_seed(seed or 0)
+    n = torch.Size(shape).numel() * 2
+    out = []
+    for _ in range(LAYERS):
+        raw = (
+            torch.full((n,), 0xA5, dtype=torch.uint8)
+            if poison
+            else torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+        )
+        out.append(raw.view(torch.bfloat16).reshape(shape))
+    return out
+
+
+def session_on(pool, ns):
+    return PoolSession(pool.path, logging.getLogger("test"), lambda create: pool, lambda p: ns)
+
+
+def blocks_equal(a, b, block_dim, ids):
+    idx = lambda i: (slice(None),) * block_dim + (i,)  # noqa: E731
+    return all(
+        torch.equal(x[idx(i)].view(torch.uint8), y[idx(i)].view(torch.uint8))
+        for x, y in zip(a, b, strict=False)
+        for i in ids
+    )
+
+
+@pytest.mark.parametrize("layout", sorted(SHAPES))
+@pytest.mark.parametrize("staging", [False, True], ids=["direct", "staged"])
+def test_device_path_and_cpu_path_share_blocks_both_ways(make_pool, layout, staging):
+    seed = random.SystemRandom().randrange(2**31)
+    print(f"seed={seed}")
+    shape, block_dim = SHAPES[layout]
+    pool = make_pool()
+    ns = pool.namespace(small_layout(block_bytes=BB))
+    src = kv(shape, seed)
+    ids = [0, 4, NB - 1]
+    keys = [os.urandom(32) for _ in ids]
+
+    # CPU path stores -> device path loads into poisoned blocks
+    assert ns.store(keys, src, ids, block_dim=block_dim) == 3
+    dst = kv(shape, poison=True)
+    t = CudaTransfer(session_on(pool, ns), dst, block_dim, BB, staging=staging)
+    load_ids = [2, 8, 5]
+    assert t.load(BlockOp("r1", keys, load_ids)) == 3
+    for i, j in zip(ids, load_ids, strict=False):
+        assert blocks_equal(
+            [a.narrow(block_dim, i, 1) for a in src], [b.narrow(block_dim, j, 1) for b in dst], block_dim, [0]
+        )
+
+    # device path saves -> CPU path loads
+    keys2 = [os.urandom(32) for _ in ids]
+    h = t.submit_save(BlockOp("r2", keys2, load_ids, start_depth=3))
+    assert h.result() == 3 and h.done()
+    back = kv(shape, poison=True)
+    assert ns.load(keys2, back, ids, block_dim=block_dim) == 3
+    for i, j in zip(ids, load_ids, strict=False):
+        assert blocks_equal(
+            [a.narrow(block_dim, j, 1) for a in dst],
+            [b.narrow(block_dim, i, 1) for b in back],
+            block_dim,
+            [0],
+        )
+    assert t.submit_save(BlockOp("r2", keys2, load_ids)).result() == 3  # present: nothing rewritten
+    t.close()
+    assert pool.check()["ok"]
+
+
+def test_a_corrupt_block_is_a_miss_on_the_device_path(make_pool):
+    shape, block_dim = SHAPES["cuda"]
+    pool = make_pool()
+    ns = pool.namespace(small_layout(block_bytes=BB))
+    src = kv(shape, 7)
+    keys = [os.urandom(32) for _ in range(3)]
+    assert ns.store(keys, src, [0, 1, 2], block_dim=block_dim) == 3
+    view = pool.transfer_view()
+    view[ns.locate(keys[1])["offset"] + 3] ^= 0x10
+    t = CudaTransfer(session_on(pool, ns), kv(shape, poison=True), block_dim, BB)
+    assert t.load(BlockOp("r", keys, [3, 4, 5])) == 1
+    assert not ns.contains(keys[1])
+    t.close()
+
+
+class FakeCuda:
+    """The CUDA runtime calls of registration, with their return codes: fail_at names the range
+    whose cudaHostRegister fails (with cudaErrorHostMemoryAlreadyRegistered, 712), and the sticky
+    error stays set until cudaGetLastError reads it, as CUDA does."""
+
+    def __init__(self, fail_at=None, uva=True, same_pointer=True):
+        self.fail_at, self.uva, self.same_pointer = fail_at, uva, same_pointer
+        self.registered: list[int] = []
+        self.calls = 0
+        self.sticky = 0
+
+    def can_use_host_pointer(self):
+        return self.uva
+
+    def host_register(self, addr, size, flags):
+        assert flags == reg.HOST_REGISTER_MAPPED | reg.HOST_REGISTER_PORTABLE
+        assert size <= self.max_size
+        self.calls += 1
+        if self.calls == self.fail_at:
+            self.sticky = 712
+            return 712
+        self.registered.append(addr)
+        return 0
+
+    def host_unregister(self, addr):
+        self.registered.remove(addr)
+        return 0
+
+    def get_last_error(self):
+        e, self.sticky = self.sticky, 0
+        return e
+
+    def device_pointer(self, addr):
+        return 0, addr if self.same_pointer else addr + 4096
+
+    def error_name(self, code):
+        return f"cudaError{code}"
+
+
+def _max(pool):
+    return (pool.info()["arena_off"] + (3 << 20)) // 4096 * 4096
+
+
+def test_registration_in_ranges_and_its_failures(make_pool, caplog):
+    pool = make_pool()
+    most = _max(pool)
+    ok = FakeCuda()
+    ok.max_size = most
+    r = reg.register_pool(pool, ok, background=True, max_range_bytes=most)
+    assert r.wait(30) and r.registered and len(ok.registered) == ok.calls > 3
+    r.close()
+    assert ok.registered == [] and not r.registered
+
+    for fake, why in (
+        (FakeCuda(fail_at=3), "cudaError712"),
+        (FakeCuda(uva=False), "no UVA"),
+        (FakeCuda(same_pointer=False), "device pointer"),
+    ):
+        fake.max_size = most
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="vllm.cxlkv"):
+            r = reg.register_pool(pool, fake, background=False, max_range_bytes=most)
+        assert r.state == "failed" and not r.registered and why in r.reason
+        assert fake.registered == [] and fake.sticky == 0  # all undone, sticky error cleared
+        assert sum("CPU staging path" in m for m in caplog.messages) == 1
+
+
+def test_without_cuda_the_registration_fails_with_a_reason(make_pool, monkeypatch):
+    pool = make_pool()
+    monkeypatch.setattr(reg, "_find_cudart", lambda: (_ for _ in ()).throw(OSError("libcudart not found")))
+    r = reg.register_pool(pool, background=False)
+    assert r.state == "failed" and "libcudart" in r.reason
+
+
+def test_the_gpu_bench_logic_runs_on_cpu():
+    """scripts/gpu-check.sh's bandwidth bench, on CPU tensors: it runs and checks the layout."""
+    from cxlkv.tools import bench_cuda
+
+    r = bench_cuda.run("cpu", blocks=3, small=True, iters=1)
+    assert r["layout_matches_cpu_path"] is True
+    for k in ("gpu_to_pool", "pool_to_gpu"):
+        assert {
+            "kernel_gbps",
+            "memcpy_gbps",
+            "per_fragment_gbps",
+            "kernel_vs_memcpy",
+            "kernel_vs_per_fragment",
+        } <= set(r[k])
