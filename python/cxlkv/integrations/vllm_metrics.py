@@ -68,16 +68,6 @@ def load_failures(data: dict[str, Any]) -> dict[str, int]:
     return {"missing_or_corrupt": max(0, total - unavailable), "pool_unavailable": unavailable}
 
 
-def series_names() -> list[str]:
-    """Every series name this module registers, as Prometheus shows it (for docs and tests)."""
-    names = [f"vllm:{n}_total" for n in COUNTERS]
-    names += ["vllm:cxlkv_store_outcome_blocks_total", "vllm:cxlkv_load_failed_blocks_total"]
-    names += ["vllm:cxlkv_pool_events_total"]
-    for n in HISTOGRAMS:
-        names += [f"vllm:{n}_bucket", f"vllm:{n}_sum", f"vllm:{n}_count"]
-    return names
-
-
 class CxlKVPromMetrics(KVConnectorPromMetrics):
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
