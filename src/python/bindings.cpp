@@ -622,6 +622,25 @@ NB_MODULE(_core, m) {
              }
              return out;
            })
+      .def("namespace_usage",
+           [](PyPool& pp) {
+             OpGuard g(pp);
+             std::vector<NamespaceUse> use;
+             {
+               nb::gil_scoped_release nogil;
+               use = g.p->namespace_usage();
+             }
+             nb::list out;
+             for (const NamespaceUse& u : use) {
+               nb::dict d;
+               d["id"] = u.id;
+               d["chunks"] = u.chunks;
+               d["capacity_blocks"] = u.capacity_blocks;
+               d["used_blocks"] = u.used_blocks;
+               out.append(d);
+             }
+             return out;
+           })
       .def("counters",
            [](PyPool& pp) {
              OpGuard g(pp);

@@ -18,6 +18,7 @@ import cxlkv
 from cxlkv.errors import CommandError, ExitCode
 from cxlkv.paths import device_paths
 from cxlkv.sizes import format_size
+from cxlkv.tools.pool_view import with_usage
 
 from .render import (
     escape,
@@ -120,6 +121,7 @@ def cmd_pool_info(args: argparse.Namespace) -> int:
         nodes = list(pool.nodes())
         usage = list(pool.device_usage())
         stats = None if args.json else dict(pool.stats())
+        ns_usage = None if args.json else list(pool.namespace_usage())
     # Devices (one for a single-device pool): identity from the header, use from the descriptors.
     devices = [{**d, **u} for d, u in zip(info.pop("devices"), usage, strict=True)]
     if args.json:
@@ -131,7 +133,7 @@ def cmd_pool_info(args: argparse.Namespace) -> int:
         render_pool_overview(con, f"pool {args.path}", info, devices, stats)
         if args.verbose or len(devices) > 1:
             render_rows(con, "devices", [_device_row(d) for d in devices])
-        render_namespaces(con, namespaces)
+        render_namespaces(con, with_usage(namespaces, ns_usage or []))
         render_rows(con, "nodes", _node_rows(nodes))
         if args.verbose:
             render_internals(con, info)

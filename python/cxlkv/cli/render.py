@@ -178,7 +178,17 @@ def render_namespaces(console, namespaces: list[dict]) -> None:
         show_edge=False,
         collapse_padding=True,
     )
-    for c in ("id", "name", "model", "layout", "tp", "block", "blocks/chunk", "derived from"):
+    for c in (
+        "id",
+        "name",
+        "model",
+        "used / carved",
+        "layout",
+        "tp",
+        "block",
+        "blocks/chunk",
+        "derived from",
+    ):
         t.add_column(c, justify="right" if c in ("id", "block", "blocks/chunk") else "left", overflow="fold")
     for n in namespaces:
         layout = (
@@ -190,6 +200,7 @@ def render_namespaces(console, namespaces: list[dict]) -> None:
             str(n.get("id", "")),
             escape(str(n.get("name", ""))),
             escape(str(n.get("model_id", ""))),
+            _ns_use(n),
             layout,
             f"{n.get('tp_rank', 0)}/{n.get('tp_size', 1)}",
             format_size(bb) if isinstance(bb, int) else "-",
@@ -197,6 +208,12 @@ def render_namespaces(console, namespaces: list[dict]) -> None:
             escape(str(n.get("source") or "-")),
         )
     console.print(t)
+
+
+def _ns_use(n: dict) -> str:
+    if "used_bytes" not in n:
+        return "-"
+    return f"{format_size(int(n['used_bytes']))} / {format_size(int(n['capacity_bytes']))}"
 
 
 def _numeric_col(rows: list[dict], c: str) -> bool:

@@ -157,6 +157,18 @@ def _namespace_series(snap: PoolSnapshot) -> Iterator:
         ("namespace", "id", "model_id", "kind", "dtype", "tp", "source"),
     )
     block = _family("gauge", "cxlkv_namespace_block_size", "Bytes of one KV block.", ("namespace",), "bytes")
+    cap = _family(
+        "gauge",
+        "cxlkv_namespace_capacity",
+        "Bytes of the blocks carved for the namespace.",
+        ("namespace",),
+        "bytes",
+    )
+    used = _family(
+        "gauge", "cxlkv_namespace_used", "Bytes of its blocks holding data.", ("namespace",), "bytes"
+    )
+    blocks = _family("gauge", "cxlkv_namespace_used_blocks", "Its blocks holding data.", ("namespace",))
+    chunks = _family("gauge", "cxlkv_namespace_chunks", "Chunks carved for the namespace.", ("namespace",))
     tokens = _family("gauge", "cxlkv_namespace_block_tokens", "Tokens per KV block.", ("namespace",))
     for n in snap.namespaces:
         name = str(n.get("name", ""))
@@ -174,7 +186,11 @@ def _namespace_series(snap: PoolSnapshot) -> Iterator:
         )
         block.add_metric([name], float(n.get("block_bytes") or 0))
         tokens.add_metric([name], float(n.get("tokens_per_block") or 0))
-    yield from (info, block, tokens)
+        cap.add_metric([name], float(n.get("capacity_bytes", 0)))
+        used.add_metric([name], float(n.get("used_bytes", 0)))
+        blocks.add_metric([name], float(n.get("used_blocks", 0)))
+        chunks.add_metric([name], float(n.get("chunks", 0)))
+    yield from (info, block, tokens, cap, used, blocks, chunks)
 
 
 def _device_series(snap: PoolSnapshot) -> Iterator:

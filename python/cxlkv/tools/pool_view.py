@@ -38,7 +38,7 @@ def read_pool(path: str, allow_foreign_owner: bool = False) -> PoolSnapshot:
         with cxlkv.Pool.open(path, attach=False, allow_foreign_owner=allow_foreign_owner) as pool:
             snap.info = dict(pool.info())
             snap.stats = dict(pool.stats())
-            snap.namespaces = [dict(n) for n in pool.namespaces()]
+            snap.namespaces = with_usage(pool.namespaces(), pool.namespace_usage())
             snap.nodes = [dict(n) for n in pool.nodes()]
             usage = list(pool.device_usage())
     except (cxlkv.CxlkvError, OSError, ValueError) as e:
@@ -46,6 +46,28 @@ def read_pool(path: str, allow_foreign_owner: bool = False) -> PoolSnapshot:
         return snap
     snap.devices = [{**d, **u} for d, u in zip(snap.info.pop("devices", []), usage, strict=False)]
     return snap
+
+
+def with_usage(namespaces: list, usage: list) -> list[dict]:
+    """Each namespace with its share of the arena: chunks, capacity_blocks, used_blocks, and the
+    same in bytes (blocks times the namespace's block size)."""
+    by_id = {u["id"]: u for u in usage}
+    out = []
+    for n in namespaces:
+        u = by_id.get(n["id"], {})
+        block = int(n.get("block_bytes") or 0)
+        cap, used = int(u.get("capacity_blocks", 0)), int(u.get("used_blocks", 0))
+        out.append(
+            {
+                **n,
+                "chunks": int(u.get("chunks", 0)),
+                "capacity_blocks": cap,
+                "used_blocks": used,
+                "capacity_bytes": cap * block,
+                "used_bytes": used * block,
+            }
+        )
+    return out
 
 
 def lease_missed(node: dict) -> bool:

@@ -116,7 +116,7 @@ def _namespaces(cur: PoolSnapshot):
     t = Table(
         box=box.SIMPLE_HEAD, show_edge=False, title="namespaces", title_justify="left", title_style="bold"
     )
-    for c in ("id", "name", "layout", "block", "derived from"):
+    for c in ("id", "name", "used / carved", "layout", "block", "derived from"):
         t.add_column(c, overflow="fold")
     for n in cur.namespaces:
         layout = (
@@ -126,12 +126,13 @@ def _namespaces(cur: PoolSnapshot):
         t.add_row(
             str(n.get("id")),
             _esc(n.get("name", "")),
+            f"{format_size(int(n.get('used_bytes', 0)))} / {format_size(int(n.get('capacity_bytes', 0)))}",
             _esc(layout),
             format_size(int(n.get("block_bytes") or 0)),
             _esc(n.get("source") or "-"),
         )
     if not cur.namespaces:
-        t.add_row("-", "none", "", "", "")
+        t.add_row("-", "none", "", "", "", "")
     return t
 
 
