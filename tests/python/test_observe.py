@@ -396,10 +396,10 @@ def test_dashboard_names_only_exported_series(pool_path):
     labels = set(re.findall(r"[{,]([a-zA-Z_]\w*)=", text)) | {"instance", "job"}  # + Prometheus's
     functions = {"sum", "rate", "increase", "clamp_min", "histogram_quantile"}
     for expr in exprs:
-        grouped = re.findall(r"\bby \(([^)]*)\)", expr)
+        grouped = re.findall(r"\b(?:by|on|group_left) \(([^)]*)\)", expr)
         used_labels = {w.strip() for g in grouped for w in g.split(",")}
         assert used_labels <= labels, f"{expr!r} groups by labels nobody sets: {sorted(used_labels - labels)}"
-        stripped = re.sub(r"\bby \([^)]*\)|\{[^}]*\}|\[[^\]]*\]|\"[^\"]*\"", "", expr)
+        stripped = re.sub(r"\b(?:by|on|group_left) \([^)]*\)|\{[^}]*\}|\[[^\]]*\]|\"[^\"]*\"", "", expr)
         used = set(re.findall(r"(?<![\w.])[a-zA-Z_:][a-zA-Z0-9_:]*", stripped)) - functions
         assert used, expr
         assert used <= names, f"{expr!r} names series nobody exports: {sorted(used - names)}"
