@@ -137,6 +137,35 @@ def test_exporter_survives_absent_and_recreated_pool(pool_path):
         stop(ex)
 
 
+def test_exporter_use_per_namespace_and_device(pool_path):
+    """Two namespaces with known contents: each one's blocks, bytes and chunks, and the device's."""
+    from prometheus_client import generate_latest
+
+    from cxlkv.tools.exporter import make_registry
+
+    with cxlkv.Pool.create(pool_path, 32 * MiB, chunk_size=MiB) as pool:
+        a = pool.namespace(small_layout(model_id="a"))
+        b = pool.namespace(small_layout(model_id="b", block_bytes=8192))
+        for ns, n in ((a, 5), (b, 3)):
+            for i in range(n):
+                k = tu.make_key(ns.name, i)
+                assert ns.put(k, tu.key_payload(k, ns.block_bytes))
+        text = generate_latest(make_registry(pool_path)).decode()
+
+    def per_ns(series: str) -> dict[str, float]:
+        return {
+            m[0]: float(m[1]) for m in re.findall(rf'^{series}{{namespace="([^"]+)"}} (\S+)$', text, re.M)
+        }
+
+    assert per_ns("cxlkv_namespace_used_blocks") == {"a#tp0/1": 5.0, "b#tp0/1": 3.0}
+    assert per_ns("cxlkv_namespace_used_bytes") == {"a#tp0/1": 5 * 4096.0, "b#tp0/1": 3 * 8192.0}
+    assert per_ns("cxlkv_namespace_chunks") == {"a#tp0/1": 1.0, "b#tp0/1": 1.0}
+    cap = per_ns("cxlkv_namespace_capacity_bytes")
+    assert 0 < cap["a#tp0/1"] <= MiB and 0 < cap["b#tp0/1"] <= MiB
+    device_used = float(re.search(r"^cxlkv_device_used_bytes\{[^}]*\} (\S+)$", text, re.M).group(1))
+    assert device_used == 5 * 4096 + 3 * 8192  # the blocks' strides (cache-line multiples here)
+
+
 @pytest.mark.skipif(
     PROMETHEUS is None, reason="the prometheus binary is missing (Debian: apt-get install prometheus)"
 )
