@@ -338,6 +338,12 @@ class Pool:
         on it) and used_bytes (bytes of used blocks on it). Scans the block descriptors."""
         return self._core.device_usage()
 
+    def namespace_usage(self) -> list:
+        """Per namespace (by ``id``, as in :meth:`namespaces`): ``chunks`` carved for it,
+        ``capacity_blocks`` (their blocks) and ``used_blocks`` (blocks holding data). Scans the
+        block descriptors."""
+        return self._core.namespace_usage()
+
     def file_replaced(self) -> bool:
         """True when the pool's path no longer names the mapped file (deleted or replaced)."""
         return self._core.file_replaced()

@@ -86,4 +86,27 @@ std::vector<DeviceUse> Pool::device_usage() {
   return out;
 }
 
+std::vector<NamespaceUse> Pool::namespace_usage() {
+  ensure_usable();
+  // Geometry from the validated namespace list; a chunk word naming an id outside it (or out of
+  // range) counts for nobody.
+  std::vector<ChunkGeometry> geo(hdr_->max_namespaces + 1);
+  std::vector<NamespaceUse> by_id(hdr_->max_namespaces + 1);
+  for (auto& [h, l] : list_namespaces()) geo[h.id] = h.geo, by_id[h.id].id = h.id;
+  for (uint64_t c = 0; c < hdr_->chunk_count; ++c) {
+    uint64_t w = coh_.read(chunk_word(c));
+    if (chunk_state(w) != kChunkActive || chunk_ns(w) == 0 || chunk_ns(w) > hdr_->max_namespaces) continue;
+    NamespaceUse& u = by_id[chunk_ns(w)];
+    if (u.id == 0) continue;
+    const ChunkGeometry& g = geo[u.id];
+    ++u.chunks;
+    u.capacity_blocks += g.blocks;
+    for (uint32_t b = 0; b < g.blocks; ++b) u.used_blocks += coh_.read(block_desc(c, b)) != 0;
+  }
+  std::vector<NamespaceUse> out;
+  for (const NamespaceUse& u : by_id)
+    if (u.id != 0) out.push_back(u);
+  return out;
+}
+
 }  // namespace cxlkv

@@ -112,6 +112,13 @@ struct DeviceUse {
   uint64_t pool_bytes = 0, device_bytes = 0, capacity_bytes = 0, used_bytes = 0;
 };
 
+// One namespace's share of the arena (placement.cpp, `cxlkv exporter`, `pool info`): chunks
+// carved for it, their blocks, and the blocks holding data (a descriptor != 0).
+struct NamespaceUse {
+  uint32_t id = 0;
+  uint64_t chunks = 0, capacity_blocks = 0, used_blocks = 0;
+};
+
 using Key = std::array<uint8_t, 32>;
 
 // `pool ping NODE` (rpc_admin.cpp): the outcome and the responder's identity as it reported it.
@@ -263,6 +270,7 @@ class Pool {
   // (token_rows.cpp: row gathers from offsets a caller kept; the bytes are payload, unvalidated).
   const char* arena_bytes(uint64_t offset, uint64_t length) const;
   std::vector<DeviceUse> device_usage();
+  std::vector<NamespaceUse> namespace_usage();  // one entry per listed namespace, by id
   std::vector<std::pair<NsHandle, Layout>> list_namespaces();
 
   // --- block operations (index.cpp) ---------------------------------------------------------

@@ -593,6 +593,25 @@ NB_MODULE(_core, m) {
           "first"_a = 0, "count"_a = UINT64_MAX,
           "READY index entries of slots [first, first+count): (packed records, unstable slots); "
           "see bindings_events.cpp for the record layout")
+      .def("namespace_usage",
+           [](PyPool& pp) {
+             OpGuard g(pp);
+             std::vector<NamespaceUse> use;
+             {
+               nb::gil_scoped_release nogil;
+               use = g.p->namespace_usage();
+             }
+             nb::list out;
+             for (const NamespaceUse& u : use) {
+               nb::dict d;
+               d["id"] = u.id;
+               d["chunks"] = u.chunks;
+               d["capacity_blocks"] = u.capacity_blocks;
+               d["used_blocks"] = u.used_blocks;
+               out.append(d);
+             }
+             return out;
+           })
       .def("counters",
            [](PyPool& pp) {
              OpGuard g(pp);

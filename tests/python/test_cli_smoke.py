@@ -240,6 +240,7 @@ def test_every_pool_command_and_the_demo_default_to_CXLKV_POOL(pool_path):
     stats = json.loads(ok(cxlkv_cli("pool", "stats", "--json", pool_env=pool_path)).stdout)
     assert stats["free_chunks"] == info["chunk_count"], (stats, info)  # this fresh pool's chunks
     assert json_of(ok(cxlkv_cli("pool", "check", "--json", pool_env=pool_path)), CHECK_KEYS)["ok"]
+    assert pool_path in ok(cxlkv_cli("top", "--once", "--interval", "0.1", pool_env=pool_path)).stdout
     assert (
         json.loads(ok(cxlkv_cli("pool", "reap", "60", "--json", pool_env=pool_path)).stdout)["state"]
         == "free"
@@ -263,6 +264,7 @@ def test_every_pool_command_and_the_demo_default_to_CXLKV_POOL(pool_path):
         ["pool", "create", "{missing}", "--size", "1MiB", "--backend", "nonesuch"],
         ["bench", "index", "--procs", "0"],
         ["demo", "--seconds", "-1"],
+        ["exporter", "{missing}", "--port", "0"],
     ],
 )
 def test_errors_exit_2_with_one_line(argv, pool_path):

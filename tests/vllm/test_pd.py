@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -42,6 +43,32 @@ def wait_ready(url: str, procs, deadline: float) -> None:
         except Exception:  # noqa: BLE001 - not up yet
             time.sleep(1)
     raise AssertionError(f"{url} not ready in time")
+
+
+def scrape(port: int) -> dict[str, float]:
+    """An engine's /metrics: {series: value}, summed over the labels vLLM adds (model, engine);
+    labels of the connector's own (outcome, cause) are kept in the name."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for m in re.finditer(r"^([a-zA-Z_:][\w:]*)(?:\{([^}]*)\})? (\S+)$", text, re.M):
+        name, labels, value = m.groups()
+        kept = [kv for kv in (labels or "").split(",") if kv.split("=")[0] in ("outcome", "cause")]
+        key = name + ("{" + ",".join(kept) + "}" if kept else "")
+        out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def wait_metric(port: int, series: str, procs, bound_s: float = 60) -> dict[str, float]:
+    """/metrics once `series` is positive (vLLM publishes a step's stats after the response)."""
+    deadline = time.time() + bound_s
+    while True:
+        got = scrape(port)
+        if got.get(series, 0) > 0 or time.time() > deadline:
+            return got
+        if any(p.poll() is not None for p in procs):
+            raise AssertionError("a server exited early")
+        time.sleep(0.5)
 
 
 def server(model: str, port: int, role: str, pool: str, log) -> subprocess.Popen:
@@ -120,6 +147,20 @@ def test_prefill_then_decode_through_proxy(tiny_model, pool_path, tmp_path):
             {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0},
         )
         assert direct["choices"][0]["text"] == out["choices"][0]["text"]
+        # Each engine's /metrics (vLLM's own hooks: build_prom_metrics) shows the connector's
+        # series: the decode engine looked up and loaded the prompt's blocks, the prefill engine
+        # stored them; the hit is also vLLM's external prefix-cache hit.
+        decode = wait_metric(dp, "vllm:cxlkv_hit_tokens_total", procs)
+        assert decode["vllm:cxlkv_hit_tokens_total"] == cached
+        assert decode["vllm:cxlkv_lookup_tokens_total"] == cached  # every looked-up block hit
+        assert decode["vllm:external_prefix_cache_hits_total"] == cached
+        assert decode["vllm:cxlkv_load_bytes_total"] > 0 and decode["vllm:cxlkv_load_seconds_count"] >= 1
+        assert decode['vllm:cxlkv_load_failed_blocks_total{cause="missing_or_corrupt"}'] == 0
+        assert decode['vllm:cxlkv_store_outcome_blocks_total{outcome="stored"}'] == 0  # a consumer
+        prefill = wait_metric(pp, 'vllm:cxlkv_store_outcome_blocks_total{outcome="stored"}', procs)
+        assert prefill['vllm:cxlkv_store_outcome_blocks_total{outcome="stored"}'] >= cached // BLOCK
+        assert prefill["vllm:cxlkv_store_bytes_total"] > 0 and prefill["vllm:cxlkv_store_seconds_count"] >= 1
+        assert prefill['vllm:cxlkv_store_outcome_blocks_total{outcome="pool_full"}'] == 0
     finally:
         for p in procs:
             p.terminate()

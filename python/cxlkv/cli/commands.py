@@ -18,8 +18,18 @@ import cxlkv
 from cxlkv.errors import CommandError, ExitCode
 from cxlkv.paths import device_paths
 from cxlkv.sizes import format_size
+from cxlkv.tools.pool_view import with_usage
 
-from .render import escape, make_console, print_json, render_mapping, render_namespaces, render_rows
+from .render import (
+    escape,
+    make_console,
+    print_json,
+    render_internals,
+    render_mapping,
+    render_namespaces,
+    render_pool_overview,
+    render_rows,
+)
 
 # ---------------------------------------------------------------------------------------------
 # pool commands
@@ -59,12 +69,24 @@ def cmd_pool_create(args: argparse.Namespace) -> int:
         args.path, args.size, allow_foreign_owner=args.allow_foreign_owner, **kwargs
     ) as pool:
         info = dict(pool.info())
+        usage = list(pool.device_usage())
     if args.json:
         print_json(info)
     else:
         con = make_console()
         con.print(f"[green]created[/green] pool {escape(args.path)} ({format_size(args.size)})")
-        render_mapping(con, "", info)
+        devices = [{**d, **u} for d, u in zip(info["devices"], usage, strict=True)]
+        render_pool_overview(con, f"pool {args.path}", info, devices, None)
+        if args.verbose:
+            render_rows(con, "devices", [_device_row(d) for d in devices])
+            render_internals(con, {k: v for k, v in info.items() if k != "devices"})
+        config = {
+            "kv_connector": "CxlKVConnector",
+            "kv_connector_module_path": "cxlkv.integrations.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"pool_path": args.path},
+        }
+        con.print(f"vLLM: --kv-transfer-config '{escape(json.dumps(config))}'", soft_wrap=True)
     return ExitCode.OK
 
 
@@ -98,16 +120,25 @@ def cmd_pool_info(args: argparse.Namespace) -> int:
         namespaces = list(pool.namespaces())
         nodes = list(pool.nodes())
         usage = list(pool.device_usage())
+        stats = None if args.json else dict(pool.stats())
+        ns_usage = None if args.json else list(pool.namespace_usage())
     # Devices (one for a single-device pool): identity from the header, use from the descriptors.
     devices = [{**d, **u} for d, u in zip(info.pop("devices"), usage, strict=True)]
     if args.json:
         print_json({**info, "devices": devices, "namespaces": namespaces, "nodes": nodes})
     else:
+        # What an operator asks first: capacity and use, backend, namespaces and what they were
+        # derived from, nodes and their verdicts. The format's internals: --verbose (and --json).
         con = make_console()
-        render_mapping(con, f"pool {args.path}", info)
-        render_rows(con, "devices", [_device_row(d) for d in devices])
-        render_namespaces(con, namespaces)
+        render_pool_overview(con, f"pool {args.path}", info, devices, stats)
+        if args.verbose or len(devices) > 1:
+            render_rows(con, "devices", [_device_row(d) for d in devices])
+        render_namespaces(con, with_usage(namespaces, ns_usage or []))
         render_rows(con, "nodes", _node_rows(nodes))
+        if args.verbose:
+            render_internals(con, info)
+        else:
+            con.print("[dim]offsets, inode numbers, checksum position: --verbose (or --json)[/dim]")
     return ExitCode.OK
 
 
@@ -620,4 +651,31 @@ def cmd_query(args: argparse.Namespace) -> int:
             f"{r['matched_tokens']} of {r['total_tokens']} tokens ({r['matched_blocks']} blocks of "
             f"{r['block_size']}) in namespace {r['namespace']}"
         )
+    return ExitCode.OK
+
+
+# ---------------------------------------------------------------------------------------------
+# observe: exporter, top (cxlkv.tools.exporter, cxlkv.tools.top)
+
+
+def cmd_exporter(args: argparse.Namespace) -> int:
+    from cxlkv.tools import exporter
+
+    try:
+        exporter.serve(args.path, args.port, args.addr, args.allow_foreign_owner)
+    except ImportError as e:
+        raise CommandError(
+            f"exporter needs prometheus_client ({e}); install it with: pip install 'cxlkv[metrics]'"
+        ) from None
+    return ExitCode.OK
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    from cxlkv.tools import top
+
+    con = make_console()
+    if args.once:
+        snap = top.once(args.path, con, args.interval)
+        return ExitCode.OK if snap.up else ExitCode.ERROR
+    top.live(args.path, con, args.interval)
     return ExitCode.OK

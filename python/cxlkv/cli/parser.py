@@ -28,6 +28,7 @@ from .commands import (
     cmd_bench_vllm,
     cmd_demo,
     cmd_events,
+    cmd_exporter,
     cmd_pool_check,
     cmd_pool_create,
     cmd_pool_destroy,
@@ -38,6 +39,7 @@ from .commands import (
     cmd_query,
     cmd_roi,
     cmd_sim,
+    cmd_top,
 )
 
 __all__ = ["build_parser"]
@@ -266,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--allow-foreign-owner", action="store_true", help=_FOREIGN_HELP)
     c.add_argument("--json", action="store_true", help="print the new pool's info as JSON")
+    c.add_argument("--verbose", action="store_true", help="also show the format's internals (offsets, ...)")
     c.set_defaults(func=cmd_pool_create)
 
     for name, func, helptext in (
@@ -277,6 +280,12 @@ def build_parser() -> argparse.ArgumentParser:
         _pool_path_arg(s, default_pool)
         s.add_argument("--json", action="store_true", help="print one JSON object")
         s.add_argument("--allow-foreign-owner", action="store_true", help=_FOREIGN_HELP)
+        if name == "info":
+            s.add_argument(
+                "--verbose",
+                action="store_true",
+                help="also show the format's internals (offsets, inodes, ...)",
+            )
         if name == "check":
             s.add_argument(
                 "--repair",
@@ -682,4 +691,20 @@ def build_parser() -> argparse.ArgumentParser:
     qy.add_argument("--host", default="127.0.0.1", help="address --serve listens on (default %(default)s)")
     qy.add_argument("--json", action="store_true", help="print the result as one JSON object")
     qy.set_defaults(func=cmd_query)
+    # observe: exporter, top ------------------------------------------------------------------
+    ex = sub.add_parser(
+        "exporter", help="serve a Prometheus /metrics of the whole pool (read at each scrape)"
+    )
+    _pool_path_arg(ex, default_pool)
+    ex.add_argument("--port", type=_pos_int, required=True, help="TCP port of /metrics")
+    ex.add_argument("--addr", default="0.0.0.0", help="address to listen on (default %(default)s)")
+    ex.add_argument("--allow-foreign-owner", action="store_true", help=_FOREIGN_HELP)
+    ex.set_defaults(func=cmd_exporter)
+    tp = sub.add_parser(
+        "top", help="live view of a pool: use, hit rate, traffic, namespaces, nodes (q quits)"
+    )
+    _pool_path_arg(tp, default_pool)
+    tp.add_argument("--once", action="store_true", help="print one frame (rates over --interval) and exit")
+    tp.add_argument("--interval", type=_pos_float, default=1.0, help="seconds between refreshes (default 1)")
+    tp.set_defaults(func=cmd_top)
     return p

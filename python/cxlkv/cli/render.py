@@ -11,14 +11,17 @@ import sys
 from typing import Any
 
 from cxlkv.sizes import format_size
+from cxlkv.tools.pool_view import printable
 
 __all__ = [
     "escape",
     "make_console",
     "no_controls",
     "print_json",
+    "render_internals",
     "render_mapping",
     "render_namespaces",
+    "render_pool_overview",
     "render_rows",
 ]
 
@@ -88,7 +91,7 @@ def _fmt_value(key: str, value: Any) -> str:
 def no_controls(text: str) -> str:
     """F18: strings read from a pool are written by any attached process; a control character
     (ESC sequences, CR, C1 controls) would drive the operator's terminal. Show them as \\xNN."""
-    return "".join(f"\\x{ord(c):02x}" if ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F else c for c in text)
+    return printable(text)
 
 
 def escape(text: str) -> str:
@@ -175,7 +178,17 @@ def render_namespaces(console, namespaces: list[dict]) -> None:
         show_edge=False,
         collapse_padding=True,
     )
-    for c in ("id", "name", "model", "layout", "tp", "block", "blocks/chunk", "source"):
+    for c in (
+        "id",
+        "name",
+        "model",
+        "used / carved",
+        "layout",
+        "tp",
+        "block",
+        "blocks/chunk",
+        "derived from",
+    ):
         t.add_column(c, justify="right" if c in ("id", "block", "blocks/chunk") else "left", overflow="fold")
     for n in namespaces:
         layout = (
@@ -187,6 +200,7 @@ def render_namespaces(console, namespaces: list[dict]) -> None:
             str(n.get("id", "")),
             escape(str(n.get("name", ""))),
             escape(str(n.get("model_id", ""))),
+            _ns_use(n),
             layout,
             f"{n.get('tp_rank', 0)}/{n.get('tp_size', 1)}",
             format_size(bb) if isinstance(bb, int) else "-",
@@ -196,6 +210,92 @@ def render_namespaces(console, namespaces: list[dict]) -> None:
     console.print(t)
 
 
+def _ns_use(n: dict) -> str:
+    if "used_bytes" not in n:
+        return "-"
+    return f"{format_size(int(n['used_bytes']))} / {format_size(int(n['capacity_bytes']))}"
+
+
 def _numeric_col(rows: list[dict], c: str) -> bool:
     vals = [r.get(c) for r in rows if r.get(c) is not None]
     return bool(vals) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals)
+
+
+# ---------------------------------------------------------------------------------------------
+# `pool create` / `pool info`: what an operator asks first; the format's internals with --verbose
+
+# Header fields shown by default (in this order, by the overview); every other field of info()
+# (offsets, inode numbers, checksum position, feature words, ...) is shown with --verbose only.
+OVERVIEW_KEYS = (
+    "path",
+    "uuid",
+    "format_version",
+    "created_unix_ns",
+    "pool_bytes",
+    "backend",
+    "chunk_bytes",
+    "chunk_count",
+    "stripe_bytes",
+    "max_nodes",
+    "max_namespaces",
+    "index_slots",
+    "pin_slots",
+    "lease_ms",
+    "lock_hosts",
+)
+
+
+def render_pool_overview(console, title: str, info: dict, devices: list[dict], stats: dict | None) -> None:
+    """Capacity and use, backend, limits: one line each (``pool info`` / ``pool create``)."""
+    import datetime
+
+    from rich.table import Table
+
+    created = info.get("created_unix_ns") or 0
+    when = datetime.datetime.fromtimestamp(created / 1e9).astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    console.print(
+        f"[bold]{escape(title)}[/bold]  {format_size(int(info.get('pool_bytes', 0)))}, "
+        f"backend [cyan]{escape(str(info.get('backend', '?')))}[/cyan], format "
+        f"{escape(str(info.get('format_version', '?')))}, created {when}"
+    )
+    t = Table(show_header=False, box=None, pad_edge=False, padding=(0, 2, 0, 2))
+    t.add_column(style="cyan", no_wrap=True)
+    t.add_column(overflow="fold")
+    carved = sum(int(d.get("capacity_bytes", 0)) for d in devices)
+    used = sum(int(d.get("used_bytes", 0)) for d in devices)
+    chunks, chunk = int(info.get("chunk_count", 0)), int(info.get("chunk_bytes", 0))
+    line = f"{format_size(chunks * chunk)} for KV in {chunks:,} chunks of {format_size(chunk)}"
+    if stats is not None:
+        active, cap = int(stats.get("active_chunks", 0)), int(stats.get("capacity_blocks", 0))
+        line += f"; {active:,} carved into {cap:,} blocks"
+    t.add_row("capacity", line)
+    use = f"{format_size(used)} in use of {format_size(carved)} carved"
+    if stats is not None:
+        use += f", blocks: {int(stats.get('used_blocks', 0)):,}"
+        if chunks:
+            use += f"; {int(stats.get('free_chunks', 0)):,} chunks never used"
+    t.add_row("use", use)
+    if stats is not None and (stats.get("hits") or stats.get("misses")):
+        t.add_row(
+            "traffic",
+            f"hit rate {float(stats.get('hit_rate', 0.0)):.1%} ({int(stats['hits']):,} hits, "
+            f"{int(stats['misses']):,} misses), {int(stats.get('puts', 0)):,} puts, "
+            f"{int(stats.get('evictions', 0)):,} evictions",
+        )
+    if int(info.get("stripe_bytes") or 0):
+        t.add_row("striping", f"{len(devices)} devices, {format_size(int(info['stripe_bytes']))} stripes")
+    limits = (
+        f"{info.get('max_nodes')} nodes, {info.get('max_namespaces')} namespaces, "
+        f"{int(info.get('index_slots', 0)):,} index slots, {int(info.get('pin_slots', 0)):,} pins per node, "
+        f"lease {int(info.get('lease_ms', 0)) / 1000:g} s"
+    )
+    if int(info.get("lock_hosts") or 0):
+        limits += f", {info['lock_hosts']} hosts (lock area)"
+    t.add_row("limits", limits)
+    t.add_row("uuid", escape(str(info.get("uuid", ""))))
+    console.print(t)
+
+
+def render_internals(console, info: dict) -> None:
+    """The header fields the overview leaves out: offsets, inode numbers, checksum position."""
+    render_mapping(console, "internals", {k: v for k, v in info.items() if k not in OVERVIEW_KEYS})

@@ -68,6 +68,7 @@ from vllm.logger import init_logger
 import cxlkv
 from cxlkv.integrations import identity as ident
 from cxlkv.integrations import loaded_weights as lw
+from cxlkv.integrations import vllm_metrics
 from cxlkv.integrations.keys import ChainedKeys, MMSpan, root_key
 from cxlkv.integrations.placement import placement_device
 from cxlkv.integrations.pool_session import PoolSession
@@ -98,6 +99,9 @@ STAT_KEYS = (
     "uncacheable_requests",
     "pool_disabled",
     "pool_fenced",
+    "lookup_tokens",
+    "hit_tokens",
+    "load_failed_unavailable_blocks",
 )
 
 
@@ -124,18 +128,20 @@ class CxlKVStats(KVConnectorStats):
     def __post_init__(self):
         for k in STAT_KEYS:
             self.data.setdefault(k, 0)
+        for k in vllm_metrics.OP_TIME_KEYS:  # seconds of each copy, for the histograms
+            self.data.setdefault(k, [])
 
     def reset(self):
         for k in self.data:
-            self.data[k] = 0
+            self.data[k] = [] if isinstance(self.data[k], list) else 0
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for k, v in other.data.items():
-            self.data[k] = self.data.get(k, 0) + v
+            self.data[k] = self.data.get(k, [] if isinstance(v, list) else 0) + v
         return self
 
     def reduce(self) -> dict:
-        d = dict(self.data)
+        d = {k: v for k, v in self.data.items() if not isinstance(v, list)}
         d["load_gbps"] = round(d["load_bytes"] / d["load_s"] / 1e9, 3) if d["load_s"] else 0.0
         d["save_gbps"] = round(d["save_bytes"] / d["save_s"] / 1e9, 3) if d["save_s"] else 0.0
         return d
@@ -587,6 +593,8 @@ class CxlKVConnector(KVConnectorBase_V1):
         if lease is None:
             return 0, False
         hit = len(lease)
+        self._count("lookup_tokens", (max_blocks - have) * self._block_size)
+        self._count("hit_tokens", max(0, hit - have) * self._block_size)
         if hit < max_blocks:
             self._check_pin_cap(request.request_id, keys[hit:max_blocks], hit)
         if hit <= have:
@@ -818,17 +826,16 @@ class CxlKVConnector(KVConnectorBase_V1):
         for op in meta.loads:
             t0 = time.perf_counter()
             # Not retried after a fence: the blocks were pinned by the fenced node's lease.
-            n = (
-                self._session.call(
-                    "load",
-                    lambda ns, op=op: ns.load(
-                        op.keys, self._kv_arrays, op.block_ids, block_dim=self._block_dim
-                    ),
-                    retry=False,
-                )
-                or 0
+            n = self._session.call(
+                "load",
+                lambda ns, op=op: ns.load(op.keys, self._kv_arrays, op.block_ids, block_dim=self._block_dim),
+                retry=False,
             )
+            if n is None:  # the pool could not be used: every block of the op fails
+                n = 0
+                self._stats.data["load_failed_unavailable_blocks"] += len(op.keys)
             self._stats.data["load_s"] += time.perf_counter() - t0
+            self._stats.data["load_op_s"].append(time.perf_counter() - t0)
             self._stats.data["load_blocks"] += n
             self._stats.data["load_bytes"] += n * self._block_bytes
             if n < len(op.keys):
@@ -870,6 +877,7 @@ class CxlKVConnector(KVConnectorBase_V1):
             if n is None:
                 continue
             self._stats.data["save_s"] += time.perf_counter() - t0
+            self._stats.data["save_op_s"].append(time.perf_counter() - t0)
             self._stats.data["save_blocks"] += n
             self._stats.data["save_bytes"] += n * self._block_bytes
             if n < len(op.keys):
@@ -898,6 +906,10 @@ class CxlKVConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict | None = None) -> KVConnectorStats | None:
         return CxlKVStats(data=dict(data)) if data is not None else CxlKVStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return vllm_metrics.CxlKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self):
         for st in self._reqs.values():

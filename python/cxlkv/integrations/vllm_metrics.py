@@ -1,0 +1,142 @@
+"""The connector's series on each vLLM engine's ``/metrics`` (``vllm:cxlkv_*``).
+
+vLLM builds them through ``CxlKVConnector.build_prom_metrics`` in the process that serves
+``/metrics`` and feeds every step's ``CxlKVStats.data`` (summed over the workers) to
+:meth:`CxlKVPromMetrics.observe`. The stats keys are the connector's (vllm.py ``STAT_KEYS``);
+this module only maps them to series. Hits also reach vLLM's own
+``vllm:external_prefix_cache_queries`` / ``_hits`` and ``vllm:prompt_tokens_cached_by_source``
+(the scheduler counts a connector's matched tokens as an external source by itself).
+
+Units are base units (tokens, blocks, bytes, seconds); counters end in ``_total`` on the wire.
+docs/METRICS.md lists every series.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+# name (without "vllm:" and "_total") -> (stats key, help). Plain counters, one per engine.
+COUNTERS = {
+    "cxlkv_lookup_tokens": (
+        "lookup_tokens",
+        (
+            "Prompt tokens the connector looked up in the pool (whole blocks past the locally "
+            "computed ones; the hit ratio's denominator)."
+        ),
+    ),
+    "cxlkv_hit_tokens": (
+        "hit_tokens",
+        "Prompt tokens found in the pool and offered to the scheduler (the hit ratio's numerator).",
+    ),
+    "cxlkv_load_bytes": ("load_bytes", "Bytes of KV copied from the pool into vLLM's KV cache."),
+    "cxlkv_store_bytes": ("save_bytes", "Bytes of KV copied from vLLM's KV cache into the pool."),
+    "cxlkv_load_blocks": ("load_blocks", "KV blocks loaded from the pool."),
+    "cxlkv_uncacheable_requests": (
+        "uncacheable_requests",
+        "Requests the connector does not cache (no key derivable, e.g. unsupported inputs).",
+    ),
+}
+
+# Counters with a label: name -> (label, {label value: stats key}).
+STORE_OUTCOMES = {
+    "stored": "save_blocks",
+    "pool_full": "save_failed_blocks",
+    "dropped_after_failed_load": "saves_dropped_after_failed_load",
+    "pin_capped": "pin_capped_blocks",
+}
+LOAD_FAILURE_CAUSES = ("missing_or_corrupt", "pool_unavailable")
+POOL_EVENTS = {"disabled": "pool_disabled", "fenced": "pool_fenced"}
+
+# Histograms of one copy (a batch of blocks of one request): stats key of the per-op list.
+HISTOGRAMS = {
+    "cxlkv_load_seconds": ("load_op_s", "Seconds one load (a request's batch of blocks) took."),
+    "cxlkv_store_seconds": ("save_op_s", "Seconds one store (a request's batch of blocks) took."),
+}
+OP_TIME_KEYS = tuple(key for key, _ in HISTOGRAMS.values())
+COPY_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
+
+
+def load_failures(data: dict[str, Any]) -> dict[str, int]:
+    """Failed block loads by cause: the pool could not be used at all, or blocks were gone
+    (evicted meanwhile) or failed their checksum (the core tells these apart only in its own
+    counters: ``cxlkv_checksum_failures_total`` on the pool exporter)."""
+    total = int(data.get("load_failed_blocks", 0))
+    unavailable = int(data.get("load_failed_unavailable_blocks", 0))
+    return {"missing_or_corrupt": max(0, total - unavailable), "pool_unavailable": unavailable}
+
+
+class CxlKVPromMetrics(KVConnectorPromMetrics):
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        # vLLM types the classes as a union of the three; each is used as the one it is.
+        counter: Any = self._counter_cls
+        histogram: Any = self._histogram_cls
+        self._counters: dict[str, dict[int, Any]] = {
+            key: create_metric_per_engine(
+                counter(name=f"vllm:{name}", documentation=doc, labelnames=labelnames),
+                per_engine_labelvalues,
+            )
+            for name, (key, doc) in COUNTERS.items()
+        }
+        self._store = self._labelled(
+            "vllm:cxlkv_store_outcome_blocks",
+            "KV blocks the connector meant to store, by outcome: stored; pool_full (no block "
+            "could be allocated or evicted); dropped_after_failed_load (computed on top of a "
+            "load that failed: never published); pin_capped (blocks in the pool a lookup could "
+            "not pin: the pool's pin slots were exhausted).",
+            "outcome",
+            tuple(STORE_OUTCOMES),
+        )
+        self._load_failed = self._labelled(
+            "vllm:cxlkv_load_failed_blocks",
+            "KV blocks that failed to load (vLLM recomputes them), by cause: missing_or_corrupt "
+            "(evicted after the lookup, or a checksum mismatch); pool_unavailable (the pool "
+            "could not be used: failed, replaced, or this node fenced).",
+            "cause",
+            LOAD_FAILURE_CAUSES,
+        )
+        self._pool_events = self._labelled(
+            "vllm:cxlkv_pool_events",
+            "Pool events of this engine: disabled (the pool failed; serving without the cache), "
+            "fenced (the node was reclaimed; the connector reattached).",
+            "event",
+            tuple(POOL_EVENTS),
+        )
+        self._histograms: dict[str, dict[int, Any]] = {
+            key: create_metric_per_engine(
+                histogram(
+                    name=f"vllm:{name}", documentation=doc, labelnames=labelnames, buckets=COPY_BUCKETS
+                ),
+                per_engine_labelvalues,
+            )
+            for name, (key, doc) in HISTOGRAMS.items()
+        }
+
+    def _labelled(self, name: str, doc: str, label: str, values: tuple[str, ...]) -> dict:
+        """{engine: {value: child}}: every child made now, so each series exists from 0."""
+        metric: Any = self._counter_cls(name=name, documentation=doc, labelnames=[*self._labelnames, label])
+        return {
+            idx: {v: metric.labels(*labelvalues, v) for v in values}
+            for idx, labelvalues in self.per_engine_labelvalues.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
+        data = transfer_stats_data
+        for key, per_engine in self._counters.items():
+            if data.get(key):
+                per_engine[engine_idx].inc(data[key])
+        for outcome, key in STORE_OUTCOMES.items():
+            if data.get(key):
+                self._store[engine_idx][outcome].inc(data[key])
+        for cause, n in load_failures(data).items():
+            if n:
+                self._load_failed[engine_idx][cause].inc(n)
+        for event, key in POOL_EVENTS.items():
+            if data.get(key):
+                self._pool_events[engine_idx][event].inc(data[key])
+        for key, per_engine in self._histograms.items():
+            for seconds in data.get(key) or ():
+                per_engine[engine_idx].observe(float(seconds))
