@@ -153,5 +153,5 @@ def test_backend_killed_mid_stream_cuts_the_answer(rig):
     assert err is not None, f"the client saw a clean end: {got!r}"
     assert b"[DONE]" not in got
     assert b'"type": "upstream_error"' in got and b"stream broken" in got
-    status, recs = asyncio.run(_get_json(rig["url"] + "/router/requests"))
+    _, recs = asyncio.run(_get_json(rig["url"] + "/router/requests"))
     assert recs[-1]["status"] == 502 and recs[-1]["backend"] == 0
