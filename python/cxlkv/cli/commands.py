@@ -303,6 +303,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         suffix_len=args.suffix_len,
         output_len=args.output_len,
         turns=args.turns,
+        turn_len=args.turn_len,
         pool_gib=args.pool_gib,
         plot=args.plot,
         console=con,

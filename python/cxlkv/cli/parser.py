@@ -487,7 +487,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="of single,plain,cxlkv,lmcache, run in this order, each on fresh servers (default all; "
         "lmcache is skipped with the reason when it is not installed: scripts/setup-peers.sh)",
     )
-    bs.add_argument("--dataset", choices=["prefix_repetition", "multiturn"], default="prefix_repetition")
+    bs.add_argument(
+        "--dataset",
+        default="prefix_repetition",
+        help="prefix_repetition, multiturn, or both comma-separated (run on the same servers of "
+        "each configuration, one after the other; default prefix_repetition)",
+    )
     bs.add_argument(
         "--num-prompts", type=_pos_int, default=32, help="requests per concurrency level (default 32)"
     )
@@ -504,12 +509,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--suffix-len",
         type=_pos_int,
         default=64,
-        help="tokens after the prefix / of each new question (default 64)",
+        help="prefix_repetition: tokens after the prefix (default 64)",
     )
     bs.add_argument(
         "--output-len", type=_pos_int, default=16, help="tokens generated per request (default 16)"
     )
     bs.add_argument("--turns", type=_pos_int, default=4, help="multiturn: turns per conversation (default 4)")
+    bs.add_argument(
+        "--turn-len",
+        type=_pos_int,
+        default=512,
+        help="multiturn: tokens of each new question (default 512; with N servers, what the tier "
+        "must supply beyond a server's own history)",
+    )
     bs.add_argument(
         "--pool-gib",
         type=_pos_int,

@@ -186,13 +186,14 @@ def run(
     instances: int = 2,
     concurrency: list[int] | None = None,
     configs: list[str] | None = None,
-    dataset: str = "prefix_repetition",
+    dataset: str | list[str] = "prefix_repetition",
     num_prompts: int = 32,
     num_prefixes: int = 8,
     prefix_len: int = 2048,
     suffix_len: int = 64,
     output_len: int = 16,
     turns: int = 4,
+    turn_len: int = 512,
     pool_gib: int = 2,
     plot: str | None = None,
     console: Any = None,
@@ -202,8 +203,10 @@ def run(
 
     concurrency = concurrency or [1, 4, 8]
     configs = configs or list(CONFIGS)
-    if dataset not in DATASETS:
-        raise CommandError(f"bench serve --dataset {dataset!r}: one of {', '.join(DATASETS)}")
+    datasets = dataset.split(",") if isinstance(dataset, str) else list(dataset)
+    bad = [d for d in datasets if d not in DATASETS]
+    if bad or not datasets:
+        raise CommandError(f"bench serve --dataset {','.join(bad)!r}: one of {', '.join(DATASETS)}")
     bad = [c for c in configs if c not in CONFIGS]
     if bad:
         raise CommandError(f"bench serve --configs: unknown {', '.join(bad)} (known: {', '.join(CONFIGS)})")
@@ -220,19 +223,18 @@ def run(
         con.print(f"[yellow]bench serve: skipping {c}: {why}[/yellow]")
 
     model_dir, served = resolve_model(model)
-    if dataset == "multiturn":
-        users = max(1, num_prompts // turns)
-        need = prefix_len + turns * (suffix_len + output_len) + 64
-    else:
-        need = prefix_len + suffix_len + output_len + 64
+    users = max(1, num_prompts // turns)
+    need = prefix_len + suffix_len + output_len + 64
+    if "multiturn" in datasets:
+        need = max(need, prefix_len + turns * (turn_len + output_len) + 64)
     max_len = -(-need // 1024) * 1024
     limit = MODEL_LIMIT.get(model)
     if limit and max_len > limit:
         raise CommandError(f"bench serve: prompts need {need} tokens, more than {model}'s {limit}")
     shares, union = cpu_sets(instances)
     con.print(
-        f"[bold]bench serve[/bold] {dataset}, model {served}, {instances} servers behind a "
-        f"{'turn-sticky' if dataset == 'multiturn' else 'round-robin'} router, configs "
+        f"[bold]bench serve[/bold] {','.join(datasets)}, model {served}, {instances} servers behind a "
+        f"round-robin router (multiturn: turn t of user u on server (u + t) mod N), configs "
         f"{','.join(configs)}, concurrency {','.join(map(str, concurrency))}; cores per server "
         f"{' | '.join(shares)}, single on {union}; load {os.getloadavg()[0]:.2f}"
     )
@@ -241,24 +243,26 @@ def run(
 
     tokenizer = get_tokenizer(model_dir)
 
-    def workload(c: int):
-        seed = 1000 + c  # fresh prompts per concurrency (no reuse across levels), same per config
-        tag = f"c{c}"
+    def workload(dataset: str, c: int):
+        # fresh prompts per dataset and concurrency (no reuse across levels), the same per config
+        seed = 1000 * (1 + DATASETS.index(dataset)) + c
+        tag = f"{dataset[0]}c{c}"
         if dataset == "multiturn":
             return serve_workloads.multiturn(
-                tokenizer, users, turns, prefix_len, suffix_len, output_len, seed, tag
+                tokenizer, users, turns, prefix_len, turn_len, output_len, seed, tag
             )
         return serve_workloads.prefix_repetition(
             tokenizer, num_prompts, num_prefixes, prefix_len, suffix_len, output_len, seed, tag
         )
 
-    per_level = {c: sum(len(r) for r in workload(c)) for c in concurrency}
+    levels = [(d, c) for d in datasets for c in concurrency]
+    per_config = sum(len(r) for d, c in levels for r in workload(d, c))
     logdir = tempfile.mkdtemp(prefix="cxlkv-bench-serve-")
     con.print(f"  server, router and client logs in {logdir}")
     rows: list[dict] = []
     per_request: dict[str, list[dict]] = {}
     endpoint = "openai"  # completions: prompts as text (prefix_repetition) or token ids (multiturn)
-    mode = "turn" if dataset == "multiturn" else "round-robin"
+    mode = "turn"  # requests without a route key (prefix_repetition) go round robin
 
     previous = signal.getsignal(signal.SIGTERM)
 
@@ -271,7 +275,7 @@ def run(
     )
     try:
         with progress:
-            total = progress.add_task("requests", total=len(configs) * sum(per_level.values()))
+            total = progress.add_task("requests", total=len(configs) * per_config)
             finished = 0
             for config in configs:
                 n = 1 if config == "single" else instances
@@ -283,9 +287,9 @@ def run(
                     wait_ready([router])
                     con.print(f"  {config}: {n} server(s) ready in {time.monotonic() - t0:.0f} s")
                     seen_before = 0
-                    for c in concurrency:
-                        rounds = workload(c)
-                        progress.update(total, description=f"{config} @ concurrency {c}")
+                    for dataset_, c in levels:
+                        rounds = workload(dataset_, c)
+                        progress.update(total, description=f"{config}: {dataset_} @ concurrency {c}")
                         before = [serve_report.scrape(s.url) for s in servers]
                         base = finished
 
@@ -304,9 +308,9 @@ def run(
                         external = [a["external"] - b["external"] for a, b in zip(after, before, strict=True)]
                         classified = serve_report.classify(tagged, outputs, by_id, external)
                         r = serve_report.row(config, c, classified, duration, before, after)
-                        r.update(dataset=dataset, instances=n, model=served, load_avg_1m=os.getloadavg()[0])
+                        r.update(dataset=dataset_, instances=n, model=served, load_avg_1m=os.getloadavg()[0])
                         rows.append(r)
-                        per_request[f"{config}@{c}"] = [
+                        per_request[f"{config}/{dataset_}@{c}"] = [
                             {k: v for k, v in q.items() if k != "itl_s"} for q in classified
                         ]
                         finished += len(tagged)
@@ -314,20 +318,20 @@ def run(
                         if r["failed"]:
                             first = next(q["error"] for q in classified if not q["success"])
                             con.print(
-                                f"  [red]{config} @ {c}: {r['failed']} requests failed[/red]: {first[:300]}"
+                                f"  [red]{config}: {dataset_} @ {c}: {r['failed']} requests failed[/red]: {first[:300]}"
                             )
                 _cleanup_pool()
     finally:
         signal.signal(signal.SIGTERM, previous)
         _cleanup_pool()
     uptime = _uptime()
-    files = (
-        serve_report.plot(rows, plot, dataset, f"{served}, {instances} servers; {uptime}")
-        if plot and rows
-        else []
-    )
+    files = []
+    for d in datasets if plot else []:
+        drows = [r for r in rows if r["dataset"] == d]
+        if drows:
+            files += serve_report.plot(drows, plot, d, f"{served}, {instances} servers; {uptime}")
     return {
-        "dataset": dataset,
+        "datasets": datasets,
         "model": served,
         "instances": instances,
         "cores": {"per_server": shares, "single": union},
@@ -350,11 +354,12 @@ def _uptime() -> str:
 
 
 def print_result(con, summary: dict) -> None:
-    serve_report.table(
-        con,
-        summary["rows"],
-        f"bench serve {summary['dataset']}: {summary['model']}, {summary['instances']} servers",
-    )
+    for d in summary["datasets"]:
+        serve_report.table(
+            con,
+            [r for r in summary["rows"] if r["dataset"] == d],
+            f"bench serve {d}: {summary['model']}, {summary['instances']} servers",
+        )
     con.print(
         f"  {summary['uptime']}; cores per server {' | '.join(summary['cores']['per_server'])}, "
         f"single on {summary['cores']['single']}"
@@ -362,7 +367,7 @@ def print_result(con, summary: dict) -> None:
     for r in summary["rows"]:
         if r["external_hit_tokens"] or r["estimated_tier_tokens"]:
             con.print(
-                f"  {r['config']} @ {r['concurrency']}: tier tokens estimated per request "
+                f"  {r['config']}: {r['dataset']} @ {r['concurrency']}: tier tokens estimated per request "
                 f"{r['estimated_tier_tokens']:,} vs the servers' external hits {r['external_hit_tokens']:,}"
             )
     for f in summary["plots"]:

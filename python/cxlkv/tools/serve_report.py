@@ -10,7 +10,9 @@ hits in the run got all its hits locally. So per request
 
     local = min(cached, reusable on this server), tier = cached - local, recompute = prompt - cached
 
-and the request's class is the largest of the three. The sum of the per-request `tier` estimates
+and the request's class is `recompute` when it computed most of its prompt, else `tier` when the
+tier supplied any of it (the tier spared it a recompute: with N = 2, turn t of a conversation finds
+turns up to t - 2 on its own server and needs only turn t - 1 from the tier), else `local`. The sum of the per-request `tier` estimates
 is printed beside the servers' own ``vllm:external_prefix_cache_hits`` as a check (they differ
 where vLLM evicted a local prefix the estimate assumed, or a load was partial).
 """
@@ -71,7 +73,8 @@ def classify(
         no_tier = b is None or b >= len(external) or external[b] == 0
         local = o["cached"] if no_tier else min(o["cached"], max(here, default=0))
         parts = {"local": local, "tier": o["cached"] - local, "recompute": o["prompt"] - o["cached"]}
-        rows.append({**o, **parts, "class": max(CLASSES, key=lambda c: parts[c])})
+        cls = "recompute" if parts["recompute"] > o["cached"] else "tier" if parts["tier"] else "local"
+        rows.append({**o, **parts, "class": cls})
     return rows
 
 
@@ -127,13 +130,13 @@ def table(con, rows: list[dict], title: str) -> None:
     for c in (
         "config",
         "conc",
-        "hit % (local+ext)",
-        "TTFT mean / p50 / p99 ms",
+        "hit % loc+ext",
+        "TTFT ms mean/p50/p99",
         "ITL ms",
         "req/s",
-        "out tok/s",
-        "vs plain: req/s, TTFT",
-        "TTFT by source ms (n): local / tier / recompute",
+        "tok/s",
+        "vs plain req/s, TTFT",
+        "TTFT ms (n) local/tier/recomp",
         "fail",
     ):
         t.add_column(c, justify="right")
@@ -142,7 +145,7 @@ def table(con, rows: list[dict], title: str) -> None:
         vs = "-"
         if b and b is not r and b["requests_per_s"] and r["mean_ttft_ms"]:
             vs = f"{r['requests_per_s'] / b['requests_per_s']:.2f}x, {b['mean_ttft_ms'] / r['mean_ttft_ms']:.2f}x"
-        cls = " / ".join(
+        cls = "/".join(
             f"{r['classes'][c]['mean_ttft_ms']:,.0f} ({r['classes'][c]['n']})"
             if r["classes"][c]["n"]
             else "-"
@@ -151,8 +154,8 @@ def table(con, rows: list[dict], title: str) -> None:
         t.add_row(
             r["config"],
             str(r["concurrency"]),
-            f"{100 * r['hit_rate']:.1f} ({100 * r['local_hit_rate']:.1f}+{100 * r['external_hit_rate']:.1f})",
-            f"{r['mean_ttft_ms']:,.0f} / {r['median_ttft_ms']:,.0f} / {r['p99_ttft_ms']:,.0f}",
+            f"{100 * r['hit_rate']:.0f} {100 * r['local_hit_rate']:.0f}+{100 * r['external_hit_rate']:.0f}",
+            f"{r['mean_ttft_ms']:,.0f}/{r['median_ttft_ms']:,.0f}/{r['p99_ttft_ms']:,.0f}",
             f"{r['mean_itl_ms']:.1f}",
             f"{r['requests_per_s']:.2f}",
             f"{r['output_tokens_per_s']:.1f}",

@@ -7,7 +7,7 @@ of the group starts with.
   random suffix each), sampled unshuffled so the group of each request is known, then shuffled
   here with the same seed. One round; the router sends request i to server i mod N.
 * ``multiturn``: U conversations x T turns. Turn 0 is an opening context of ``prefix_len``
-  tokens and a question of ``suffix_len``; every later turn appends the previous answer
+  tokens and a question of ``turn_len``; every later turn appends the previous answer
   (``output_len`` tokens) and a new question, so its prompt extends the previous turn's prompt
   token for token (prompts are token ids: no re-tokenization can break the prefix). vLLM's client
   cannot feed a reply back into the next request, so the answers in the history are fixed
@@ -65,7 +65,7 @@ def prefix_repetition(
 
 
 def multiturn(
-    tokenizer, users: int, turns: int, prefix_len: int, suffix_len: int, output_len: int, seed: int, tag: str
+    tokenizer, users: int, turns: int, prefix_len: int, turn_len: int, output_len: int, seed: int, tag: str
 ) -> list[list[Tagged]]:
     import numpy as np
     from vllm.benchmarks.datasets import SampleRequest
@@ -80,7 +80,7 @@ def multiturn(
     for u in range(users):
         history = tokens(prefix_len)
         for t in range(turns):
-            prompt = history + tokens(suffix_len)
+            prompt = history + tokens(turn_len)
             req = SampleRequest(
                 prompt=prompt,
                 prompt_len=len(prompt),
