@@ -2,7 +2,8 @@
 and the guarantee that every one of them ends, whatever way the benchmark ends (an error,
 Ctrl-C, SIGTERM): each is started in its own session, and `Fleet.stop` signals the whole
 process group (a vLLM server's engine core is a child of its API server; SIGINT to a server that
-is still starting does not stop it), then kills what is left.
+is still starting does not stop it), then kills what is left. Should the benchmark itself be
+killed with SIGKILL, each child gets SIGTERM from the kernel (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ class Fleet:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=env,
-                start_new_session=True,  # its own group: stop() reaches its children too
+                preexec_fn=_own_group_dies_with_us,
             )
         self.procs.append((name, p))
         return p, log
@@ -172,9 +173,22 @@ class Fleet:
         return Server("lmcache-server", f"http://127.0.0.1:{http_port}", p, log, extra={"port": port})
 
 
+def _own_group_dies_with_us() -> None:
+    """In the child before exec: its own session (stop() signals the group, which reaches a
+    server's engine process too), and SIGTERM when the benchmark dies without stopping it
+    (SIGKILL: no finally block runs)."""
+    os.setsid()
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _signal_group(p: subprocess.Popen, sig: int) -> None:
     try:
-        os.killpg(p.pid, sig)  # start_new_session: the group id is the leader's pid
+        os.killpg(p.pid, sig)  # setsid: the group id is the leader's pid
     except (ProcessLookupError, PermissionError):
         pass
 

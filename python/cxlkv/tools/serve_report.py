@@ -210,6 +210,8 @@ def plot(rows: list[dict], outdir: str, dataset: str, subtitle: str) -> list[str
         a2.plot(xs, [r["mean_ttft_ms"] for r in rs], marker="o", label=cfg)
     a1.set_ylabel("prefix hit rate % (servers' /metrics)")
     a2.set_ylabel("mean TTFT (ms)")
+    a1.set_ylim(0, 100)
+    a2.set_ylim(bottom=0)
     for a in (a1, a2):
         a.set_xlabel("concurrency")
         a.set_xticks(concs)
