@@ -9,9 +9,13 @@ configurations one after another in the same run, each on fresh servers:
            skipped with the reason when lmcache is not installed (scripts/setup-peers.sh)
 
 Cores: each of the N servers' engine threads is bound to its own share of the cores
-(``VLLM_CPU_OMP_THREADS_BIND``; on 2 cores one core each) and `single` to the union of those
-shares, so `single` and the N-server rows use the same cores. The router, the client and the
-servers' API front ends are not bound.
+(``VLLM_CPU_OMP_THREADS_BIND``; on 2 cores one core each). `single` compares like with like per
+server by default (``single_cores="share"``: the cores of one server, so its TTFT is what one
+server of the N-server rows would give with every prefix local; the N-server rows have N times
+the cores, which is the scale-out being measured); ``single_cores="all"`` gives it the union of
+the N shares instead (the same cores as the N-server rows, the same total compute). On a loaded
+machine the second can be much slower than one core: OpenMP threads that wait at a barrier for a
+preempted sibling. The router, the client and the servers' API front ends are not bound.
 
 Per configuration and concurrency: the prefix hit rate from the servers' /metrics (local and
 external tokens), mean / median / p99 TTFT, ITL, requests/s, output tokens/s, and TTFT per source
@@ -195,6 +199,7 @@ def run(
     turns: int = 4,
     turn_len: int = 512,
     pool_gib: int = 2,
+    single_cores: str = "share",
     plot: str | None = None,
     console: Any = None,
 ) -> dict[str, Any]:
@@ -231,7 +236,10 @@ def run(
     limit = MODEL_LIMIT.get(model)
     if limit and max_len > limit:
         raise CommandError(f"bench serve: prompts need {need} tokens, more than {model}'s {limit}")
+    if single_cores not in ("share", "all"):
+        raise CommandError(f"bench serve --single-cores {single_cores!r}: share or all")
     shares, union = cpu_sets(instances)
+    union = union if single_cores == "all" else shares[0]
     con.print(
         f"[bold]bench serve[/bold] {','.join(datasets)}, model {served}, {instances} servers behind a "
         f"round-robin router (multiturn: turn t of user u on server (u + t) mod N), configs "
