@@ -304,6 +304,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         output_len=args.output_len,
         turns=args.turns,
         turn_len=args.turn_len,
+        single_cores=args.single_cores,
         pool_gib=args.pool_gib,
         plot=args.plot,
         console=con,

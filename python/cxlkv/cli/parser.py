@@ -529,6 +529,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the cxlkv pool's and LMCache's L1 size in GiB, the same for both (default 2)",
     )
     bs.add_argument(
+        "--single-cores",
+        choices=["share", "all"],
+        default="share",
+        help="cores of `single`: one server's share (default: like with like per server) or all "
+        "N shares (like with like in total)",
+    )
+    bs.add_argument(
         "--plot", default=None, help="write PNGs here: TTFT CDF, hit rate and TTFT vs concurrency"
     )
     bs.add_argument("--json", action="store_true", help="print a JSON list of rows")

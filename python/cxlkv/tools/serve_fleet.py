@@ -33,8 +33,8 @@ def free_port() -> int:
 
 def cpu_sets(instances: int) -> tuple[list[str], str]:
     """(cores of each of N servers, cores of the `single` server) as VLLM_CPU_OMP_THREADS_BIND
-    lists. Each server gets its own share of this process's cores; `single` gets the union of
-    those shares, so `single` and N servers run on the same cores (like with like). More servers
+    lists. Each server gets its own share of this process's cores; the union of those shares is
+    what N servers use together. More servers
     than cores: server i shares core i mod cores."""
     cpus = sorted(os.sched_getaffinity(0))
     if instances <= len(cpus):
