@@ -178,6 +178,7 @@ def plot(rows: list[dict], outdir: str, dataset: str, subtitle: str) -> list[str
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     os.makedirs(outdir, exist_ok=True)
     configs = list(dict.fromkeys(r["config"] for r in rows))
@@ -191,6 +192,7 @@ def plot(rows: list[dict], outdir: str, dataset: str, subtitle: str) -> list[str
                 xs = r["ttfts_ms"]
                 ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=cfg)
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # minor labels overlap
         ax.set_xlabel("TTFT (ms, log)")
         ax.set_ylabel("fraction of requests")
         ax.set_title(f"concurrency {c}")
