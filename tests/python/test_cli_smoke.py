@@ -382,6 +382,7 @@ def test_bench_index(scratch_pool_dir):
     [
         ["bench", "vllm", "--model", "tiny", "--contexts", "1", "--turns", "1", "--json"],
         ["demo", "--vllm"],
+        ["bench", "serve", "--model", "tiny", "--json"],
     ],
 )
 def test_vllm_commands_without_vllm_exit_2_with_the_reason(argv):
@@ -440,6 +441,69 @@ def test_bench_vllm_tiny(tmp_path):
     assert set(out["ttft_s"]) == {"off", "local", "cxlkv-1", "cxlkv-2", "example-1", "example-2"}
     if plot:
         assert os.path.getsize(plot) > 0
+
+
+@pytest.mark.skipif(not HAVE_VLLM, reason=NO_VLLM)
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_bench_serve_tiny():
+    """`bench serve` (issue 16) on the tiny model: real vLLM OpenAI servers behind the router,
+    vLLM's own benchmark client, `single` then `cxlkv` on two servers, one concurrency; three
+    server start-ups. The --json contract (a list of rows), every request answered, the prefix
+    reused, the cxlkv pair taking prefixes from the pool, and no server outliving the command."""
+
+    def servers() -> set[int]:
+        out = set()
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if b"vllm.entrypoints.openai.api_server" in f.read():
+                        out.add(int(pid))
+            except OSError:
+                pass
+        return out
+
+    before = servers()
+    r = ok(
+        cxlkv_cli(
+            "bench",
+            "serve",
+            "--model",
+            "tiny",
+            "--instances",
+            "2",
+            "--concurrency",
+            "1",
+            "--configs",
+            "single,cxlkv",
+            "--num-prompts",
+            "8",
+            "--num-prefixes",
+            "2",
+            "--prefix-len",
+            "512",
+            "--suffix-len",
+            "32",
+            "--output-len",
+            "4",
+            "--json",
+            timeout=880,
+        )
+    )
+    rows = json.loads(r.stdout)
+    assert [(x["config"], x["concurrency"]) for x in rows] == [("single", 1), ("cxlkv", 1)]
+    for x in rows:
+        assert {"config", "concurrency", "hit_rate", "mean_ttft_ms", "p99_ttft_ms", "requests_per_s"} <= set(
+            x
+        )
+        assert x["requests"] == 8 and x["failed"] == 0, x
+        assert x["hit_rate"] > 0 and x["mean_ttft_ms"] > 0 and x["requests_per_s"] > 0
+    single, cx = rows
+    assert single["external_hit_rate"] == 0 and single["classes"]["tier"]["n"] == 0
+    # two prefixes x four requests round robin over two servers: some first request of a prefix on
+    # a server comes after the other server computed it
+    assert cx["external_hit_tokens"] > 0 and cx["classes"]["tier"]["n"] > 0, cx
+    assert servers() <= before, "a vLLM server outlived bench serve"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -316,6 +316,37 @@ def cmd_bench_vllm(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    """bench serve (issue 16): its code is tools/bench_serve.py."""
+    _require_vllm("bench serve")
+    from cxlkv.tools import bench_serve
+
+    con = make_console(stderr=args.json)
+    summary = bench_serve.run(
+        model=args.model,
+        instances=args.instances,
+        concurrency=args.concurrency,
+        configs=args.configs,
+        dataset=args.dataset,
+        num_prompts=args.num_prompts,
+        num_prefixes=args.num_prefixes,
+        prefix_len=args.prefix_len,
+        suffix_len=args.suffix_len,
+        output_len=args.output_len,
+        turns=args.turns,
+        turn_len=args.turn_len,
+        single_cores=args.single_cores,
+        pool_gib=args.pool_gib,
+        plot=args.plot,
+        console=con,
+    )
+    if args.json:
+        print_json(bench_serve.json_rows(summary))
+    else:
+        bench_serve.print_result(con, summary)
+    return ExitCode.OK
+
+
 def cmd_bench_index(args: argparse.Namespace) -> int:
     from cxlkv.tools import bench
 

@@ -25,6 +25,7 @@ from .commands import (
     cmd_bench_failover,
     cmd_bench_index,
     cmd_bench_rpc,
+    cmd_bench_serve,
     cmd_bench_vllm,
     cmd_demo,
     cmd_events,
@@ -541,6 +542,77 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bs.add_argument("--json", action="store_true", help="print one JSON object")
     bs.set_defaults(func=cmd_bench_sparse)
+    # bench serve (issue 16): N vLLM servers behind a round-robin router, vLLM's own client
+    bs = bsub.add_parser(
+        "serve",
+        help="N vLLM OpenAI servers behind a cache-unaware router, driven by vLLM's own benchmark "
+        "client: single / plain / cxlkv / lmcache in one run (needs vLLM)",
+    )
+    bs.add_argument("--model", default="smollm2", help="tiny, smollm2 or a model directory (default smollm2)")
+    bs.add_argument("--instances", type=_pos_int, default=2, help="servers behind the router (default 2)")
+    bs.add_argument(
+        "--concurrency", type=_procs_arg, default=[1, 4, 8], help="client concurrency levels (default 1,4,8)"
+    )
+    bs.add_argument(
+        "--configs",
+        type=lambda t: [c.strip() for c in t.split(",") if c.strip()],
+        default=["single", "plain", "cxlkv", "lmcache"],
+        help="of single,plain,cxlkv,lmcache, run in this order, each on fresh servers (default all; "
+        "lmcache is skipped with the reason when it is not installed: scripts/setup-peers.sh)",
+    )
+    bs.add_argument(
+        "--dataset",
+        default="prefix_repetition",
+        help="prefix_repetition, multiturn, or both comma-separated (run on the same servers of "
+        "each configuration, one after the other; default prefix_repetition)",
+    )
+    bs.add_argument(
+        "--num-prompts", type=_pos_int, default=32, help="requests per concurrency level (default 32)"
+    )
+    bs.add_argument(
+        "--num-prefixes", type=_pos_int, default=8, help="prefix_repetition: prefixes (default 8)"
+    )
+    bs.add_argument(
+        "--prefix-len",
+        type=_pos_int,
+        default=2048,
+        help="tokens of each shared prefix / of a conversation's opening context (default 2048)",
+    )
+    bs.add_argument(
+        "--suffix-len",
+        type=_pos_int,
+        default=64,
+        help="prefix_repetition: tokens after the prefix (default 64)",
+    )
+    bs.add_argument(
+        "--output-len", type=_pos_int, default=16, help="tokens generated per request (default 16)"
+    )
+    bs.add_argument("--turns", type=_pos_int, default=4, help="multiturn: turns per conversation (default 4)")
+    bs.add_argument(
+        "--turn-len",
+        type=_pos_int,
+        default=512,
+        help="multiturn: tokens of each new question (default 512; with N servers, what the tier "
+        "must supply beyond a server's own history)",
+    )
+    bs.add_argument(
+        "--pool-gib",
+        type=_pos_int,
+        default=2,
+        help="the cxlkv pool's and LMCache's L1 size in GiB, the same for both (default 2)",
+    )
+    bs.add_argument(
+        "--single-cores",
+        choices=["share", "all"],
+        default="share",
+        help="cores of `single`: one server's share (default: like with like per server) or all "
+        "N shares (like with like in total)",
+    )
+    bs.add_argument(
+        "--plot", default=None, help="write PNGs here: TTFT CDF, hit rate and TTFT vs concurrency"
+    )
+    bs.add_argument("--json", action="store_true", help="print a JSON list of rows")
+    bs.set_defaults(func=cmd_bench_serve)
 
     # demo -------------------------------------------------------------------------------------
     dm = sub.add_parser("demo", help="several processes sharing one pool: hit rates and bandwidth")
