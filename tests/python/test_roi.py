@@ -104,5 +104,25 @@ def test_cli_from_a_config_and_bench_results(tmp_path):
     kv = roi.kv_bytes_per_token(LLAMA_8B) * 0.9 * 4096
     assert inp["load_s"] == pytest.approx(kv / 20e9)
     assert any("concurrency 4" in n for n in out["notes"])
+    rows.append({"config": "cxlkv", "concurrency": 4, "hit_rate": 0.5, "dataset": "multiturn"})
+    rows[2]["dataset"] = "prefix_repetition"
+    bench.write_text(json.dumps(rows))
+    base = [
+        "--gpu-tflops",
+        "400",
+        "--prefill-tflop",
+        "20",
+        "--slo-s",
+        "0.5",
+        "--load-s",
+        "0.1",
+        "--rps",
+        "50",
+    ]
+    both = _cli(*base, "--from-bench", str(bench))
+    assert both.returncode != 0 and "--bench-dataset" in both.stderr
+    one = _cli(*base, "--from-bench", str(bench), "--bench-dataset", "multiturn", "--json")
+    assert one.returncode == 0, one.stderr
+    assert json.loads(one.stdout)["inputs"]["new_prompt_ratio"] == pytest.approx(0.5)
     missing = _cli("--gpu-tflops", "100", "--slo-s", "0.4", "--rps", "1")
     assert missing.returncode != 0 and "--prefill-tflop" in missing.stderr

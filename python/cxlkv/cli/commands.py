@@ -550,9 +550,11 @@ def _roi_inputs(args: argparse.Namespace, notes: list[str]):
         raise CommandError("--model-config needs --context-tokens (the average prompt length)")
     r, h, gbps = args.new_prompt_ratio, args.multi_round_ratio, args.load_gbps
     if args.from_bench:
-        b = roi.from_bench(args.from_bench, config=args.bench_config)
+        b = roi.from_bench(args.from_bench, config=args.bench_config, dataset=args.bench_dataset)
         notes.append(
-            f"from {args.from_bench}: {args.bench_config} at concurrency {b['concurrency']} had a "
+            f"from {args.from_bench}: {args.bench_config} at concurrency {b['concurrency']}"
+            + (f" on {b['dataset']}" if b["dataset"] else "")
+            + f" had a "
             f"prefix hit rate of {b['hit_rate']:.1%}; read as h = 1, r = 1 - hit rate (every "
             "request loads its cached share; a full miss paying no load is not modelled)"
         )

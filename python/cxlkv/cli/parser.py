@@ -707,6 +707,9 @@ def build_parser() -> argparse.ArgumentParser:
     ro.add_argument(
         "--bench-config", default="cxlkv", help="which configuration of --from-bench (default cxlkv)"
     )
+    ro.add_argument(
+        "--bench-dataset", default=None, help="which dataset of --from-bench, when it has several"
+    )
     ro.add_argument("--json", action="store_true", help="print one JSON object")
     ro.set_defaults(func=cmd_roi)
     # events, query (routers: tools/events.py, tools/query.py) ----------------------------------

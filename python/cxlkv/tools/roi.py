@@ -183,7 +183,9 @@ def load_config(path: str) -> dict:
 # inputs measured by `cxlkv bench serve --json`
 
 
-def from_bench(path: str, config: str = "cxlkv", concurrency: int | None = None) -> dict[str, Any]:
+def from_bench(
+    path: str, config: str = "cxlkv", concurrency: int | None = None, dataset: str | None = None
+) -> dict[str, Any]:
     """The measured prefix hit rate (and load bandwidth, when recorded) of one configuration of
     a `bench serve --json` file: {"hit_rate", "load_gbps" (or None), "concurrency", "rows"}."""
     try:
@@ -194,12 +196,20 @@ def from_bench(path: str, config: str = "cxlkv", concurrency: int | None = None)
     if not isinstance(rows, list):
         raise CommandError(f"{path}: expected a list of rows (cxlkv bench serve --json)")
     mine = [r for r in rows if isinstance(r, dict) and r.get("config") == config]
+    datasets = sorted({str(r["dataset"]) for r in mine if r.get("dataset") is not None})
+    if dataset is not None:
+        mine = [r for r in mine if r.get("dataset") == dataset]
+    elif len(datasets) > 1:
+        raise CommandError(
+            f"{path} measured several datasets ({', '.join(datasets)}): choose one with --bench-dataset"
+        )
     if concurrency is not None:
         mine = [r for r in mine if r.get("concurrency") == concurrency]
     if not mine:
         raise CommandError(
             f"{path} has no row of configuration {config!r}"
             + (f" at concurrency {concurrency}" if concurrency is not None else "")
+            + (f" on dataset {dataset!r}" if dataset is not None else "")
         )
     if concurrency is None:  # the most loaded measurement: what capacity planning is about
         top = max(int(r.get("concurrency") or 0) for r in mine)
@@ -216,6 +226,7 @@ def from_bench(path: str, config: str = "cxlkv", concurrency: int | None = None)
         "hit_rate": sum(hits) / len(hits),
         "load_gbps": (sum(gbps) / len(gbps)) if gbps else None,
         "concurrency": mine[0].get("concurrency"),
+        "dataset": mine[0].get("dataset"),
         "rows": len(mine),
     }
 
