@@ -10,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 OPTIONAL = ("vllm", "torch", "triton", "lmcache", "sglang", "prometheus")
-SKIPS = re.compile(r"importorskip\(\s*[\"'](%s)" % "|".join(OPTIONAL))
+SKIPS = re.compile(r"importorskip\(\s*[\"']({})".format("|".join(OPTIONAL)))
 
 
 def test_every_module_needing_an_optional_package_runs_after_it_is_installed():
@@ -19,7 +19,7 @@ def test_every_module_needing_an_optional_package_runs_after_it_is_installed():
     missing = []
     for path in sorted((ROOT / "tests" / "python").glob("test_*.py")):
         text = path.read_text()
-        needs = SKIPS.search(text) or "which(\"prometheus\")" in text or "HAVE_VLLM" in text
+        needs = SKIPS.search(text) or 'which("prometheus")' in text or "HAVE_VLLM" in text
         if needs and f"tests/python/{path.name}" not in second_pass:
             missing.append(path.name)
     assert not missing, f"skipped in CI's first pass and never run after the installs: {missing}"
