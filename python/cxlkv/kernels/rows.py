@@ -32,6 +32,11 @@ def _check(rows: Any, idx: Any, other: Any, what: str) -> None:
             f"{what}: dtype and row width must match ({rows.dtype}/{other.dtype}, "
             f"{rows.shape[1]}/{other.shape[1]})"
         )
+    if not (rows.device == other.device == idx.device):
+        # a kernel given a pointer of another device reads or writes wherever it points
+        raise ValueError(
+            f"{what}: operands on different devices ({rows.device}, {other.device}, {idx.device})"
+        )
     if other.shape[0] != idx.shape[0]:
         raise ValueError(f"{what}: {idx.shape[0]} indices for {other.shape[0]} rows")
     if idx.dtype not in (torch.int32, torch.int64):
