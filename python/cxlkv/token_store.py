@@ -334,6 +334,8 @@ class TokenStore:
     def gather_raw(self, seq_key: Any, layer: int, indices: Any, out: np.ndarray) -> np.ndarray:
         """:meth:`gather` into a uint8 ``out`` of ``[len(indices), row_bytes]``: the rows' bytes,
         whatever the layout's dtype (for callers that move rows without interpreting them)."""
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+            raise TypeError(f"layer must be an int, not {type(layer).__name__}")
         if not 0 <= layer < self.num_layers:
             raise IndexError(f"layer {layer} out of range 0..{self.num_layers - 1}")
         idx = self._indices(indices, ndim=1)

@@ -182,3 +182,48 @@ def test_lmcache_batch_resolves_the_model_once(tmp_path, pool_path, monkeypatch)
         assert done[0][3] == [True] * 64 and got == bufs
     finally:
         conn.close()
+
+
+def test_fractional_layers_positions_and_duplicate_scatter_rows_are_refused(make_pool):
+    """F8: gather_raw took layer 1.7 as layer 1; HotBuffer.put_newest took position 2.5 and left
+    its two maps disagreeing (slot 0 said token 2, the token map said nothing) before numpy
+    raised; scatter_rows documented "one of the duplicates wins" while Triton programs writing one
+    row interleave their 256-B pieces (a row mixing two sources)."""
+    from cxlkv.integrations.hot_buffer import HotBuffer
+
+    pool = make_pool(64 * MiB)
+    ts = pool.token_store(_layout(), max_tokens_per_seq=64)
+    ts.append(b"f", _rows(20))
+    with pytest.raises(TypeError, match="layer"):
+        ts.gather_raw(b"f", 1.7, [0], np.zeros((1, 656), np.uint8))
+    hb = HotBuffer(ts, b"f", 4)
+    with pytest.raises(TypeError, match="position"):
+        hb.put_newest(2.5, np.zeros((3, 656), np.uint8))
+    assert (hb.slot_token == -1).all() and (hb.token_slot == -1).all()
+    torch = pytest.importorskip("torch")
+    from cxlkv.kernels.rows import scatter_rows
+
+    with pytest.raises(ValueError, match="duplicate"):
+        scatter_rows(
+            torch.zeros((2, 8), dtype=torch.uint8),
+            torch.tensor([1, 1]),
+            torch.zeros((4, 8), dtype=torch.uint8),
+        )
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs with huge=always (needs root)")
+def test_huge_page_rounding_names_the_size_asked_for(tmp_path):
+    """F9: on a tmpfs that gives huge pages, a 3 MiB + 5 B pool is rounded down to 2 MiB and then
+    refused as "pool size 2097152 is too small": the error named a size the operator never typed."""
+    import subprocess
+
+    d = tmp_path / "huge"
+    d.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m,huge=always", "tmpfs", str(d)]).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        with pytest.raises(ValueError, match=r"3145733 bytes asked for, rounded down"):
+            cxlkv.Pool.create(str(d / "pool"), (3 << 20) + 5, chunk_size=MiB)
+        assert os.listdir(d) == []
+    finally:
+        subprocess.run(["umount", str(d)])

@@ -66,6 +66,8 @@ class HotBuffer:
             raise ValueError(
                 f"rows must be [num_layers, row] ({L} x {self.store.row_bytes} B), got {list(raw.shape)}"
             )
+        if isinstance(position, bool) or not isinstance(position, (int, np.integer)):
+            raise TypeError(f"position must be an int, not {type(position).__name__}")
         if not 0 <= position < self.store.max_tokens:
             raise IndexError(f"position {position} out of range 0..{self.store.max_tokens - 1}")
         layers = np.arange(L)

@@ -105,9 +105,11 @@ def gather_rows(src: Any, idx: Any, out: Any) -> Any:
 
 
 def scatter_rows(src: Any, idx: Any, dst: Any) -> Any:
-    """``dst[idx[i]] = src[i]`` for every i (with duplicate indices, one of their rows wins).
-    Returns ``dst``."""
+    """``dst[idx[i]] = src[i]`` for every i; the indices must be distinct (programs writing one
+    row at once interleave their 256-B pieces: the row would mix both sources). Returns ``dst``."""
     _check(dst, idx, src, "scatter_rows")
+    if idx.numel() > 1 and idx.unique().numel() != idx.numel():
+        raise ValueError("scatter_rows: duplicate destination rows")
     if idx.numel() == 0:
         return dst
     if not _use_triton(dst):
