@@ -29,7 +29,7 @@ from .errors import (
 )
 from .paths import DEFAULT_POOL_PATH, default_pool_path, ensure_private_dir, join_device_paths
 from .sizes import format_size, parse_size
-from .token_store import PoolFullError, SequenceMissError, TokenStore, open_token_store
+from .token_store import PoolFullError, SequenceConflictError, SequenceMissError, TokenStore, open_token_store
 
 __all__ = [
     "DEFAULT_POOL_PATH",
@@ -51,6 +51,7 @@ __all__ = [
     "PoolNotReadyError",
     "PoolTruncatedError",
     "PoolVersionError",
+    "SequenceConflictError",
     "SequenceMissError",
     "TokenStore",
     "create_options",

@@ -34,7 +34,14 @@ import numpy as np
 from . import _core
 from .errors import CxlkvError
 
-__all__ = ["PoolFullError", "SequenceMissError", "TokenStore", "indexer_blocks", "indexer_rows"]
+__all__ = [
+    "PoolFullError",
+    "SequenceConflictError",
+    "SequenceMissError",
+    "TokenStore",
+    "indexer_blocks",
+    "indexer_rows",
+]
 
 TOKEN_FORMAT_VERSION: int = _core.token_block_layout(1, 1, 1)["version"]
 STREAM_ROWS = 0
@@ -49,6 +56,13 @@ INDEXER_ROW_BYTES = INDEXER_VALUE_BYTES + INDEXER_SCALE_BYTES
 class SequenceMissError(CxlkvError):
     """Rows asked for are not in the pool as written: the sequence (or a chunk of it) is absent,
     was evicted or overwritten, or a row failed its hash. The rows of ``out`` are not valid."""
+
+
+class SequenceConflictError(CxlkvError):
+    """An append found that another writer (another process or handle) extended the sequence
+    since this one last saw it. The append stopped at the chunk where it found the other writer's
+    version (normally its first: nothing stored). One writer per sequence; appending again resumes
+    from what the pool holds."""
 
 
 class PoolFullError(CxlkvError):
@@ -189,7 +203,10 @@ class TokenStore:
             _core.token_seal(
                 block, self.num_layers, T, self.row_bytes, self._seq_hash(seq), self.stream, c, valid
             )
-            if not ns.put(self.block_key(seq, c, valid), block):
+            key = self._check_no_other_writer(ns, seq, c, t0, valid, block)
+            if not ns.put(key, block):
+                if ns.contains(key):  # another writer's put of this version won the race
+                    raise self._conflict(seq, c, valid)
                 raise PoolFullError(
                     f"could not store chunk {c} of a sequence ({self.block_bytes} B): the pool is full "
                     "and nothing can be evicted"
@@ -203,6 +220,33 @@ class TokenStore:
         self._writers[seq] = tail
         return tail.n_tokens
 
+    def _check_no_other_writer(
+        self, ns: Any, seq: bytes, c: int, t0: int, valid: int, block: np.ndarray
+    ) -> bytes:
+        """The key of chunk c at ``valid`` tokens, after checking that no other writer has taken
+        this sequence past ``t0`` tokens of chunk c (a later version, or this one with other
+        bytes): a second appender, or this handle's length gone stale. Not atomic (two puts of the
+        same instant can still both land), but every interleaving of appends that do not overlap
+        in time is caught. Cost: at most tokens_per_block - t0 index lookups."""
+        key = self.block_key(seq, c, valid)
+        for v in range(t0 + 1, self.tokens_per_block + 1):
+            k = key if v == valid else self.block_key(seq, c, v)
+            if not ns.contains(k):
+                continue
+            if v == valid:
+                data = ns.get_bytes(k)
+                if data is not None and np.array_equal(np.frombuffer(data, np.uint8), block):
+                    continue  # the very bytes we would write: nothing diverges
+            raise self._conflict(seq, c, v)
+        return key
+
+    def _conflict(self, seq: bytes, c: int, v: int) -> SequenceConflictError:
+        self._writers.pop(seq, None)  # the next append resumes from the pool
+        return SequenceConflictError(
+            f"another writer appended to this sequence (chunk {c} holds a version of {v} tokens this "
+            f"handle did not write): the append stopped before chunk {c}; the pool keeps the other's rows"
+        )
+
     def _recover_tail(self, seq: bytes) -> _Tail:
         """Another process (or an earlier handle) may have written this sequence: continue it."""
         n = self.length(seq)
@@ -212,7 +256,21 @@ class TokenStore:
             data = self._ns.get_bytes(self.block_key(seq, c, valid))
             if data is None:
                 raise SequenceMissError("the partial last chunk of the sequence vanished while resuming it")
-            tail.block = np.frombuffer(data, np.uint8).copy()
+            block = np.frombuffer(data, np.uint8).copy()
+            # Resuming re-seals these rows: check the block is exactly what a writer of this
+            # sequence sealed (header, row hashes, zeroed tail) before vouching for its bytes.
+            check = block.copy()
+            _core.token_seal(
+                check, self.num_layers, self.tokens_per_block, self.row_bytes, self._seq_hash(seq),
+                self.stream, c, valid,
+            )  # fmt: skip
+            if len(data) != self.block_bytes or not np.array_equal(check, block):
+                self.counters["misses"] += 1
+                raise SequenceMissError(
+                    f"the partial chunk {c} of the sequence is not in the pool as written "
+                    "(corrupt or foreign block): not resuming it"
+                )
+            tail.block = block
         return tail
 
     def _rows_bytes(self, rows: Any) -> np.ndarray:
@@ -276,6 +334,8 @@ class TokenStore:
     def gather_raw(self, seq_key: Any, layer: int, indices: Any, out: np.ndarray) -> np.ndarray:
         """:meth:`gather` into a uint8 ``out`` of ``[len(indices), row_bytes]``: the rows' bytes,
         whatever the layout's dtype (for callers that move rows without interpreting them)."""
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+            raise TypeError(f"layer must be an int, not {type(layer).__name__}")
         if not 0 <= layer < self.num_layers:
             raise IndexError(f"layer {layer} out of range 0..{self.num_layers - 1}")
         idx = self._indices(indices, ndim=1)
@@ -374,9 +434,12 @@ class TokenStore:
         view = self._views.get(seq)
         if view is None:
             view = self._views[seq] = _View(self._full_keys(seq))
-        if need > view.n_tokens or (view.n_tokens == 0 and need == 0):
+        stale = need > view.n_tokens or (view.n_tokens == 0 and need == 0)
+        if stale and view.bad is None:
             self._refresh(seq, view)
         if need > view.n_tokens:
+            if view.bad is not None:  # the rows exist but a chunk before them does not verify
+                raise self._miss(seq, view.bad)
             raise IndexError(f"token index {need - 1} out of range: the sequence has {view.n_tokens} tokens")
         return view
 
@@ -390,6 +453,11 @@ class TokenStore:
         if more:
             lease = self._ns.acquire(view.full_keys[F : F + more])
             got = self._resolve(view.full_keys[F : F + len(lease)], seq_hash, F)
+            good = next((i for i, (_, valid) in enumerate(got) if valid != T), len(got))
+            if good < len(lease):  # pinned, so present: its header is not as written
+                lease.release()
+                self._broken(seq, view, F + good, "a corrupt or foreign header")
+                return
             if len(got) < more and len(lease) == len(got) and self._ns.contains(view.full_keys[F + len(got)]):
                 lease.release()
                 raise CxlkvError(
@@ -408,13 +476,39 @@ class TokenStore:
                 lease = self._ns.acquire([key])
                 if len(lease):
                     got = self._resolve([key], seq_hash, F)
-                    if got:
+                    if got and got[0][1] == valid:
                         view.tail_lease, view.tail = lease, got[0]
+                        break
+                    if got or self._ns.contains(key):  # still published (not superseded): malformed
+                        lease.release()
+                        view.bad = f"the partial chunk {F} has a corrupt or foreign header"
                         break
                 lease.release()
         offsets = list(view.full_offsets) + ([view.tail[0]] if view.tail else [])
         view.offsets = np.asarray(offsets, dtype=np.uint64)
         view.n_tokens = F * T + (view.tail[1] if view.tail else 0)
+
+    def _broken(self, seq: bytes, view: _View, chunk: int, what: str) -> None:
+        """Chunk ``chunk`` is present but malformed: the view keeps (pins) only the chunks before
+        it, and any gather past them is a miss (never an IndexError: the rows were written)."""
+        F = len(view.full_offsets)
+        view.bad = f"chunk {chunk} of the sequence has {what}"
+        if chunk > F:
+            lease = self._ns.acquire(view.full_keys[F:chunk])
+            got = self._resolve(view.full_keys[F : F + len(lease)], self._seq_hash(seq), F)
+            if len(lease) == len(got) == chunk - F:
+                view.leases.append(lease)
+                view.full_offsets.extend(off for off, _ in got)
+            else:
+                lease.release()
+        view.offsets = np.asarray(view.full_offsets, dtype=np.uint64)
+        view.n_tokens = len(view.full_offsets) * self.tokens_per_block
+
+    def _miss(self, seq: bytes, why: str) -> SequenceMissError:
+        """Counts a miss and drops the view (it no longer describes the pool)."""
+        self.counters["misses"] += 1
+        self.release(seq)
+        return SequenceMissError(f"{why}: not in the pool as written")
 
     def _resolve(self, keys: list, seq_hash: int, first_chunk: int) -> list:
         return _core.token_resolve(
@@ -475,6 +569,7 @@ class _View:
     tail: tuple | None = None
     offsets: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.uint64))
     n_tokens: int = 0
+    bad: str | None = None  # set when a chunk is present but malformed (gathers past it miss)
 
     def close(self) -> None:
         for lease in self.leases:

@@ -135,7 +135,13 @@ std::unique_ptr<Pool> Pool::create(const std::string& path, const CreateOptions&
     // Where huge pages may back the file, the pool is whole huge pages (huge_pages.h).
     CreateOptions fitted = opt;
     fitted.size = fit_huge_pages(path, opt.size);
-    plan_geometry(h, fitted);
+    try {
+      plan_geometry(h, fitted);
+    } catch (const ArgumentError& e) {
+      if (fitted.size == opt.size) throw;  // name the size the caller asked for, not only ours
+      throw ArgumentError(std::string(e.what()) + " (the " + std::to_string(opt.size) +
+                          " bytes asked for, rounded down to whole huge pages)");
+    }
     remove_stale_init_files(path);
     uint8_t r[4];
     (void)::getrandom(r, sizeof r, 0);

@@ -53,12 +53,14 @@ def _weights_of_dir(root: str, stamp: tuple) -> tuple[str, str]:
 
 def weights_of(ref: str) -> tuple[str, str]:
     """(KVIdentity.weights, its source text) of the model ``ref`` names. Cached per resolved path
-    and the (inode, size, mtime_ns, ctime_ns) of its weight files, so a re-pointed symlink or a
+    and the (inode, size, mtime_ns, ctime_ns) of its weight and config files, so a re-pointed symlink or a
     rewritten file is digested again."""
     root = resolve_model_dir(ref)
+    # Every file weights_digest reads, config files included: an edited config.json beside
+    # unchanged weights is another computation, hence another identity.
     stamp = tuple(
-        (name, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-        for name, path in ident.weight_files(root)
+        (str(path), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        for path in ident._weight_files(root)
         for st in (os.stat(path),)
     )
     with _lock:  # one digest at a time: two threads asking for one model hash it once

@@ -66,6 +66,8 @@ class HotBuffer:
             raise ValueError(
                 f"rows must be [num_layers, row] ({L} x {self.store.row_bytes} B), got {list(raw.shape)}"
             )
+        if isinstance(position, bool) or not isinstance(position, (int, np.integer)):
+            raise TypeError(f"position must be an int, not {type(position).__name__}")
         if not 0 <= position < self.store.max_tokens:
             raise IndexError(f"position {position} out of range 0..{self.store.max_tokens - 1}")
         layers = np.arange(L)
@@ -86,9 +88,10 @@ class HotBuffer:
         fetched from the pool; errors of the pool fetch (SequenceMissError, IndexError) propagate
         and leave the buffer consistent (the rows not fetched are not mapped)."""
         L, R = self.store.num_layers, self.store.row_bytes
-        idx = np.ascontiguousarray(
-            np.asarray(indices.cpu() if hasattr(indices, "cpu") else indices), np.int64
-        )
+        raw_idx = np.asarray(indices.cpu() if hasattr(indices, "cpu") else indices)
+        if raw_idx.dtype.kind not in "iu":  # a float index would be truncated to another token
+            raise ValueError(f"indices must be integers, got dtype {raw_idx.dtype}")
+        idx = np.ascontiguousarray(raw_idx, np.int64)
         if idx.ndim != 2 or idx.shape[0] != L:
             raise ValueError(f"indices must be [num_layers={L}, k], got {list(idx.shape)}")
         k = idx.shape[1]
@@ -183,6 +186,9 @@ class HotBuffer:
         if self.device is None:
             if out.shape != (L, k, self.store.row_bytes) or out.dtype != np.uint8:
                 raise ValueError(f"out must be uint8 [{L}, {k}, {self.store.row_bytes}]")
+            # reshape() of any other array is a copy: the rows would land there, not in out
+            if not (out.flags.c_contiguous and out.flags.writeable):
+                raise ValueError("out must be a writable C-contiguous array")
             # rows moved as the widest word dividing them: numpy's take copies item by item
             word = next(
                 w
@@ -202,6 +208,8 @@ class HotBuffer:
 
         if tuple(out.shape) != (L, k, self.store.row_bytes) or out.dtype != torch.uint8:
             raise ValueError(f"out must be a uint8 tensor [{L}, {k}, {self.store.row_bytes}]")
+        if not out.is_contiguous():  # view() refuses most, but not every, other stride
+            raise ValueError("out must be a contiguous tensor")
         flat_idx = torch.from_numpy(self._flat(np.arange(L)[:, None], slots)).to(self.rows.device)
         gather_rows(self.rows.view(-1, self.store.row_bytes), flat_idx, out.view(-1, self.store.row_bytes))
 

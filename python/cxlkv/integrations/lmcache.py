@@ -193,10 +193,14 @@ class CxlKVL2Connector:
         if pool is not self._ns_pool:  # a new attachment (first call, or after a fence)
             self._ns, self._ns_pool, self._listing_at = {}, pool, 0.0
         out = []
+        # One identity per (model, rank, group) of the batch, not per key: weights_of stats every
+        # weight and config file of the model (about 1 ms for 50 files), and a batch is one model.
+        prefixes: dict[tuple, Callable[[int], ident.KVIdentity]] = {}
         for i, text in enumerate(keys):
             try:
                 key = LMCacheKey.parse(text)
-                prefix = self._identity_prefix(key)
+                which = (key.model, key.kv_rank, key.group)
+                prefix = prefixes.get(which) or prefixes.setdefault(which, self._identity_prefix(key))
             except (ValueError, UnresolvableModelError, OSError) as e:
                 self._warn_once(str(e))
                 out.append(False)

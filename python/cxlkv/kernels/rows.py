@@ -32,6 +32,11 @@ def _check(rows: Any, idx: Any, other: Any, what: str) -> None:
             f"{what}: dtype and row width must match ({rows.dtype}/{other.dtype}, "
             f"{rows.shape[1]}/{other.shape[1]})"
         )
+    if not (rows.device == other.device == idx.device):
+        # a kernel given a pointer of another device reads or writes wherever it points
+        raise ValueError(
+            f"{what}: operands on different devices ({rows.device}, {other.device}, {idx.device})"
+        )
     if other.shape[0] != idx.shape[0]:
         raise ValueError(f"{what}: {idx.shape[0]} indices for {other.shape[0]} rows")
     if idx.dtype not in (torch.int32, torch.int64):
@@ -100,9 +105,11 @@ def gather_rows(src: Any, idx: Any, out: Any) -> Any:
 
 
 def scatter_rows(src: Any, idx: Any, dst: Any) -> Any:
-    """``dst[idx[i]] = src[i]`` for every i (with duplicate indices, one of their rows wins).
-    Returns ``dst``."""
+    """``dst[idx[i]] = src[i]`` for every i; the indices must be distinct (programs writing one
+    row at once interleave their 256-B pieces: the row would mix both sources). Returns ``dst``."""
     _check(dst, idx, src, "scatter_rows")
+    if idx.numel() > 1 and idx.unique().numel() != idx.numel():
+        raise ValueError("scatter_rows: duplicate destination rows")
     if idx.numel() == 0:
         return dst
     if not _use_triton(dst):
