@@ -61,7 +61,8 @@ python -m pytest -q -p no:cacheprovider --durations=10 "$@" \
   tests/python/test_identity_vllm.py tests/python/test_loaded_weights.py tests/python/test_dtypes.py \
   tests/python/test_events.py tests/python/test_observe.py tests/python/test_paged_kernels.py \
   tests/python/test_transfer_cuda.py tests/python/test_token_store.py tests/python/test_hot_buffer.py \
-  tests/python/test_lmcache_backend.py tests/python/test_sglang_backend.py tests/gpu
+  tests/python/test_lmcache_backend.py tests/python/test_sglang_backend.py tests/python/test_redteam_s5.py \
+  tests/gpu
 python -m pytest tests/vllm -q -p no:cacheprovider --durations=10 "$@"
 # Every CLI command runs in CI at least once: the three that start vLLM engines (`bench vllm` with
 # the tiny model and one turn, `demo --vllm`, `bench serve` on the tiny model) run here, now that
