@@ -3,7 +3,8 @@ transfer thread), the thread held at a gate the test opens: the step returns bef
 a finished request's blocks are held (request_finished is True) until get_finished reports it,
 which happens only after its copy; a request without saves is freed at once; a preempted
 request's copy is waited for before the next forward (handle_preemptions); stats count a save
-once it is done. The real-engine version is tests/vllm/test_async_saves.py."""
+once it is done; a prefill instance (kv_producer) ends its step once its saves are published. The
+real-engine version is tests/vllm/test_async_saves.py."""
 
 from __future__ import annotations
 
@@ -102,4 +103,21 @@ def test_preempted_request_copy_is_waited_for_before_the_next_forward(pool_path,
     assert sorted(pool_blocks(pool_path, a.sched._ns_name, toks)) == [0, 1, 2]
     # Other requests' copies are not waited for.
     a.worker.handle_preemptions(SimpleNamespace(preempted={"other"}))
+    a.close()
+
+
+def test_prefill_instance_step_ends_once_its_saves_are_published(pool_path, model_dir):
+    """kv_producer: the proxy sends the request to the decode instance once the prefill answers,
+    so the producer's step waits for its saves (the decode instance finds every block)."""
+    a = Engine(pool_path, model_dir, role="kv_producer")
+    g = gated(a)
+    toks = tokens(73, 3 * BS + 1)
+    a.add("p", toks)
+    stepper = threading.Thread(target=a.step, args=({"p": len(toks)},), kwargs={"wait_saves": False})
+    stepper.start()
+    stepper.join(0.3)
+    assert stepper.is_alive(), "the producer's step returned before its saves were published"
+    g.gate.set()
+    stepper.join(60)
+    assert sorted(pool_blocks(pool_path, a.sched._ns_name, toks)) == [0, 1, 2]
     a.close()

@@ -841,6 +841,10 @@ class CxlKVConnector(KVConnectorBase_V1):
                 continue
             if self._transfer is not None and self._session.usable():
                 self._saves.add(op, self._transfer.submit_save(op))
+        if not self._can_load:
+            # A prefill instance (kv_producer): its answer tells the proxy that the decode
+            # instance may load the prompt's KV now, so the step ends once it is published.
+            self._saves.wait_for({op.req_id for op in meta.saves})
         self._account_saves()
 
     def _account_saves(self) -> None:
