@@ -57,8 +57,11 @@ def test_preempted_saves_in_flight_never_publish_reused_kv(pool_path, tiny_model
         + [{"prompts": [{"prompt": p, "cache_salt": "reference"}]} for p in PROMPTS],
     }
     # VLLM_CPU_KVCACHE_SPACE (the brief's setting for engines) would override kv_bytes: unset it.
-    rounds = run_engine(spec, env={"CXLKV_TEST_SAVE_DELAY_S": "1.0", "VLLM_CPU_KVCACHE_SPACE": None})
+    log: list = []
+    rounds = run_engine(spec, env={"CXLKV_TEST_SAVE_DELAY_S": "1.0", "VLLM_CPU_KVCACHE_SPACE": None}, log=log)
     assert rounds[-1]["preemptions"] > 0, "the test did not cause preemptions"
+    # The window this test is about: a preempted request still had saves copying.
+    assert "saves of preempted requests in flight" in log[0], "no save was in flight at a preemption"
     compared = 0
     for out in rounds[0]["outputs"]:
         ids = out["ids"]

@@ -48,6 +48,10 @@ class SaveTracker:
     def busy(self) -> bool:
         return any(self._inflight.values())
 
+    def pending(self, req_ids: Iterable[str]) -> int:
+        """Saves of these requests still copying."""
+        return sum(not h.done() for rid in req_ids for _, h in self._inflight.get(rid, ()))
+
     def wait_for(self, req_ids: Iterable[str]) -> None:
         """Blocks until every save of these requests has finished copying."""
         for rid in req_ids:

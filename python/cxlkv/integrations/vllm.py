@@ -100,6 +100,7 @@ STAT_KEYS = (
     "save_bytes",
     "save_s",
     "saves_dropped_after_failed_load",
+    "saves_waited_at_preemption",
     "pin_capped_requests",
     "pin_capped_blocks",
     "uncacheable_requests",
@@ -798,6 +799,16 @@ class CxlKVConnector(KVConnectorBase_V1):
         # Before this step's forward, which may write the blocks the preempted requests held.
         preempted = getattr(kv_connector_metadata, "preempted", None)
         if preempted:
+            n = self._saves.pending(preempted)
+            if n:
+                self._stats.data["saves_waited_at_preemption"] += n
+                if "preempted_saves" not in self._logged:
+                    self._logged.add("preempted_saves")
+                    logger.info(
+                        "cxlkv: %d saves of preempted requests in flight: the forward waits for them "
+                        "(logged once; counted as saves_waited_at_preemption)",
+                        n,
+                    )
             self._saves.wait_for(preempted)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
