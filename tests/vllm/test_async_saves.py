@@ -6,8 +6,13 @@ are in flight while a KV cache far too small for the batch makes vLLM preempt re
 their blocks to others. Then the same prompts run one at a time under another cache_salt (other
 keys, the same KV bytes: a reference nothing preempts). Every prompt block the pool holds under
 the first run's keys must carry that prompt's KV (equal to the reference up to bf16 rounding of
-another batch shape), never another request's: were the connector to let vLLM reuse the blocks of
-a save in flight, the copy would read the KV of whichever request got them.
+another batch shape), never another request's; and the engine must have met the window (a
+preempted request with saves still copying, said once at INFO by the connector).
+
+Limit: with the wait in handle_preemptions removed, this test still passed (twice, at 0.2 s and
+1 s delays): vLLM hands out a preempted request's unsaved tail block first, and its saved blocks
+were not rewritten before their copy ran. It checks the outcome under the real race window; the
+ordering itself is pinned by tests/python/test_async_saves_unit.py.
 """
 
 from __future__ import annotations
