@@ -302,7 +302,7 @@ class Engine:
         self.reqs[rid] = {"req": req, "blocks": blocks, "computed": local + ext, "new": True}
         return ext
 
-    def step(self, budget: dict) -> conn.CxlKVConnectorMetadata:
+    def step(self, budget: dict, wait_saves: bool = True) -> conn.CxlKVConnectorMetadata:
         """Schedules budget[rid] tokens of each request, runs the step, applies vLLM's reaction
         to load errors (num_computed truncated at the first invalid block)."""
         new, cached = (
@@ -334,6 +334,8 @@ class Engine:
             r = self.reqs[rid]
             self.compute(rid, r["computed"], r["computed"] + n)
         self.worker.wait_for_save()
+        if wait_saves:  # as if the step outlasted its saves: the tests check the pool next
+            self.worker._saves.wait_all()
         errors = self.worker.get_block_ids_with_load_errors()
         s = self.worker.get_kv_connector_stats()
         if s is not None:
@@ -548,6 +550,7 @@ def test_preemption_drops_held_saves_and_resaves(pool_path, model_dir):
     b.worker.start_load_kv(None)
     b.compute("b", 0, len(pq))
     b.worker.wait_for_save()
+    b.worker._saves.wait_all()
     b.worker.clear_connector_metadata()
     b.sched.update_connector_output(SimpleNamespace(invalid_block_ids=set()))
     b.finish("b")

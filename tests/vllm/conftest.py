@@ -50,8 +50,8 @@ def words(seed: int, n: int) -> str:
 def run_engine(spec: dict, timeout: int = 600, log: list | None = None, env: dict | None = None) -> list:
     """Runs one vLLM engine process; returns its RESULT records (one per round). `log`, when
     given, receives the process's whole output; `env` adds environment variables (e.g. the
-    engine's CXLKV_HOST_ID)."""
-    env = {**os.environ, **(env or {})}
+    engine's CXLKV_HOST_ID; None unsets one)."""
+    env = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}  # None: unset
     env.pop("PYTHONHASHSEED", None)  # keys must match across processes with default settings
     p = subprocess.run(
         [sys.executable, os.path.join(HERE, "llm_driver.py"), json.dumps(spec)],

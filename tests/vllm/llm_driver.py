@@ -84,6 +84,7 @@ def main() -> None:
                 "pool_size": spec.get("pool_size", "1GiB"),
                 **({"chunk_size": spec["chunk_size"]} if spec.get("chunk_size") else {}),
                 **({"on_pool_error": spec["on_pool_error"]} if spec.get("on_pool_error") else {}),
+                **({"async_saves": True} if spec.get("async_saves") else {}),
             },
         }
     t0 = time.time()

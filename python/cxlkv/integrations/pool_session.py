@@ -15,6 +15,12 @@ failures of pool_guard.py, does not turn the process into "no cache". The sessio
   idempotent. Not a load (``retry=False``): its blocks were pinned by the fenced node's lease, so it
   is reported failed like any failed load, and vLLM recomputes.
 
+Thread-safe: the connector's worker loads on vLLM's thread while its saves run on a transfer
+thread (transfer.py). A pool call runs outside the session's lock (a load never waits for a save's
+copy); a fence is handled once, under the lock: a thread whose call failed on a handle that another
+thread has replaced meanwhile (fenced and closed under it) retries on the new one instead of
+judging the pool.
+
 Bounded: a reopen that fails MAX_REOPENS times in a row (RETRY_DELAY_S, then twice that, apart;
 no cache meanwhile) falls back to the guard's verdict, with one ERROR line: no cache for the rest
 of the process. A pool file that is broken (truncated, deleted, replaced) is the guard's too: a
@@ -24,6 +30,7 @@ fence seen on such a file is not reopened.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -35,6 +42,10 @@ T = TypeVar("T")
 
 MAX_REOPENS = 3
 RETRY_DELAY_S = 1.0
+
+
+class _Superseded(FencedError):
+    """A call failed on a handle that another thread replaced meanwhile (it was fenced)."""
 
 
 class PoolSession:
@@ -67,6 +78,8 @@ class PoolSession:
         self._fenced_in = ""
         self._failures = 0  # reopens failed in a row
         self._next_try = 0.0
+        self._lock = threading.RLock()
+        self._generation = 0  # +1 per attach: which handle a call ran on
         try:
             self._attach(create=True)
         except (CxlkvError, OSError, ValueError) as e:
@@ -84,13 +97,15 @@ class PoolSession:
             pool.close()
             raise
         self.pool, self.guard, self.ns, self.node = pool, guard, ns, node
+        self._generation += 1
 
     # -------------------------------------------------------------------------------------------
     def usable(self) -> bool:
         """False while a fence is not recovered from, and once the pool is known bad."""
-        if self._fenced_node and not self._reopen():
-            return False
-        return self.guard.usable()
+        with self._lock:
+            if self._fenced_node and not self._reopen():
+                return False
+            return self.guard.usable()
 
     @property
     def disabled(self) -> bool:
@@ -101,25 +116,41 @@ class PoolSession:
     def call(self, what: str, fn: Callable[..., T], *, retry: bool = True) -> T | None:
         """fn(namespace) if the pool is usable and the call succeeds; None otherwise. After a
         fence, once more on the new node when ``retry``."""
-        if not self.usable():
-            return None
-        try:
-            return self.guard.call(what, fn, self.ns)
-        except FencedError:
-            if not self._fenced(what) or not retry:
+        with self._lock:
+            if not self.usable():
                 return None
+            guard, ns, generation = self.guard, self.ns, self._generation
+
+        def run(ns: Any) -> T:
+            try:
+                return fn(ns)
+            except Exception:
+                if self._generation != generation:
+                    raise _Superseded() from None
+                raise
+
+        try:
+            return guard.call(what, run, ns)
+        except FencedError as e:
+            with self._lock:
+                # Ours to handle unless another thread has opened the pool again meanwhile.
+                mine = not isinstance(e, _Superseded) and self._generation == generation
+                if (mine and not self._fenced(what)) or not retry:
+                    return None
         return self.call(what, fn, retry=False)
 
     def retire(self, obj: Any) -> None:
         """Drops a lease (see PoolGuard.retire); a lease of a fenced node is dropped untouched."""
-        try:
-            self.guard.retire(obj)
-        except FencedError:
-            self._fenced("release")
+        with self._lock:
+            try:
+                self.guard.retire(obj)
+            except FencedError:
+                self._fenced("release")
 
     def close(self) -> None:
-        self.guard.release_pool()
-        self.pool = self.ns = None
+        with self._lock:
+            self.guard.release_pool()
+            self.pool = self.ns = None
 
     # -------------------------------------------------------------------------------------------
     def _fenced(self, what: str) -> bool:

@@ -21,7 +21,12 @@ Scheduler side: ``get_num_new_matched_tokens`` asks the in-pool index directly (
 lookup that also pins the matched blocks, so they cannot be evicted before the worker loads
 them); the lease is released once the step that loads them has completed, or when the request
 ends. Worker side: ``start_load_kv`` scatters the matched blocks into vLLM's paged KV buffers
-before the forward pass; ``wait_for_save`` gathers blocks that became full into the pool.
+before the forward pass; ``wait_for_save`` submits the blocks that became full to a transfer
+thread (transfer.py) and returns: the step never waits for a save. The blocks stay owned by the
+request until their copy is done (``request_finished`` delays their free, ``get_finished``
+reports the request once its copies are done, preempted requests' copies are waited for before
+the next forward: save_tracker.py), and the pool publishes a block only once its bytes and
+checksum are complete.
 
 A block that fails to load (evicted meanwhile, checksum mismatch) is reported through
 ``get_block_ids_with_load_errors`` and vLLM recomputes it. Saves never publish KV computed on top
@@ -72,6 +77,8 @@ from cxlkv.integrations import vllm_metrics
 from cxlkv.integrations.keys import ChainedKeys, MMSpan, root_key
 from cxlkv.integrations.placement import placement_device
 from cxlkv.integrations.pool_session import PoolSession
+from cxlkv.integrations.save_tracker import SaveTracker
+from cxlkv.integrations.transfer import BlockOp, CpuSaveHandle, CpuTransfer, Transfer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -94,6 +101,7 @@ STAT_KEYS = (
     "save_bytes",
     "save_s",
     "saves_dropped_after_failed_load",
+    "saves_waited_at_preemption",
     "pin_capped_requests",
     "pin_capped_blocks",
     "uncacheable_requests",
@@ -106,17 +114,11 @@ STAT_KEYS = (
 
 
 @dataclasses.dataclass
-class BlockOp:
-    req_id: str
-    keys: list  # 32-byte keys, one per block
-    block_ids: list  # vLLM block ids, same length
-    start_depth: int = 0  # position of keys[0] in its prefix chain
-
-
-@dataclasses.dataclass
 class CxlKVConnectorMetadata(KVConnectorMetadata):
     loads: list = dataclasses.field(default_factory=list)
     saves: list = dataclasses.field(default_factory=list)
+    # Requests preempted by this step's schedule: their blocks may be reused by its forward.
+    preempted: set = dataclasses.field(default_factory=set)
     # Scheduler-side counters of this step, reported by the worker (vLLM collects stats there).
     counters: dict = dataclasses.field(default_factory=dict)
 
@@ -161,6 +163,7 @@ class _ReqState:
     held: list = dataclasses.field(default_factory=list)  # saves waiting for `inflight`'s outcome
     lease: Any = None
     lease_step: int | None = None  # step whose metadata carries the load of this lease
+    saving: bool = False  # a save of it went to the workers: its blocks are freed once they say so
 
 
 # -------------------------------------------------------------------------------------------------
@@ -348,6 +351,12 @@ class CxlKVConnector(KVConnectorBase_V1):
         # vLLM's default policy fails the request instead; keep it only when asked to.
         if extra.get("load_failure_policy", "recompute") == "recompute":
             tc.kv_load_failure_policy = "recompute"
+        # Saves off the critical path (issue 16): the step submits them and returns; vLLM frees a
+        # finished request's blocks once its copies are done (request_finished / get_finished).
+        # Opt-in for now: under memory pressure the held frees change vLLM's schedule, and with it
+        # the batch shapes that bf16 greedy outputs depend on (test_connector's preemption test
+        # then parts from plain vLLM). Default: each step waits for its own saves, as before.
+        self._async_saves = bool(extra.get("async_saves", False))
         pool_path = extra.get("pool_path") or cxlkv.default_pool_path()
         # A striped pool: a comma-separated string or a JSON list of device paths.
         self._pool_path = ",".join(map(str, pool_path)) if isinstance(pool_path, list) else str(pool_path)
@@ -402,6 +411,8 @@ class CxlKVConnector(KVConnectorBase_V1):
         self._block_dim = 0
         self._load_errors: set[int] = set()
         self._failed_reqs: set[str] = set()
+        self._transfer: Transfer | None = None
+        self._saves = SaveTracker()
         logger.info(
             "cxlkv connector (%s) on pool %s as node %d, namespace %r (%s), %d-byte blocks",
             role.name,
@@ -653,7 +664,9 @@ class CxlKVConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         self._step += 1
-        meta = CxlKVConnectorMetadata()
+        meta = CxlKVConnectorMetadata(
+            preempted=set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        )
         if not self._session.usable() and self._session.disabled and not self._disabled_reported:
             self._disabled_reported = True
             self._count("pool_disabled")
@@ -696,7 +709,7 @@ class CxlKVConnector(KVConnectorBase_V1):
             return
         if st.held and st.inflight is None:  # their load was confirmed
             meta.saves.extend(st.held)
-            st.held = []
+            st.held, st.saving = [], True
         tokens = st.request.all_token_ids
         full = min(computed_after_step, len(tokens)) // self._block_size
         full = min(full, len(st.block_ids))
@@ -707,7 +720,11 @@ class CxlKVConnector(KVConnectorBase_V1):
         op = BlockOp(req_id, keys[first:full], st.block_ids[first:full], first)
         st.saved_blocks = full
         # KV computed while a load is unconfirmed may sit on top of blocks that never arrived.
-        (st.held if st.inflight is not None else meta.saves).append(op)
+        if st.inflight is not None:
+            st.held.append(op)
+        else:
+            meta.saves.append(op)
+            st.saving = True
 
     def _drop_held(self, st: _ReqState, why: str) -> None:
         if st.held:
@@ -752,12 +769,15 @@ class CxlKVConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]):
         st = self._reqs.pop(request.request_id, None)
-        if st is not None:
-            self._release(st)
-            events = self._events_tracker()
-            if events is not None:  # its last saves are announced once stored
-                events.finished(request.request_id, st)
-        return False, None
+        if st is None:
+            return False, None
+        self._release(st)
+        events = self._events_tracker()
+        if events is not None:  # its last saves are announced once stored
+            events.finished(request.request_id, st)
+        # Async saves may still be copying from its blocks: vLLM frees them once every worker has
+        # reported the request in finished_sending (save_tracker.py). Synchronous saves are done.
+        return st.saving and self._async_saves, None
 
     def _release(self, st: _ReqState) -> None:
         if st.lease is not None:
@@ -802,20 +822,39 @@ class CxlKVConnector(KVConnectorBase_V1):
                 f"{self._ns_name!r} expects {self._block_bytes}"
             )
         self._kv_arrays = [a.detach() for a in arrays]
-        # KV on a GPU: the CUDA data path (transfer_cuda.py: one fused Triton kernel per batch,
-        # through the pool mapping registered with CUDA, else staged); on the CPU the core's copy
-        # engine (ns.store / ns.load) as before.
-        self._transfer = None
-        if first.is_cuda:
-            from cxlkv.integrations.transfer_cuda import CudaTransfer
-
-            self._transfer = CudaTransfer(self._session, self._kv_arrays, self._block_dim, self._block_bytes)
+        self._transfer = self._build_transfer(first.is_cuda)
         logger.info(
             "cxlkv: %d KV layers registered, %s, block_dim=%d",
             len(arrays),
             tuple(first.shape),
             self._block_dim,
         )
+
+    def _build_transfer(self, on_cuda: bool) -> Transfer:
+        # KV on a GPU: the CUDA data path (transfer_cuda.py: one fused Triton kernel per batch,
+        # through the pool mapping registered with CUDA, else staged); on the CPU the core's copy
+        # engine (ns.store / ns.load) on a save thread.
+        if on_cuda:
+            from cxlkv.integrations.transfer_cuda import CudaTransfer
+
+            return CudaTransfer(self._session, self._kv_arrays, self._block_dim, self._block_bytes)
+        return CpuTransfer(self._session, self._kv_arrays, self._block_dim)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # Before this step's forward, which may write the blocks the preempted requests held.
+        preempted = getattr(kv_connector_metadata, "preempted", None)
+        if preempted:
+            n = self._saves.pending(preempted)
+            if n:
+                self._stats.data["saves_waited_at_preemption"] += n
+                if "preempted_saves" not in self._logged:
+                    self._logged.add("preempted_saves")
+                    logger.info(
+                        "cxlkv: %d saves of preempted requests in flight: the forward waits for them "
+                        "(logged once; counted as saves_waited_at_preemption)",
+                        n,
+                    )
+            self._saves.wait_for(preempted)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = cast(CxlKVConnectorMetadata, self._get_connector_metadata())
@@ -826,13 +865,9 @@ class CxlKVConnector(KVConnectorBase_V1):
         for op in meta.loads:
             t0 = time.perf_counter()
             # Not retried after a fence: the blocks were pinned by the fenced node's lease.
-            n = self._session.call(
-                "load",
-                lambda ns, op=op: ns.load(op.keys, self._kv_arrays, op.block_ids, block_dim=self._block_dim),
-                retry=False,
-            )
-            if n is None:  # the pool could not be used: every block of the op fails
-                n = 0
+            usable = self._session.usable()
+            n = self._transfer.load(op) if self._transfer is not None and usable else 0
+            if not usable:  # the pool could not be used: every block of the op fails
                 self._stats.data["load_failed_unavailable_blocks"] += len(op.keys)
             self._stats.data["load_s"] += time.perf_counter() - t0
             self._stats.data["load_op_s"].append(time.perf_counter() - t0)
@@ -858,26 +893,30 @@ class CxlKVConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         meta = cast(CxlKVConnectorMetadata, self._get_connector_metadata())
         for op in meta.saves:
+            if self._async_saves:  # its blocks are held: reported in finished_sending whatever happens below
+                self._saves.note(op.req_id)
             if op.req_id in self._failed_reqs:
                 # Defence in depth (the scheduler holds such saves): this rank's load failed in
                 # this very step, so this step's KV of the request sits on missing blocks.
                 self._stats.data["saves_dropped_after_failed_load"] += len(op.keys)
                 continue
-            t0 = time.perf_counter()
-            n = self._session.call(
-                "store",
-                lambda ns, op=op: ns.store(
-                    op.keys,
-                    self._kv_arrays,
-                    op.block_ids,
-                    block_dim=self._block_dim,
-                    start_depth=op.start_depth,
-                ),
-            )
-            if n is None:
-                continue
-            self._stats.data["save_s"] += time.perf_counter() - t0
-            self._stats.data["save_op_s"].append(time.perf_counter() - t0)
+            if self._transfer is not None and self._session.usable():
+                self._saves.add(op, self._transfer.submit_save(op))
+        if not self._can_load or not self._async_saves:
+            # Synchronous saves (the default, see async_saves above), and a prefill instance
+            # (kv_producer) in any mode: its answer tells the proxy that the decode instance may
+            # load the prompt's KV now, so the step ends once it is published.
+            self._saves.wait_for({op.req_id for op in meta.saves})
+        self._account_saves()
+
+    def _account_saves(self) -> None:
+        for op, handle in self._saves.completed():
+            n = handle.result()
+            if isinstance(handle, CpuSaveHandle):
+                if handle.refused:  # the pool is unusable: nothing to count
+                    continue
+                self._stats.data["save_s"] += handle.seconds
+                self._stats.data["save_op_s"].append(handle.seconds)
             self._stats.data["save_blocks"] += n
             self._stats.data["save_bytes"] += n * self._block_bytes
             if n < len(op.keys):
@@ -893,11 +932,17 @@ class CxlKVConnector(KVConnectorBase_V1):
                     self._pool_path,
                 )
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self._account_saves()
+        sending = self._saves.finished_sending(finished_req_ids)
+        return sending or None, None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        self._account_saves()
         if self._stats.is_empty():
             return None
         out, self._stats = self._stats, CxlKVStats()
@@ -914,4 +959,6 @@ class CxlKVConnector(KVConnectorBase_V1):
     def shutdown(self):
         for st in self._reqs.values():
             self._release(st)
+        if self._transfer is not None:
+            self._transfer.close()  # lets the queued saves finish (bounded)
         self._session.close()
