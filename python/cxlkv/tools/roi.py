@@ -129,15 +129,21 @@ def _text_config(cfg: dict) -> dict:
     return inner if isinstance(inner, dict) else cfg
 
 
-def model_params(cfg: dict) -> int:
-    """Parameters one token's forward pass touches (activated experts only), from a Hugging Face
-    config of a decoder-only transformer: embeddings, attention projections, the (gated) MLP."""
-    cfg = _text_config(cfg)
+def _attention_geometry(cfg: dict) -> tuple[int, int, int, int, int]:
+    """(hidden size, layers, query heads, KV heads, head dim) of a decoder config."""
     hidden = _cfg_int(cfg, "hidden_size", "n_embd", "d_model")
     layers = _cfg_int(cfg, "num_hidden_layers", "n_layer", "num_layers")
     heads = _cfg_int(cfg, "num_attention_heads", "n_head")
     kv_heads = _cfg_int(cfg, "num_key_value_heads", default=heads)
     head_dim = _cfg_int(cfg, "head_dim", default=hidden // heads)
+    return hidden, layers, heads, kv_heads, head_dim
+
+
+def model_params(cfg: dict) -> int:
+    """Parameters one token's forward pass touches (activated experts only), from a Hugging Face
+    config of a decoder-only transformer: embeddings, attention projections, the (gated) MLP."""
+    cfg = _text_config(cfg)
+    hidden, layers, heads, kv_heads, head_dim = _attention_geometry(cfg)
     vocab = _cfg_int(cfg, "vocab_size")
     attn = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2  # q, o; k, v
     experts = cfg.get("num_experts_per_tok")
@@ -157,11 +163,7 @@ _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1, "fp8": 1
 def kv_bytes_per_token(cfg: dict, dtype: str | None = None) -> int:
     """Bytes of K and V one token stores over all layers (dense attention)."""
     cfg = _text_config(cfg)
-    hidden = _cfg_int(cfg, "hidden_size", "n_embd", "d_model")
-    layers = _cfg_int(cfg, "num_hidden_layers", "n_layer", "num_layers")
-    heads = _cfg_int(cfg, "num_attention_heads", "n_head")
-    kv_heads = _cfg_int(cfg, "num_key_value_heads", default=heads)
-    head_dim = _cfg_int(cfg, "head_dim", default=hidden // heads)
+    hidden, layers, heads, kv_heads, head_dim = _attention_geometry(cfg)
     name = dtype or str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
     size = _DTYPE_BYTES.get(name.removeprefix("torch."))
     if size is None:
