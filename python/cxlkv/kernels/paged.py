@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import triton  # type: ignore[import-untyped]
-import triton.language as tl  # type: ignore[import-untyped]
+import triton
+import triton.language as tl
 
 CHUNK = 1024  # words per program: 8 KiB with 8-byte words
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}

@@ -163,7 +163,7 @@ _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1, "fp8": 1
 def kv_bytes_per_token(cfg: dict, dtype: str | None = None) -> int:
     """Bytes of K and V one token stores over all layers (dense attention)."""
     cfg = _text_config(cfg)
-    hidden, layers, heads, kv_heads, head_dim = _attention_geometry(cfg)
+    _hidden, layers, _heads, kv_heads, head_dim = _attention_geometry(cfg)
     name = dtype or str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
     size = _DTYPE_BYTES.get(name.removeprefix("torch."))
     if size is None:
