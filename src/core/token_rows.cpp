@@ -36,11 +36,12 @@ uint64_t mix(uint64_t x) {
 
 }  // namespace
 
-// XXH3-64 with seed 0, then the row's seed mixed in: XXH3's own seeded variant derives a secret
+// XXH3-64 with seed 0 (xxh3_vec: the same value as libxxhash's, on the CPU's widest stripe loop),
+// then the row's seed mixed in: XXH3's own seeded variant derives a secret
 // per call for inputs over 240 bytes (every row format here), which would cost more than the row.
 // mix() is a bijection, so rows of equal bytes at different (sequence, layer, position) still get
 // different checks, and a row moved elsewhere never verifies.
-uint64_t row_check(const void* row, size_t n, uint64_t seed) { return mix(xxh3(row, n) ^ seed); }
+uint64_t row_check(const void* row, size_t n, uint64_t seed) { return mix(xxh3_vec(row, n) ^ seed); }
 
 TokenGeometry TokenGeometry::make(uint64_t layers, uint64_t tokens_per_block, uint64_t row_bytes) {
   constexpr uint64_t kMax32 = std::numeric_limits<uint32_t>::max();
@@ -116,6 +117,17 @@ std::vector<ResolvedBlock> resolve_blocks(Pool& pool, const NsHandle& ns, const 
   return out;
 }
 
+// Why the loop has two phases per batch of rows (measured with src/bench/gather_micro.cpp; 4
+// layers x 2,048 random rows of a 128K-token sequence, 656 / 1,152-B rows, BENCHMARKS.md):
+// * the copies alone run at a packed memcpy's speed: rows are independent loads the CPU overlaps
+//   by itself (software prefetch of the rows gained nothing and with the hash in the loop it lost:
+//   11-18 lines per row x 16 rows ahead overflow the line-fill buffers);
+// * hashing each row right after its copy serialised the two: each row's misses waited behind the
+//   previous row's hash (0.3x of memcpy). Copying a batch, then hashing the batch as delivered
+//   (in L1/L2 by then) lets the misses of a batch overlap: 0.55-0.65x here; the rest is the hash
+//   itself (XXH3 on the AVX-512 stripe loop, xxh3_vec: ~25 GB/s on this VM, vs ~10 GB/s of DRAM).
+// The guarantee is unchanged: every delivered row is hashed in the caller's memory and compared
+// with the check stored beside it, before the call returns success.
 GatherResult gather_rows(const Pool& pool, const SeqRows& s, uint32_t first_layer, uint32_t n_layers,
                          const int64_t* indices, size_t k, bool indices_per_layer, char* out) {
   const TokenGeometry& g = *s.g;
@@ -129,38 +141,34 @@ GatherResult gather_rows(const Pool& pool, const SeqRows& s, uint32_t first_laye
     }
   }
   const uint64_t R = g.row_bytes;
-  // Rows are scattered over the pool: ask for row i + kAhead while row i is copied, so the
-  // misses of a top-k gather overlap instead of being paid one after another.
-  constexpr size_t kAhead = 16;
-  auto prefetch = [&](uint32_t layer, int64_t pos) {
-    const uint64_t c = uint64_t(pos) / g.tokens_per_block;
-    const char* blk = pool.arena_bytes(s.offsets[c], g.block_bytes());
-    if (!blk) return;
-    const char* row = blk + g.row_off(layer, uint32_t(uint64_t(pos) % g.tokens_per_block));
-    for (uint64_t off = 0; off < R; off += 64) __builtin_prefetch(row + off);
-  };
+  constexpr size_t kBatch = 128;  // 84-147 KiB of 656-1,152-B rows: stays in L2 until hashed
+  uint64_t want[kBatch];          // the stored checks, read beside each row's copy
+  bool present[kBatch];           // false: the block's offset lies outside the arena
   for (uint32_t j = 0; j < n_layers; ++j) {
     const uint32_t layer = first_layer + j;
     const int64_t* idx = indices_per_layer ? indices + size_t(j) * k : indices;
-    char* dst = out + size_t(j) * k * R;
-    for (size_t i = 0; i < std::min(k, kAhead); ++i) prefetch(layer, idx[i]);
-    for (size_t i = 0; i < k; ++i, dst += R) {
-      if (i + kAhead < k) prefetch(layer, idx[i + kAhead]);
-      const uint64_t pos = uint64_t(idx[i]);
-      const uint64_t c = pos / g.tokens_per_block;
-      const uint32_t t = uint32_t(pos % g.tokens_per_block);
-      const char* blk = pool.arena_bytes(s.offsets[c], g.block_bytes());
-      uint64_t want = 0;
-      if (blk) {
-        std::memcpy(dst, blk + g.row_off(layer, t), R);
-        std::memcpy(&want, blk + g.hash_off(layer, t), 8);
+    char* const dst = out + size_t(j) * k * R;
+    for (size_t b0 = 0; b0 < k; b0 += kBatch) {
+      const size_t n = std::min(kBatch, k - b0);
+      for (size_t i = 0; i < n; ++i) {
+        const uint64_t pos = uint64_t(idx[b0 + i]);
+        const uint32_t t = uint32_t(pos % g.tokens_per_block);
+        const char* blk = pool.arena_bytes(s.offsets[pos / g.tokens_per_block], g.block_bytes());
+        present[i] = blk != nullptr;
+        if (!blk) continue;
+        std::memcpy(dst + (b0 + i) * R, blk + g.row_off(layer, t), R);
+        std::memcpy(&want[i], blk + g.hash_off(layer, t), 8);
       }
       // Hash the bytes as delivered (never re-read the pool): a concurrent writer can only make
       // the comparison fail, never make it pass for bytes other than those in dst.
-      if (!blk || row_check(dst, R, row_seed(s.seq_hash, s.stream, layer, pos)) != want) {
-        r.status = GatherResult::kMiss, r.bad_pos = size_t(j) * k + i, r.bad_index = idx[i],
-        r.bad_layer = layer;
-        return r;
+      for (size_t i = 0; i < n; ++i) {
+        const uint64_t pos = uint64_t(idx[b0 + i]);
+        if (!present[i] ||
+            row_check(dst + (b0 + i) * R, R, row_seed(s.seq_hash, s.stream, layer, pos)) != want[i]) {
+          r.status = GatherResult::kMiss, r.bad_pos = size_t(j) * k + b0 + i, r.bad_index = idx[b0 + i],
+          r.bad_layer = layer;
+          return r;
+        }
       }
     }
   }

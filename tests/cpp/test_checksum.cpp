@@ -68,6 +68,21 @@ TEST(Checksum, LargeSizesMatchXxh3) {
       EXPECT_TRUE(one_copy(n, off, (off * 7) % 64)) << "n=" << n << " off=" << off;
 }
 
+// xxh3_vec (the token rows' hash, on the CPU's widest stripe loop) is XXH3_64bits, at every size
+// around the short/long boundary, every stripe and scramble boundary, and any alignment.
+TEST(Checksum, Xxh3VecMatchesXxh3AtEverySize) {
+  SCOPED_TRACE(kernel_trace());
+  std::mt19937_64 rng(11);
+  std::vector<char> buf(8192 + 64);
+  for (auto& c : buf) c = char(rng());
+  for (size_t n = 0; n <= 4160; ++n)
+    for (size_t off : {0ul, 1ul, 16ul, 63ul})
+      if (xxh3_vec(buf.data() + off, n) != XXH3_64bits(buf.data() + off, n))
+        ADD_FAILURE() << "n=" << n << " off=" << off;
+  for (size_t n : {8192ul, 1025ul * 5})
+    EXPECT_EQ(xxh3_vec(buf.data() + 3, n), XXH3_64bits(buf.data() + 3, n)) << n;
+}
+
 // Any split of the input into pieces (of 0, 1, 63, 64, 65, ... bytes), through update_copy or
 // update, gives the digest of the whole.
 TEST(Checksum, AnySplitIntoPiecesMatchesXxh3) {

@@ -1,7 +1,9 @@
 // Token blocks (src/core/token_rows.*): sealed blocks resolve and gather exactly, indices out of
 // range are refused before any copy, and a row whose bytes changed in the pool (or a block of
 // another sequence or chunk) never verifies.
+#include <atomic>
 #include <random>
+#include <thread>
 
 #include "test_util.h"
 #include "token_rows.h"
@@ -72,6 +74,111 @@ TEST_F(TokenRows, SealResolveGatherExactThenCorruptionIsAMiss) {
   tokens::SeqRows w{&g, seq, 0, n_tokens, wild.data(), wild.size()};
   const int64_t first[] = {0};
   EXPECT_EQ(tokens::gather_rows(*pool, w, 0, 1, first, 1, false, out.data()).status, GatherResult::kMiss);
+  pool->release(pins);
+}
+
+// The gather copies rows in batches and hashes each batch after its copy (token_rows.cpp): a
+// gather over many batches is exact, and a corrupt row anywhere in a batch (not only its first)
+// is the miss reported, the first one in index order when there are several.
+TEST_F(TokenRows, BatchedGatherExactAndFirstCorruptRowIsTheMiss) {
+  const auto g = TokenGeometry::make(2, 64, 1152);
+  auto pool = create(opts(64 * MiB, 1 * MiB));
+  auto ns = pool->open_namespace(layout("tokens-batched", g.block_bytes()));
+  std::mt19937_64 rng(std::random_device{}());
+  const uint64_t seq = rng(), n_blocks = 8, n_tokens = n_blocks * 64;
+  std::vector<std::vector<char>> blocks(n_blocks, std::vector<char>(g.block_bytes()));
+  std::vector<Key> keys;
+  for (uint64_t c = 0; c < n_blocks; ++c) {
+    for (auto& b : blocks[c]) b = char(rng());
+    tokens::seal_block(blocks[c].data(), g, seq, 0, c, 64);
+    keys.push_back(key_of(100 + c));
+    Piece p{blocks[c].data(), g.block_bytes()};
+    ASSERT_TRUE(pool->put(ns, keys[c], &p, 1, 0));
+  }
+  auto pins = pool->acquire(ns, keys.data(), keys.size());
+  auto r = tokens::resolve_blocks(*pool, ns, g, keys.data(), n_blocks, seq, 0, 0);
+  ASSERT_EQ(r.size(), n_blocks);
+  std::vector<uint64_t> offs;
+  for (auto& b : r) offs.push_back(b.offset);
+  tokens::SeqRows s{&g, seq, 0, n_tokens, offs.data(), offs.size()};
+  const size_t k = 517;  // four batches of 128 and a partial one
+  std::vector<int64_t> idx(2 * k);
+  for (auto& i : idx) i = int64_t(rng() % n_tokens);
+  idx[0] = 0, idx[k - 1] = int64_t(n_tokens - 1), idx[k] = idx[k + 1];  // ends and a duplicate
+  std::vector<char> out(idx.size() * 1152, char(0xA5));
+  ASSERT_EQ(tokens::gather_rows(*pool, s, 0, 2, idx.data(), k, true, out.data()).status, GatherResult::kOk);
+  for (size_t i = 0; i < idx.size(); ++i) {
+    const uint32_t layer = uint32_t(i / k);
+    const auto& b = blocks[idx[i] / 64];
+    ASSERT_EQ(std::memcmp(out.data() + i * 1152, b.data() + g.row_off(layer, idx[i] % 64), 1152), 0) << i;
+  }
+  // corrupt the rows gathered at positions 300 (third batch, not its first row) and 450 of layer 1
+  auto corrupt = [&](size_t pos) {
+    char* row = const_cast<char*>(
+        pool->arena_bytes(offs[idx[k + pos] / 64] + g.row_off(1, uint32_t(idx[k + pos] % 64)), 1152));
+    ASSERT_NE(row, nullptr);
+    row[1151] ^= 0x40;
+  };
+  idx[k + 450] = (idx[k + 300] + 1) % int64_t(n_tokens);  // distinct rows
+  for (size_t i = 0; i < k; ++i)                          // and gathered nowhere else in layer 1
+    while (i != 300 && i != 450 && (idx[k + i] == idx[k + 300] || idx[k + i] == idx[k + 450]))
+      idx[k + i] = int64_t(rng() % n_tokens);
+  corrupt(450);
+  corrupt(300);
+  auto res = tokens::gather_rows(*pool, s, 0, 2, idx.data(), k, true, out.data());
+  EXPECT_EQ(res.status, GatherResult::kMiss);
+  EXPECT_EQ(res.bad_pos, k + 300);
+  EXPECT_EQ(res.bad_layer, 1u);
+  EXPECT_EQ(res.bad_index, idx[k + 300]);
+  EXPECT_EQ(tokens::gather_rows(*pool, s, 0, 1, idx.data(), k, false, out.data()).status, GatherResult::kOk);
+  pool->release(pins);
+}
+
+// Rows change under the gather (another thread toggles one byte in every row of a block, as a
+// writer reusing it would): every gather is either a miss or exactly the sealed rows.
+TEST_F(TokenRows, RowsChangingMidGatherAreAMissNeverWrongRows) {
+  const auto g = TokenGeometry::make(1, 64, 656);
+  auto pool = create(opts(32 * MiB, 1 * MiB));
+  auto ns = pool->open_namespace(layout("tokens-racy", g.block_bytes()));
+  std::mt19937_64 rng(std::random_device{}());
+  const uint64_t seq = rng();
+  std::vector<char> block(g.block_bytes());
+  for (auto& b : block) b = char(rng());
+  tokens::seal_block(block.data(), g, seq, 0, 0, 64);
+  const Key key = key_of(7);
+  Piece p{block.data(), g.block_bytes()};
+  ASSERT_TRUE(pool->put(ns, key, &p, 1, 0));
+  auto pins = pool->acquire(ns, &key, 1);
+  auto r = tokens::resolve_blocks(*pool, ns, g, &key, 1, seq, 0, 0);
+  ASSERT_EQ(r.size(), 1u);
+  tokens::SeqRows s{&g, seq, 0, 64, &r[0].offset, 1};
+  char* rows = const_cast<char*>(pool->arena_bytes(r[0].offset, g.payload_bytes()));
+  std::atomic<bool> stop{false};
+  std::thread writer([&] {
+    for (uint64_t n = 0; !stop.load(std::memory_order_relaxed); ++n)
+      for (uint32_t t = 0; t < 64; ++t)
+        __atomic_fetch_xor(rows + t * 656 + (n / 2) % 656, char(1), __ATOMIC_RELAXED);  // odd passes undo
+  });
+  std::vector<int64_t> idx(200);
+  for (auto& i : idx) i = int64_t(rng() % 64);
+  std::vector<char> out(idx.size() * 656);
+  size_t ok = 0, miss = 0;
+  for (int round = 0; round < 2000; ++round) {
+    auto res = tokens::gather_rows(*pool, s, 0, 1, idx.data(), idx.size(), false, out.data());
+    ASSERT_NE(res.status, GatherResult::kIndexOutOfRange);
+    if (res.status == GatherResult::kMiss) {
+      ++miss;
+      continue;
+    }
+    ++ok;
+    for (size_t i = 0; i < idx.size(); ++i)
+      ASSERT_EQ(std::memcmp(out.data() + i * 656, block.data() + g.row_off(0, uint32_t(idx[i])), 656), 0)
+          << "round " << round << " row " << i;
+  }
+  stop = true;
+  writer.join();
+  if (miss == 0) GTEST_LOG_(WARNING) << "the writer never changed a row under a gather";
+  RecordProperty("ok", int(ok)), RecordProperty("miss", int(miss));
   pool->release(pins);
 }
 

@@ -625,6 +625,7 @@ def test_bench_sparse_smoke(scratch_pool_dir):
     assert len(out["results"]) == 4  # two formats x two contexts
     for x in out["results"]:
         assert {"context_tokens", "topk", "bytes_ratio", "latency_ratio", "gather_vs_memcpy"} <= set(x)
+        assert x["gather_vs_private"] > 0 and x["gather_private_gbps"] > 0 and x["gather_call_s"] > 0
         assert x["bytes_ratio"] == x["context_tokens"] / 64
         assert len(x["hot_buffer"]) == 2 and all(0 <= h["hit_rate"] <= 1 for h in x["hot_buffer"])
     assert not os.listdir(scratch_pool_dir)

@@ -9,6 +9,11 @@ tokens per layer per decode step, contexts 16K..128K. Per context and row format
   every row verified;
 * memcpy: a copy of the same number of bytes from packed (contiguous) rows, out of a buffer as
   large as the context's rows, a different slice each time: the limit;
+* private gather: the same rows (same indices) gathered by numpy (``np.take``, a C loop of row
+  copies) from private memory holding the context's rows ``[layers, context, row]``: what a gather
+  costs without the pool, so ``gather_vs_private`` says what the pool (offsets, verification)
+  costs and ``gather_vs_memcpy`` what gathering costs at all;
+* call overhead: ``gather_layers`` of one row per layer (Python, nanobind, the view's checks);
 * hot buffer: steps whose top-k share a fraction ``h`` of the previous step's tokens, through a
   HiSparse buffer of 2k + 1 rows per layer; bytes fetched from the pool and latency per step.
 
@@ -47,6 +52,17 @@ def _best(fn: Callable[[], Any], repeats: int) -> float:
         fn()
         best = min(best, time.perf_counter() - t)
     return best
+
+
+def _private_gather_s(private: np.ndarray, idx: np.ndarray, out: np.ndarray, repeats: int) -> float:
+    """The fastest gather of rows ``idx`` (``[layers, k]``) by numpy from private rows
+    ``[layers, context, row]`` into ``out``: the same work as the pool's gather, without the pool."""
+
+    def gather() -> None:
+        for layer in range(private.shape[0]):
+            np.take(private[layer], idx[layer], axis=0, out=out[layer])
+
+    return _best(gather, repeats)
 
 
 def _topk(rng: np.random.Generator, layers: int, context: int, k: int) -> np.ndarray:
@@ -131,7 +147,12 @@ def _measure_context(
             np.copyto(flat_out, packed[start : start + sparse_bytes])
 
         memcpy_s = _best(memcpy, repeats)
+        private_s = _private_gather_s(
+            packed[:row_total].reshape(layers, context, row_bytes), idx, out, repeats
+        )
         packed = np.empty(0, np.uint8)  # frees the reference's buffer before the hot-buffer runs
+        one_idx, one_out = idx[:, :1].copy(), out[:, :1].copy()
+        call_s = _best(lambda: ts.gather_layers(seq, one_idx, one_out), repeats * 20)
         full_bytes = row_total
         say(f"{fmt} {context // 1024}K: full {full_s * 1e3:.1f} ms, top-{k} {sparse_s * 1e3:.2f} ms")
         hot = []
@@ -182,6 +203,9 @@ def _measure_context(
             "gather_gbps": sparse_bytes / sparse_s / 1e9,
             "memcpy_packed_gbps": sparse_bytes / memcpy_s / 1e9,
             "gather_vs_memcpy": memcpy_s / sparse_s,
+            "gather_private_gbps": sparse_bytes / private_s / 1e9,
+            "gather_vs_private": private_s / sparse_s,
+            "gather_call_s": call_s,
             "full_fetch_gbps": full_bytes / full_s / 1e9,
             "hot_buffer": hot,
         }
@@ -248,6 +272,8 @@ def print_result(con: Any, r: dict) -> None:
         "gather GB/s",
         "memcpy GB/s",
         "gather/memcpy",
+        "private gather GB/s",
+        "gather/private",
     ):
         t.add_column(col, justify="right")
     for x in r["results"]:
@@ -263,6 +289,8 @@ def print_result(con: Any, r: dict) -> None:
             f"{x['gather_gbps']:.2f}",
             f"{x['memcpy_packed_gbps']:.2f}",
             f"{x['gather_vs_memcpy']:.2f}",
+            f"{x['gather_private_gbps']:.2f}",
+            f"{x['gather_vs_private']:.2f}",
         )
     con.print(t)
     h = Table(title="with the hot buffer (2k+1 rows per layer): per decode step")

@@ -17,6 +17,19 @@ const xxh3k::CopyHashFn kCopyHash = xxh3k::pick_copy_hash();
 
 uint64_t xxh3(const void* p, size_t n, uint64_t seed) { return XXH3_64bits_withSeed(p, n, seed); }
 
+uint64_t xxh3_vec(const void* p, size_t n) {
+  constexpr size_t kMidsizeMax = 240;  // XXH3 hashes inputs up to this size without stripes
+  if (n <= kMidsizeMax) return XXH3_64bits(p, n);
+  // XXH3's long path: (n - 1) / 64 whole stripes (a scramble after every 16th), then the final 64
+  // bytes as the last stripe, then the merge (xxh3k::finish).
+  xxh3k::Acc acc;
+  xxh3k::init(acc);
+  const uint8_t* secret = xxh3k::default_secret();
+  const char* s = static_cast<const char*>(p);
+  kHash(acc, secret, s, (n - 1) / 64);
+  return xxh3k::finish(acc, secret, reinterpret_cast<const uint8_t*>(s + n - 64), n);
+}
+
 const char* checksum_copy_kernel_name() {
   if (kCopyHash) return "avx512-fused";
   return cpu_features().avx2 ? "bounce-avx2" : "bounce-scalar";  // pick_hash() follows the same flag

@@ -10,6 +10,10 @@
 namespace cxlkv {
 
 uint64_t xxh3(const void* p, size_t n, uint64_t seed = 0);
+// XXH3-64 with seed 0, bit-identical with xxh3(p, n): inputs over 240 bytes run the stripe loop
+// picked for this CPU (AVX2), where xxh3() is libxxhash compiled for baseline x86-64 (SSE2).
+// For hashing many short rows (token_rows.cpp): no per-call state beyond the stack.
+uint64_t xxh3_vec(const void* p, size_t n);
 // "avx512-fused" / "bounce-avx2" / "bounce-scalar": how Checksum::update_copy copies and hashes.
 const char* checksum_copy_kernel_name();
 

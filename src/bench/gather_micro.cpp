@@ -1,0 +1,296 @@
+// Where a token-row gather's time goes (issue 15, Performance): variants of the gather loop of
+// src/core/token_rows.cpp on the token block layout, in a /dev/shm mapping (as the pool) and in
+// private memory, against a packed memcpy of the same bytes. A profiling tool, not part of the
+// product: build with scripts/bench_gather_micro.sh, run with [row_bytes] [context] [layers] [k]
+// [repeats]; each line is the median of the repeats.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "platform/checksum.h"
+#include "token_rows.h"
+
+using namespace cxlkv;
+using namespace cxlkv::tokens;
+
+namespace {
+
+// token_rows.cpp's row_check as it was before xxh3_vec: libxxhash's XXH3 built for baseline
+// x86-64 (SSE2). The same value as row_check (tests/cpp/test_checksum.cpp).
+uint64_t mix(uint64_t x) {
+  x ^= x >> 30;
+  x *= 0xbf58476d1ce4e5b9ull;
+  x ^= x >> 27;
+  x *= 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+uint64_t row_check_sse2(const void* row, size_t n, uint64_t seed) { return mix(xxh3(row, n) ^ seed); }
+
+double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+template <class F>
+double median_s(F&& f, int reps) {
+  f();
+  std::vector<double> t;
+  for (int r = 0; r < reps; ++r) {
+    double a = now();
+    f();
+    t.push_back(now() - a);
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+char* map_shm(size_t bytes) {
+  std::string path = "/dev/shm/cxlkv-gather-micro-" + std::to_string(getpid());
+  int fd = open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC, 0600);
+  if (fd < 0 || ftruncate(fd, off_t(bytes)) != 0) std::abort();
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  unlink(path.c_str());
+  if (p == MAP_FAILED) std::abort();
+  return static_cast<char*>(p);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const uint32_t R = argc > 1 ? uint32_t(atoi(argv[1])) : 656;
+  const uint64_t ctx = argc > 2 ? uint64_t(atoll(argv[2])) : 131072;
+  const uint32_t L = argc > 3 ? uint32_t(atoi(argv[3])) : 4;
+  const size_t k = argc > 4 ? size_t(atoll(argv[4])) : 2048;
+  const int reps = argc > 5 ? atoi(argv[5]) : 9;
+  const uint32_t T = 64;
+  TokenGeometry g = TokenGeometry::make(L, T, R);
+  const uint64_t nb = ctx / T, bb = g.block_bytes();
+  // The pool has 8 MiB chunks of blocks; the layout here is blocks back to back (same scatter).
+  char* shm = map_shm(nb * bb);
+  std::vector<char> priv_blocks(nb * bb);
+  std::mt19937_64 rng(7);
+  std::vector<char> rowsbuf(bb);
+  for (uint64_t c = 0; c < nb; ++c) {
+    for (auto& b : rowsbuf) b = char(rng());
+    seal_block(rowsbuf.data(), g, 42, 0, c, T);
+    std::memcpy(shm + c * bb, rowsbuf.data(), bb);
+    std::memcpy(priv_blocks.data() + c * bb, rowsbuf.data(), bb);
+  }
+  // Private packed rows [L][ctx][R]: what numpy fancy indexing would gather from.
+  std::vector<char> packed_rows(uint64_t(L) * ctx * R, 1);
+  std::vector<int64_t> idx(size_t(L) * k);
+  for (uint32_t l = 0; l < L; ++l) {
+    std::vector<int64_t> all(ctx);
+    std::iota(all.begin(), all.end(), 0);
+    std::shuffle(all.begin(), all.end(), rng);
+    std::copy(all.begin(), all.begin() + k, idx.begin() + l * k);
+  }
+  const size_t out_bytes = size_t(L) * k * R;
+  std::vector<char> out(out_bytes);
+  std::vector<uint64_t> offs(nb);
+  for (uint64_t c = 0; c < nb; ++c) offs[c] = c * bb;
+  const size_t slices = packed_rows.size() / out_bytes;
+  size_t turn = 0;
+
+  auto gather = [&](const char* base, int prefetch, bool read_hash, int hash_mode) {
+    constexpr size_t kAhead = 16;
+    uint64_t bad = 0;
+    for (uint32_t l = 0; l < L; ++l) {
+      const int64_t* ix = idx.data() + size_t(l) * k;
+      char* dst = out.data() + size_t(l) * k * R;
+      auto pf = [&](int64_t pos) {
+        const char* blk = base + offs[uint64_t(pos) / T];
+        const uint32_t t = uint32_t(uint64_t(pos) % T);
+        const char* row = blk + g.row_off(l, t);
+        if (prefetch & 1)
+          for (uint64_t o = 0; o < R; o += 64) __builtin_prefetch(row + o);
+        if (prefetch & 2) __builtin_prefetch(blk + g.hash_off(l, t));
+      };
+      if (prefetch)
+        for (size_t i = 0; i < std::min(k, kAhead); ++i) pf(ix[i]);
+      for (size_t i = 0; i < k; ++i, dst += R) {
+        if (prefetch && i + kAhead < k) pf(ix[i + kAhead]);
+        const uint64_t pos = uint64_t(ix[i]);
+        const char* blk = base + offs[pos / T];
+        const uint32_t t = uint32_t(pos % T);
+        std::memcpy(dst, blk + g.row_off(l, t), R);
+        uint64_t want = 0;
+        if (read_hash) std::memcpy(&want, blk + g.hash_off(l, t), 8);
+        if (hash_mode == 1) bad += row_check_sse2(dst, R, row_seed(42, 0, l, pos)) != want;
+        if (hash_mode == 2) bad += row_check(dst, R, row_seed(42, 0, l, pos)) != want;
+      }
+    }
+    if (bad && (hash_mode)) std::printf("!! %lu rows failed\n", (unsigned long)bad);
+  };
+
+  // Copy a batch of rows (prefetched ahead), then hash the batch as delivered: the copy's misses
+  // overlap each other instead of waiting behind the hash's arithmetic.
+  auto gather_batched = [&](const char* base, size_t batch, bool fast, int pmode = 2, size_t lo = 0,
+                            size_t hi = ~size_t(0)) {
+    hi = std::min(hi, k);
+    constexpr size_t kAhead = 16;
+    uint64_t bad = 0;
+    std::vector<uint64_t> want(batch);
+    for (uint32_t l = 0; l < L; ++l) {
+      const int64_t* ix = idx.data() + size_t(l) * k;
+      char* dst0 = out.data() + size_t(l) * k * R;
+      auto pf = [&](int64_t pos) {
+        const char* blk = base + offs[uint64_t(pos) / T];
+        const uint32_t t = uint32_t(uint64_t(pos) % T);
+        const char* row = blk + g.row_off(l, t);
+        if (pmode & 2)
+          for (uint64_t o = 0; o < R; o += 64) __builtin_prefetch(row + o);
+        if (pmode & 1) __builtin_prefetch(blk + g.hash_off(l, t));
+      };
+      for (size_t i = lo; i < std::min(hi, lo + kAhead); ++i) pf(ix[i]);
+      for (size_t b0 = lo; b0 < hi; b0 += batch) {
+        const size_t b1 = std::min(hi, b0 + batch);
+        for (size_t i = b0; i < b1; ++i) {
+          if (i + kAhead < hi) pf(ix[i + kAhead]);
+          const uint64_t pos = uint64_t(ix[i]);
+          const char* blk = base + offs[pos / T];
+          const uint32_t t = uint32_t(pos % T);
+          std::memcpy(dst0 + i * R, blk + g.row_off(l, t), R);
+          std::memcpy(&want[i - b0], blk + g.hash_off(l, t), 8);
+        }
+        for (size_t i = b0; i < b1; ++i) {
+          const uint64_t seed = row_seed(42, 0, l, uint64_t(ix[i]));
+          const uint64_t h = fast ? row_check(dst0 + i * R, R, seed) : row_check_sse2(dst0 + i * R, R, seed);
+          bad += h != want[i - b0];
+        }
+      }
+    }
+    if (bad) std::printf("!! %lu rows failed\n", (unsigned long)bad);
+  };
+
+  // Software pipeline: prefetch row i + ahead, copy row i, hash row i - lag (still in L1).
+  auto gather_lagged = [&](const char* base, size_t ahead, size_t lag, int hint) {
+    uint64_t bad = 0;
+    std::vector<uint64_t> want(k);
+    for (uint32_t l = 0; l < L; ++l) {
+      const int64_t* ix = idx.data() + size_t(l) * k;
+      char* dst0 = out.data() + size_t(l) * k * R;
+      auto pf = [&](int64_t pos) {
+        const char* blk = base + offs[uint64_t(pos) / T];
+        const uint32_t t = uint32_t(uint64_t(pos) % T);
+        const char* row = blk + g.row_off(l, t);
+        for (uint64_t o = 0; o < R; o += 64) {
+          if (hint == 0) __builtin_prefetch(row + o, 0, 3);
+          else __builtin_prefetch(row + o, 0, 2);
+        }
+        __builtin_prefetch(blk + g.hash_off(l, t));
+      };
+      for (size_t i = 0; i < std::min(k, ahead); ++i) pf(ix[i]);
+      auto verify = [&](size_t i) {
+        bad += row_check(dst0 + i * R, R, row_seed(42, 0, l, uint64_t(ix[i]))) != want[i];
+      };
+      for (size_t i = 0; i < k; ++i) {
+        if (i + ahead < k) pf(ix[i + ahead]);
+        const uint64_t pos = uint64_t(ix[i]);
+        const char* blk = base + offs[pos / T];
+        const uint32_t t = uint32_t(pos % T);
+        std::memcpy(dst0 + i * R, blk + g.row_off(l, t), R);
+        std::memcpy(&want[i], blk + g.hash_off(l, t), 8);
+        if (i >= lag) verify(i - lag);
+      }
+      for (size_t i = k > lag ? k - lag : 0; i < k; ++i) verify(i);
+    }
+    if (bad) std::printf("!! %lu rows failed\n", (unsigned long)bad);
+  };
+
+  auto run = [&](const char* name, auto&& f) {
+    double s = median_s(f, reps);
+    std::printf("%-44s %7.3f ms  %6.2f GB/s\n", name, s * 1e3, out_bytes / s / 1e9);
+    return s;
+  };
+  std::printf("row %u B, context %lu, %u layers, k %zu: %.1f MB gathered, pool %.0f MB\n", R,
+              (unsigned long)ctx, L, k, out_bytes / 1e6, nb * bb / 1e6);
+  run("packed memcpy (slice of context-sized buffer)", [&] {
+    std::memcpy(out.data(), packed_rows.data() + (turn++ % slices) * out_bytes, out_bytes);
+  });
+  run("private packed rows, plain gather loop", [&] {
+    for (uint32_t l = 0; l < L; ++l)
+      for (size_t i = 0; i < k; ++i)
+        std::memcpy(out.data() + (size_t(l) * k + i) * R,
+                    packed_rows.data() + (uint64_t(l) * ctx + uint64_t(idx[size_t(l) * k + i])) * R, R);
+  });
+  run("private blocks: copy only", [&] { gather(priv_blocks.data(), 0, false, 0); });
+  run("shm: copy only", [&] { gather(shm, 0, false, 0); });
+  run("shm: copy + row prefetch", [&] { gather(shm, 1, false, 0); });
+  run("shm: copy + row prefetch + hash read", [&] { gather(shm, 1, true, 0); });
+  run("shm: + hash-line prefetch", [&] { gather(shm, 3, true, 0); });
+  run("shm: + row_check_sse2 (the loop before batching)", [&] { gather(shm, 1, true, 1); });
+  run("shm: + row_check_sse2 + hash-line prefetch", [&] { gather(shm, 3, true, 1); });
+  run("shm: + row_check + hash-line prefetch", [&] { gather(shm, 3, true, 2); });
+  for (size_t b : {8, 32, 128, 512, 2048}) {
+    run(("shm: batched " + std::to_string(b) + ", row_check_sse2").c_str(), [&] { gather_batched(shm, b, false); });
+    run(("shm: batched " + std::to_string(b) + ", row_check").c_str(), [&] { gather_batched(shm, b, true); });
+  }
+  for (size_t ahead : {4, 8, 16, 32})
+    for (size_t lag : {0, 4, 16})
+      for (int hint : {0, 1})
+        run(("shm: lagged ahead " + std::to_string(ahead) + " lag " + std::to_string(lag) + (hint ? " L2" : " L1")).c_str(),
+            [&] { gather_lagged(shm, ahead, lag, hint); });
+  for (int pm : {0, 1, 3})
+    for (size_t b : {64, 256, 1024})
+      run(("shm: batched " + std::to_string(b) + " pmode " + std::to_string(pm)).c_str(),
+          [&] { gather_batched(shm, b, true, pm); });
+  {
+    // Two threads, each half the layers' rows (a persistent helper, as a real pool would keep).
+    run("shm: batched 256, 2 threads (spawned per call)", [&] {
+      std::thread th([&] { gather_batched(shm, 256, true, 1, k / 2, k); });
+      gather_batched(shm, 256, true, 1, 0, k / 2);
+      th.join();
+    });
+  }
+  run("shm: fused copy+hash (Checksum::update_copy)", [&] {
+    constexpr size_t kAhead = 16;
+    uint64_t bad = 0;
+    for (uint32_t l = 0; l < L; ++l) {
+      const int64_t* ix = idx.data() + size_t(l) * k;
+      char* dst = out.data() + size_t(l) * k * R;
+      auto pf = [&](int64_t pos) {
+        const char* blk = shm + offs[uint64_t(pos) / T];
+        const uint32_t t = uint32_t(uint64_t(pos) % T);
+        for (uint64_t o = 0; o < R; o += 64) __builtin_prefetch(blk + g.row_off(l, t) + o);
+        __builtin_prefetch(blk + g.hash_off(l, t));
+      };
+      for (size_t i = 0; i < std::min(k, kAhead); ++i) pf(ix[i]);
+      for (size_t i = 0; i < k; ++i, dst += R) {
+        if (i + kAhead < k) pf(ix[i + kAhead]);
+        const uint64_t pos = uint64_t(ix[i]);
+        const char* blk = shm + offs[pos / T];
+        const uint32_t t = uint32_t(pos % T);
+        Checksum c;
+        c.update_copy(dst, blk + g.row_off(l, t), R);
+        uint64_t want;
+        std::memcpy(&want, blk + g.hash_off(l, t), 8);
+        bad += mix(c.digest() ^ row_seed(42, 0, l, pos)) != want;
+      }
+    }
+    if (bad) std::printf("!! %lu rows failed\n", (unsigned long)bad);
+  });
+  run("private blocks: verified, hash-line prefetch", [&] { gather(priv_blocks.data(), 3, true, 2); });
+  run("hash only, row_check_sse2 (out, L3-resident)", [&] {
+    // hash only: what hashing alone costs, out already in cache
+    uint64_t x = 0;
+    for (size_t i = 0; i < size_t(L) * k; ++i) x += row_check_sse2(out.data() + i * R, R, i);
+    if (x == 1) std::puts("");
+  });
+  run("hash only, row_check (out, L3-resident)", [&] {
+    uint64_t x = 0;
+    for (size_t i = 0; i < size_t(L) * k; ++i) x += row_check(out.data() + i * R, R, i);
+    if (x == 1) std::puts("");
+  });
+  munmap(shm, nb * bb);
+  return 0;
+}
