@@ -37,7 +37,9 @@ uint64_t mix(uint64_t x) {
 }
 uint64_t row_check_sse2(const void* row, size_t n, uint64_t seed) { return mix(xxh3(row, n) ^ seed); }
 
-double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+double now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
 
 template <class F>
 double median_s(F&& f, int reps) {
@@ -184,17 +186,20 @@ int main(int argc, char** argv) {
         const uint32_t t = uint32_t(uint64_t(pos) % T);
         const char* row = blk + g.row_off(l, t);
         for (uint64_t o = 0; o < R; o += 64) {
-          if (hint == 0) __builtin_prefetch(row + o, 0, 3);
-          else __builtin_prefetch(row + o, 0, 2);
+          if (hint == 0)
+            __builtin_prefetch(row + o, 0, 3);
+          else
+            __builtin_prefetch(row + o, 0, 2);
         }
         __builtin_prefetch(blk + g.hash_off(l, t));
       };
-      for (size_t i = 0; i < std::min(k, ahead); ++i) pf(ix[i]);
+      if (ahead)
+        for (size_t i = 0; i < std::min(k, ahead); ++i) pf(ix[i]);
       auto verify = [&](size_t i) {
         bad += row_check(dst0 + i * R, R, row_seed(42, 0, l, uint64_t(ix[i]))) != want[i];
       };
       for (size_t i = 0; i < k; ++i) {
-        if (i + ahead < k) pf(ix[i + ahead]);
+        if (ahead && i + ahead < k) pf(ix[i + ahead]);
         const uint64_t pos = uint64_t(ix[i]);
         const char* blk = base + offs[pos / T];
         const uint32_t t = uint32_t(pos % T);
@@ -207,6 +212,45 @@ int main(int argc, char** argv) {
     if (bad) std::printf("!! %lu rows failed\n", (unsigned long)bad);
   };
 
+  // Batched, and while hashing batch b, prefetch batch b + 1 (row i of it beside hashed row i):
+  // the hash's arithmetic then overlaps the next batch's misses. hint: 3 = L1, 2 = L2, 1 = L3.
+  auto gather_overlap = [&](const char* base, size_t batch, int hint, size_t every) {
+    uint64_t bad = 0;
+    std::vector<uint64_t> want(batch);
+    for (uint32_t l = 0; l < L; ++l) {
+      const int64_t* ix = idx.data() + size_t(l) * k;
+      char* dst0 = out.data() + size_t(l) * k * R;
+      auto pf = [&](int64_t pos) {
+        const char* blk = base + offs[uint64_t(pos) / T];
+        const uint32_t t = uint32_t(uint64_t(pos) % T);
+        const char* row = blk + g.row_off(l, t);
+        for (uint64_t o = 0; o < R; o += 64) {
+          if (hint == 3) __builtin_prefetch(row + o, 0, 3);
+          if (hint == 2) __builtin_prefetch(row + o, 0, 2);
+          if (hint == 1) __builtin_prefetch(row + o, 0, 1);
+        }
+        __builtin_prefetch(blk + g.hash_off(l, t), 0, 3);
+      };
+      for (size_t b0 = 0; b0 < k; b0 += batch) {
+        const size_t b1 = std::min(k, b0 + batch);
+        for (size_t i = b0; i < b1; ++i) {
+          const uint64_t pos = uint64_t(ix[i]);
+          const char* blk = base + offs[pos / T];
+          const uint32_t t = uint32_t(pos % T);
+          std::memcpy(dst0 + i * R, blk + g.row_off(l, t), R);
+          std::memcpy(&want[i - b0], blk + g.hash_off(l, t), 8);
+        }
+        for (size_t i = b0; i < b1; ++i) {
+          const size_t nxt = i + batch;
+          if (hint && nxt < k && (i - b0) % every == 0)
+            for (size_t e = 0; e < every && nxt + e < k; ++e) pf(ix[nxt + e]);
+          bad += row_check(dst0 + i * R, R, row_seed(42, 0, l, uint64_t(ix[i]))) != want[i - b0];
+        }
+      }
+    }
+    if (bad) std::printf("!! %lu rows failed\n", (unsigned long)bad);
+  };
+
   auto run = [&](const char* name, auto&& f) {
     double s = median_s(f, reps);
     std::printf("%-44s %7.3f ms  %6.2f GB/s\n", name, s * 1e3, out_bytes / s / 1e9);
@@ -214,9 +258,8 @@ int main(int argc, char** argv) {
   };
   std::printf("row %u B, context %lu, %u layers, k %zu: %.1f MB gathered, pool %.0f MB\n", R,
               (unsigned long)ctx, L, k, out_bytes / 1e6, nb * bb / 1e6);
-  run("packed memcpy (slice of context-sized buffer)", [&] {
-    std::memcpy(out.data(), packed_rows.data() + (turn++ % slices) * out_bytes, out_bytes);
-  });
+  run("packed memcpy (slice of context-sized buffer)",
+      [&] { std::memcpy(out.data(), packed_rows.data() + (turn++ % slices) * out_bytes, out_bytes); });
   run("private packed rows, plain gather loop", [&] {
     for (uint32_t l = 0; l < L; ++l)
       for (size_t i = 0; i < k; ++i)
@@ -231,17 +274,20 @@ int main(int argc, char** argv) {
   run("shm: + row_check_sse2 (the loop before batching)", [&] { gather(shm, 1, true, 1); });
   run("shm: + row_check_sse2 + hash-line prefetch", [&] { gather(shm, 3, true, 1); });
   run("shm: + row_check + hash-line prefetch", [&] { gather(shm, 3, true, 2); });
-  for (size_t b : {8, 32, 128, 512, 2048}) {
-    run(("shm: batched " + std::to_string(b) + ", row_check_sse2").c_str(), [&] { gather_batched(shm, b, false); });
+  for (size_t b : {32, 128, 512}) {
+    run(("shm: batched " + std::to_string(b) + ", row_check_sse2").c_str(),
+        [&] { gather_batched(shm, b, false); });
     run(("shm: batched " + std::to_string(b) + ", row_check").c_str(), [&] { gather_batched(shm, b, true); });
   }
-  for (size_t ahead : {4, 8, 16, 32})
-    for (size_t lag : {0, 4, 16})
-      for (int hint : {0, 1})
-        run(("shm: lagged ahead " + std::to_string(ahead) + " lag " + std::to_string(lag) + (hint ? " L2" : " L1")).c_str(),
+  for (size_t ahead : {0, 16})
+    for (size_t lag : {4, 16})
+      for (int hint : {0})
+        run(("shm: lagged ahead " + std::to_string(ahead) + " lag " + std::to_string(lag) +
+             (hint ? " L2" : " L1"))
+                .c_str(),
             [&] { gather_lagged(shm, ahead, lag, hint); });
-  for (int pm : {0, 1, 3})
-    for (size_t b : {64, 256, 1024})
+  for (int pm : {1, 3})
+    for (size_t b : {128})
       run(("shm: batched " + std::to_string(b) + " pmode " + std::to_string(pm)).c_str(),
           [&] { gather_batched(shm, b, true, pm); });
   {
@@ -252,6 +298,13 @@ int main(int argc, char** argv) {
       th.join();
     });
   }
+  for (size_t b : {128})
+    for (int hint : {1, 3})
+      for (size_t every : {1})
+        run(("shm: overlap batch " + std::to_string(b) + " hint " + std::to_string(hint) + " every " +
+             std::to_string(every))
+                .c_str(),
+            [&] { gather_overlap(shm, b, hint, every); });
   run("shm: fused copy+hash (Checksum::update_copy)", [&] {
     constexpr size_t kAhead = 16;
     uint64_t bad = 0;

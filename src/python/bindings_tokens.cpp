@@ -87,6 +87,27 @@ void bind_tokens(nb::module_& m, NsAccessFn access) {
       "[(offset, valid_tokens)] of the leading present, well-formed blocks keys[i] = chunk first_chunk + i.");
 
   m.def(
+      "rows_gather_private",
+      [](Bytes rows, uint64_t row_bytes, Indices indices, Bytes out) {
+        if (row_bytes == 0 || rows.nbytes() % row_bytes) throw ArgumentError("rows must be whole rows");
+        const uint64_t n_rows = rows.nbytes() / row_bytes;
+        if (out.nbytes() != indices.size() * row_bytes)
+          throw ArgumentError("out must hold len(indices) rows of row_bytes");
+        const int64_t* idx = indices.data();
+        for (size_t i = 0; i < indices.size(); ++i)
+          if (idx[i] < 0 || uint64_t(idx[i]) >= n_rows)
+            throw nb::index_error(("row index " + std::to_string(idx[i]) + " out of range").c_str());
+        const char* src = static_cast<const char*>(rows.data());
+        char* dst = static_cast<char*>(out.data());
+        nb::gil_scoped_release nogil;
+        for (size_t i = 0; i < indices.size(); ++i)
+          std::memcpy(dst + i * row_bytes, src + uint64_t(idx[i]) * row_bytes, row_bytes);
+      },
+      "rows"_a, "row_bytes"_a, "indices"_a, "out"_a,
+      "Reference for `cxlkv bench sparse`: rows[indices] -> out by a plain C loop of row copies from "
+      "private memory (no pool, no verification): what a gather costs without the pool.");
+
+  m.def(
       "token_gather",
       [](nb::handle ns, uint64_t layers, uint64_t tokens_per_block, uint64_t row_bytes, uint64_t seq_hash,
          uint32_t stream, uint64_t n_tokens, Offsets offsets, uint32_t first_layer, uint32_t n_layers,

@@ -9,10 +9,11 @@ tokens per layer per decode step, contexts 16K..128K. Per context and row format
   every row verified;
 * memcpy: a copy of the same number of bytes from packed (contiguous) rows, out of a buffer as
   large as the context's rows, a different slice each time: the limit;
-* private gather: the same rows (same indices) gathered by numpy (``np.take``, a C loop of row
-  copies) from private memory holding the context's rows ``[layers, context, row]``: what a gather
-  costs without the pool, so ``gather_vs_private`` says what the pool (offsets, verification)
-  costs and ``gather_vs_memcpy`` what gathering costs at all;
+* private gather: the same rows (same indices) gathered by a plain C loop of row copies
+  (``_core.rows_gather_private``; numpy's ``np.take`` is reported beside it) from private memory
+  holding the context's rows ``[layers, context, row]``: what a gather costs without the pool, so
+  ``gather_vs_private`` says what the pool (offsets, verification) costs and ``gather_vs_memcpy``
+  what gathering costs at all;
 * call overhead: ``gather_layers`` of one row per layer (Python, nanobind, the view's checks);
 * hot buffer: steps whose top-k share a fraction ``h`` of the previous step's tokens, through a
   HiSparse buffer of 2k + 1 rows per layer; bytes fetched from the pool and latency per step.
@@ -35,6 +36,7 @@ import numpy as np
 
 import cxlkv
 
+from .. import _core
 from ..integrations.hot_buffer import HotBuffer
 from ._common import machine, progress
 
@@ -54,15 +56,23 @@ def _best(fn: Callable[[], Any], repeats: int) -> float:
     return best
 
 
-def _private_gather_s(private: np.ndarray, idx: np.ndarray, out: np.ndarray, repeats: int) -> float:
-    """The fastest gather of rows ``idx`` (``[layers, k]``) by numpy from private rows
-    ``[layers, context, row]`` into ``out``: the same work as the pool's gather, without the pool."""
+def _private_gather_s(
+    private: np.ndarray, idx: np.ndarray, out: np.ndarray, repeats: int
+) -> tuple[float, float]:
+    """The fastest gather of rows ``idx`` (``[layers, k]``) from private rows ``[layers, context,
+    row]`` into ``out``, by a plain C loop of row copies (the core's reference) and by numpy
+    (``np.take``): the same work as the pool's gather, without the pool."""
+    row_bytes = private.shape[2]
 
-    def gather() -> None:
+    def c_loop() -> None:
+        for layer in range(private.shape[0]):
+            _core.rows_gather_private(private[layer], row_bytes, idx[layer], out[layer])
+
+    def numpy_take() -> None:
         for layer in range(private.shape[0]):
             np.take(private[layer], idx[layer], axis=0, out=out[layer])
 
-    return _best(gather, repeats)
+    return _best(c_loop, repeats), _best(numpy_take, repeats)
 
 
 def _topk(rng: np.random.Generator, layers: int, context: int, k: int) -> np.ndarray:
@@ -147,7 +157,7 @@ def _measure_context(
             np.copyto(flat_out, packed[start : start + sparse_bytes])
 
         memcpy_s = _best(memcpy, repeats)
-        private_s = _private_gather_s(
+        private_s, numpy_s = _private_gather_s(
             packed[:row_total].reshape(layers, context, row_bytes), idx, out, repeats
         )
         packed = np.empty(0, np.uint8)  # frees the reference's buffer before the hot-buffer runs
@@ -205,6 +215,7 @@ def _measure_context(
             "gather_vs_memcpy": memcpy_s / sparse_s,
             "gather_private_gbps": sparse_bytes / private_s / 1e9,
             "gather_vs_private": private_s / sparse_s,
+            "gather_numpy_gbps": sparse_bytes / numpy_s / 1e9,
             "gather_call_s": call_s,
             "full_fetch_gbps": full_bytes / full_s / 1e9,
             "hot_buffer": hot,
