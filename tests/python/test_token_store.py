@@ -280,3 +280,18 @@ def test_placement_spreads_requests_over_devices():
     finally:
         for p in paths:
             _remove(p)
+
+
+def test_private_gather_reference_is_exact_and_bounded():
+    """`bench sparse`'s private baseline (a C loop of row copies): rows[indices], any order and
+    duplicates; an index out of range is an IndexError before any copy."""
+    rng = np.random.default_rng(_seed())
+    rows = rng.integers(0, 256, (50, 656), dtype=np.uint8)
+    idx = np.array([49, 0, 7, 7, 23], np.int64)
+    out = np.full((5, 656), POISON, np.uint8)
+    cxlkv._core.rows_gather_private(rows, 656, idx, out)
+    np.testing.assert_array_equal(out, rows[idx])
+    out[:] = POISON
+    with pytest.raises(IndexError):
+        cxlkv._core.rows_gather_private(rows, 656, np.array([3, 50], np.int64), out[:2])
+    assert (out == POISON).all()
