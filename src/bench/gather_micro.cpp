@@ -18,7 +18,7 @@
 #include <thread>
 #include <vector>
 
-#include "platform/checksum.h"
+#include "checksum.h"
 #include "token_rows.h"
 
 using namespace cxlkv;
