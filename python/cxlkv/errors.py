@@ -27,6 +27,7 @@ from ._core import (
 )
 
 __all__ = [
+    "ClosedError",
     "CommandError",
     "CxlkvError",
     "ExitCode",
@@ -83,3 +84,9 @@ class CommandError(Exception):
         super().__init__(message)
         self.detail = detail
         self.exit_code = ExitCode(exit_code)
+
+
+class ClosedError(RuntimeError):
+    """A cxlkv object (an integration's backend, a pool session) used after its ``close()``:
+    the caller's bug or a shutdown race, never a cache miss. ``close()`` itself may be called
+    any number of times."""

@@ -264,3 +264,18 @@ def test_concurrent_submits_from_threads(servers, tmp_path):
         outs = [_obj() for _ in keys]
         assert _load(b, keys, outs) == [True] * 4
         assert all(np.array_equal(o.raw_data.numpy(), d) for o, d in zip(outs, data, strict=True))
+
+
+def test_close_is_idempotent_and_a_submit_after_it_is_a_closed_error(lmcache_pool):
+    """A submit after close() used to enqueue a job no worker would ever run (its completion
+    never came); now it is a ClosedError, and close() may be called again."""
+    from cxlkv.errors import ClosedError
+    from cxlkv.integrations.lmcache import CxlKVL2Connector
+
+    conn = CxlKVL2Connector(pool_path=lmcache_pool)
+    conn.close()
+    conn.close()
+    assert conn.drain_completions() == []  # never reads the (closed) descriptor
+    for submit in (conn.submit_batch_exists, conn.submit_batch_delete):
+        with pytest.raises(ClosedError, match="after close"):
+            submit(["m@0@0@00"])

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import cxlkv
-from cxlkv.errors import CxlkvError
+from cxlkv.errors import ClosedError, CxlkvError
 from cxlkv.integrations import identity as ident
 from cxlkv.integrations.external_identity import UnresolvableModelError, weights_of
 from cxlkv.integrations.pool_session import PoolSession
@@ -139,33 +139,37 @@ class CxlKVL2Connector:
         return self._submit("delete", keys, None)
 
     def drain_completions(self) -> list[tuple[int, bool, str, list[bool] | None]]:
-        try:
-            os.eventfd_read(self._efd)
-        except BlockingIOError:
-            pass
+        with self._id_lock:  # after close() the descriptor's number may name another file
+            if not self._closed:
+                try:
+                    os.eventfd_read(self._efd)
+                except BlockingIOError:
+                    pass
         with self._done_lock:
             done, self._done = self._done, []
         return done
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._jobs.put(None)
+        """Idempotent; a submit after it raises ClosedError. Jobs submitted before it complete."""
+        with self._id_lock:  # a racing submit enqueues before the stop marker or not at all
+            if self._closed:
+                return
+            self._closed = True
+            self._jobs.put(None)
         self._worker.join(timeout=30)
         self._session.close()
         os.close(self._efd)
 
     # ------------------------------------------------------------------ the worker
     def _submit(self, op: str, keys: list[str], views: list[Any] | None) -> int:
-        if self._closed:
-            raise RuntimeError("CxlKVL2Connector is closed")
         if views is not None and len(views) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(views)} buffers")
         with self._id_lock:
+            if self._closed:
+                raise ClosedError(f"cxlkv lmcache L2: submit_batch_{op} after close()")
             self._next_id += 1
             fid = self._next_id
-        self._jobs.put((fid, op, list(keys), views))
+            self._jobs.put((fid, op, list(keys), views))
         return fid
 
     def _run(self) -> None:
