@@ -42,6 +42,7 @@ __all__ = [
     "PoolNotReadyError",
     "PoolTruncatedError",
     "PoolVersionError",
+    "WeightPathError",
     "exit_codes_text",
 ]
 
@@ -90,3 +91,11 @@ class ClosedError(RuntimeError):
     """A cxlkv object (an integration's backend, a pool session) used after its ``close()``:
     the caller's bug or a shutdown race, never a cache miss. ``close()`` itself may be called
     any number of times."""
+
+
+class WeightPathError(ValueError):
+    """A model's weight or config file that the identity will not read: a symlink whose target
+    leaves the model directory (or, for a Hugging Face hub snapshot, the repo's ``blobs/``), or
+    something other than a regular file (a FIFO or device would block or never end). Hashing it
+    would let whoever can plant a link in a model directory make the connector read any file its
+    user can (its digest lands in a cache file beside the model)."""

@@ -59,9 +59,9 @@ def weights_of(ref: str) -> tuple[str, str]:
     # Every file weights_digest reads, config files included: an edited config.json beside
     # unchanged weights is another computation, hence another identity.
     stamp = tuple(
-        (str(path), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-        for path in ident._weight_files(root)
-        for st in (os.stat(path),)
+        (str(path), str(real), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        for path, real in ident._weight_files(root)
+        for st in (os.stat(real),)
     )
     with _lock:  # one digest at a time: two threads asking for one model hash it once
         return _weights_of_dir(str(root), stamp)
