@@ -42,6 +42,7 @@ __all__ = [
     "PoolNotReadyError",
     "PoolTruncatedError",
     "PoolVersionError",
+    "UntrustedModelNameError",
     "WeightPathError",
     "exit_codes_text",
 ]
@@ -99,3 +100,9 @@ class WeightPathError(ValueError):
     something other than a regular file (a FIFO or device would block or never end). Hashing it
     would let whoever can plant a link in a model directory make the connector read any file its
     user can (its digest lands in a cache file beside the model)."""
+
+
+class UntrustedModelNameError(ValueError):
+    """An LMCache object key whose model field is a name (what the engine's operator typed), not
+    the identity a cxlkv client derived from the weights and KV configuration: the LMCache server
+    cannot know which bytes a name stood for in the engine, so such KV is never stored or loaded."""
