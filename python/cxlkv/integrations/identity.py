@@ -287,8 +287,9 @@ def _allowed_trees(root: Path) -> tuple[Path, ...]:
     """Where the files of the model at ``root`` (resolved) may live: its own tree; for a Hugging
     Face hub snapshot (``<repo>/snapshots/<commit>``, whose files are symlinks into the repo's
     blobs), also ``<repo>/blobs``."""
-    if root.parent.name == "snapshots":
-        return (root, root.parent.parent / "blobs")
+    repo = root.parent.parent
+    if root.parent.name == "snapshots" and repo.name.startswith(("models--", "datasets--", "spaces--")):
+        return (root, repo / "blobs")
     return (root,)
 
 
