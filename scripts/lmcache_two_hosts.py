@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """End to end: two LMCache MP servers ("host A", "host B") share one cxlkv pool as their L2.
 
-vLLM A (LMCacheMPConnector -> LMCache server A) serves long prompts; LMCache A writes their KV
+vLLM A (cxlkv's CxlKVLMCacheMPConnector, LMCache's connector sending the KV identity instead of the
+model name -> LMCache server A) serves long prompts; LMCache A writes their KV
 through to its L2 adapters, cxlkv first. vLLM A stops; vLLM B starts against LMCache server B,
 whose L1 is cold: the same prompts are hits only through B's cxlkv L2. Reports the TTFT of those
 hits against recomputing prompts of the same length (fresh prefixes, a miss everywhere), B's
@@ -86,7 +87,8 @@ def lmcache_server(port: int, http: int, prom: int, pool: str, log: Path) -> sub
 
 def vllm_server(model: str, port: int, lmcache_port: int, log: Path) -> subprocess.Popen:
     kv = {
-        "kv_connector": "LMCacheMPConnector",
+        "kv_connector": "CxlKVLMCacheMPConnector",
+        "kv_connector_module_path": "cxlkv.integrations.lmcache_vllm",
         "kv_role": "kv_both",
         "kv_connector_extra_config": {
             "lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": lmcache_port, "lmcache.mp.mq_timeout": 60,

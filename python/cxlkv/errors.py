@@ -27,6 +27,7 @@ from ._core import (
 )
 
 __all__ = [
+    "ClosedError",
     "CommandError",
     "CxlkvError",
     "ExitCode",
@@ -41,6 +42,8 @@ __all__ = [
     "PoolNotReadyError",
     "PoolTruncatedError",
     "PoolVersionError",
+    "UntrustedModelNameError",
+    "WeightPathError",
     "exit_codes_text",
 ]
 
@@ -83,3 +86,23 @@ class CommandError(Exception):
         super().__init__(message)
         self.detail = detail
         self.exit_code = ExitCode(exit_code)
+
+
+class ClosedError(RuntimeError):
+    """A cxlkv object (an integration's backend, a pool session) used after its ``close()``:
+    the caller's bug or a shutdown race, never a cache miss. ``close()`` itself may be called
+    any number of times."""
+
+
+class WeightPathError(ValueError):
+    """A model's weight or config file that the identity will not read: a symlink whose target
+    leaves the model directory (or, for a Hugging Face hub snapshot, the repo's ``blobs/``), or
+    something other than a regular file (a FIFO or device would block or never end). Hashing it
+    would let whoever can plant a link in a model directory make the connector read any file its
+    user can (its digest lands in a cache file beside the model)."""
+
+
+class UntrustedModelNameError(ValueError):
+    """An LMCache object key whose model field is a name (what the engine's operator typed), not
+    the identity a cxlkv client derived from the weights and KV configuration: the LMCache server
+    cannot know which bytes a name stood for in the engine, so such KV is never stored or loaded."""

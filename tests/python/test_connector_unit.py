@@ -98,7 +98,7 @@ def test_identity_cache_is_used_and_invalidated(tmp_path, monkeypatch):
     first = ident.weights_digest(a).digest
     assert (a / ident.CACHE_FILE).exists()
     calls = []
-    monkeypatch.setattr(ident, "file_digest", lambda p: calls.append(p) or "00" * 32)
+    monkeypatch.setattr(ident, "file_digest", lambda p, suffix=None: calls.append(p) or "00" * 32)
     assert ident.weights_digest(a).digest == first and calls == []  # served from the cache
     os.utime(a / "model.safetensors", ns=(5, 5))
     ident.weights_digest(a)

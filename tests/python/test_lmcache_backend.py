@@ -130,8 +130,18 @@ def servers(lmcache_pool):
         a.close()
 
 
-def _keys(model: str, n: int, salt: str = "", rank: int = 0) -> list[ObjectKey]:
-    return [ObjectKey(bytes([i]) * 16, model, rank, 0, salt) for i in range(n)]
+def _token(model: str, **fields) -> str:
+    """What cxlkv's vLLM-side connector sends for an engine serving ``model`` (lmcache_vllm.py
+    derives the weights the same way, plus vLLM's config: test_lmcache_vllm_identity.py)."""
+    from cxlkv.integrations.external_identity import weights_of
+    from cxlkv.integrations.lmcache_identity import model_token
+
+    return model_token({"weights": weights_of(model)[0], **fields})
+
+
+def _keys(model: str, n: int, salt: str = "", rank: int = 0, raw_name: bool = False) -> list[ObjectKey]:
+    field = model if raw_name else _token(model)
+    return [ObjectKey(bytes([i]) * 16, field, rank, 0, salt) for i in range(n)]
 
 
 def _payload(n: int, seed: int = 7) -> list[np.ndarray]:
@@ -187,11 +197,37 @@ def test_stated_kv_dtype_is_another_namespace(servers, tmp_path, lmcache_pool):
         alias.close()
 
 
-def test_unresolvable_model_is_never_stored(servers, tmp_path):
+@pytest.mark.parametrize("name", ["path", "hub-id", "forged-token"])
+def test_a_model_name_is_never_trusted(servers, tmp_path, lmcache_pool, name):
+    """Red-team finding: the server resolved the key's model *name* (what the engine's operator
+    typed) to weights on its own host, which need not be what the engine loaded (another host or
+    container, a hub id at another --revision). A key whose model field is not the identity the
+    engine derived is never stored and never found; nothing reaches the pool."""
     a, b = servers
-    result = _store(a, _keys("no-such-org/no-such-model", 2), [_obj(d) for d in _payload(2)])
-    assert result == -1
-    assert _lookup(b, _keys("no-such-org/no-such-model", 2)) == [False, False]
+    field = {
+        "path": _fake_model(tmp_path / "m", seed=1),  # real weights: the old server stored these
+        "hub-id": "no-such-org/no-such-model",
+        "forged-token": "cxlkv-kv1." + "g" * 64,
+    }[name]
+    keys = _keys(field, 2, raw_name=True)
+    assert _store(a, keys, [_obj(d) for d in _payload(2)]) == -1
+    assert _lookup(b, keys) == [False, False]
+    pool = cxlkv.Pool.open(lmcache_pool)
+    try:
+        assert pool.namespaces() == []
+    finally:
+        pool.close()
+
+
+def test_the_model_field_alone_separates_engines(servers, tmp_path):
+    """Same weights, another engine-side field (KV dtype, overrides): another namespace."""
+    a, b = servers
+    model = _fake_model(tmp_path / "m", seed=1)
+    keys = [ObjectKey(bytes([i]) * 16, _token(model, kv_dtype="bf16"), 0, 0, "") for i in range(2)]
+    fp8 = [ObjectKey(bytes([i]) * 16, _token(model, kv_dtype="fp8_e4m3"), 0, 0, "") for i in range(2)]
+    _store(a, keys, [_obj(d) for d in _payload(2)])
+    assert _lookup(b, keys) == [True, True]
+    assert _lookup(b, fp8) == [False, False]
 
 
 def test_evict_deletes_from_the_pool(servers, tmp_path):
@@ -215,7 +251,7 @@ def test_corrupt_block_is_a_miss(servers, tmp_path, lmcache_pool):
         ns = pool.namespace(cxlkv.KVLayout.from_info(info), info["name"])
         from cxlkv.integrations.lmcache import LMCacheKey
 
-        where = ns.locate(LMCacheKey(model, 0, 0, bytes([0]) * 16, "").pool_key())
+        where = ns.locate(LMCacheKey(_token(model), 0, 0, bytes([0]) * 16, "").pool_key())
         assert where is not None
         with open(lmcache_pool, "r+b") as f:
             f.seek(where["offset"] + 100)
@@ -234,7 +270,7 @@ def test_concurrent_submits_from_threads(servers, tmp_path):
     a, b = servers
     model = _fake_model(tmp_path / "m", seed=1)
     per_thread = {
-        t: ([ObjectKey(bytes([t, i]) * 8, model, 0, 0, "") for i in range(4)], _payload(4, t))
+        t: ([ObjectKey(bytes([t, i]) * 8, _token(model), 0, 0, "") for i in range(4)], _payload(4, t))
         for t in range(4)
     }
     # L1 keeps its objects alive until the store completes (the views do not own the memory)
@@ -264,3 +300,18 @@ def test_concurrent_submits_from_threads(servers, tmp_path):
         outs = [_obj() for _ in keys]
         assert _load(b, keys, outs) == [True] * 4
         assert all(np.array_equal(o.raw_data.numpy(), d) for o, d in zip(outs, data, strict=True))
+
+
+def test_close_is_idempotent_and_a_submit_after_it_is_a_closed_error(lmcache_pool):
+    """A submit after close() used to enqueue a job no worker would ever run (its completion
+    never came); now it is a ClosedError, and close() may be called again."""
+    from cxlkv.errors import ClosedError
+    from cxlkv.integrations.lmcache import CxlKVL2Connector
+
+    conn = CxlKVL2Connector(pool_path=lmcache_pool)
+    conn.close()
+    conn.close()
+    assert conn.drain_completions() == []  # never reads the (closed) descriptor
+    for submit in (conn.submit_batch_exists, conn.submit_batch_delete):
+        with pytest.raises(ClosedError, match="after close"):
+            submit(["m@0@0@00"])

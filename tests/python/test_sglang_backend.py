@@ -193,3 +193,62 @@ def test_a_model_name_that_names_no_weights_is_refused(sg_pool):
 
     with pytest.raises(UnresolvableModelError, match="served-alias"):
         _backend(sg_pool, None, _host_pool("page_first"))
+
+
+def test_close_is_idempotent_and_a_call_after_it_is_a_closed_error(sg_pool, tmp_path):
+    """Red-team finding: a call after close() touched a torn-down session (AttributeError on
+    None, or "register_mem_pool_host was not called"). Now: ClosedError, whatever the call."""
+    from cxlkv.errors import ClosedError
+
+    host = _host_pool("page_first")
+    storage = _backend(sg_pool, _fake_model(tmp_path / "m", 1), host)
+    keys = [f"{i:064x}" for i in range(1, 3)]
+    assert storage.batch_set_v1(keys, _indices([1, 2])) == [True, True]
+    storage.close()
+    storage.close()  # idempotent
+    page = host.kv_buffer.view(-1)[:8]
+    calls = {
+        "batch_exists": lambda: storage.batch_exists(keys),
+        "batch_get_v1": lambda: storage.batch_get_v1(keys, _indices([3, 4])),
+        "batch_set_v1": lambda: storage.batch_set_v1(keys, _indices([3, 4])),
+        "get": lambda: storage.get(keys[0], page),
+        "set": lambda: storage.set(keys[0], page),
+        "register_mem_pool_host": lambda: storage.register_mem_pool_host(host),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ClosedError, match="after close"):
+            call()
+            pytest.fail(f"{name} after close() did not raise")
+
+
+def test_calls_racing_close_see_the_open_backend_or_a_closed_error(sg_pool, tmp_path):
+    """SGLang's prefetch/backup threads may still call while the server shuts the backend down:
+    each call either completes or raises ClosedError, never anything else."""
+    from cxlkv.errors import ClosedError
+
+    storage = _backend(sg_pool, _fake_model(tmp_path / "m", 1), _host_pool("page_first"))
+    keys = [f"{i:064x}" for i in range(1, 3)]
+    assert storage.batch_set_v1(keys, _indices([1, 2])) == [True, True]
+    started, unexpected = threading.Barrier(5), []
+
+    def caller() -> None:
+        started.wait(30)
+        for _ in range(100_000):  # bounded; ends at the first ClosedError
+            try:
+                storage.batch_exists(keys)
+                storage.batch_get_v1(keys, _indices([3, 4]))
+            except ClosedError:
+                return
+            except BaseException as e:  # noqa: BLE001 - reported below
+                unexpected.append(e)
+                return
+        unexpected.append(AssertionError("close() never took effect"))
+
+    threads = [threading.Thread(target=caller) for _ in range(4)]
+    for th in threads:
+        th.start()
+    started.wait(30)
+    storage.close()
+    for th in threads:
+        th.join(60)
+    assert not unexpected, unexpected

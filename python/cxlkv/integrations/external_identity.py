@@ -1,12 +1,12 @@
-"""The weights part of the identity for serving systems other than vLLM (LMCache, SGLang).
+"""The weights part of the identity where the engine's storage plug-in is handed a model path.
 
-Those systems hand a storage backend a model *name* (LMCache: vLLM's ``model_config.model``;
-SGLang: its ``model_path``/served name) and opaque bytes. The name is what an operator typed, so
-it never becomes the identity: it is resolved to the weights it names on this host (a local
-directory, or the Hugging Face snapshot of a hub id, offline) and the weights are digested by
-content (every byte of the weight files + the sampled per-tensor digest + the config files, the
-``files:`` kind of docs/IDENTITY.md). Two hosts naming the same bytes by different paths share a
-namespace; two different checkpoints typed with the same alias never do.
+Used in the engine's own process: SGLang's HiCache backend (``model_path``, the directory that
+SGLang loads) and cxlkv's vLLM-side LMCache connector (lmcache_vllm.py: the directory vLLM
+resolved). The path is resolved (a hub id to its downloaded snapshot, offline) and the weights are
+digested by content (every byte of the weight files + the sampled per-tensor digest + the config
+files, the ``files:`` kind of docs/IDENTITY.md): the same bytes at two paths share a namespace;
+two different checkpoints under one alias never do. Never on the LMCache server's side: a server
+cannot know which bytes an engine's model name stood for (lmcache_identity.py).
 """
 
 from __future__ import annotations
@@ -59,9 +59,9 @@ def weights_of(ref: str) -> tuple[str, str]:
     # Every file weights_digest reads, config files included: an edited config.json beside
     # unchanged weights is another computation, hence another identity.
     stamp = tuple(
-        (str(path), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-        for path in ident._weight_files(root)
-        for st in (os.stat(path),)
+        (str(path), str(real), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        for path, real in ident._weight_files(root)
+        for st in (os.stat(real),)
     )
     with _lock:  # one digest at a time: two threads asking for one model hash it once
         return _weights_of_dir(str(root), stamp)

@@ -27,11 +27,13 @@ import hashlib
 import json
 import os
 import re
+import stat
 import struct
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from cxlkv.errors import WeightPathError
 from cxlkv.integrations.identity_cache import CACHE_FILE, IdentityCache
 
 __all__ = [
@@ -230,17 +232,19 @@ def _gguf_tensor_ranges(f, size: int) -> tuple[bytes, list[tuple[int, int]]] | N
     return f.read(table[1] - table[0]), ranges
 
 
-def file_digest(path: PathLike) -> str:
-    """Sampled content digest of one weight file (see the module docstring); sha256 hex."""
+def file_digest(path: PathLike, suffix: str | None = None) -> str:
+    """Sampled content digest of one weight file (see the module docstring); sha256 hex.
+    ``suffix``: the format's file suffix when ``path`` has none (a hub blob a snapshot links to)."""
     path = Path(path)
+    suffix = path.suffix if suffix is None else suffix
     size = path.stat().st_size
     h = hashlib.sha256(IDENTITY_VERSION.encode())
     h.update(struct.pack("<Q", size))
     with open(path, "rb") as f:
-        if path.suffix == ".safetensors" and _safetensors_digest(h, f, size):
+        if suffix == ".safetensors" and _safetensors_digest(h, f, size):
             return h.hexdigest()
         f.seek(0)
-        gguf = _gguf_tensor_ranges(f, size) if path.suffix == ".gguf" else None
+        gguf = _gguf_tensor_ranges(f, size) if suffix == ".gguf" else None
         if gguf is not None:
             h.update(b"gguf")
             h.update(gguf[0])
@@ -279,25 +283,65 @@ class WeightsDigest:
         return f"sha256~{self.digest[:16]} ({self.files} files, {gb:.2f} GB){commit} at {self.path}"
 
 
-def _weight_files(root: Path) -> list[Path]:
-    if root.is_file():
-        return [root]
-    out: list[Path] = []
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        out.extend(
-            Path(dirpath) / fn for fn in filenames if fn.endswith(WEIGHT_SUFFIXES) or fn in CONFIG_FILES
+def _allowed_trees(root: Path) -> tuple[Path, ...]:
+    """Where the files of the model at ``root`` (resolved) may live: its own tree; for a Hugging
+    Face hub snapshot (``<repo>/snapshots/<commit>``, whose files are symlinks into the repo's
+    blobs), also ``<repo>/blobs``."""
+    repo = root.parent.parent
+    if root.parent.name == "snapshots" and repo.name.startswith(("models--", "datasets--", "spaces--")):
+        return (root, repo / "blobs")
+    return (root,)
+
+
+def _checked_target(path: Path, trees: tuple[Path, ...]) -> Path:
+    """The regular file ``path`` resolves to, inside ``trees``; else WeightPathError."""
+    real = Path(os.path.realpath(path))
+    if not any(real.is_relative_to(t) for t in trees):
+        where = " or ".join(str(t) for t in trees)
+        raise WeightPathError(
+            f"{path} resolves to {real}, outside {where}: cxlkv hashes only files inside the model "
+            "(copy the file in, or point the link inside)"
         )
+    st = os.stat(real)
+    if not stat.S_ISREG(st.st_mode):
+        raise WeightPathError(f"{path} resolves to {real}, which is not a regular file")
+    return real
+
+
+def _weight_files(root: Path) -> list[tuple[Path, Path]]:
+    """(path as found under root, the regular file it resolves to) of every weight and config
+    file; symlinks are followed only inside :func:`_allowed_trees` (WeightPathError otherwise),
+    and a directory reached twice (a link to an ancestor) is walked once."""
+    root = Path(os.path.realpath(root))
+    trees = _allowed_trees(root)
+    if root.is_file():
+        return [(root, _checked_target(root, trees))]
+    out: list[tuple[Path, Path]] = []
+    seen = {root}
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        keep = []
+        for d in sorted(d for d in dirnames if not d.startswith(".")):
+            real = Path(os.path.realpath(Path(dirpath) / d))
+            if not real.is_relative_to(root):
+                raise WeightPathError(f"{Path(dirpath) / d} resolves to {real}, outside the model {root}")
+            if real not in seen:
+                seen.add(real)
+                keep.append(d)
+        dirnames[:] = keep
+        for fn in filenames:
+            if fn.endswith(WEIGHT_SUFFIXES) or fn in CONFIG_FILES:
+                found = Path(dirpath) / fn
+                out.append((found, _checked_target(found, trees)))
     return sorted(out)
 
 
 def weight_files(path: PathLike) -> list[tuple[str, Path]]:
-    """(name relative to the model directory, path) of every weight file of a model directory
-    or lone weight file (whose name is not content: "")."""
+    """(name relative to the model directory, the file to read) of every weight file of a model
+    directory or lone weight file (whose name is not content: "")."""
     root = Path(path).expanduser().resolve()
     return [
-        ("" if root.is_file() else f.relative_to(root).as_posix(), f)
-        for f in _weight_files(root)
+        ("" if root.is_file() else f.relative_to(root).as_posix(), real)
+        for f, real in _weight_files(root)
         if f.suffix in WEIGHT_SUFFIXES
     ]
 
@@ -318,17 +362,21 @@ def weights_digest(path: PathLike) -> WeightsDigest:
     # Resolved: a symlink such as /models/current re-pointed to another version is another model.
     root = Path(path).expanduser().resolve()
     files = _weight_files(root)
-    if not any(f.suffix in WEIGHT_SUFFIXES for f in files):
+    if not any(f.suffix in WEIGHT_SUFFIXES for f, _ in files):
         raise FileNotFoundError(f"no weight files ({', '.join(WEIGHT_SUFFIXES)}) under {root}")
     # Names inside a directory (shards) are content; the name of a lone file (a .gguf) is not.
-    stats = [("" if root.is_file() else f.relative_to(root).as_posix(), f, f.stat()) for f in files]
-    cache = IdentityCache(root, {st.st_uid for _, _, st in stats}, IDENTITY_VERSION)
+    # What is read is the checked target, so a link re-pointed after the check is not followed.
+    stats = [
+        ("" if root.is_file() else f.relative_to(root).as_posix(), f, real, real.stat()) for f, real in files
+    ]
+    cache = IdentityCache(root, {st.st_uid for *_, st in stats}, IDENTITY_VERSION)
     h = hashlib.sha256(IDENTITY_VERSION.encode())
     total = 0
-    for rel, f, st in stats:
+    for rel, f, real, st in stats:
         digest = cache.get(rel, st)
-        if digest is None:
-            digest = hashlib.sha256(f.read_bytes()).hexdigest() if f.name in CONFIG_FILES else file_digest(f)
+        if digest is None:  # the name (a hub blob's is its hash) says the format; the target is read
+            config = f.name in CONFIG_FILES
+            digest = hashlib.sha256(real.read_bytes()).hexdigest() if config else file_digest(real, f.suffix)
         cache.put(rel, st, digest)
         total += st.st_size
         name = rel.encode()

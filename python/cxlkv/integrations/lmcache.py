@@ -13,19 +13,19 @@ at once and one worker thread copies between those views and the pool.
 
 Identity (docs/IDENTITY.md, docs/INTEGRATIONS.md): the namespace is derived from
 
-* the *weights* the key's ``model`` names on this host (vLLM's ``model_config.model``: a path or
-  a hub id), digested by content (external_identity.py), never the name itself;
+* the identity the *engine* derived and sent in the key's ``model`` field (``cxlkv-kv1.<sha256>``,
+  lmcache_identity.py): the weights it loaded, the config as it parsed it, the KV dtype and
+  scales, quantization, compute dtype, device and backend. vLLM's stock LMCacheMPConnector sends
+  ``model_config.model``, a name the server cannot tie to bytes (another host, another
+  ``--revision``, overrides): such keys are refused (never stored, always a miss; logged once);
+  the engine must run cxlkv's ``CxlKVLMCacheMPConnector`` (lmcache_vllm.py);
 * ``kv_rank`` (LMCache packs the TP/PP rank and world size into it) and the object group
   (hybrid models), which say which slice of the KV the bytes are;
-* the object's size in bytes (LMCache's chunk geometry: layers x tokens x heads x head size x
-  dtype) and, when the operator states it (``kv_dtype``), the KV dtype.
+* the object's size in bytes (LMCache's chunk geometry) and, when the operator states it
+  (``kv_dtype``), the KV dtype (the engine's identity covers it already).
 
 Inside it a block's key is sha256(version | cache_salt | chunk_hash): the chunk hash chains the
 token ids of the whole prefix (LMCache computes it), and the salt keeps tenants apart.
-LMCache's key does NOT carry the KV dtype, the attention backend's byte layout or the model's
-runtime config overrides: two engines with the same weights and chunk size but another
-``--kv-cache-dtype`` of equal width would produce equal keys. The object size separates most such
-cases; ``kv_dtype`` in ``adapter_params`` closes the rest for a deployment that mixes them.
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import cxlkv
-from cxlkv.errors import CxlkvError
+from cxlkv.errors import ClosedError, CxlkvError
 from cxlkv.integrations import identity as ident
-from cxlkv.integrations.external_identity import UnresolvableModelError, weights_of
+from cxlkv.integrations.lmcache_identity import weights_of_model_field
 from cxlkv.integrations.pool_session import PoolSession
 
 log = logging.getLogger("cxlkv.lmcache")
@@ -139,33 +139,37 @@ class CxlKVL2Connector:
         return self._submit("delete", keys, None)
 
     def drain_completions(self) -> list[tuple[int, bool, str, list[bool] | None]]:
-        try:
-            os.eventfd_read(self._efd)
-        except BlockingIOError:
-            pass
+        with self._id_lock:  # after close() the descriptor's number may name another file
+            if not self._closed:
+                try:
+                    os.eventfd_read(self._efd)
+                except BlockingIOError:
+                    pass
         with self._done_lock:
             done, self._done = self._done, []
         return done
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._jobs.put(None)
+        """Idempotent; a submit after it raises ClosedError. Jobs submitted before it complete."""
+        with self._id_lock:  # a racing submit enqueues before the stop marker or not at all
+            if self._closed:
+                return
+            self._closed = True
+            self._jobs.put(None)
         self._worker.join(timeout=30)
         self._session.close()
         os.close(self._efd)
 
     # ------------------------------------------------------------------ the worker
     def _submit(self, op: str, keys: list[str], views: list[Any] | None) -> int:
-        if self._closed:
-            raise RuntimeError("CxlKVL2Connector is closed")
         if views is not None and len(views) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(views)} buffers")
         with self._id_lock:
+            if self._closed:
+                raise ClosedError(f"cxlkv lmcache L2: submit_batch_{op} after close()")
             self._next_id += 1
             fid = self._next_id
-        self._jobs.put((fid, op, list(keys), views))
+            self._jobs.put((fid, op, list(keys), views))
         return fid
 
     def _run(self) -> None:
@@ -193,15 +197,14 @@ class CxlKVL2Connector:
         if pool is not self._ns_pool:  # a new attachment (first call, or after a fence)
             self._ns, self._ns_pool, self._listing_at = {}, pool, 0.0
         out = []
-        # One identity per (model, rank, group) of the batch, not per key: weights_of stats every
-        # weight and config file of the model (about 1 ms for 50 files), and a batch is one model.
+        # One identity per (model, rank, group) of the batch, not per key (a batch is one model).
         prefixes: dict[tuple, Callable[[int], ident.KVIdentity]] = {}
         for i, text in enumerate(keys):
             try:
                 key = LMCacheKey.parse(text)
                 which = (key.model, key.kv_rank, key.group)
                 prefix = prefixes.get(which) or prefixes.setdefault(which, self._identity_prefix(key))
-            except (ValueError, UnresolvableModelError, OSError) as e:
+            except ValueError as e:  # not a key, or a model field that is a name (UntrustedModelNameError)
                 self._warn_once(str(e))
                 out.append(False)
                 continue
@@ -231,7 +234,8 @@ class CxlKVL2Connector:
 
     # ------------------------------------------------------------------ identity -> namespace
     def _identity_prefix(self, key: LMCacheKey) -> Callable[[int], ident.KVIdentity]:
-        weights, source = weights_of(key.model)
+        weights = weights_of_model_field(key.model)  # UntrustedModelNameError for a plain name
+        source = f"LMCache engine identity {key.model[:26]}"
 
         def at(size: int) -> ident.KVIdentity:
             return ident.KVIdentity(

@@ -10,9 +10,12 @@ Truncation is the dangerous one: touching a page past the new end of the file ra
 :meth:`usable` compares the path's inode and size with what was mapped (a ``stat``, rate-limited
 to ``check_interval_s``) before the hook touches the pool, so a truncation between two steps is
 seen before any access. A truncation during a copy is the core's to convert into
-``PoolTruncatedError`` (caught here like any error). Once the file is known to be truncated,
-nothing may touch the mapping again, not even a lease's or the pool's destructor: those objects
-are kept alive for the rest of the process (:meth:`PoolGuard.retire`).
+``PoolTruncatedError`` (caught here like any error). Once the file is known to be truncated, the
+pool is closed before any lease of it is released (:meth:`PoolGuard.retire`): the core's close
+checks the file's size before it touches the node area, and a lease of a closed pool drops its
+pins without touching the mapping (an access that still reaches a truncated page reads the zero
+page the core's SIGBUS guard maps there). Nothing is kept alive past its owner: an earlier
+version leaked such pools and leases on purpose, and nanobind reported them at every exit.
 
 The verdict is process-wide (keyed by the mapped file's device, inode and pool uuid), so the scheduler-side
 and worker-side connectors of one process stop together.
@@ -23,7 +26,6 @@ raised through :meth:`call` and :meth:`retire` for pool_session.py, which opens 
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import stat
@@ -40,13 +42,6 @@ T = TypeVar("T")
 # numbers are reused once a file is gone)
 _BROKEN: dict[tuple[int, int, str], tuple[str, bool]] = {}  # -> (cause, maybe truncated)
 _LOCK = threading.Lock()
-
-
-def _keep_forever(obj: Any) -> None:
-    """One reference that is never dropped, not even at interpreter shutdown: the object's
-    destructor (which would touch a truncated mapping) never runs."""
-    if obj is not None:
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
 
 
 class PoolGuard:
@@ -154,21 +149,23 @@ class PoolGuard:
             return None
 
     def retire(self, obj: Any) -> None:
-        """Drops obj (a lease, the pool) in a way that is safe for a bad pool: released or closed
-        while the mapping is still sound, kept alive forever when it may be truncated."""
+        """Drops obj (a lease, the pool) in a way that is safe for a bad pool: a truncated pool is
+        closed first (its close and its leases' releases then leave the mapping untouched)."""
         if obj is None:
             return
         if not self.usable() and not self.truncated:
             self._file_problem()  # a file deleted first may have been truncated since
-        if self.cause is None or not self.truncated:
-            try:
-                (getattr(obj, "release", None) or obj.close)()
-                return
-            except FencedError:
-                raise  # the core keeps the lease's pins and drops them untouched later
-            except Exception as e:  # noqa: BLE001
-                self.fail("release failed", e)
-        _keep_forever(obj)
+        if self.truncated and self.pool is not None and obj is not self.pool:
+            self._drop(self.pool)
+        self._drop(obj)
+
+    def _drop(self, obj: Any) -> None:
+        try:
+            (getattr(obj, "release", None) or obj.close)()
+        except FencedError:
+            raise  # the core keeps the lease's pins and drops them untouched later
+        except Exception as e:  # noqa: BLE001
+            self.fail("release failed", e)
 
     def release_pool(self) -> None:
         """Closes the pool (as :meth:`retire` does) and forgets it: from then on the files are

@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from cxlkv.errors import CxlkvError, FencedError
+from cxlkv.errors import ClosedError, CxlkvError, FencedError
 from cxlkv.integrations.pool_guard import PoolGuard
 
 T = TypeVar("T")
@@ -80,6 +80,7 @@ class PoolSession:
         self._next_try = 0.0
         self._lock = threading.RLock()
         self._generation = 0  # +1 per attach: which handle a call ran on
+        self._closed = False  # close() was called: calls raise ClosedError from then on
         try:
             self._attach(create=True)
         except (CxlkvError, OSError, ValueError) as e:
@@ -117,6 +118,8 @@ class PoolSession:
         """fn(namespace) if the pool is usable and the call succeeds; None otherwise. After a
         fence, once more on the new node when ``retry``."""
         with self._lock:
+            if self._closed:
+                raise ClosedError(f"cxlkv {self.who or 'session'}: {what} after close()")
             if not self.usable():
                 return None
             guard, ns, generation = self.guard, self.ns, self._generation
@@ -148,9 +151,14 @@ class PoolSession:
                 self._fenced("release")
 
     def close(self) -> None:
+        """Releases the pool for good; idempotent. A later call() raises ClosedError."""
         with self._lock:
-            self.guard.release_pool()
-            self.pool = self.ns = None
+            self._closed = True
+            self._release()
+
+    def _release(self) -> None:
+        self.guard.release_pool()
+        self.pool = self.ns = None
 
     # -------------------------------------------------------------------------------------------
     def _fenced(self, what: str) -> bool:
@@ -160,8 +168,7 @@ class PoolSession:
         if not self.guard.usable():  # a broken file (or another connector's verdict) wins
             return False
         self._fenced_node, self._fenced_in = self.node or -1, what
-        self.guard.release_pool()
-        self.pool = self.ns = None
+        self._release()
         self._failures, self._next_try = 0, 0.0
         return self._reopen()
 
@@ -195,7 +202,7 @@ class PoolSession:
             return False
         self._fenced_node = 0
         if self.guard.identity != fenced_guard.identity:  # another pool file at the path since
-            self.close()
+            self._release()
             self.guard = fenced_guard
             fenced_guard.fail(f"node {old} was fenced, and the file at the path is another pool now")
             return False

@@ -37,6 +37,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
 import cxlkv
+from cxlkv.errors import ClosedError
 from cxlkv.integrations import identity as ident
 from cxlkv.integrations.external_identity import weights_of
 from cxlkv.integrations.pool_session import PoolSession
@@ -85,6 +86,7 @@ class CxlKVHiCacheStorage(HiCacheStorage):
             raise ValueError("cxlkv HiCache storage: no model_path in the extra config and no model_name")
         self._weights, self._weights_source = weights_of(str(model))  # UnresolvableModelError: clear
         self._lock = threading.Lock()
+        self._closed = False
         self._session: PoolSession | None = None
         self._view: torch.Tensor | None = None
         self._block_dim = 0
@@ -110,6 +112,8 @@ class CxlKVHiCacheStorage(HiCacheStorage):
         )
         name = self.identity.namespace_name()
         with self._lock:
+            if self._closed:
+                raise ClosedError("cxlkv HiCache storage: register_mem_pool_host after close()")
             self._view, self._block_dim = view, block_dim
             self._session = PoolSession(
                 self._path,
@@ -169,9 +173,13 @@ class CxlKVHiCacheStorage(HiCacheStorage):
         return [i // page for i in firsts]
 
     def _call(self, what: str, fn: Callable[[Any], Any]) -> Any:
-        if self._session is None:
-            raise RuntimeError("cxlkv HiCache storage: register_mem_pool_host was not called")
+        # Checked under the lock close() takes: a call racing close() sees either the open
+        # session or the closed flag, never a session being torn down.
         with self._lock:
+            if self._closed:
+                raise ClosedError(f"cxlkv HiCache storage: {what} after close()")
+            if self._session is None:
+                raise RuntimeError("cxlkv HiCache storage: register_mem_pool_host was not called")
             return self._session.call(what, fn)
 
     def _copy(self, op: str, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
@@ -230,7 +238,9 @@ class CxlKVHiCacheStorage(HiCacheStorage):
         return all(stored)
 
     def close(self) -> None:
+        """Releases the pool; idempotent. Any call after it raises ClosedError."""
         with self._lock:
+            self._closed = True
             if self._session is not None:
                 self._session.close()
                 self._session = None
