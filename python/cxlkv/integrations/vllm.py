@@ -698,7 +698,7 @@ class CxlKVConnector(KVConnectorBase_V1):
             self._disabled_reported = True
             self._count("pool_disabled")
         meta.waits = self._coalesce.take_waits()
-        meta.idle = not scheduler_output.total_num_scheduled_tokens
+        meta.idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
         for req_id in meta.preempted:
             self._coalesce.release(req_id, "preempted")
         sched = scheduler_output.num_scheduled_tokens
