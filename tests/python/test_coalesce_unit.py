@@ -251,6 +251,13 @@ def test_writer_done_with_fewer_blocks_and_deadline(pool_path):
     w.add(b.take_waits(), idle=True)
     assert poll_until_done(w, load) == ({"rc"}, {4, 5})
     assert counts == {"coalesced_blocks": 0, "coalesce_fallback_deadline": 1, "coalesce_recomputed_blocks": 2}
+    # vLLM looks the request up again to recompute: the marker is still held, but it does not
+    # wait twice (one coalesce_wait_s per request at most); once finished, the id may wait again.
+    b.step_done(2, {4, 5}, {"rc"}, ())
+    assert b.on_miss("rc", keys, 0, 0, 2, True, True) is None and not b.holds("rc")
+    b.finished("rc", saves_in_flight=False)
+    assert b.on_miss("rc", keys, 0, 0, 2, True, True) is not None
+    b.finished("rc", saves_in_flight=False)
     # A waiter aborted meanwhile is reported at once, with nothing loaded.
     b.on_miss("rd", keys, 0, 0, 2, True, True)
     b.allocated("rd", [6, 7], 2 * BS, BS)

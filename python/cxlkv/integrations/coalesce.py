@@ -112,6 +112,9 @@ class CoalesceScheduler:
         self._ready: list[WaitOp] = []  # blocks allocated: sent with the next metadata
         self._waiting: dict[str, WaitOp] = {}  # sent to the worker, outcome pending
         self._floors: dict[str, int] = {}  # finished waits: leading blocks now in vLLM's cache
+        # Requests that waited once: a wait that gave up is not repeated (its writer may be stalled
+        # and still hold the marker), so one request's delay is bounded by one coalesce_wait_s.
+        self._waited: set[str] = set()
 
     def on_miss(
         self, req_id: str, keys: list, have: int, hit: int, max_blocks: int, can_save: bool, can_load: bool
@@ -139,8 +142,8 @@ class CoalesceScheduler:
             return None
         if res is not None:
             res.abort()  # nothing held; explicit for readers
-        if state != "in_flight" or not can_load or have > hit:
-            return None  # no marker to be had (pool full), or this engine has more locally
+        if state != "in_flight" or not can_load or have > hit or req_id in self._waited:
+            return None  # no marker to be had (pool full), more here locally, or waited already
         op = BlockOp(req_id, list(keys[have:max_blocks]), [], start_depth=have)
         wait = WaitOp(op, marker, self.cfg.wait_s, already=hit - have)
         self._pending[req_id] = wait
@@ -159,6 +162,7 @@ class CoalesceScheduler:
         wait.op.block_ids = list(block_ids[first : first + n])
         wait.already = min(wait.already, n)
         self._ready.append(wait)
+        self._waited.add(req_id)
         self._count("coalesce_waits")
         self._log.info(
             "cxlkv: %s: blocks %d-%d of its prompt are being computed by another engine; waiting "
@@ -218,6 +222,7 @@ class CoalesceScheduler:
         self._pending.pop(req_id, None)
         self._waiting.pop(req_id, None)
         self._floors.pop(req_id, None)
+        self._waited.discard(req_id)
         if not saves_in_flight:  # else released with finished_sending
             self.release(req_id, "finished")
 
