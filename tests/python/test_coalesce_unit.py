@@ -123,6 +123,9 @@ def test_first_engine_writes_second_waits(pool_path):
     assert a.on_miss("ra2", keys, 0, 0, 6, True, True) is None and not a.holds("ra2")  # same engine
     wait = b.on_miss("rb", keys, 0, 0, 6, True, True)
     assert isinstance(wait, WaitOp) and wait.op.keys == keys and wait.marker == intent_key(keys[0])
+    b.lookup_started("rb")  # not scheduled: vLLM looks it up again, and this time it does not wait
+    assert not b.allocated("rb", list(range(10, 16)), 6 * BS, BS)
+    assert b.on_miss("rb", keys, 0, 0, 6, True, True) is not None
     assert b.allocated("rb", list(range(10, 16)), 6 * BS, BS)
     assert [w.op.block_ids for w in b.take_waits()] == [list(range(10, 16))]
     assert a_counts == {"coalesce_intents": 1} and b_counts == {"coalesce_waits": 1}

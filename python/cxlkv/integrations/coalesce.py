@@ -149,6 +149,11 @@ class CoalesceScheduler:
         self._pending[req_id] = wait
         return wait
 
+    def lookup_started(self, req_id: str) -> None:
+        """vLLM looks the request up again (it was not scheduled last time): a wait planned then
+        is void; this lookup decides afresh."""
+        self._pending.pop(req_id, None)
+
     def allocated(self, req_id: str, block_ids: list, external_tokens: int, block_size: int) -> bool:
         """update_state_after_alloc for a planned wait; False when the request has none."""
         wait = self._pending.pop(req_id, None)

@@ -607,6 +607,7 @@ class CxlKVConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int):
         st = self._state(request)
         self._release(st)
+        self._coalesce.lookup_started(request.request_id)
         if not self._can_load or st.keys is None or not self._session.usable():
             return 0, False
         prompt = (
