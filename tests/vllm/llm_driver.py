@@ -6,7 +6,9 @@ prints one `RESULT <json>` line per round. Driven by tests/vllm/test_connector.p
 spec: model ("tiny" | "smollm2" | a model directory), served_model_name (optional), pool (path),
 connector (bool), role ("kv_both" ...), on_pool_error ("fail": an unusable pool stops the engine
 instead of serving without the cache), max_num_batched_tokens (optional), prefix_caching (bool,
-default true), ids (bool: report prompt token ids), max_tokens, rounds: [{"prompts": [{"prompt":
+default true), ids (bool: report prompt token ids), stats (bool: report preemptions and the
+connector's vllm:cxlkv_* counters as "cxlkv"), extra_config (more kv_connector_extra_config keys),
+max_tokens, rounds: [{"prompts": [{"prompt":
 str, "cache_salt": str?}], "before": "corrupt_pool" | "corrupt_depth:D" | "unlink_pool" |
 "truncate_pool" | "replace_pool" | null, "wait_for": path?}]. A round with "wait_for" prints
 `WAITING <round>` and starts once that file exists (the test stops and resumes the engine there).
@@ -49,6 +51,18 @@ def corrupt_pool(path: str, depth: int = -1) -> int:
     return flipped
 
 
+def cxlkv_counters(metrics) -> dict:
+    """The connector's counters so far (vllm:cxlkv_*; a labelled one as name{label=value})."""
+    out: dict = {}
+    for m in metrics:
+        if not m.name.startswith("vllm:cxlkv_") or not isinstance(getattr(m, "value", None), int | float):
+            continue
+        own = [f"{k}={v}" for k, v in sorted(m.labels.items()) if k not in ("engine", "model_name")]
+        key = m.name + ("{" + ",".join(own) + "}" if own else "")
+        out[key] = out.get(key, 0) + m.value
+    return out
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     from vllm import LLM, SamplingParams
@@ -85,6 +99,7 @@ def main() -> None:
                 **({"chunk_size": spec["chunk_size"]} if spec.get("chunk_size") else {}),
                 **({"on_pool_error": spec["on_pool_error"]} if spec.get("on_pool_error") else {}),
                 **({"async_saves": True} if spec.get("async_saves") else {}),
+                **spec.get("extra_config", {}),
             },
         }
     t0 = time.time()
@@ -131,9 +146,11 @@ def main() -> None:
             for o in outs
         ]
         if spec.get("stats"):
+            metrics = llm.get_metrics()
             extra["preemptions"] = sum(
-                getattr(m, "value", 0) or 0 for m in llm.get_metrics() if m.name == "vllm:num_preemptions"
+                getattr(m, "value", 0) or 0 for m in metrics if m.name == "vllm:num_preemptions"
             )
+            extra["cxlkv"] = cxlkv_counters(metrics)
         print(
             "RESULT "
             + json.dumps({"round": i, "seconds": round(time.time() - t0, 3), "outputs": res, **extra}),

@@ -49,7 +49,9 @@ who know two checkpoints are the same), ``namespace`` (overrides the namespace n
 ``weights_identity`` ("loaded", the default: every byte of the weights, hashed by the workers and
 adopted by the scheduler side through vLLM's handshake; "sampled": the sampled file digest only),
 ``file_check_interval_s`` (default 0.001), ``on_pool_error`` ("degrade": a pool that cannot be
-opened means serving without the cache, the default; "fail": refuse to start).
+opened means serving without the cache, the default; "fail": refuse to start), ``coalesce``
+(default true) and ``coalesce_wait_s`` (default 30): a new prefix requested from several engines
+at once is computed by one of them while the others wait for its blocks (coalesce.py).
 """
 
 from __future__ import annotations
@@ -74,6 +76,8 @@ import cxlkv
 from cxlkv.integrations import identity as ident
 from cxlkv.integrations import loaded_weights as lw
 from cxlkv.integrations import vllm_metrics
+from cxlkv.integrations.coalesce import STAT_KEYS as COALESCE_STAT_KEYS
+from cxlkv.integrations.coalesce import CoalesceConfig, CoalesceScheduler, CoalesceWorker
 from cxlkv.integrations.keys import ChainedKeys, MMSpan, root_key
 from cxlkv.integrations.placement import placement_device
 from cxlkv.integrations.pool_session import PoolSession
@@ -110,6 +114,7 @@ STAT_KEYS = (
     "lookup_tokens",
     "hit_tokens",
     "load_failed_unavailable_blocks",
+    *COALESCE_STAT_KEYS,
 )
 
 
@@ -121,6 +126,9 @@ class CxlKVConnectorMetadata(KVConnectorMetadata):
     preempted: set = dataclasses.field(default_factory=set)
     # Scheduler-side counters of this step, reported by the worker (vLLM collects stats there).
     counters: dict = dataclasses.field(default_factory=dict)
+    # Requests waiting for blocks another engine computes (coalesce.py), sent once.
+    waits: list = dataclasses.field(default_factory=list)
+    idle: bool = False  # nothing scheduled this step
 
 
 @dataclasses.dataclass
@@ -413,6 +421,7 @@ class CxlKVConnector(KVConnectorBase_V1):
         self._failed_reqs: set[str] = set()
         self._transfer: Transfer | None = None
         self._saves = SaveTracker()
+        self._setup_coalescing(extra)
         logger.info(
             "cxlkv connector (%s) on pool %s as node %d, namespace %r (%s), %d-byte blocks",
             role.name,
@@ -422,6 +431,14 @@ class CxlKVConnector(KVConnectorBase_V1):
             self.identity.source(),
             self._block_bytes,
         )
+
+    def _setup_coalescing(self, extra: dict) -> None:
+        cfg = CoalesceConfig.from_extra(extra)
+        if cfg.enabled and self.identity.tp_size > 1:
+            logger.info("cxlkv: coalescing of new prefixes is off with tensor parallelism (coalesce.py)")
+            cfg = dataclasses.replace(cfg, enabled=False)
+        self._coalesce = CoalesceScheduler(cfg, self._session, self._count, logger)
+        self._coalesce_worker = CoalesceWorker(self._session, self._count_stat, logger)
 
     # ------------------------------------------------------------------------------------------
     # identity and keys
@@ -507,6 +524,9 @@ class CxlKVConnector(KVConnectorBase_V1):
     def _count(self, key: str, n: int = 1) -> None:
         self._counters[key] = self._counters.get(key, 0) + n
 
+    def _count_stat(self, key: str, n: int = 1) -> None:
+        self._stats.data[key] = self._stats.data.get(key, 0) + n
+
     def _count_here(self, key: str) -> None:
         """A counter of either side: the scheduler's travel to the worker with the next step."""
         if self.role == KVConnectorRole.WORKER:
@@ -587,6 +607,7 @@ class CxlKVConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int):
         st = self._state(request)
         self._release(st)
+        self._coalesce.lookup_started(request.request_id)
         if not self._can_load or st.keys is None or not self._session.usable():
             return 0, False
         prompt = (
@@ -608,6 +629,11 @@ class CxlKVConnector(KVConnectorBase_V1):
         self._count("hit_tokens", max(0, hit - have) * self._block_size)
         if hit < max_blocks:
             self._check_pin_cap(request.request_id, keys[hit:max_blocks], hit)
+            if self._coalesce.on_miss(
+                request.request_id, keys, have, hit, max_blocks, self._can_save, self._can_load
+            ):  # another engine computes the rest: wait for it (asynchronous load)
+                self._session.retire(lease)
+                return (max_blocks - have) * self._block_size, True
         if hit <= have:
             self._session.retire(lease)
             return 0, False
@@ -640,6 +666,9 @@ class CxlKVConnector(KVConnectorBase_V1):
             )
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
+        ids = blocks.get_block_ids()[0]
+        if self._coalesce.allocated(request.request_id, ids, num_external_tokens, self._block_size):
+            return
         st = self._reqs.get(request.request_id)
         if st is None or st.load is None:
             return
@@ -647,7 +676,6 @@ class CxlKVConnector(KVConnectorBase_V1):
             st.load = None
             self._release(st)
             return
-        ids = blocks.get_block_ids()[0]
         first = st.load.start_depth
         n = num_external_tokens // self._block_size
         st.load.keys = st.load.keys[:n]
@@ -670,13 +698,17 @@ class CxlKVConnector(KVConnectorBase_V1):
         if not self._session.usable() and self._session.disabled and not self._disabled_reported:
             self._disabled_reported = True
             self._count("pool_disabled")
+        meta.waits = self._coalesce.take_waits()
+        meta.idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
+        for req_id in meta.preempted:
+            self._coalesce.release(req_id, "preempted")
         sched = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
             if st is None:
                 continue
             st.block_ids = list(new.block_ids[0])
-            st.saved_blocks = 0
+            st.saved_blocks = self._coalesce.loaded_floor(new.req_id)  # a wait's blocks are in the pool
             # (Re)scheduled from scratch (a preempted request may come back as new): the KV of
             # held saves lived in blocks it no longer owns.
             self._drop_held(st, "rescheduled as new")
@@ -694,6 +726,10 @@ class CxlKVConnector(KVConnectorBase_V1):
             elif new_ids:
                 st.block_ids.extend(new_ids[0])
             self._plan(st, req_id, cached.num_computed_tokens[i] + sched.get(req_id, 0), meta)
+        if not self._async_saves:  # this step's saves are published when it completes
+            for req_id, st in self._reqs.items():  # held saves are not sent yet
+                sent = st.held[0].start_depth if st.held else st.saved_blocks
+                self._coalesce.saves_planned(req_id, sent, self._step)
         meta.counters, self._counters = {k: v for k, v in self._counters.items() if v}, {}
         return meta
 
@@ -737,6 +773,12 @@ class CxlKVConnector(KVConnectorBase_V1):
         # are matched by block id, so a late report is still attributed to its request.
         self._completed_steps += 1
         invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
+        self._coalesce.step_done(
+            self._completed_steps,
+            invalid,
+            getattr(connector_output, "finished_recving", None) or (),
+            getattr(connector_output, "finished_sending", None) or (),
+        )
         for st in self._reqs.values():
             op = st.inflight
             if op is not None:
@@ -769,6 +811,7 @@ class CxlKVConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]):
         st = self._reqs.pop(request.request_id, None)
+        self._coalesce.finished(request.request_id, st is not None and st.saving and self._async_saves)
         if st is None:
             return False, None
         self._release(st)
@@ -862,6 +905,7 @@ class CxlKVConnector(KVConnectorBase_V1):
         if self.identity.tp_rank == 0:
             for k, v in meta.counters.items():
                 self._stats.data[k] = self._stats.data.get(k, 0) + v
+        self._coalesce_worker.add(meta.waits, meta.idle)
         for op in meta.loads:
             t0 = time.perf_counter()
             # Not retried after a fence: the blocks were pinned by the fenced node's lease.
@@ -935,7 +979,21 @@ class CxlKVConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         self._account_saves()
         sending = self._saves.finished_sending(finished_req_ids)
-        return sending or None, None
+        recving, errors = self._coalesce_worker.poll(finished_req_ids, self._load_waited)
+        self._load_errors |= errors
+        return sending or None, recving or None
+
+    def _load_waited(self, op: BlockOp) -> int:
+        """A coalesced wait's blocks, through the same checksummed load as every load."""
+        if self._transfer is None:
+            return 0
+        t0 = time.perf_counter()
+        n = self._transfer.load(op)
+        self._stats.data["load_s"] += time.perf_counter() - t0
+        self._stats.data["load_op_s"].append(time.perf_counter() - t0)
+        self._stats.data["load_blocks"] += n
+        self._stats.data["load_bytes"] += n * self._block_bytes
+        return n
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -957,6 +1015,7 @@ class CxlKVConnector(KVConnectorBase_V1):
         return vllm_metrics.CxlKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self):
+        self._coalesce.close()
         for st in self._reqs.values():
             self._release(st)
         if self._transfer is not None:

@@ -18,6 +18,8 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 from vllm.v1.metrics.utils import create_metric_per_engine
 
+from cxlkv.integrations.coalesce import FALLBACK_CAUSES
+
 # name (without "vllm:" and "_total") -> (stats key, help). Plain counters, one per engine.
 COUNTERS = {
     "cxlkv_lookup_tokens": (
@@ -34,6 +36,22 @@ COUNTERS = {
     "cxlkv_load_bytes": ("load_bytes", "Bytes of KV copied from the pool into vLLM's KV cache."),
     "cxlkv_store_bytes": ("save_bytes", "Bytes of KV copied from vLLM's KV cache into the pool."),
     "cxlkv_load_blocks": ("load_blocks", "KV blocks loaded from the pool."),
+    "cxlkv_coalesce_intents": (
+        "coalesce_intents",
+        "Intent markers taken: requests that computed a new prefix other engines could wait for.",
+    ),
+    "cxlkv_coalesce_waits": (
+        "coalesce_waits",
+        "Requests that waited for prompt blocks another engine was computing (coalescing).",
+    ),
+    "cxlkv_coalesced_blocks": (
+        "coalesced_blocks",
+        "KV blocks a waiting request loaded once another engine had computed them.",
+    ),
+    "cxlkv_coalesce_recomputed_blocks": (
+        "coalesce_recomputed_blocks",
+        "KV blocks a waiting request recomputed after its wait gave up.",
+    ),
     "cxlkv_uncacheable_requests": (
         "uncacheable_requests",
         "Requests the connector does not cache (no key derivable, e.g. unsupported inputs).",
@@ -49,6 +67,8 @@ STORE_OUTCOMES = {
 }
 LOAD_FAILURE_CAUSES = ("missing_or_corrupt", "pool_unavailable")
 POOL_EVENTS = {"disabled": "pool_disabled", "fenced": "pool_fenced"}
+# Waits for another engine's blocks that gave up, by cause (coalesce.py).
+COALESCE_FALLBACKS = {cause: f"coalesce_fallback_{cause}" for cause in FALLBACK_CAUSES}
 
 # Histograms of one copy (a batch of blocks of one request): stats key of the per-op list.
 HISTOGRAMS = {
@@ -105,6 +125,15 @@ class CxlKVPromMetrics(KVConnectorPromMetrics):
             "event",
             tuple(POOL_EVENTS),
         )
+        self._coalesce_fallbacks = self._labelled(
+            "vllm:cxlkv_coalesce_fallbacks",
+            "Waits for blocks another engine was computing that gave up and recomputed, by cause: "
+            "writer_gone (its marker was released or reclaimed while blocks were missing: the "
+            "writer finished a shorter prompt, dropped them, or died); deadline "
+            "(coalesce_wait_s passed); pool_unavailable.",
+            "cause",
+            tuple(COALESCE_FALLBACKS),
+        )
         self._histograms: dict[str, dict[int, Any]] = {
             key: create_metric_per_engine(
                 histogram(
@@ -137,6 +166,9 @@ class CxlKVPromMetrics(KVConnectorPromMetrics):
         for event, key in POOL_EVENTS.items():
             if data.get(key):
                 self._pool_events[engine_idx][event].inc(data[key])
+        for cause, key in COALESCE_FALLBACKS.items():
+            if data.get(key):
+                self._coalesce_fallbacks[engine_idx][cause].inc(data[key])
         for key, per_engine in self._histograms.items():
             for seconds in data.get(key) or ():
                 per_engine[engine_idx].observe(float(seconds))

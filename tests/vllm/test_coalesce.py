@@ -1,0 +1,194 @@
+"""A new prefix requested from two real vLLM engines (separate processes, one pool) at the same
+moment is computed once: one engine takes the chain's intent marker, the other waits for the
+blocks and loads them (integrations/coalesce.py). And a writer killed with kill -9 while it holds
+the marker: the waiter notices (the dead node's entry is reclaimed), recomputes, and still answers
+what plain vLLM answers.
+
+Each engine also computes the prompt once more under its own cache_salt (other keys: no pool hit,
+no local hit, no coalescing): that is the plain-compute reference its coalesced answer must equal.
+The writers' saves are slowed (CXLKV_TEST_SAVE_DELAY_S, transfer.py) so that the writer holds its
+marker for seconds, as a long prefill on a loaded CPU does, whatever the machine's load."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+import cxlkv
+from conftest import BLOCK, HERE, words
+
+pytestmark = pytest.mark.timeout(900)
+
+PROMPT_BLOCKS = 12  # full blocks the writer computes and the waiter loads
+
+
+class EngineProc:
+    """llm_driver.py as a process whose output the test reads while it runs."""
+
+    def __init__(self, spec: dict, env: dict) -> None:
+        env = {**os.environ, **env}
+        env.pop("PYTHONHASHSEED", None)
+        self.p = subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "llm_driver.py"), json.dumps(spec)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            start_new_session=True,  # its own process group: the frontend and vLLM's engine core
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.log: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.p.stdout is not None
+        for line in self.p.stdout:
+            self.log.append(line)
+            self.lines.put(line)
+
+    def wait_for(self, needle: str, bound_s: float = 300) -> str:
+        deadline = time.monotonic() + bound_s
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=1)
+            except queue.Empty:
+                if self.p.poll() is not None and self.lines.empty():
+                    break
+                continue
+            if needle in line:
+                return line
+        raise AssertionError(f"engine never printed {needle!r}:\n{''.join(self.log[-60:])}")
+
+    def results(self, bound_s: float = 300) -> list[dict]:
+        try:
+            self.p.wait(bound_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"engine still running after {bound_s} s:\n{''.join(self.log[-60:])}"
+            ) from None
+        time.sleep(0.2)  # the reader thread drains the pipe
+        out = [json.loads(line[7:]) for line in self.log if line.startswith("RESULT ")]
+        assert self.p.returncode == 0, "".join(self.log[-60:])
+        return out
+
+    def kill(self) -> None:
+        """kill -9 of the whole engine: the LLM frontend and its engine-core process (which holds
+        the pool nodes and computes)."""
+        try:
+            os.killpg(self.p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.p.wait(60)
+
+
+def prompt(seed: int) -> str:
+    return words(seed, PROMPT_BLOCKS * BLOCK + 60)  # about one token per word: 12 full blocks
+
+
+def spec(model: str, pool: str, rounds: list[tuple[str, str, str]], wait_s: float = 120) -> dict:
+    """rounds: (prompt, the file that starts it or "", cache_salt or "")."""
+    return {
+        "model": model,
+        "pool": pool,
+        "stats": True,
+        "max_tokens": 8,
+        "extra_config": {"coalesce_wait_s": wait_s},
+        "rounds": [
+            {
+                "prompts": [{"prompt": p, **({"cache_salt": salt} if salt else {})}],
+                **({"wait_for": go} if go else {}),
+            }
+            for p, go, salt in rounds
+        ],
+    }
+
+
+def used_blocks(pool: str) -> int:
+    with cxlkv.Pool.open(pool) as p:
+        return int(p.stats()["used_blocks"])
+
+
+def same_answer(coalesced: dict, ref: dict) -> None:
+    a, b = coalesced["outputs"][0], ref["outputs"][0]
+    assert a["len"] > PROMPT_BLOCKS * BLOCK
+    assert a["tokens"] == b["tokens"]  # greedy: what plain vLLM computes
+    assert all(abs(x - y) < 0.1 for x, y in zip(a["logprobs"], b["logprobs"], strict=True))
+
+
+def delta(after: dict, before: dict) -> dict:
+    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+
+
+ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
+
+def test_new_prefix_computed_once_across_engines_and_a_killed_writer(tiny_model, pool_path, tmp_path):
+    """Three engines start together (one start-up cost). Phase 1: A and B get prompt 1 at the
+    same moment. Phase 2: C (whose saves never finish) computes prompt 2 and holds its marker,
+    B waits for it, C is killed with kill -9, B recovers."""
+    go1, go_c, go_b = (str(tmp_path / n) for n in ("go1", "go-c", "go-b"))
+    p1, p2 = prompt(1600), prompt(1601)
+    fast = {**ENV, "CXLKV_TEST_SAVE_DELAY_S": "3"}  # the writer holds its marker >= 3 s
+    a = EngineProc(spec(tiny_model, pool_path, [(p1, go1, ""), (p1, "", "ref-a")]), fast)
+    b = EngineProc(
+        spec(tiny_model, pool_path, [(p1, go1, ""), (p1, "", "ref-b"), (p2, go_b, ""), (p2, "", "ref-b")]),
+        fast,
+    )
+    c = EngineProc(spec(tiny_model, pool_path, [(p2, go_c, "")]), {**ENV, "CXLKV_TEST_SAVE_DELAY_S": "600"})
+    engines = (a, b, c)
+    try:
+        for e in engines:
+            e.wait_for("WAITING 0")
+        open(go1, "w").close()  # phase 1: A and B send prompt 1 now
+        res_a = a.results()
+        b.wait_for("WAITING 2")
+        # Phase 2: C takes prompt 2's marker (one more block in use, before any save of it) ...
+        base = used_blocks(pool_path)
+        open(go_c, "w").close()
+        deadline = time.monotonic() + 120
+        while used_blocks(pool_path) <= base:
+            assert time.monotonic() < deadline and c.p.poll() is None, "".join(c.log[-40:])
+            time.sleep(0.05)
+        # ... B misses there and waits for C; C is killed while B waits.
+        open(go_b, "w").close()
+        b.wait_for("being computed by another engine; waiting")
+        c.kill()
+        res_b = b.results()
+    finally:
+        for e in engines:
+            e.kill()
+
+    # Phase 1: exactly one engine waited; the prompt's blocks were computed once (by the writer,
+    # stored by it) and loaded by the waiter; both answers are plain vLLM's.
+    first = [res_a[0]["cxlkv"], res_b[0]["cxlkv"]]
+    waits = [x.get("vllm:cxlkv_coalesce_waits", 0) for x in first]
+    assert sorted(waits) == [0, 1], first
+    waiter, writer = (first[0], first[1]) if waits[0] else (first[1], first[0])
+    blocks = (res_a[0]["outputs"][0]["len"] - 1) // BLOCK
+    assert writer["vllm:cxlkv_coalesce_intents"] == 1
+    assert writer["vllm:cxlkv_store_outcome_blocks{outcome=stored}"] == blocks
+    assert waiter["vllm:cxlkv_coalesced_blocks"] == blocks
+    assert waiter["vllm:cxlkv_load_blocks"] == blocks
+    assert waiter.get("vllm:cxlkv_store_outcome_blocks{outcome=stored}", 0) == 0
+    assert waiter.get("vllm:cxlkv_coalesce_recomputed_blocks", 0) == 0
+    same_answer(res_a[0], res_a[1])
+    same_answer(res_b[0], res_b[1])
+
+    # Phase 2: B gave up because the writer was gone (its dead node's marker is absent to the
+    # core), not at the deadline; it recomputed every block and answers as plain vLLM does.
+    d = delta(res_b[2]["cxlkv"], res_b[1]["cxlkv"])
+    blocks = (res_b[2]["outputs"][0]["len"] - 1) // BLOCK
+    assert d["vllm:cxlkv_coalesce_waits"] == 1, d
+    assert d["vllm:cxlkv_coalesce_fallbacks{cause=writer_gone}"] == 1, d
+    assert "vllm:cxlkv_coalesce_fallbacks{cause=deadline}" not in d
+    assert d["vllm:cxlkv_coalesce_recomputed_blocks"] == blocks
+    assert "vllm:cxlkv_coalesced_blocks" not in d
+    same_answer(res_b[2], res_b[3])
