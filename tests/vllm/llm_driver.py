@@ -6,7 +6,9 @@ prints one `RESULT <json>` line per round. Driven by tests/vllm/test_connector.p
 spec: model ("tiny" | "smollm2" | a model directory), served_model_name (optional), pool (path),
 connector (bool), role ("kv_both" ...), on_pool_error ("fail": an unusable pool stops the engine
 instead of serving without the cache), max_num_batched_tokens (optional), prefix_caching (bool,
-default true), ids (bool: report prompt token ids), max_tokens, rounds: [{"prompts": [{"prompt":
+default true), ids (bool: report prompt token ids), max_tokens, top_logprobs (k > 1: report each
+position's top k as "top"), async_saves (bool; default: $CXLKV_TEST_ASYNC_SAVES, else the
+connector's), rounds: [{"prompts": [{"prompt":
 str, "cache_salt": str?}], "before": "corrupt_pool" | "corrupt_depth:D" | "unlink_pool" |
 "truncate_pool" | "replace_pool" | null, "wait_for": path?}]. A round with "wait_for" prints
 `WAITING <round>` and starts once that file exists (the test stops and resumes the engine there).
@@ -49,6 +51,20 @@ def corrupt_pool(path: str, depth: int = -1) -> int:
     return flipped
 
 
+def _saves_mode(spec: dict) -> dict:
+    """The connector's async_saves: the spec's, else $CXLKV_TEST_ASYNC_SAVES (0 or 1: run the whole
+    suite in one mode), else the connector's default (async)."""
+    if "async_saves" in spec:
+        return {"async_saves": bool(spec["async_saves"])}
+    env = os.environ.get("CXLKV_TEST_ASYNC_SAVES")
+    return {"async_saves": env == "1"} if env in ("0", "1") else {}
+
+
+def _ranked(lp: dict) -> list:
+    """[[token, logprob], ...] of one position, most likely first (the sampled token may be extra)."""
+    return sorted(([t, v.logprob] for t, v in lp.items()), key=lambda x: -x[1])
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     from vllm import LLM, SamplingParams
@@ -84,13 +100,14 @@ def main() -> None:
                 "pool_size": spec.get("pool_size", "1GiB"),
                 **({"chunk_size": spec["chunk_size"]} if spec.get("chunk_size") else {}),
                 **({"on_pool_error": spec["on_pool_error"]} if spec.get("on_pool_error") else {}),
-                **({"async_saves": True} if spec.get("async_saves") else {}),
+                **_saves_mode(spec),
             },
         }
     t0 = time.time()
     llm = LLM(**kw)
     print("STARTUP", round(time.time() - t0, 1), flush=True)
-    sp = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), logprobs=1)
+    top = spec.get("top_logprobs", 1)
+    sp = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), logprobs=top)
     for i, rnd in enumerate(spec["rounds"]):
         extra = {}
         if rnd.get("wait_for"):
@@ -127,6 +144,7 @@ def main() -> None:
                 "tokens": list(o.outputs[0].token_ids),
                 **({"ids": list(o.prompt_token_ids)} if spec.get("ids") else {}),
                 "logprobs": [next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs],
+                **({"top": [_ranked(lp) for lp in o.outputs[0].logprobs]} if top > 1 else {}),
             }
             for o in outs
         ]
