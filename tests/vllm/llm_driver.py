@@ -10,7 +10,8 @@ default true), ids (bool: report prompt token ids), max_tokens, top_logprobs (k 
 position's top k as "top"), async_saves (bool; default: $CXLKV_TEST_ASYNC_SAVES, else the
 connector's), rounds: [{"prompts": [{"prompt":
 str, "cache_salt": str?}], "before": "corrupt_pool" | "corrupt_depth:D" | "unlink_pool" |
-"truncate_pool" | "replace_pool" | null, "wait_for": path?}]. A round with "wait_for" prints
+"truncate_pool" | "replace_pool" | null, "wait_for": path?, "abort": {"after_steps": N,
+"requests": [index, ...]}?}]. A round with "wait_for" prints
 `WAITING <round>` and starts once that file exists (the test stops and resumes the engine there).
 """
 
@@ -49,6 +50,28 @@ def corrupt_pool(path: str, depth: int = -1) -> int:
             m[p] ^= 0xFF
             flipped += 1
     return flipped
+
+
+def generate_aborting(llm, inputs: list, sp, after_steps: int, requests: list) -> tuple[list, set]:
+    """llm.generate, stepping the engine by hand: after `after_steps` steps the requests at the
+    indices `requests` are aborted (vLLM's finish_requests path, as a client disconnecting). Returns
+    the last output of every request (an aborted one: what it had so far) and the aborted indices."""
+    engine = llm.llm_engine
+    ids = [f"abortable-{i}" for i in range(len(inputs))]
+    for rid, inp in zip(ids, inputs, strict=True):
+        engine.add_request(rid, inp, sp)
+    last: dict = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            last[o.request_id] = o
+        steps += 1
+        if steps == after_steps:
+            engine.abort_request([ids[i] for i in requests])
+    missing = [rid for rid in ids if rid not in last]
+    if missing:
+        sys.exit(f"llm_driver: no output for {missing} (aborted before their first step?)")
+    return [last[rid] for rid in ids], set(requests)
 
 
 def _saves_mode(spec: dict) -> dict:
@@ -136,7 +159,11 @@ def main() -> None:
             for p in rnd["prompts"]
         ]
         t0 = time.time()
-        outs = llm.generate(inputs, sp)
+        aborted: set = set()
+        if rnd.get("abort"):
+            outs, aborted = generate_aborting(llm, inputs, sp, **rnd["abort"])
+        else:
+            outs = llm.generate(inputs, sp)
         res = [
             {
                 "len": len(o.prompt_token_ids),
@@ -145,8 +172,9 @@ def main() -> None:
                 **({"ids": list(o.prompt_token_ids)} if spec.get("ids") else {}),
                 "logprobs": [next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs],
                 **({"top": [_ranked(lp) for lp in o.outputs[0].logprobs]} if top > 1 else {}),
+                **({"aborted": True} if i in aborted else {}),
             }
-            for o in outs
+            for i, o in enumerate(outs)
         ]
         if spec.get("stats"):
             extra["preemptions"] = sum(
