@@ -121,3 +121,28 @@ def test_prefill_instance_step_ends_once_its_saves_are_published(pool_path, mode
     stepper.join(60)
     assert sorted(pool_blocks(pool_path, a.sched._ns_name, toks)) == [0, 1, 2]
     a.close()
+
+
+def test_async_is_the_default_and_false_opts_out(pool_path, model_dir):
+    """No async_saves key: the step returns before its copy. "async_saves": false: the step waits
+    for its own saves and vLLM frees a finished request at once. Anything but a bool is refused."""
+    a = Engine(pool_path, model_dir)
+    g = gated(a)
+    toks = tokens(74, 2 * BS + 1)
+    a.add("r", toks)
+    a.step({"r": len(toks)}, wait_saves=False)
+    assert pool_blocks(pool_path, a.sched._ns_name, toks) == {}  # returned before the copy
+    g.gate.set()
+    a.close()
+    b = Engine(pool_path, model_dir, async_saves=False)
+    g = gated(b)
+    g.gate.set()
+    toks = tokens(75, 2 * BS + 1)
+    b.add("s", toks)
+    b.step({"s": len(toks)}, wait_saves=False)
+    assert sorted(pool_blocks(pool_path, b.sched._ns_name, toks)) == [0, 1]  # waited for
+    s = b.reqs.pop("s")
+    assert b.sched.request_finished(s["req"], s["blocks"]) == (False, None)
+    b.close()
+    with pytest.raises(ValueError, match="async_saves must be true or false"):
+        Engine(pool_path, model_dir, async_saves="false")

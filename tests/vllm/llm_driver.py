@@ -8,9 +8,11 @@ connector (bool), role ("kv_both" ...), on_pool_error ("fail": an unusable pool 
 instead of serving without the cache), max_num_batched_tokens (optional), prefix_caching (bool,
 default true), ids (bool: report prompt token ids), stats (bool: report preemptions and the
 connector's vllm:cxlkv_* counters as "cxlkv"), extra_config (more kv_connector_extra_config keys),
-max_tokens, rounds: [{"prompts": [{"prompt":
+max_tokens, top_logprobs (k > 1: report each position's top k as "top"), async_saves (bool;
+default: $CXLKV_TEST_ASYNC_SAVES, else the connector's), rounds: [{"prompts": [{"prompt":
 str, "cache_salt": str?}], "before": "corrupt_pool" | "corrupt_depth:D" | "unlink_pool" |
-"truncate_pool" | "replace_pool" | null, "wait_for": path?}]. A round with "wait_for" prints
+"truncate_pool" | "replace_pool" | null, "wait_for": path?, "abort": {"after_steps": N,
+"requests": [index, ...]}?}]. A round with "wait_for" prints
 `WAITING <round>` and starts once that file exists (the test stops and resumes the engine there).
 """
 
@@ -63,6 +65,42 @@ def cxlkv_counters(metrics) -> dict:
     return out
 
 
+def generate_aborting(llm, inputs: list, sp, after_steps: int, requests: list) -> tuple[list, set]:
+    """llm.generate, stepping the engine by hand: after `after_steps` steps the requests at the
+    indices `requests` are aborted (vLLM's finish_requests path, as a client disconnecting). Returns
+    the last output of every request (an aborted one: what it had so far) and the aborted indices."""
+    engine = llm.llm_engine
+    ids = [f"abortable-{i}" for i in range(len(inputs))]
+    for rid, inp in zip(ids, inputs, strict=True):
+        engine.add_request(rid, inp, sp)
+    last: dict = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            last[o.request_id] = o
+        steps += 1
+        if steps == after_steps:
+            engine.abort_request([ids[i] for i in requests])
+    missing = [rid for rid in ids if rid not in last]
+    if missing:
+        sys.exit(f"llm_driver: no output for {missing} (aborted before their first step?)")
+    return [last[rid] for rid in ids], set(requests)
+
+
+def _saves_mode(spec: dict) -> dict:
+    """The connector's async_saves: the spec's, else $CXLKV_TEST_ASYNC_SAVES (0 or 1: run the whole
+    suite in one mode), else the connector's default (async)."""
+    if "async_saves" in spec:
+        return {"async_saves": bool(spec["async_saves"])}
+    env = os.environ.get("CXLKV_TEST_ASYNC_SAVES")
+    return {"async_saves": env == "1"} if env in ("0", "1") else {}
+
+
+def _ranked(lp: dict) -> list:
+    """[[token, logprob], ...] of one position, most likely first (the sampled token may be extra)."""
+    return sorted(([t, v.logprob] for t, v in lp.items()), key=lambda x: -x[1])
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     from vllm import LLM, SamplingParams
@@ -98,14 +136,15 @@ def main() -> None:
                 "pool_size": spec.get("pool_size", "1GiB"),
                 **({"chunk_size": spec["chunk_size"]} if spec.get("chunk_size") else {}),
                 **({"on_pool_error": spec["on_pool_error"]} if spec.get("on_pool_error") else {}),
-                **({"async_saves": True} if spec.get("async_saves") else {}),
+                **_saves_mode(spec),
                 **spec.get("extra_config", {}),
             },
         }
     t0 = time.time()
     llm = LLM(**kw)
     print("STARTUP", round(time.time() - t0, 1), flush=True)
-    sp = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), logprobs=1)
+    top = spec.get("top_logprobs", 1)
+    sp = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), logprobs=top)
     for i, rnd in enumerate(spec["rounds"]):
         extra = {}
         if rnd.get("wait_for"):
@@ -134,7 +173,11 @@ def main() -> None:
             for p in rnd["prompts"]
         ]
         t0 = time.time()
-        outs = llm.generate(inputs, sp)
+        aborted: set = set()
+        if rnd.get("abort"):
+            outs, aborted = generate_aborting(llm, inputs, sp, **rnd["abort"])
+        else:
+            outs = llm.generate(inputs, sp)
         res = [
             {
                 "len": len(o.prompt_token_ids),
@@ -142,8 +185,10 @@ def main() -> None:
                 "tokens": list(o.outputs[0].token_ids),
                 **({"ids": list(o.prompt_token_ids)} if spec.get("ids") else {}),
                 "logprobs": [next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs],
+                **({"top": [_ranked(lp) for lp in o.outputs[0].logprobs]} if top > 1 else {}),
+                **({"aborted": True} if i in aborted else {}),
             }
-            for o in outs
+            for i, o in enumerate(outs)
         ]
         if spec.get("stats"):
             metrics = llm.get_metrics()

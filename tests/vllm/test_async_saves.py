@@ -1,9 +1,11 @@
-"""Asynchronous saves in a real vLLM engine (issue 16 item 2): a request preempted while its save
-is in flight leaves no pool entry pointing at KV that vLLM reused.
+"""Asynchronous saves in a real vLLM engine (issue 16 item 2): a request preempted or aborted while
+its save is in flight leaves no pool entry pointing at KV that vLLM reused.
 
 Every save waits 1 s on the transfer thread before it copies (CXLKV_TEST_SAVE_DELAY_S), so saves
 are in flight while a KV cache far too small for the batch makes vLLM preempt requests and hand
-their blocks to others. Then the same prompts run one at a time under another cache_salt (other
+their blocks to others; the first two requests are aborted (as a client disconnecting) three
+steps in, while their prompt blocks' saves wait, and the requests behind them need those blocks.
+Then the same prompts run one at a time under another cache_salt (other
 keys, the same KV bytes: a reference nothing preempts). Every prompt block the pool holds under
 the first run's keys must carry that prompt's KV (equal to the reference up to bf16 rounding of
 another batch shape), never another request's; and the engine must have met the window (a
@@ -25,6 +27,7 @@ from conftest import BLOCK, run_engine, words
 pytestmark = pytest.mark.timeout(900)
 
 PROMPTS = [words(60 + i, 500) for i in range(8)]
+ABORTED = [0, 1]
 
 
 def as_float(b: bytes) -> np.ndarray:
@@ -59,7 +62,9 @@ def test_preempted_saves_in_flight_never_publish_reused_kv(pool_path, tiny_model
         "ids": True,
         "prefix_caching": False,  # freed blocks go back to the free queue, not to a cache hit
         "async_saves": True,
-        "rounds": [{"prompts": [{"prompt": p} for p in PROMPTS]}]
+        "rounds": [
+            {"prompts": [{"prompt": p} for p in PROMPTS], "abort": {"after_steps": 3, "requests": ABORTED}}
+        ]
         + [{"prompts": [{"prompt": p, "cache_salt": "reference"}]} for p in PROMPTS],
     }
     # VLLM_CPU_KVCACHE_SPACE (the brief's setting for engines) would override kv_bytes: unset it.
@@ -68,11 +73,14 @@ def test_preempted_saves_in_flight_never_publish_reused_kv(pool_path, tiny_model
     assert rounds[-1]["preemptions"] > 0, "the test did not cause preemptions"
     # The window this test is about: a preempted request still had saves copying.
     assert "saves of preempted requests in flight" in log[0], "no save was in flight at a preemption"
-    compared = 0
-    for out in rounds[0]["outputs"]:
+    compared, compared_aborted = 0, 0
+    outputs = rounds[0]["outputs"]
+    assert [i for i, o in enumerate(outputs) if o.get("aborted")] == ABORTED
+    for out in outputs:
         ids = out["ids"]
         got, ref = chain(pool_path, ids, None), chain(pool_path, ids, "reference")
         assert len(got) > 0 and len(ref) == (len(ids) // BLOCK)
+        compared_aborted += len(got) if out.get("aborted") else 0
         for depth, data in got.items():
             a, b = as_float(data), as_float(ref[depth])
             rel = float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-6))
@@ -81,6 +89,7 @@ def test_preempted_saves_in_flight_never_publish_reused_kv(pool_path, tiny_model
             )
             compared += 1
     assert compared >= len(PROMPTS)
+    assert compared_aborted > 0, "no block of an aborted request reached the pool"
     with cxlkv.Pool.open(pool_path) as pool:
         report = pool.check()
     assert report["ok"], report["errors"]

@@ -41,10 +41,12 @@ def shared_pool(tmp_path_factory):
 def producer(shared_pool, tiny_model):
     """Engine 1: several requests in one batch (shared and distinct prefixes), with chunked
     prefill (max_num_batched_tokens below the longest prompt); then the same prompts again,
-    served from vLLM's own prefix cache: the reference outputs."""
+    served from vLLM's own prefix cache: the reference outputs. It saves synchronously (the
+    "async_saves": false opt-out, covered here at no extra cost); the consumer, asynchronously."""
     return run_engine(
         {
             "pool": shared_pool,
+            "async_saves": False,
             "max_num_batched_tokens": 256,
             "rounds": [{"prompts": plain(PROMPTS)}, {"prompts": plain(PROMPTS)}],
         }
@@ -153,10 +155,47 @@ def test_smollm2_cross_process_exact(pool_path):
         assert got["logprobs"] == ref["logprobs"]
 
 
+# bf16 logits of this model step by 1/32 around the logprobs it produces (-2 to -5): two runs
+# whose batches differ agree within an ulp or two; KV of another prompt moves them far more.
+LOGPROB_TOL = 0.07
+
+
+def parted_at_tie(ref: dict, got: dict) -> int | None:
+    """Where a greedy output parts from the reference, or None when it does not. Asserts that up
+    to there both chose the same tokens with logprobs within LOGPROB_TOL, and that the parting is
+    a near tie in both runs (each run's token within LOGPROB_TOL of the other's in its top 5): the
+    only way two correct runs whose bf16 arithmetic differs in low-order bits may part."""
+    for k, (a, b) in enumerate(zip(ref["tokens"], got["tokens"], strict=True)):
+        if a == b:
+            assert abs(ref["logprobs"][k] - got["logprobs"][k]) <= LOGPROB_TOL, (
+                f"token {k}: logprob {got['logprobs'][k]:.4f} vs the reference's {ref['logprobs'][k]:.4f}"
+            )
+            continue
+        r_top, g_top = dict(ref["top"][k]), dict(got["top"][k])
+        assert b in r_top and r_top[a] - r_top[b] <= LOGPROB_TOL, (
+            f"token {k}: parted where the reference had no tie"
+        )
+        assert a in g_top and g_top[b] - g_top[a] <= LOGPROB_TOL, (
+            f"token {k}: parted where this run had no tie"
+        )
+        return k
+    return None
+
+
 def test_preemption_and_many_requests_leak_no_pins(pool_path, tiny_model):
     """A KV cache far too small for the batch forces vLLM to preempt and resume requests while
-    the connector loads and saves; answers match plain vLLM under the same pressure token for
-    token, and the pool is left with no pins and nothing half-written."""
+    the connector loads and saves; answers agree with plain vLLM under the same pressure, and the
+    pool is left with no pins and nothing half-written.
+
+    "Agree", not "equal": bf16 KV computed in another batch shape differs in low-order bits, and
+    with the connector the batches differ from plain vLLM's. With async saves (the default) a
+    finished request's blocks are freed one step later (once the workers report its copies
+    done), so vLLM admits the next prefill a step later; measured (sync saves with the same held
+    frees, no copy in flight): the same schedule shift, the same logprob drift of one bf16 ulp
+    from token 139 on, and request 3 parting at token 148, where plain vLLM's top two are an
+    exact tie. So each output must equal the reference token for token, with logprobs within an
+    ulp or two, up to a point where both runs saw a near tie (parted_at_tie); wrong KV (another
+    request's blocks, a reused block) moves the logprobs far more and fails it."""
     import cxlkv
 
     prompts = plain([words(40 + i, 500) for i in range(8)])
@@ -167,18 +206,19 @@ def test_preemption_and_many_requests_leak_no_pins(pool_path, tiny_model):
         "kv_bytes": 12 * 128 * 1024,
         "max_model_len": 1024,
         "stats": True,
+        "top_logprobs": 5,
     }
-    # The reference is plain vLLM under the same pressure: a preempted request is recomputed from
-    # its tokens, and bf16 KV recomputed in another batch shape differs in low-order bits from KV
-    # written while decoding, so greedy outputs part from an unpressured run at CPU-dependent
-    # points (token 9 on this Intel Xeon); plain vLLM and the connector part identically.
-    ref = run_engine({**tight_kw, "connector": False, "rounds": [{"prompts": prompts}]})[0]["outputs"]
-    tight = run_engine({**tight_kw, "rounds": [{"prompts": prompts}, {"prompts": prompts}]})
+    # VLLM_CPU_KVCACHE_SPACE (the brief's setting for engines) would override kv_bytes: unset it.
+    env = {"VLLM_CPU_KVCACHE_SPACE": None}
+    ref = run_engine({**tight_kw, "connector": False, "rounds": [{"prompts": prompts}]}, env=env)[0][
+        "outputs"
+    ]
+    tight = run_engine({**tight_kw, "rounds": [{"prompts": prompts}, {"prompts": prompts}]}, env=env)
     assert tight[-1]["preemptions"] > 0, "the test did not cause preemptions"
     assert sum(o["cached"] for o in tight[1]["outputs"]) > 0, "the second round loaded nothing"
-    for rnd in tight:
-        for r, o in zip(ref, rnd["outputs"], strict=True):
-            assert o["tokens"] == r["tokens"]
+    parted = [parted_at_tie(r, o) for rnd in tight for r, o in zip(ref, rnd["outputs"], strict=True)]
+    # Most outputs run to the end without meeting a tie on which the runs' low-order bits differ.
+    assert parted.count(None) > len(parted) // 2, f"outputs parted at {parted}"
     with cxlkv.Pool.open(pool_path) as pool:
         report = pool.check()
     assert report["ok"], report["errors"]

@@ -82,3 +82,12 @@ class SaveTracker:
         self._finishing -= ready
         self._noted -= ready
         return ready
+
+
+def async_saves_enabled(extra: dict) -> bool:
+    """kv_connector_extra_config's ``async_saves``: true (the default) or false, nothing else (a
+    string "false" would otherwise read as true)."""
+    value = extra.get("async_saves", True)
+    if not isinstance(value, bool):
+        raise ValueError(f"cxlkv: async_saves must be true or false, not {value!r}")
+    return value

@@ -48,7 +48,8 @@ count; default: interleaved, see placement.py), ``pool_size`` (used when the poo
 who know two checkpoints are the same), ``namespace`` (overrides the namespace name entirely),
 ``weights_identity`` ("loaded", the default: every byte of the weights, hashed by the workers and
 adopted by the scheduler side through vLLM's handshake; "sampled": the sampled file digest only),
-``file_check_interval_s`` (default 0.001), ``on_pool_error`` ("degrade": a pool that cannot be
+``file_check_interval_s`` (default 0.001), ``async_saves`` (true, the default: no step waits
+for a save; false: each step waits for its own), ``on_pool_error`` ("degrade": a pool that cannot be
 opened means serving without the cache, the default; "fail": refuse to start), ``coalesce``
 (default true) and ``coalesce_wait_s`` (default 30): a new prefix requested from several engines
 at once is computed by one of them while the others wait for its blocks (coalesce.py).
@@ -81,7 +82,7 @@ from cxlkv.integrations.coalesce import CoalesceConfig, CoalesceScheduler, Coale
 from cxlkv.integrations.keys import ChainedKeys, MMSpan, root_key
 from cxlkv.integrations.placement import placement_device
 from cxlkv.integrations.pool_session import PoolSession
-from cxlkv.integrations.save_tracker import SaveTracker
+from cxlkv.integrations.save_tracker import SaveTracker, async_saves_enabled
 from cxlkv.integrations.transfer import BlockOp, CpuSaveHandle, CpuTransfer, Transfer
 
 if TYPE_CHECKING:
@@ -359,12 +360,11 @@ class CxlKVConnector(KVConnectorBase_V1):
         # vLLM's default policy fails the request instead; keep it only when asked to.
         if extra.get("load_failure_policy", "recompute") == "recompute":
             tc.kv_load_failure_policy = "recompute"
-        # Saves off the critical path (issue 16): the step submits them and returns; vLLM frees a
-        # finished request's blocks once its copies are done (request_finished / get_finished).
-        # Opt-in for now: under memory pressure the held frees change vLLM's schedule, and with it
-        # the batch shapes that bf16 greedy outputs depend on (test_connector's preemption test
-        # then parts from plain vLLM). Default: each step waits for its own saves, as before.
-        self._async_saves = bool(extra.get("async_saves", False))
+        # Saves off the critical path (issue 16), the default: the step submits them and returns;
+        # vLLM frees a finished request's blocks once its copies are done (request_finished /
+        # get_finished), a step later than without the connector. "async_saves": false makes each
+        # step wait for its own saves (and frees at once).
+        self._async_saves = async_saves_enabled(extra)
         pool_path = extra.get("pool_path") or cxlkv.default_pool_path()
         # A striped pool: a comma-separated string or a JSON list of device paths.
         self._pool_path = ",".join(map(str, pool_path)) if isinstance(pool_path, list) else str(pool_path)
@@ -947,7 +947,7 @@ class CxlKVConnector(KVConnectorBase_V1):
             if self._transfer is not None and self._session.usable():
                 self._saves.add(op, self._transfer.submit_save(op))
         if not self._can_load or not self._async_saves:
-            # Synchronous saves (the default, see async_saves above), and a prefill instance
+            # Synchronous saves (the "async_saves": false opt-out), and a prefill instance
             # (kv_producer) in any mode: its answer tells the proxy that the decode instance may
             # load the prompt's KV now, so the step ends once it is published.
             self._saves.wait_for({op.req_id for op in meta.saves})
