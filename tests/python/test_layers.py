@@ -39,7 +39,7 @@ MAY_IMPORT: dict[str, set[str]] = {
 }
 SUBPACKAGE_LAYERS = {"tools", "cli", "integrations", "testing", "kernels"}
 # Modules that need a third-party package beyond the core dependencies to import at all.
-OPTIONAL_DEPS = {"vllm", "aiohttp", "torch", "triton", "sglang"}
+OPTIONAL_DEPS = {"vllm", "aiohttp", "torch", "triton", "sglang", "lmcache"}
 
 
 def module_files() -> dict[str, Path]:
@@ -226,8 +226,8 @@ def test_every_module_imports_first_in_a_fresh_interpreter():
     above_api = [m for m in report["api_loads"] if not m.endswith("._core") and layer_of(m) != "api"]
     assert not above_api, f"`import cxlkv` loads modules above the API: {above_api}"
     assert set(report["ok"]) | set(report["skipped"]) == set(order)
-    # only the integrations that need vLLM / aiohttp / torch, and the Triton kernels (torch), may be
-    # skipped
+    # only the integrations that need vLLM / aiohttp / torch / LMCache / SGLang, and the Triton kernels (torch),
+    # may be skipped
     assert all(layer_of(m) in ("integrations", "kernels") for m in report["skipped"]), report["skipped"]
 
 
