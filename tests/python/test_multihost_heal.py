@@ -213,7 +213,7 @@ def test_a_stray_ticket_on_a_live_hosts_own_row_is_healed_by_its_heartbeat(pool_
     A's), but A is not in the lock and never moves it. A's heartbeat resets what no process of A
     holds in its row; a waiter that still found it after Bakery::kWaitLeases leases would fail its
     claim with LockTimeoutError (tests/cpp/test_host_slot.cpp) instead of waiting forever."""
-    info = create(pool_path, 500)
+    info = create(pool_path, 2000)  # 2 s: on a loaded machine a 500 ms lease fenced A (heartbeat starved)
     a = pod(pool_path, "heal-a", slot=1)  # alive and idle: its heartbeat advances
     b = pod(pool_path, "heal-b", slot=2)
     write_tickets(pool_path, info, 1, 0, 1, a.hello["node"], node_word(pool_path, info, a.hello["node"]))
