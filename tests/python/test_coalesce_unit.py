@@ -96,7 +96,7 @@ def test_marker_derivation():
 
 
 def test_config_defaults_and_errors():
-    assert CoalesceConfig.from_extra({}) == CoalesceConfig(True, 30.0)
+    assert CoalesceConfig.from_extra({}) == CoalesceConfig(False, 30.0)  # opt-in
     assert CoalesceConfig.from_extra({"coalesce": False, "coalesce_wait_s": 2}) == CoalesceConfig(False, 2.0)
     for bad in (
         {"coalesce": "no"},

@@ -100,7 +100,7 @@ def spec(model: str, pool: str, rounds: list[tuple[str, str, str]], wait_s: floa
         "pool": pool,
         "stats": True,
         "max_tokens": 8,
-        "extra_config": {"coalesce_wait_s": wait_s},
+        "extra_config": {"coalesce": True, "coalesce_wait_s": wait_s},
         "rounds": [
             {
                 "prompts": [{"prompt": p, **({"cache_salt": salt} if salt else {})}],

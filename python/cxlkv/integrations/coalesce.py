@@ -25,7 +25,9 @@ shared between the scheduler and the worker, so any executor works. Tensor paral
 supported (each rank has its own namespace, the marker lives in rank 0's): coalescing is off with
 one log line when ``tp_size > 1``.
 
-Extra config: ``coalesce`` (default true) and ``coalesce_wait_s`` (default 30: longer than a long
+Extra config: ``coalesce`` (default false: opt-in, because a marker is a reserved pool block, and in
+a full pool taking it evicts a READY block -- tests/vllm/test_connector.py's 4 MiB pool lost every
+hit to markers; a marker that claims only an index entry is the fix, not built yet) and ``coalesce_wait_s`` (default 30: longer than a long
 prefill on a loaded CPU, short enough that a stalled writer costs one bounded delay).
 """
 
@@ -72,7 +74,7 @@ class CoalesceConfig:
 
     @classmethod
     def from_extra(cls, extra: dict) -> CoalesceConfig:
-        on = extra.get("coalesce", True)
+        on = extra.get("coalesce", False)
         if not isinstance(on, bool):
             raise ValueError(f"cxlkv: coalesce must be true or false, not {on!r}")
         wait = extra.get("coalesce_wait_s", DEFAULT_WAIT_S)
