@@ -913,10 +913,7 @@ class CxlKVConnector(KVConnectorBase_V1):
             n = self._transfer.load(op) if self._transfer is not None and usable else 0
             if not usable:  # the pool could not be used: every block of the op fails
                 self._stats.data["load_failed_unavailable_blocks"] += len(op.keys)
-            self._stats.data["load_s"] += time.perf_counter() - t0
-            self._stats.data["load_op_s"].append(time.perf_counter() - t0)
-            self._stats.data["load_blocks"] += n
-            self._stats.data["load_bytes"] += n * self._block_bytes
+            self._account_load(t0, n)
             if n < len(op.keys):
                 self._stats.data["load_failed_blocks"] += len(op.keys) - n
                 self._load_errors.update(op.block_ids[n:])
@@ -989,11 +986,16 @@ class CxlKVConnector(KVConnectorBase_V1):
             return 0
         t0 = time.perf_counter()
         n = self._transfer.load(op)
-        self._stats.data["load_s"] += time.perf_counter() - t0
-        self._stats.data["load_op_s"].append(time.perf_counter() - t0)
+        self._account_load(t0, n)
+        return n
+
+    def _account_load(self, t0: float, n: int) -> None:
+        """One load op's time and the blocks it delivered, for the connector's stats."""
+        dt = time.perf_counter() - t0
+        self._stats.data["load_s"] += dt
+        self._stats.data["load_op_s"].append(dt)
         self._stats.data["load_blocks"] += n
         self._stats.data["load_bytes"] += n * self._block_bytes
-        return n
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
