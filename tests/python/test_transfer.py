@@ -71,11 +71,16 @@ def writer(path: str, go, out) -> None:
     s.close()
 
 
-def reader(path: str, go, stop, out) -> None:
+def reader(path: str, ready, go, stop, out) -> None:
     s = session(path)
     seen, wrong = 0, []
+    ready.set()
     go.wait()
-    while not stop.is_set():
+    while True:
+        # Read stop before the pass, so one whole pass always runs after the writer is done: on
+        # a busy 2-core machine the writer can finish before this process is scheduled at all,
+        # and the last rounds' blocks are then still there to be checked.
+        last = stop.is_set()
         for rnd in range(ROUNDS):
             for j in range(BATCH):
                 got = s.ns.get_bytes(key(rnd, j))
@@ -84,6 +89,8 @@ def reader(path: str, go, stop, out) -> None:
                 seen += 1
                 if bytes(got) != payload(rnd, j).tobytes():
                     wrong.append((rnd, j))
+        if last:
+            break
     out.put(json.dumps({"seen": seen, "wrong": wrong}))
     s.close()
 
@@ -91,10 +98,11 @@ def reader(path: str, go, stop, out) -> None:
 def test_block_never_visible_before_its_bytes(pool_path):
     cxlkv.Pool.create(pool_path, "64MiB", chunk_size="4MiB").close()
     ctx = mp.get_context("spawn")
-    go, stop, wq, rq = ctx.Event(), ctx.Event(), ctx.Queue(), ctx.Queue()
+    ready, go, stop, wq, rq = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Queue(), ctx.Queue()
     w = ctx.Process(target=writer, args=(pool_path, go, wq))
-    r = ctx.Process(target=reader, args=(pool_path, go, stop, rq))
+    r = ctx.Process(target=reader, args=(pool_path, ready, go, stop, rq))
     w.start(), r.start()
+    assert ready.wait(120), "the reader process never opened the pool"
     go.set()
     stored = wq.get(timeout=120)
     stop.set()
