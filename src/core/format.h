@@ -405,11 +405,16 @@ enum EntryState : uint8_t {
   kTombstone = 4,
   kCondemned = 5
 };
+// chunk/block of a WRITING entry: kNoChunk from the claim until its writer records the block it
+// allocated (so that nothing, a reclaimer included, follows the slot's previous block), and for
+// the whole life of an intent entry (Pool::reserve without a block: a "being written" marker
+// that never becomes READY). Every reader already treats chunk >= chunk_count as "no block".
+constexpr uint32_t kNoChunk = 0xFFFFFFFFu;
 struct alignas(kCacheLine) IndexEntry {
   uint64_t state;
   uint8_t key[32];
   uint32_t ns_id;
-  uint32_t chunk;
+  uint32_t chunk;  // kNoChunk: no block (WRITING only)
   uint16_t block;
   uint16_t depth;     // position in its prefix chain, as the writer knew it (eviction hint)
   uint32_t length;    // payload bytes (<= namespace block_bytes)

@@ -311,6 +311,7 @@ PutResult Pool::claim_entry(const NsHandle& ns, const Key& key, uint16_t depth, 
       coh_.check_fence();  // multihost: before plain stores (a dirty line reaches memory anyway)
       std::memcpy(e->key, key.data(), 32);
       e->ns_id = ns.id;
+      e->chunk = kNoChunk, e->block = 0;  // no block yet: never the slot's previous one
       coh_.flush(e, sizeof *e);
       coh_.fence();
       coh_.fault("insert.claimed");

@@ -305,8 +305,9 @@ class Pool {
 
   // --- device transfers (transfer.cpp, transfer.h) ------------------------------------------
   // reserve: an entry in WRITING and a block of ns.block_bytes for the key, at r->offset in the
-  // pool (r->state reserved), or why not (present, in_flight, failed: nothing held).
-  void reserve(const NsHandle& ns, const Key& key, uint16_t depth, Reservation* r);
+  // pool (r->state reserved), or why not (present, in_flight, failed: nothing held). Without a
+  // block: the entry only (an intent marker; its chunk stays kNoChunk), released by abort.
+  void reserve(const NsHandle& ns, const Key& key, uint16_t depth, Reservation* r, bool with_block = true);
   // commit: the device's copy into a reserved block is complete. Checks that the entry and the
   // block are still this reservation's, checksums the pool bytes and publishes READY. False: not
   // published (the reservation was lost or its entry corrupted), and released.

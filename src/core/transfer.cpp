@@ -13,17 +13,24 @@ namespace cxlkv {
 
 using namespace format;
 
-void Pool::reserve(const NsHandle& ns, const Key& key, uint16_t depth, Reservation* r) {
+void Pool::reserve(const NsHandle& ns, const Key& key, uint16_t depth, Reservation* r, bool with_block) {
   ensure_usable();
   *r = Reservation{};
   r->key = key;
   r->depth = depth;
+  r->with_block = with_block;
   Claimed c;
   switch (claim_entry(ns, key, depth, &c)) {
     case PutResult::present: r->state = Reservation::present; return;
     case PutResult::in_flight: r->state = Reservation::in_flight; return;
     case PutResult::failed: r->state = Reservation::failed; return;
     case PutResult::stored: break;
+  }
+  if (!with_block) {  // an intent: claim_entry left the entry's chunk kNoChunk, and so it stays
+    r->state = Reservation::reserved;
+    r->slot = c.slot, r->gen = c.gen, r->tag = c.tag;
+    r->chunk = kNoChunk;
+    return;
   }
   uint64_t chunk = 0;
   uint32_t block = 0;
@@ -60,6 +67,8 @@ void Pool::abort(const NsHandle& ns, Reservation* r) {
 
 bool Pool::commit(const NsHandle& ns, Reservation* r) {
   if (r->state != Reservation::reserved) return r->state == Reservation::committed;
+  if (!r->with_block)
+    throw ArgumentError("an intent reservation holds no block: nothing to commit (abort it)");
   ensure_usable();
   uint64_t writing = make_entry_word(kWriting, uint8_t(node_id_), r->gen, r->tag);
   IndexEntry* e = entry(r->slot);

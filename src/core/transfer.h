@@ -15,7 +15,9 @@
 namespace cxlkv {
 
 // One block reserved for a key: an entry in WRITING owned by this node, naming the key, with the
-// block recorded. Nobody else reads it, and other puts of the key see it in flight.
+// block recorded. Nobody else reads it, and other puts of the key see it in flight. Without a
+// block (with_block false) it is an intent: the entry only, which other puts and reserves of the
+// key see in flight, which is never published (commit refuses) and which costs no pool block.
 struct Reservation {
   enum State : uint8_t { reserved, present, in_flight, failed, committed, aborted };
   State state = failed;
@@ -26,7 +28,8 @@ struct Reservation {
   uint32_t tag = 0;
   uint64_t chunk = 0;
   uint32_t block = 0;
-  uint64_t offset = 0;  // payload's offset in the pool (reserved only)
+  uint64_t offset = 0;  // payload's offset in the pool (reserved with a block only)
+  bool with_block = true;
 };
 
 // One pinned, verified block of a load.

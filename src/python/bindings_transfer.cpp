@@ -86,8 +86,9 @@ struct PyVerifiedLease {
 nb::list offsets_of(const std::vector<Reservation>& items) {
   nb::list out;
   for (const auto& r : items)
-    out.append(r.state == Reservation::reserved || r.state == Reservation::committed ? int64_t(r.offset)
-                                                                                     : int64_t(-1));
+    out.append((r.state == Reservation::reserved || r.state == Reservation::committed) && r.with_block
+                   ? int64_t(r.offset)
+                   : int64_t(-1));
   return out;
 }
 
@@ -139,7 +140,7 @@ void bind_transfer(nb::module_& m) {
 
   nb::handle ns_type = nb::type<PyNamespace>();
   ns_type.attr("reserve") = nb::cpp_function(
-      [](PyNamespace& n, nb::handle keys, uint32_t start_depth) {
+      [](PyNamespace& n, nb::handle keys, uint32_t start_depth, bool blocks) {
         auto ks = to_keys(keys);
         auto* r = new PyReservation{n.owner, n.h, {}};
         r->items.resize(ks.size());
@@ -147,7 +148,8 @@ void bind_transfer(nb::module_& m) {
           OpGuard g(*n.owner);
           nb::gil_scoped_release nogil;
           for (size_t i = 0; i < ks.size(); ++i)
-            g.p->reserve(n.h, ks[i], uint16_t(std::min<size_t>(start_depth + i, 0xFFFF)), &r->items[i]);
+            g.p->reserve(n.h, ks[i], uint16_t(std::min<size_t>(start_depth + i, 0xFFFF)), &r->items[i],
+                         blocks);
         } catch (...) {
           delete r;  // aborts what was reserved
           throw;
@@ -155,8 +157,10 @@ void bind_transfer(nb::module_& m) {
         return r;
       },
       nb::scope(ns_type), nb::name("reserve"), nb::is_method(), "keys"_a, "start_depth"_a = 0,
-      nb::keep_alive<0, 1>(), nb::rv_policy::take_ownership,
-      "Two-phase save: a block of block_bytes for each key not in the pool yet (Reservation).");
+      "blocks"_a = true, nb::keep_alive<0, 1>(), nb::rv_policy::take_ownership,
+      "Two-phase save: a block of block_bytes for each key not in the pool yet (Reservation). "
+      "blocks=False: intents only, an entry per key that others see in flight and that costs no "
+      "pool block (offsets -1; commit raises ArgumentError; abort or the owner's death releases).");
   ns_type.attr("pin_verified") = nb::cpp_function(
       [](PyNamespace& n, nb::handle keys) {
         auto ks = to_keys(keys);

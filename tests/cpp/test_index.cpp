@@ -79,6 +79,35 @@ TEST_F(IndexTest, GatherScatterPieces) {
   EXPECT_THROW(pool_->get(ns_, key_of(7), &s, 1, &len), ArgumentError);
 }
 
+// An intent (reserve without a block, coalescing's marker): a WRITING entry whose chunk is the
+// "no block" value, so it holds no pool block; others see the key in flight; it never publishes.
+TEST_F(IndexTest, IntentReservationHoldsAnEntryAndNoBlock) {
+  const Key k = key_of(77);
+  Reservation r;
+  pool_->reserve(ns_, k, 3, &r, /*with_block=*/false);
+  ASSERT_EQ(r.state, Reservation::reserved);
+  {
+    RawMap m(path_);
+    const format::IndexEntry* e = m.entry(r.slot);
+    EXPECT_EQ(format::entry_state(e->state), format::kWriting);
+    EXPECT_EQ(e->chunk, format::kNoChunk);
+  }
+  Reservation other;
+  pool_->reserve(ns_, k, 3, &other);
+  EXPECT_EQ(other.state, Reservation::in_flight);
+  EXPECT_FALSE(pool_->contains(ns_, k));
+  EXPECT_THROW(pool_->commit(ns_, &r), ArgumentError);
+  pool_->abort(ns_, &r);
+  EXPECT_EQ(r.state, Reservation::aborted);
+  {
+    RawMap m(path_);
+    EXPECT_EQ(format::entry_state(m.entry(r.slot)->state), format::kTombstone);
+  }
+  pool_->reserve(ns_, k, 3, &other);  // with a block now: the key is free again
+  EXPECT_EQ(other.state, Reservation::reserved);
+  pool_->abort(ns_, &other);
+}
+
 TEST_F(IndexTest, KeysDifferingInLastByteDoNotAlias) {
   Key a = key_of(1), b = a;
   b[31] ^= 1;

@@ -77,7 +77,7 @@ def state_of(path: str, marker: bytes) -> str:
     """What a third node finds: in_flight (held) or reserved (nobody holds it)."""
     s = session(path)
     try:
-        res = s.ns.reserve([marker])
+        res = s.ns.reserve([marker], blocks=False)
         state = res.states[0]
         res.abort()
         return state
@@ -96,7 +96,7 @@ def test_marker_derivation():
 
 
 def test_config_defaults_and_errors():
-    assert CoalesceConfig.from_extra({}) == CoalesceConfig(False, 30.0)  # opt-in
+    assert CoalesceConfig.from_extra({}) == CoalesceConfig(True, 30.0)  # on by default
     assert CoalesceConfig.from_extra({"coalesce": False, "coalesce_wait_s": 2}) == CoalesceConfig(False, 2.0)
     for bad in (
         {"coalesce": "no"},

@@ -166,3 +166,75 @@ def test_a_writer_killed_mid_save_leaves_nothing_published_and_nothing_lost(smal
     assert r.commit() == 3 and [ns.get_bytes(k) for k in ks] == data
     rep = pool.check(repair=True)
     assert rep["ok"], rep
+
+
+def _fill(pool, ns, bb: int) -> list:
+    """Puts blocks until the namespace has no free block left; the keys, all READY."""
+    stored = []
+    for _ in range(4096):
+        if pool.stats()["free_blocks"] == 0 and stored:
+            break
+        k = os.urandom(32)
+        ns.put(k, os.urandom(bb))
+        stored.append(k)
+    return stored
+
+
+def test_an_intent_holds_an_index_entry_and_no_block(make_pool):
+    """reserve(blocks=False): an intent marker (coalescing). In a full pool it takes no block, so no
+    READY KV is evicted for it; others see the key in flight; it never publishes; abort frees it."""
+    pool = make_pool(size=4 << 20, chunk_size=1 << 20)
+    ns = pool.namespace(small_layout(block_bytes=64 << 10))
+    stored = _fill(pool, ns, 64 << 10)
+    evictions = pool.stats()["evictions"]
+    assert pool.stats()["free_blocks"] == 0 and len(stored) > 4
+    marker = os.urandom(32)
+    r = ns.reserve([marker], start_depth=3, blocks=False)
+    assert r.states == ["reserved"] and r.offsets == [-1]
+    assert ns.match_prefix(stored) == len(stored)  # nothing evicted for it
+    assert pool.stats()["evictions"] == evictions and pool.stats()["free_blocks"] == 0
+    assert ns.reserve([marker]).states == ["in_flight"]  # a block save of the key waits for it
+    assert ns.reserve([marker], blocks=False).states == ["in_flight"]
+    assert not ns.contains(marker) and ns.get_bytes(marker) is None
+    with pytest.raises(ValueError, match="intent"):  # the core's ArgumentError
+        r.commit()
+    rep = pool.check()
+    assert rep["ok"] and rep["blocks"]["ready"] == len(stored), rep
+    r.abort()
+    assert r.states == ["aborted"]
+    again = ns.reserve([marker], blocks=False)
+    assert again.states == ["reserved"]
+    del again  # dropped: aborted
+    assert ns.reserve([marker], blocks=False).states == ["reserved"]
+    assert pool.check()["ok"] and ns.match_prefix(stored) == len(stored)
+
+
+_DIE_HOLDING_INTENT = r"""
+import os, signal, sys
+import cxlkv
+sys.path.insert(0, {tests!r})
+from conftest import small_layout
+pool = cxlkv.Pool.open({path!r})
+ns = pool.namespace(small_layout(block_bytes={bb}))
+r = ns.reserve([bytes.fromhex({key!r})], blocks=False)
+assert r.states == ["reserved"], r.states
+print("held", flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_an_intent_of_a_killed_holder_is_released(small_ns):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pool, ns = small_ns
+    marker = os.urandom(32)
+    code = _DIE_HOLDING_INTENT.format(
+        tests=str(Path(__file__).parent), path=pool.path, bb=BB, key=marker.hex()
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "held" in p.stdout and p.returncode == -9, p.stderr
+    assert ns.reserve([marker], blocks=False).states == ["reserved"]  # the dead holder's is absent
+    rep = pool.check(repair=True)
+    assert rep["ok"] and rep["stuck_entries"] == 0, rep

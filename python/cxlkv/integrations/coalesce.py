@@ -5,7 +5,8 @@ knows which chains are being written, so the first engine to miss at block k tak
 marker* for that chain, and any other engine that misses at the same block finds the marker in
 flight and waits for the blocks (vLLM's asynchronous KV load) instead of recomputing them.
 
-* The marker is an index entry in WRITING state, taken with ``Namespace.reserve`` on the key
+* The marker is an index entry in WRITING state with no block, taken with
+  ``Namespace.reserve(..., blocks=False)`` on the key
   :func:`intent_key` derives from the chain key of block k: it names exactly the bytes of the
   prefix up to block k (identity follows the bytes), and it is never committed, so it is never
   readable KV. It is released (``abort``) once the writer's saves of its prompt blocks are done,
@@ -25,10 +26,9 @@ shared between the scheduler and the worker, so any executor works. Tensor paral
 supported (each rank has its own namespace, the marker lives in rank 0's): coalescing is off with
 one log line when ``tp_size > 1``.
 
-Extra config: ``coalesce`` (default false: opt-in, because a marker is a reserved pool block, and in
-a full pool taking it evicts a READY block -- tests/vllm/test_connector.py's 4 MiB pool lost every
-hit to markers; a marker that claims only an index entry is the fix, not built yet) and ``coalesce_wait_s`` (default 30: longer than a long
-prefill on a loaded CPU, short enough that a stalled writer costs one bounded delay).
+Extra config: ``coalesce`` (default true; a marker costs an index entry, never a pool block, so a
+full pool loses no READY KV to it) and ``coalesce_wait_s`` (default 30: longer than a long prefill
+on a loaded CPU, short enough that a stalled writer costs one bounded delay).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class CoalesceConfig:
 
     @classmethod
     def from_extra(cls, extra: dict) -> CoalesceConfig:
-        on = extra.get("coalesce", False)
+        on = extra.get("coalesce", True)
         if not isinstance(on, bool):
             raise ValueError(f"cxlkv: coalesce must be true or false, not {on!r}")
         wait = extra.get("coalesce_wait_s", DEFAULT_WAIT_S)
@@ -133,7 +133,7 @@ class CoalesceScheduler:
             self.release(req_id, "its prompt now misses at another block")
         if any(m.key == marker for m in self._markers.values()):
             return None  # another request of this engine computes it: vLLM's own business
-        res = self._session.call("coalesce", lambda ns: ns.reserve([marker], start_depth=hit))
+        res = self._session.call("coalesce", lambda ns: ns.reserve([marker], start_depth=hit, blocks=False))
         state = res.states[0] if res is not None else "failed"
         if state == "reserved":
             if not can_save:  # it never publishes the blocks: nobody should wait for it
@@ -145,7 +145,7 @@ class CoalesceScheduler:
         if res is not None:
             res.abort()  # nothing held; explicit for readers
         if state != "in_flight" or not can_load or have > hit or req_id in self._waited:
-            return None  # no marker to be had (pool full), more here locally, or waited already
+            return None  # no marker to be had (index full), more here locally, or waited already
         op = BlockOp(req_id, list(keys[have:max_blocks]), [], start_depth=have)
         wait = WaitOp(op, marker, self.cfg.wait_s, already=hit - have)
         self._pending[req_id] = wait
@@ -354,7 +354,7 @@ class CoalesceWorker:
 def _probe(ns: Any, marker: bytes, depth: int) -> str:
     """The marker's state without holding it: a reserve that succeeds means nobody holds it (a
     dead writer's entry counts as absent) and is aborted at once."""
-    res = ns.reserve([marker], start_depth=depth)
+    res = ns.reserve([marker], start_depth=depth, blocks=False)
     state = res.states[0]
     res.abort()
     return str(state)

@@ -51,7 +51,7 @@ adopted by the scheduler side through vLLM's handshake; "sampled": the sampled f
 ``file_check_interval_s`` (default 0.001), ``async_saves`` (true, the default: no step waits
 for a save; false: each step waits for its own), ``on_pool_error`` ("degrade": a pool that cannot be
 opened means serving without the cache, the default; "fail": refuse to start), ``coalesce``
-(default false, opt-in) and ``coalesce_wait_s`` (default 30): a new prefix requested from several engines
+(default true) and ``coalesce_wait_s`` (default 30): a new prefix requested from several engines
 at once is computed by one of them while the others wait for its blocks (coalesce.py).
 """
 

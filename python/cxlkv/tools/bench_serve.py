@@ -66,8 +66,7 @@ def _kv_config(config: str, pool: str, pool_gib: int, lmcache_port: int | None) 
             "kv_connector": "CxlKVConnector",
             "kv_connector_module_path": "cxlkv.integrations.vllm",
             "kv_role": "kv_both",
-            # coalescing is opt-in (a marker takes a pool block); the pool here is far from full
-            "kv_connector_extra_config": {"pool_path": pool, "pool_size": f"{pool_gib}GiB", "coalesce": True},
+            "kv_connector_extra_config": {"pool_path": pool, "pool_size": f"{pool_gib}GiB"},
         }
     if config == "lmcache":
         return {
