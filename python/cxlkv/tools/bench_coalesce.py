@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -109,6 +110,7 @@ def run_config(model: str, coalesce: bool, prompts: list[str], bound_s: float = 
             stderr=open(f"{tmp}/engine-{n}.log", "w"),
             text=True,
             env=env,
+            start_new_session=True,  # its own process group: the LLM frontend and vLLM's engine core
         )
         for n in range(2)
     ]
@@ -132,7 +134,12 @@ def run_config(model: str, coalesce: bool, prompts: list[str], bound_s: float = 
         return out
     finally:
         for p in procs:
-            p.kill()
+            # The whole group: killing the frontend alone left vLLM's engine-core process (and its
+            # worker, GBs of KV cache) running, orphaned, after the bench had returned.
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             p.wait(60)
         if os.path.exists(pool):
             os.unlink(pool)
