@@ -36,6 +36,7 @@ import pytest
 import cxlkv
 import cxlkv_testutil as tu
 from conftest import KiB, MiB
+from cxlkv.testing.layouts import opaque_layout
 from test_chaos import OneHost, Zygote, chaos_kill9, read_reports
 
 LOCK_HOSTS = 16  # the default lock area: slot 0 is the supervisor's, 1..14 the workers'
@@ -273,20 +274,9 @@ def test_kill9_at_fault_point(point, pool_path, tmp_path, hosts):
     report = pool.check()
     assert tu.pool_check_problems(report) == [], json.dumps(report, indent=1)[:4000]
     assert pool.stats()["reclaimed_nodes"] >= 2  # the armed worker and the survivor
-    ns = pool.namespace(tu.shared_layout())
-    keys = [k for c in range(chains) for k in tu.chain_keys(c, 8)]
-    keys += [tu.make_key("single", i) for i in range(singles)]
-    resident = 0
-    for k in keys:
-        d = ns.get_bytes(k)
-        if d is not None:
-            resident += 1
-            assert tu.verify_bytes(k, d, ns.block_bytes), f"{k.hex()}: wrong bytes after {point}"
-    assert resident > 0
     # Nothing leaked: the whole pool can be filled again.
-    fresh = [tu.make_key("refill", i) for i in range(report["blocks"]["capacity"])]
-    failed = sum(1 for k in fresh if not ns.put(k, tu.key_payload(k, ns.block_bytes)))
-    assert failed == 0, f"{failed} puts failed after {point}: capacity leaked or pins orphaned"
+    ns = pool.namespace(tu.shared_layout())
+    tu.assert_kv_intact_and_refillable(ns, chains, singles, report["blocks"]["capacity"], point)
     assert tu.pool_check_problems(pool.check()) == []
 
 
@@ -294,16 +284,7 @@ def test_kill9_at_fault_point(point, pool_path, tmp_path, hosts):
 # slow, not dead
 
 SLOW_LEASE_MS = 500
-LAYOUT = dict(
-    model_id="slow-host",
-    dtype="bytes",
-    num_layers=1,
-    num_kv_heads=1,
-    head_size=1024,
-    tokens_per_block=1,
-    kind="opaque",
-    block_bytes=1024,
-)
+LAYOUT = opaque_layout("slow-host")
 SLOW_CHILD = textwrap.dedent("""
     import json, os, sys
     sys.path.insert(0, os.environ["TESTS"])
