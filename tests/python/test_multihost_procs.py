@@ -280,6 +280,18 @@ def test_kill9_at_fault_point(point, pool_path, tmp_path, hosts):
     assert tu.pool_check_problems(pool.check()) == []
 
 
+def _end_child(child: subprocess.Popen) -> None:
+    """A child that may be stopped (SIGSTOP, a stop fault) and still running after a failure:
+    resumed so that SIGKILL is delivered at once, reaped, its pipes closed."""
+    if child.poll() is None:
+        os.kill(child.pid, signal.SIGCONT)
+        child.kill()
+        child.wait()
+    for f in (child.stdin, child.stdout, child.stderr):
+        if f is not None:
+            f.close()
+
+
 # ------------------------------------------------------------------------------------------------
 # slow, not dead
 
@@ -418,12 +430,7 @@ def test_slow_host_is_fenced_then_reattaches(point, pool_path, hosts):
         assert last["node"] != 0
         assert child.wait(timeout=30) == 0, child.stderr.read()[-3000:]
     finally:
-        if child.poll() is None:
-            os.kill(child.pid, signal.SIGCONT)
-            child.kill()
-            child.wait()
-        for f in (child.stdin, child.stdout, child.stderr):
-            f.close()
+        _end_child(child)
 
     # Nothing the fenced attachment tried after its reclaim reached the pool; every read checks.
     assert ns.get_bytes(_slow_key(101)) is None, "the fenced node published key 101"
@@ -492,11 +499,7 @@ def test_host_paused_holding_the_cross_host_lock(pool_path, hosts):
         assert last["put"] is True and last["node"] > 0, last
         assert child.wait(timeout=30) == 0
     finally:
-        if child.poll() is None:
-            os.kill(child.pid, signal.SIGCONT)
-            child.kill()
-            child.wait()
-        child.stdout.close()
+        _end_child(child)
     for i in [*range(300, 364), 200]:
         d = ns.get_bytes(_slow_key(i))
         assert d is not None and tu.verify_bytes(_slow_key(i), d, 1024), i
@@ -561,11 +564,7 @@ def test_slow_attach_that_succeeded_is_not_fenced_by_its_first_beat(pool_path, h
         out = [json.loads(line) for line in child.stdout]
         assert child.wait(timeout=30) == 0
     finally:
-        if child.poll() is None:
-            os.kill(child.pid, signal.SIGCONT)
-            child.kill()
-            child.wait()
-        child.stdout.close()
+        _end_child(child)
     print(out)
     assert out[-1] == {"ok": True}, f"a node that attached was fenced by its own first beat: {out}"
 
