@@ -254,6 +254,26 @@ def shared_kv(num_blocks: int) -> CudaKV:
     return CudaKV(L["num_layers"], L["tokens_per_block"], L["num_kv_heads"], L["head_size"], num_blocks)
 
 
+def assert_kv_intact_and_refillable(
+    ns, chains: int, singles: int, refill: int, after: str, refill_tag: str = "refill"
+) -> None:
+    """After processes died and were reclaimed: every block of the workers' chains (8 deep) and
+    singles still in the pool holds its own bytes (and some are still there), and `refill` fresh
+    puts all succeed (no capacity leaked, no pin orphaned)."""
+    keys = [k for c in range(chains) for k in chain_keys(c, 8)]
+    keys += [make_key("single", i) for i in range(singles)]
+    resident = 0
+    for k in keys:
+        d = ns.get_bytes(k)
+        if d is not None:
+            resident += 1
+            assert verify_bytes(k, d, ns.block_bytes), f"{k.hex()}: wrong bytes after {after}"
+    assert resident > 0
+    fresh = [make_key(refill_tag, i) for i in range(refill)]
+    failed = sum(1 for k in fresh if not ns.put(k, key_payload(k, ns.block_bytes)))
+    assert failed == 0, f"{failed} puts failed after {after}: capacity leaked or pins orphaned"
+
+
 def pool_check_problems(report: dict) -> list[str]:
     """Everything in a pool.check() report that means 'not clean'."""
     problems = []

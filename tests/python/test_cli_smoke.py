@@ -304,25 +304,14 @@ def test_pool_check_exits_1_on_an_inconsistency(pool_path):
 # bench
 
 
+def small_copy(pool_dir: str) -> list[str]:
+    """``bench copy`` arguments for one small geometry: one iteration of 1 MiB batches."""
+    return ["--geometry", "smollm2-135m", "--iters", "1", "--batch-size", "1MiB", "--pool-dir", pool_dir]
+
+
 def test_bench_copy(scratch_pool_dir):
     # one geometry as JSON, both (the default "all") as tables; 1 MiB batches, one iteration
-    r = ok(
-        cxlkv_cli(
-            "bench",
-            "copy",
-            "--json",
-            "--geometry",
-            "smollm2-135m",
-            "--iters",
-            "1",
-            "--batch-size",
-            "1MiB",
-            "--copy-threads",
-            "1",
-            "--pool-dir",
-            scratch_pool_dir,
-        )
-    )
+    r = ok(cxlkv_cli("bench", "copy", "--json", *small_copy(scratch_pool_dir), "--copy-threads", "1"))
     out = json_of(r, BENCH_COPY_KEYS)
     assert out["bench"] == "copy" and out["geometry"] == "smollm2-135m" and out["copy_threads"] == 1
     assert len(out["results"]) == 1
@@ -332,23 +321,7 @@ def test_bench_copy(scratch_pool_dir):
     r = ok(cxlkv_cli("bench", "copy", "--iters", "1", "--batch-size", "1MiB", "--pool-dir", scratch_pool_dir))
     assert "llama3-8b" in r.stdout and "smollm2-135m" in r.stdout
     # --devices 2: the same geometry on a pool striped over two files, ratio to the single file
-    r = ok(
-        cxlkv_cli(
-            "bench",
-            "copy",
-            "--json",
-            "--geometry",
-            "smollm2-135m",
-            "--iters",
-            "1",
-            "--batch-size",
-            "1MiB",
-            "--devices",
-            "2",
-            "--pool-dir",
-            scratch_pool_dir,
-        )
-    )
+    r = ok(cxlkv_cli("bench", "copy", "--json", *small_copy(scratch_pool_dir), "--devices", "2"))
     striped = json_of(r, BENCH_COPY_KEYS)["results"][0]["striped"]
     assert striped["devices"] == 2 and striped["verified"] and striped["store_vs_single"] > 0
     assert os.listdir(scratch_pool_dir) == [], "bench copy left its pool behind"
@@ -553,16 +526,7 @@ def test_pool_ping_and_bench_rpc_smoke(pool_path, tmp_path):
 def test_bench_copy_and_index_compare_backends(scratch_pool_dir):
     """``--compare-backends``: coherent then multihost in one run, each result whole, and the
     multihost / coherent ratio of the headline fields."""
-    copy = [
-        "--geometry",
-        "smollm2-135m",
-        "--iters",
-        "1",
-        "--batch-size",
-        "1MiB",
-        "--pool-dir",
-        scratch_pool_dir,
-    ]
+    copy = small_copy(scratch_pool_dir)
     out = json_of(
         ok(cxlkv_cli("bench", "copy", "--compare-backends", "--json", *copy)),
         {"compare_backends", "multihost_vs_coherent", "coherent", "multihost"},

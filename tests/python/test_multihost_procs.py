@@ -36,6 +36,7 @@ import pytest
 import cxlkv
 import cxlkv_testutil as tu
 from conftest import KiB, MiB
+from cxlkv.testing.layouts import opaque_layout
 from test_chaos import OneHost, Zygote, chaos_kill9, read_reports
 
 LOCK_HOSTS = 16  # the default lock area: slot 0 is the supervisor's, 1..14 the workers'
@@ -273,37 +274,29 @@ def test_kill9_at_fault_point(point, pool_path, tmp_path, hosts):
     report = pool.check()
     assert tu.pool_check_problems(report) == [], json.dumps(report, indent=1)[:4000]
     assert pool.stats()["reclaimed_nodes"] >= 2  # the armed worker and the survivor
-    ns = pool.namespace(tu.shared_layout())
-    keys = [k for c in range(chains) for k in tu.chain_keys(c, 8)]
-    keys += [tu.make_key("single", i) for i in range(singles)]
-    resident = 0
-    for k in keys:
-        d = ns.get_bytes(k)
-        if d is not None:
-            resident += 1
-            assert tu.verify_bytes(k, d, ns.block_bytes), f"{k.hex()}: wrong bytes after {point}"
-    assert resident > 0
     # Nothing leaked: the whole pool can be filled again.
-    fresh = [tu.make_key("refill", i) for i in range(report["blocks"]["capacity"])]
-    failed = sum(1 for k in fresh if not ns.put(k, tu.key_payload(k, ns.block_bytes)))
-    assert failed == 0, f"{failed} puts failed after {point}: capacity leaked or pins orphaned"
+    ns = pool.namespace(tu.shared_layout())
+    tu.assert_kv_intact_and_refillable(ns, chains, singles, report["blocks"]["capacity"], point)
     assert tu.pool_check_problems(pool.check()) == []
+
+
+def _end_child(child: subprocess.Popen) -> None:
+    """A child that may be stopped (SIGSTOP, a stop fault) and still running after a failure:
+    resumed so that SIGKILL is delivered at once, reaped, its pipes closed."""
+    if child.poll() is None:
+        os.kill(child.pid, signal.SIGCONT)
+        child.kill()
+        child.wait()
+    for f in (child.stdin, child.stdout, child.stderr):
+        if f is not None:
+            f.close()
 
 
 # ------------------------------------------------------------------------------------------------
 # slow, not dead
 
 SLOW_LEASE_MS = 500
-LAYOUT = dict(
-    model_id="slow-host",
-    dtype="bytes",
-    num_layers=1,
-    num_kv_heads=1,
-    head_size=1024,
-    tokens_per_block=1,
-    kind="opaque",
-    block_bytes=1024,
-)
+LAYOUT = opaque_layout("slow-host")
 SLOW_CHILD = textwrap.dedent("""
     import json, os, sys
     sys.path.insert(0, os.environ["TESTS"])
@@ -437,12 +430,7 @@ def test_slow_host_is_fenced_then_reattaches(point, pool_path, hosts):
         assert last["node"] != 0
         assert child.wait(timeout=30) == 0, child.stderr.read()[-3000:]
     finally:
-        if child.poll() is None:
-            os.kill(child.pid, signal.SIGCONT)
-            child.kill()
-            child.wait()
-        for f in (child.stdin, child.stdout, child.stderr):
-            f.close()
+        _end_child(child)
 
     # Nothing the fenced attachment tried after its reclaim reached the pool; every read checks.
     assert ns.get_bytes(_slow_key(101)) is None, "the fenced node published key 101"
@@ -511,11 +499,7 @@ def test_host_paused_holding_the_cross_host_lock(pool_path, hosts):
         assert last["put"] is True and last["node"] > 0, last
         assert child.wait(timeout=30) == 0
     finally:
-        if child.poll() is None:
-            os.kill(child.pid, signal.SIGCONT)
-            child.kill()
-            child.wait()
-        child.stdout.close()
+        _end_child(child)
     for i in [*range(300, 364), 200]:
         d = ns.get_bytes(_slow_key(i))
         assert d is not None and tu.verify_bytes(_slow_key(i), d, 1024), i
@@ -580,11 +564,7 @@ def test_slow_attach_that_succeeded_is_not_fenced_by_its_first_beat(pool_path, h
         out = [json.loads(line) for line in child.stdout]
         assert child.wait(timeout=30) == 0
     finally:
-        if child.poll() is None:
-            os.kill(child.pid, signal.SIGCONT)
-            child.kill()
-            child.wait()
-        child.stdout.close()
+        _end_child(child)
     print(out)
     assert out[-1] == {"ok": True}, f"a node that attached was fenced by its own first beat: {out}"
 

@@ -19,18 +19,10 @@ import time
 import pytest
 
 import cxlkv
+from cxlkv.testing.layouts import opaque_layout
 
 MiB = 1 << 20
-LAYOUT = cxlkv.KVLayout(
-    model_id="liveness",
-    dtype="bytes",
-    num_layers=1,
-    num_kv_heads=1,
-    head_size=1024,
-    tokens_per_block=1,
-    kind="opaque",
-    block_bytes=1024,
-)
+LAYOUT = cxlkv.KVLayout(**opaque_layout("liveness"))
 CXLKV = [sys.executable, "-m", "cxlkv"]
 # Children share this preamble: the layout above, keys, and a JSON reply helper.
 PRE = textwrap.dedent("""

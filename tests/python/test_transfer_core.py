@@ -23,6 +23,16 @@ def write(view, offset, data):
     view[offset : offset + len(data)] = np.frombuffer(data, np.uint8)
 
 
+def reserve_filled(pool, ns, ks):
+    """A reservation of `ks`, each block filled with random bytes as a device would (not yet
+    committed), and the pool's transfer view it was written through."""
+    r = ns.reserve(ks)
+    view = pool.transfer_view()
+    for o in r.offsets:
+        write(view, o, os.urandom(BB))
+    return r, view
+
+
 def test_commit_publishes_only_after_the_checksum(small_ns):
     pool, ns = small_ns
     ks = keys(3)
@@ -64,10 +74,7 @@ def test_abort_and_a_dropped_reservation_leave_nothing(small_ns):
 def test_a_corrupted_reservation_is_not_published(small_ns):
     pool, ns = small_ns
     ks = keys(2)
-    r = ns.reserve(ks)
-    view = pool.transfer_view()
-    for o in r.offsets:
-        write(view, o, os.urandom(BB))
+    r, view = reserve_filled(pool, ns, ks)
     # A stray write into the reserved entry (it names the key from the reserve on): the commit
     # reads the entry back and refuses to publish what is no longer its own.
     at = bytes(view).find(ks[1])
@@ -81,10 +88,7 @@ def test_a_corrupted_reservation_is_not_published(small_ns):
 def test_a_corrupted_published_block_is_a_miss(small_ns):
     pool, ns = small_ns
     ks = keys(3)
-    r = ns.reserve(ks)
-    view = pool.transfer_view()
-    for o in r.offsets:
-        write(view, o, os.urandom(BB))
+    r, view = reserve_filled(pool, ns, ks)
     assert r.commit() == 3
     view[r.offsets[1] + 100] ^= 0x01  # a bit flips in the pool
     with ns.pin_verified(ks) as lease:
@@ -95,10 +99,7 @@ def test_a_corrupted_published_block_is_a_miss(small_ns):
 def test_recheck_catches_a_change_while_the_device_reads(small_ns):
     pool, ns = small_ns
     ks = keys(3)
-    r = ns.reserve(ks)
-    view = pool.transfer_view()
-    for o in r.offsets:
-        write(view, o, os.urandom(BB))
+    r, view = reserve_filled(pool, ns, ks)
     r.commit()
     lease = ns.pin_verified(ks)
     assert len(lease) == 3

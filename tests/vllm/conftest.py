@@ -5,46 +5,20 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 import uuid
 
 import pytest
 
+from cxlkv.testing.prompts import seeded_words
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 BLOCK = 128  # vLLM CPU's default block size
 
 
 def words(seed: int, n: int) -> str:
-    vocab = [
-        "memory",
-        "cache",
-        "block",
-        "prefix",
-        "token",
-        "model",
-        "layer",
-        "attention",
-        "shared",
-        "pool",
-        "process",
-        "server",
-        "request",
-        "prompt",
-        "decode",
-        "prefill",
-        "batch",
-        "tensor",
-        "buffer",
-        "page",
-        "store",
-        "load",
-        "hash",
-        "index",
-    ]
-    rng = random.Random(seed)
-    return " ".join(rng.choice(vocab) for _ in range(n))
+    return seeded_words(seed, n)
 
 
 def run_engine(spec: dict, timeout: int = 600, log: list | None = None, env: dict | None = None) -> list:

@@ -12,81 +12,16 @@ marker for seconds, as a long prefill on a loaded CPU does, whatever the machine
 from __future__ import annotations
 
 import json
-import os
-import queue
-import signal
-import subprocess
-import sys
-import threading
-import time
 
 import pytest
 
 import cxlkv
-from conftest import BLOCK, HERE, words
+from conftest import BLOCK, words
+from engine_proc import EngineProc
 
 pytestmark = pytest.mark.timeout(900)
 
 PROMPT_BLOCKS = 12  # full blocks the writer computes and the waiter loads
-
-
-class EngineProc:
-    """llm_driver.py as a process whose output the test reads while it runs."""
-
-    def __init__(self, spec: dict, env: dict) -> None:
-        env = {**os.environ, **env}
-        env.pop("PYTHONHASHSEED", None)
-        self.p = subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "llm_driver.py"), json.dumps(spec)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-            start_new_session=True,  # its own process group: the frontend and vLLM's engine core
-        )
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.log: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.p.stdout is not None
-        for line in self.p.stdout:
-            self.log.append(line)
-            self.lines.put(line)
-
-    def wait_for(self, needle: str, bound_s: float = 300) -> str:
-        deadline = time.monotonic() + bound_s
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=1)
-            except queue.Empty:
-                if self.p.poll() is not None and self.lines.empty():
-                    break
-                continue
-            if needle in line:
-                return line
-        raise AssertionError(f"engine never printed {needle!r}:\n{''.join(self.log[-60:])}")
-
-    def results(self, bound_s: float = 300) -> list[dict]:
-        try:
-            self.p.wait(bound_s)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(
-                f"engine still running after {bound_s} s:\n{''.join(self.log[-60:])}"
-            ) from None
-        time.sleep(0.2)  # the reader thread drains the pipe
-        out = [json.loads(line[7:]) for line in self.log if line.startswith("RESULT ")]
-        assert self.p.returncode == 0, "".join(self.log[-60:])
-        return out
-
-    def kill(self) -> None:
-        """kill -9 of the whole engine: the LLM frontend and its engine-core process (which holds
-        the pool nodes and computes)."""
-        try:
-            os.killpg(self.p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.p.wait(60)
 
 
 def prompt(seed: int) -> str:
@@ -159,7 +94,7 @@ def test_new_prefix_computed_once_across_engines_and_a_killed_writer(tiny_model,
         # evidence is C's own counter), its saves pending ...
         base = used_blocks(pool_path)
         open(go_c, "w").close()
-        c_round = json.loads(c.wait_for("RESULT ")[7:])
+        c_round = json.loads(c.expect("RESULT ")[7:])
         assert c_round["cxlkv"]["vllm:cxlkv_coalesce_intents"] == 1, c_round["cxlkv"]
         c.wait_for("WAITING 1")
         assert c.p.poll() is None and used_blocks(pool_path) == base  # nothing of prompt 2 saved

@@ -13,17 +13,14 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import re
 import signal
-import subprocess
-import sys
-import threading
 import time
 
 import pytest
 
-from conftest import HERE, words
+from conftest import words
+from engine_proc import EngineProc
 from test_connector import full_blocks
 
 pytestmark = pytest.mark.timeout(900)
@@ -51,47 +48,12 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-class Engine:
-    """llm_driver.py in its own session, its output read line by line (every wait bounded)."""
-
-    def __init__(self, spec: dict, env: dict):
-        env = {**os.environ, **env}
-        env.pop("PYTHONHASHSEED", None)
-        self.p = subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "llm_driver.py"), json.dumps(spec)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-            start_new_session=True,
-        )
-        self.lines: list[str] = []
-        self._q: queue.Queue = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.p.stdout is not None
-        for line in self.p.stdout:
-            self.lines.append(line.rstrip("\n"))
-            self._q.put(line.rstrip("\n"))
-        self._q.put(None)
-
-    def tail(self, n: int = 60) -> str:
-        return "\n".join(self.lines[-n:])
+class Engine(EngineProc):
+    """The engine of this test: its RESULT lines read round by round, and signalled process by
+    process (SIGSTOP/SIGCONT of all of it)."""
 
     def expect(self, prefix: str, timeout: float = STEP_TIMEOUT_S) -> str:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                line = self._q.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                raise AssertionError(f"no {prefix!r} line in {timeout}s:\n{self.tail()}") from None
-            if line is None:
-                raise AssertionError(
-                    f"the engine exited (rc={self.p.wait()}) before {prefix!r}:\n{self.tail()}"
-                )
-            if line.startswith(prefix):
-                return line
+        return super().expect(prefix, timeout)
 
     def result(self, round_: int) -> dict:
         r = json.loads(self.expect("RESULT ")[7:])

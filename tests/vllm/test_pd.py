@@ -26,6 +26,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def pd_proxy_args(prefill_port: int, decode_port: int, port: int, *extra: str) -> list[str]:
+    """The interpreter's arguments that start the P/D proxy on `port` before the two sides."""
+    return [
+        "-m",
+        "cxlkv.integrations.pd_proxy",
+        "--prefill",
+        f"http://127.0.0.1:{prefill_port}",
+        "--decode",
+        f"http://127.0.0.1:{decode_port}",
+        "--port",
+        str(port),
+        *extra,
+    ]
+
+
 def post(url: str, body: dict) -> dict:
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=300) as r:
@@ -113,17 +128,7 @@ def test_prefill_then_decode_through_proxy(tiny_model, pool_path, tmp_path):
         server(tiny_model, pp, "kv_producer", pool_path, logs[0]),
         server(tiny_model, dp, "kv_consumer", pool_path, logs[1]),
         subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "cxlkv.integrations.pd_proxy",
-                "--prefill",
-                f"http://127.0.0.1:{pp}",
-                "--decode",
-                f"http://127.0.0.1:{dp}",
-                "--port",
-                str(xp),
-            ],
+            [sys.executable, *pd_proxy_args(pp, dp, xp)],
             stdout=logs[2],
             stderr=subprocess.STDOUT,
         ),

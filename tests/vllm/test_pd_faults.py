@@ -17,7 +17,7 @@ import urllib.request
 
 import pytest
 
-from test_pd import free_port, wait_ready
+from test_pd import free_port, pd_proxy_args, wait_ready
 
 pytest.importorskip("aiohttp")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -52,18 +52,7 @@ def rig(tmp_path):
         "prefill": fake(pp),
         "decode": fake(dp, chunks=40, delay=0.1, log=decode_log),
         "proxy": spawn(
-            [
-                "-m",
-                "cxlkv.integrations.pd_proxy",
-                "--prefill",
-                f"http://127.0.0.1:{pp}",
-                "--decode",
-                f"http://127.0.0.1:{dp}",
-                "--port",
-                str(xp),
-                "--health-ttl",
-                "0",
-            ],
+            pd_proxy_args(pp, dp, xp, "--health-ttl", "0"),
             open(tmp_path / "proxy.log", "w"),
         ),
     }

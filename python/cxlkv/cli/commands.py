@@ -255,15 +255,20 @@ def cmd_bench_copy(args: argparse.Namespace) -> int:
         copy_threads=args.copy_threads,
         devices=args.devices,
     )
+    return _bench_on_backends(args, bench.bench_copy, bench.print_copy_result, kwargs)
+
+
+def _bench_on_backends(args: argparse.Namespace, run, print_one, kwargs: dict[str, Any]) -> int:
+    """``bench copy|index``: one run on --backend, or both backends with --compare-backends."""
+    from cxlkv.tools import bench
+
     if args.compare_backends:
-        return _print_comparison(
-            args, bench.compare_backends(bench.bench_copy, **kwargs), bench.print_copy_result
-        )
-    result = bench.bench_copy(backend=args.backend, **kwargs)
+        return _print_comparison(args, bench.compare_backends(run, **kwargs), print_one)
+    result = run(backend=args.backend, **kwargs)
     if args.json:
         print_json(result)
     else:
-        bench.print_copy_result(make_console(), result)
+        print_one(make_console(), result)
     return ExitCode.OK
 
 
@@ -359,16 +364,7 @@ def cmd_bench_index(args: argparse.Namespace) -> int:
         pool_dir=args.pool_dir,
         quiet=args.json,
     )
-    if args.compare_backends:
-        return _print_comparison(
-            args, bench.compare_backends(bench.bench_index, **kwargs), bench.print_index_result
-        )
-    result = bench.bench_index(backend=args.backend, **kwargs)
-    if args.json:
-        print_json(result)
-    else:
-        bench.print_index_result(make_console(), result)
-    return ExitCode.OK
+    return _bench_on_backends(args, bench.bench_index, bench.print_index_result, kwargs)
 
 
 def cmd_bench_sparse(args: argparse.Namespace) -> int:

@@ -29,6 +29,7 @@ import copy
 import json
 import logging
 import time
+from collections.abc import Callable
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, web
 
@@ -73,17 +74,13 @@ def error_event(side: str, message: str) -> bytes:
     return f"data: {json.dumps(payload)}\n\n".encode()
 
 
-class Proxy:
-    def __init__(self, prefill: str, decode: str, timeout_s: float = 600, health_ttl_s: float = 2.0):
-        self.prefill = prefill.rstrip("/")
-        self.decode = decode.rstrip("/")
+class UpstreamClient:
+    """The upstream side of an aiohttp front: one client session, opened at the app's start-up
+    and closed at its clean-up (the proxy and the router both own one)."""
+
+    def __init__(self, timeout_s: float):
         self.timeout = ClientTimeout(total=timeout_s)
-        self.health_timeout = ClientTimeout(total=5)
-        self.health_ttl_s = health_ttl_s
         self.session: ClientSession | None = None
-        self.requests = 0
-        self.errors = {"prefill": 0, "decode": 0}
-        self._health: dict[str, tuple[float, bool, str]] = {}
 
     async def start(self, app: web.Application) -> None:
         self.session = ClientSession(timeout=self.timeout)
@@ -91,6 +88,26 @@ class Proxy:
     async def stop(self, app: web.Application) -> None:
         if self.session:
             await self.session.close()
+
+    async def relay_get(self, url: str, failed: Callable[[int, str], UpstreamError]) -> web.Response:
+        """GET `url` and answer what it answered; a transport failure is `failed`'s 502."""
+        try:
+            async with self.session.get(url) as r:
+                return web.Response(status=r.status, body=await r.read(), content_type=r.content_type)
+        except (ClientError, asyncio.TimeoutError, OSError) as e:
+            return failed(502, f"{type(e).__name__}: {e}").response()
+
+
+class Proxy(UpstreamClient):
+    def __init__(self, prefill: str, decode: str, timeout_s: float = 600, health_ttl_s: float = 2.0):
+        self.prefill = prefill.rstrip("/")
+        self.decode = decode.rstrip("/")
+        super().__init__(timeout_s)
+        self.health_timeout = ClientTimeout(total=5)
+        self.health_ttl_s = health_ttl_s
+        self.requests = 0
+        self.errors = {"prefill": 0, "decode": 0}
+        self._health: dict[str, tuple[float, bool, str]] = {}
 
     def _url(self, side: str) -> str:
         return self.prefill if side == "prefill" else self.decode
@@ -176,11 +193,9 @@ class Proxy:
             return out
 
     async def passthrough(self, request: web.Request) -> web.Response:
-        try:
-            async with self.session.get(self.decode + request.path) as r:
-                return web.Response(status=r.status, body=await r.read(), content_type=r.content_type)
-        except (ClientError, asyncio.TimeoutError, OSError) as e:
-            return self._failed("decode", 502, f"{type(e).__name__}: {e}").response()
+        return await self.relay_get(
+            self.decode + request.path, lambda st, msg: self._failed("decode", st, msg)
+        )
 
     async def health(self, request: web.Request) -> web.Response:
         sides = {}

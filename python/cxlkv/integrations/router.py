@@ -40,9 +40,9 @@ import logging
 import time
 from dataclasses import asdict, dataclass
 
-from aiohttp import ClientError, ClientSession, ClientTimeout, web
+from aiohttp import ClientError, ClientTimeout, web
 
-from .pd_proxy import COMPLETION_PATHS, UpstreamError, error_event
+from .pd_proxy import COMPLETION_PATHS, UpstreamClient, UpstreamError, error_event
 
 log = logging.getLogger("cxlkv.router")
 MODES = ("round-robin", "turn")
@@ -103,7 +103,7 @@ def usage_of(data: bytes) -> dict:
     return usage
 
 
-class Router:
+class Router(UpstreamClient):
     def __init__(self, backends: list[str], mode: str = "round-robin", timeout_s: float = 3600):
         if not backends:
             raise ValueError("the router needs at least one backend")
@@ -111,18 +111,10 @@ class Router:
             raise ValueError(f"mode {mode!r}: one of {', '.join(MODES)}")
         self.backends = [b.rstrip("/") for b in backends]
         self.mode = mode
-        self.timeout = ClientTimeout(total=timeout_s)
-        self.session: ClientSession | None = None
+        super().__init__(timeout_s)
         self._next = itertools.count()
         self.records: list[RequestRecord] = []
         self.errors = [0] * len(self.backends)
-
-    async def start(self, app: web.Application) -> None:
-        self.session = ClientSession(timeout=self.timeout)
-
-    async def stop(self, app: web.Application) -> None:
-        if self.session:
-            await self.session.close()
 
     def side(self, i: int) -> str:
         return f"backend {i} ({self.backends[i]})"
@@ -221,11 +213,7 @@ class Router:
         rec.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
 
     async def passthrough(self, request: web.Request) -> web.Response:
-        try:
-            async with self.session.get(self.backends[0] + request.path) as r:
-                return web.Response(status=r.status, body=await r.read(), content_type=r.content_type)
-        except (ClientError, asyncio.TimeoutError, OSError) as e:
-            return self._failed(0, 502, f"{type(e).__name__}: {e}").response()
+        return await self.relay_get(self.backends[0] + request.path, lambda st, msg: self._failed(0, st, msg))
 
     async def health(self, request: web.Request) -> web.Response:
         async def one(i: int) -> dict:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import signal
 import statistics
 import subprocess
@@ -27,26 +26,14 @@ import time
 import uuid
 
 from cxlkv.errors import CommandError
+from cxlkv.testing.prompts import SERVING_VOCAB, seeded_words
 
-VOCAB = [
-    "memory",
-    "cache",
-    "block",
-    "prefix",
-    "token",
-    "model",
-    "layer",
-    "attention",
-    "shared",
-    "pool",
-    "process",
-    "server",
-]
+# The first twelve words of the tests' vocabulary: the prompts this benchmark has always sent.
+VOCAB = SERVING_VOCAB[:12]
 
 
 def words(seed: int, n: int) -> str:
-    rng = random.Random(seed)
-    return " ".join(rng.choice(VOCAB) for _ in range(n))
+    return seeded_words(seed, n, VOCAB)
 
 
 def engine(spec: dict) -> None:

@@ -30,19 +30,11 @@ from typing import Any
 
 import cxlkv
 from cxlkv.errors import CommandError, ExitCode
+from cxlkv.testing.layouts import opaque_layout
 
 from ._common import PERCENTILE_METHOD, block_key, machine, percentile, progress
 
-LAYOUT = dict(
-    model_id="bench-failover",
-    dtype="bytes",
-    num_layers=1,
-    num_kv_heads=1,
-    head_size=1024,
-    tokens_per_block=1,
-    kind="opaque",
-    block_bytes=1024,
-)
+LAYOUT = opaque_layout("bench-failover")
 PINNED_BLOCKS = 8
 POOL_BYTES = 16 << 20
 POLL_S = 0.001
