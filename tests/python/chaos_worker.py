@@ -43,6 +43,11 @@ import cxlkv_testutil as tu
 CHAIN_LEN = 8
 
 
+# Operations per byte of a worker's progress file. Small, because most chaos workers live tens of
+# milliseconds: at 256, a loaded machine's lives each did fewer and the supervisor counted 0 ops.
+PROGRESS_EVERY = 16
+
+
 class Reporter:
     """Appends mismatches and errors to per-worker files; each line names the worker's seed, so a
     failure can be replayed (``chaos_worker.py run --seed N``)."""
@@ -249,7 +254,7 @@ class Worker:
     ]
 
     def run(self, deadline=None, max_ops=None, progress=None):
-        """progress: called with the op count every 256 operations."""
+        """progress: called with the op count every PROGRESS_EVERY operations."""
         names = [n for n, _ in self.OPS]
         weights = [w for _, w in self.OPS]
         fns = {n: getattr(self, "op_" + n) for n in names}
@@ -257,11 +262,10 @@ class Worker:
         while True:
             if max_ops is not None and i >= max_ops:
                 break
-            if (i & 255) == 0 and i:
-                if progress is not None:
-                    progress(i)
-                if deadline is not None and time.monotonic() >= deadline:
-                    break
+            if i and i % PROGRESS_EVERY == 0 and progress is not None:
+                progress(i)
+            if (i & 255) == 0 and i and deadline is not None and time.monotonic() >= deadline:
+                break
             name = self.rng.choices(names, weights)[0]
             fns[name]()
             self.counts[name] = self.counts.get(name, 0) + 1
@@ -320,7 +324,7 @@ def zygote_child(args, wid, seed):
         pool = open_pool(args.pool, rep)
         layout, salt = worker_layout(args.model)
         os.write(1, f"ready {os.getpid()}\n".encode())
-        # every 256 operations, one byte in a progress file: the supervisor sums them up
+        # every PROGRESS_EVERY operations, one byte in a progress file: the supervisor sums them up
         fd = os.open(
             os.path.join(args.report_dir, f"progress-{wid}.bin"),
             os.O_WRONLY | os.O_APPEND | os.O_CREAT,

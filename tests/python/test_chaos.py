@@ -27,6 +27,7 @@ import pytest
 
 import cxlkv
 import cxlkv_testutil as tu
+from chaos_worker import PROGRESS_EVERY
 from conftest import KiB, MiB
 
 WORKER = os.path.join(tu.here(), "chaos_worker.py")
@@ -248,7 +249,7 @@ def chaos_kill9(pool_path, tmp_path, hosts):
         zy.quit()
 
     elapsed = time.monotonic() - t_end + hosts.budget_s
-    ops = 256 * sum(
+    ops = PROGRESS_EVERY * sum(
         os.path.getsize(os.path.join(tmp_path, n)) for n in os.listdir(tmp_path) if n.startswith("progress-")
     )
     print(
