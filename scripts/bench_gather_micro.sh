@@ -6,7 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 cmake --build build/dev --target cxlkv_core >/dev/null
 out=build/dev/gather_micro
-g++ -O2 -std=c++20 -Isrc/core -Isrc/core/platform src/bench/gather_micro.cpp build/dev/libcxlkv_core.a \
+g++ -O2 -std=c++20 -Isrc/core -Isrc/core/format -Isrc/core/coherence -Isrc/core/nodes -Isrc/core/store \
+  -Isrc/core/transfer -Isrc/core/rpc -Isrc/core/platform src/bench/gather_micro.cpp build/dev/libcxlkv_core.a \
   -o "$out" -lpthread
 uptime
 "$out" "$@"

@@ -85,7 +85,7 @@ def _create_default(option: str):
 
 def dtypes() -> dict:
     """Every KV dtype the core knows: ``{canonical name: {"name", "code", "bytes", "aliases"}}``.
-    The table lives in the core (src/core/dtype.h); every alias opens the same namespace."""
+    The table lives in the core (src/core/format/dtype.h); every alias opens the same namespace."""
     return {d["name"]: d for d in _core.dtypes()}
 
 

@@ -2,7 +2,7 @@
 
 A sequence's rows (one per token per layer: an MLA latent, an ``fp8_ds_mla`` record, a dense K/V
 row, or the indexer's 132-B row) are cut into chunks of ``layout.tokens_per_block`` tokens; chunk
-``c`` is one block of a token namespace, its rows layer-first (src/core/token_rows.h has the byte
+``c`` is one block of a token namespace, its rows layer-first (src/core/transfer/token_rows.h has the byte
 format). A decode step gathers the top-k rows of a layer straight out of the pool.
 
 Contract (docs/API.md, "Token store"):

@@ -1,5 +1,5 @@
 // Where a token-row gather's time goes (issue 15, Performance): variants of the gather loop of
-// src/core/token_rows.cpp on the token block layout, in a /dev/shm mapping (as the pool) and in
+// src/core/transfer/token_rows.cpp on the token block layout, in a /dev/shm mapping (as the pool) and in
 // private memory, against a packed memcpy of the same bytes. A profiling tool, not part of the
 // product: build with scripts/bench_gather_micro.sh, run with [row_bytes] [context] [layers] [k]
 // [repeats]; each line is the median of the repeats.

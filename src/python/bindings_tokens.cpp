@@ -1,4 +1,4 @@
-// Python binding of the token store's core (src/core/token_rows.h): sealing blocks, resolving a
+// Python binding of the token store's core (src/core/transfer/token_rows.h): sealing blocks, resolving a
 // sequence's pinned blocks and verified row gathers. The policy (keys, lengths, pins, dtypes and
 // shapes as the user sees them) is python/cxlkv/token_store.py; this layer re-checks every size
 // it is given, since a wrong one here would be a wild write.

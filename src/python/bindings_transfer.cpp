@@ -1,4 +1,4 @@
-// Python binding of the device-transfer protocol (src/core/transfer.h): Namespace.reserve ->
+// Python binding of the device-transfer protocol (src/core/transfer/transfer.h): Namespace.reserve ->
 // Reservation (commit/abort), Namespace.pin_verified -> VerifiedLease (recheck/release), and
 // Pool.transfer_view(): the pool bytes as one uint8 array for a device path (the CUDA transfer
 // registers it with cudaHostRegister; Triton's interpreter reads and writes it on the CPU).

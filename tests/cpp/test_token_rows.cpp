@@ -1,4 +1,4 @@
-// Token blocks (src/core/token_rows.*): sealed blocks resolve and gather exactly, indices out of
+// Token blocks (src/core/transfer/token_rows.*): sealed blocks resolve and gather exactly, indices out of
 // range are refused before any copy, and a row whose bytes changed in the pool (or a block of
 // another sequence or chunk) never verifies.
 #include <atomic>

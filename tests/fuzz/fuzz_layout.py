@@ -1,7 +1,7 @@
 """Where things are in a pool file, for the fuzzers (tests/fuzz) only.
 
 The header field table and the index-entry offsets are those of tests/python/cxlkv_testutil.py (the
-test suite's one mirror of src/core/format.h). This module adds the few other structs the fuzzers
+test suite's one mirror of src/core/format/format.h). This module adds the few other structs the fuzzers
 write into (node slots, node areas, namespace entries) and `assert_matches(info)`, which checks the
 mirror against the geometry the core itself reports through `Pool.info()`: a format change that
 moves a header field fails the fuzz tests at once instead of silently fuzzing the wrong bytes.

@@ -25,7 +25,7 @@ import sys
 import numpy as np
 
 # ------------------------------------------------------------------------------------------------
-# On-memory header layout (src/core/format.h, struct PoolHeader). Offsets in bytes.
+# On-memory header layout (src/core/format/format.h, struct PoolHeader). Offsets in bytes.
 HEADER_FIELDS = {
     # name: (offset, struct format)
     "magic": (0, "8s"),

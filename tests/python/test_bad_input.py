@@ -69,7 +69,7 @@ def make_file_pool(path, size=32 * MiB):
 
 # ------------------------------------------------------------------------------------------------
 def test_header_layout_matches_format_h(pool_path):
-    """The offsets these tests patch are those of src/core/format.h, and the checksum is XXH3-64
+    """The offsets these tests patch are those of src/core/format/format.h, and the checksum is XXH3-64
     over the header up to the checksum field."""
     make_file_pool(pool_path)
     h = tu.read_header(pool_path)

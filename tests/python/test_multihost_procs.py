@@ -8,7 +8,7 @@ it can declare a silent one dead after one lease and reclaim it.
 * kill -9 chaos: the foundation's chaos workload (test_chaos.chaos_kill9, chaos_worker.py) with
   DistinctHosts instead of one host;
 * kill -9 at each named fault point (insert.claimed, insert.copied, evict.claimed, alloc.claimed,
-  alloc.carving, lock.held), armed in the worker by ``CXLKV_TEST_FAULT`` (src/core/fault_trap.h):
+  alloc.carving, lock.held), armed in the worker by ``CXLKV_TEST_FAULT`` (src/core/coherence/fault_trap.h):
   the worker SIGKILLs itself exactly there, a survivor keeps working through the lease, then the
   pool checks clean and every resident block reads back its own bytes;
 * slow, not dead: a process holding pins and stopped (SIGSTOP by its own fault trap) in the middle

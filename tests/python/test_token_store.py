@@ -1,4 +1,4 @@
-"""The token store (python/cxlkv/token_store.py, src/core/token_rows.*): gather / gather_layers
+"""The token store (python/cxlkv/token_store.py, src/core/transfer/token_rows.*): gather / gather_layers
 exact against a reference on random rows and random indices (duplicates, unsorted, first and last
 token, k = 1, k = context), outputs pre-filled with poison, fresh seeds printed; appends in uneven
 pieces; the length a reader of another process learns; the row formats (bf16 MLA, fp8_ds_mla raw

@@ -1,4 +1,4 @@
-"""The core's device-transfer protocol (src/core/transfer.cpp): a save in two phases (reserve ->
+"""The core's device-transfer protocol (src/core/transfer/transfer.cpp): a save in two phases (reserve ->
 bytes written at the block's pool offset -> commit checksums the pool bytes and publishes; abort
 or dropping the reservation publishes nothing) and a verified load (pin_verified / recheck):
 corruption anywhere is a miss, never wrong bytes."""

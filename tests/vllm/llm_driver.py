@@ -27,7 +27,7 @@ os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
 
 def corrupt_pool(path: str, depth: int = -1) -> int:
-    """Flips one payload byte of every READY block in the pool (the layout of src/core/format.h),
+    """Flips one payload byte of every READY block in the pool (the layout of src/core/format/format.h),
     or only of the blocks at chain depth `depth`."""
     import cxlkv
 

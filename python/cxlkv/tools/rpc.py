@@ -1,4 +1,4 @@
-"""``pool ping`` and ``bench rpc``: the shared-memory RPC channel (src/core/rpc.h), as tools that
+"""``pool ping`` and ``bench rpc``: the shared-memory RPC channel (src/core/rpc/rpc.h), as tools that
 return results (the CLI, cxlkv/cli, parses and prints).
 
 ``pool ping NODE`` sends requests through node NODE's admin mailbox (every attached process

@@ -8,7 +8,9 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
 B="${CXLKV_GTEST_BUILD:-$ROOT/build/gtest}"
 OUT="$(mktemp -d)"
-g++ -std=c++20 -O1 -g -I"$ROOT/src/core" -I"$ROOT/src/core/platform" "$ROOT/tests/cpp/repro/stale_alloc_repro.cpp" \
+g++ -std=c++20 -O1 -g -I"$ROOT/src/core" -I"$ROOT/src/core/format" -I"$ROOT/src/core/coherence" \
+    -I"$ROOT/src/core/nodes" -I"$ROOT/src/core/store" -I"$ROOT/src/core/transfer" -I"$ROOT/src/core/rpc" \
+    -I"$ROOT/src/core/platform" "$ROOT/tests/cpp/repro/stale_alloc_repro.cpp" \
     "$B/libcxlkv_core.a" -lgtest -lxxhash -lpthread -o "$OUT/stale"
 P=/dev/shm/cxlkv-stale-repro-$$
 "$OUT/stale" setup "$P" & SETUP=$!
