@@ -27,6 +27,7 @@ import uuid
 
 from cxlkv.errors import CommandError
 from cxlkv.testing.prompts import SERVING_VOCAB, seeded_words
+from cxlkv.tools.serve_fleet import own_group_dies_with_us, signal_group
 
 # The first twelve words of the tests' vocabulary: the prompts this benchmark has always sent.
 VOCAB = SERVING_VOCAB[:12]
@@ -97,7 +98,7 @@ def run_config(model: str, coalesce: bool, prompts: list[str], bound_s: float = 
             stderr=open(f"{tmp}/engine-{n}.log", "w"),
             text=True,
             env=env,
-            start_new_session=True,  # its own process group: the LLM frontend and vLLM's engine core
+            preexec_fn=own_group_dies_with_us,  # one group: the LLM frontend and vLLM's engine core
         )
         for n in range(2)
     ]
@@ -123,10 +124,7 @@ def run_config(model: str, coalesce: bool, prompts: list[str], bound_s: float = 
         for p in procs:
             # The whole group: killing the frontend alone left vLLM's engine-core process (and its
             # worker, GBs of KV cache) running, orphaned, after the bench had returned.
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            signal_group(p, signal.SIGKILL)
             p.wait(60)
         if os.path.exists(pool):
             os.unlink(pool)

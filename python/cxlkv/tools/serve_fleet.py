@@ -78,7 +78,7 @@ class Fleet:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=env,
-                preexec_fn=_own_group_dies_with_us,
+                preexec_fn=own_group_dies_with_us,
             )
         self.procs.append((name, p))
         return p, log
@@ -86,7 +86,7 @@ class Fleet:
     def stop(self, grace_s: float = 20.0) -> None:
         """SIGTERM to every group, then SIGKILL to the groups still alive after grace_s."""
         for _, p in self.procs:
-            _signal_group(p, signal.SIGTERM)
+            signal_group(p, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for _, p in self.procs:
             try:
@@ -94,7 +94,7 @@ class Fleet:
             except subprocess.TimeoutExpired:
                 pass
         for _, p in self.procs:
-            _signal_group(p, signal.SIGKILL)  # the group, even when its leader is gone
+            signal_group(p, signal.SIGKILL)  # the group, even when its leader is gone
             try:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
@@ -173,7 +173,7 @@ class Fleet:
         return Server("lmcache-server", f"http://127.0.0.1:{http_port}", p, log, extra={"port": port})
 
 
-def _own_group_dies_with_us() -> None:
+def own_group_dies_with_us() -> None:
     """In the child before exec: its own session (stop() signals the group, which reaches a
     server's engine process too), and SIGTERM when the benchmark dies without stopping it
     (SIGKILL: no finally block runs)."""
@@ -186,7 +186,7 @@ def _own_group_dies_with_us() -> None:
         pass
 
 
-def _signal_group(p: subprocess.Popen, sig: int) -> None:
+def signal_group(p: subprocess.Popen, sig: int) -> None:
     try:
         os.killpg(p.pid, sig)  # setsid: the group id is the leader's pid
     except (ProcessLookupError, PermissionError):
