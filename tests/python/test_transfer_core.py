@@ -138,25 +138,31 @@ sys.path.insert(0, {tests!r})
 from conftest import small_layout
 pool = cxlkv.Pool.open({path!r})
 ns = pool.namespace(small_layout(block_bytes={bb}))
-r = ns.reserve([bytes.fromhex(k) for k in {keys!r}])
+r = ns.reserve([bytes.fromhex(k) for k in {keys!r}], blocks={blocks!r})
 assert r.states == ["reserved"] * len({keys!r}), r.states
 print("reserved", flush=True)
 os.kill(os.getpid(), signal.SIGKILL)  # the device copy never completes, nothing commits
 """
 
 
-def test_a_writer_killed_mid_save_leaves_nothing_published_and_nothing_lost(small_ns):
+def die_holding(pool, ks, blocks=True) -> None:
+    """A child process reserves `ks` (with blocks, or intents only) and is killed with SIGKILL
+    while it holds them."""
     import subprocess
     import sys
     from pathlib import Path
 
-    pool, ns = small_ns
-    ks = keys(3)
     code = _DIE_MID_SAVE.format(
-        tests=str(Path(__file__).parent), path=pool.path, bb=BB, keys=[k.hex() for k in ks]
+        tests=str(Path(__file__).parent), path=pool.path, bb=BB, keys=[k.hex() for k in ks], blocks=blocks
     )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "reserved" in p.stdout and p.returncode == -9, p.stderr
+
+
+def test_a_writer_killed_mid_save_leaves_nothing_published_and_nothing_lost(small_ns):
+    pool, ns = small_ns
+    ks = keys(3)
+    die_holding(pool, ks)
     assert not any(ns.contains(k) for k in ks)
     r = ns.reserve(ks)  # the dead writer's entries do not block the keys
     assert r.states == ["reserved"] * 3
@@ -210,32 +216,10 @@ def test_an_intent_holds_an_index_entry_and_no_block(make_pool):
     assert pool.check()["ok"] and ns.match_prefix(stored) == len(stored)
 
 
-_DIE_HOLDING_INTENT = r"""
-import os, signal, sys
-import cxlkv
-sys.path.insert(0, {tests!r})
-from conftest import small_layout
-pool = cxlkv.Pool.open({path!r})
-ns = pool.namespace(small_layout(block_bytes={bb}))
-r = ns.reserve([bytes.fromhex({key!r})], blocks=False)
-assert r.states == ["reserved"], r.states
-print("held", flush=True)
-os.kill(os.getpid(), signal.SIGKILL)
-"""
-
-
 def test_an_intent_of_a_killed_holder_is_released(small_ns):
-    import subprocess
-    import sys
-    from pathlib import Path
-
     pool, ns = small_ns
     marker = os.urandom(32)
-    code = _DIE_HOLDING_INTENT.format(
-        tests=str(Path(__file__).parent), path=pool.path, bb=BB, key=marker.hex()
-    )
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert "held" in p.stdout and p.returncode == -9, p.stderr
+    die_holding(pool, [marker], blocks=False)
     assert ns.reserve([marker], blocks=False).states == ["reserved"]  # the dead holder's is absent
     rep = pool.check(repair=True)
     assert rep["ok"] and rep["stuck_entries"] == 0, rep
