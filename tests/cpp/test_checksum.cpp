@@ -3,6 +3,7 @@
 // split into pieces; and the F2 property under a concurrent writer of the source: the digest is
 // always the hash of the bytes delivered. ctest also runs these with CXLKV_CPU=avx2 and
 // CXLKV_CPU=portable, so the bounce-buffer fallback and the scalar stripe loop are covered.
+#include <sys/mman.h>
 #include <atomic>
 #include <random>
 #include <thread>
@@ -102,8 +103,10 @@ TEST(Checksum, AnySplitIntoPiecesMatchesXxh3) {
       if (rng() % 4 == 0) {
         std::memcpy(d + at, s + at, t);
         c.update(s + at, t);
-      } else {
+      } else if (rng() % 2) {
         c.update_copy(d + at, s + at, t);
+      } else {  // with the prefetch hint of what follows, as the pool's copies pass it
+        c.update_copy(d + at, s + at, t, s + at + t, n - at - t);
       }
       at += t;
     }
@@ -111,6 +114,27 @@ TEST(Checksum, AnySplitIntoPiecesMatchesXxh3) {
     ASSERT_EQ(c.digest(), XXH3_64bits(s, n)) << "round " << round << " n=" << n;
     ASSERT_EQ(std::memcmp(d, s, n), 0) << "round " << round;
   }
+}
+
+// The next-source hint is a prefetch only: pointing it at memory that may not be read (a
+// PROT_NONE mapping) changes neither the bytes nor the digest, and does not fault.
+TEST(Checksum, NextSourceHintIsNeverRead) {
+  SCOPED_TRACE(kernel_trace());
+  const size_t n = 64 * KiB + 40;
+  void* guard = mmap(nullptr, n, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(guard, MAP_FAILED);
+  Buffers b(n);
+  for (size_t dst_off : {0, 24}) {
+    char* s = Buffers::align(b.src_raw) + 8;
+    char* d = Buffers::align(b.dst_raw) + dst_off;
+    Checksum c;
+    c.update_copy(d, s, n / 2, guard, n);
+    c.update_copy(d + n / 2, s + n / 2, n - n / 2, guard, n);
+    kernels::store_fence();
+    EXPECT_EQ(c.digest(), XXH3_64bits(s, n)) << dst_off;
+    EXPECT_EQ(std::memcmp(d, s, n), 0) << dst_off;
+  }
+  munmap(guard, n);
 }
 
 // F2: a writer keeps changing the source while it is copied. Whatever bytes arrive, the digest

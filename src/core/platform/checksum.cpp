@@ -42,11 +42,15 @@ Checksum::Checksum() { xxh3k::init(acc_); }
 // final stripe apart), pend_len_ in 1..64 bytes of the stripe after them are in pend_, and prev_
 // holds the stripe before pend_ (the final 64 bytes may reach back into it).
 template <bool kCopy>
-void Checksum::feed(char* d, const char* s, size_t n) {
+void Checksum::feed(char* d, const char* s, size_t n, const char* ahead, size_t ahead_n) {
   const uint8_t* secret = xxh3k::default_secret();
   auto advance = [&](size_t t) {
     s += t, n -= t, total_ += t;
     if (kCopy) d += t;
+    if (ahead) {  // keep the hint at the same offset as the source
+      const size_t a = std::min(t, ahead_n);
+      ahead += a, ahead_n -= a;
+    }
   };
   if (n == 0) return;
   if (total_ < kHead) {
@@ -71,7 +75,7 @@ void Checksum::feed(char* d, const char* s, size_t n) {
       const size_t k = n / 64;
       const bool hold = n % 64 == 0;  // the call ends on a stripe: keep it pending
       if (kCopy) {
-        kCopyHash(acc_, secret, d, s, k, hold, hold ? pend_ : prev_, hold ? prev_ : nullptr);
+        kCopyHash(acc_, secret, d, s, k, hold, hold ? pend_ : prev_, hold ? prev_ : nullptr, ahead, ahead_n);
       } else {
         kHash(acc_, secret, s, k - hold);
         if (hold && k >= 2) std::memcpy(prev_, s + 64 * (k - 2), 64);
@@ -91,11 +95,11 @@ void Checksum::feed(char* d, const char* s, size_t n) {
 
 void Checksum::update(const void* p, size_t n) { feed<false>(nullptr, static_cast<const char*>(p), n); }
 
-void Checksum::update_copy(void* dst, const void* src, size_t n) {
+void Checksum::update_copy(void* dst, const void* src, size_t n, const void* next_src, size_t next_n) {
   char* d = static_cast<char*>(dst);
   const char* s = static_cast<const char*>(src);
   if (kCopyHash) {
-    feed<true>(d, s, n);
+    feed<true>(d, s, n, static_cast<const char*>(next_src), next_src ? next_n : 0);
     return;
   }
   // No fused kernel on this CPU: read each step of the source once into an L1-resident bounce

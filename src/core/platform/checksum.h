@@ -30,14 +30,16 @@ class Checksum {
   // register) or into a small L1 bounce buffer (other CPUs: hashed there and streamed out of it).
   // So a concurrent writer of src can make the digest wrong, but never make it match bytes other
   // than the delivered ones (F2). No fence inside: call kernels::store_fence() before publishing
-  // dst. Any alignment of dst and src, any n.
-  void update_copy(void* dst, const void* src, size_t n);
+  // dst. Any alignment of dst and src, any n. `next_src` / `next_n`: where the caller's next
+  // update_copy will read (the next fragment); a prefetch hint that lets one thread keep two
+  // source streams in flight, never read through.
+  void update_copy(void* dst, const void* src, size_t n, const void* next_src = nullptr, size_t next_n = 0);
   uint64_t digest() const;
 
  private:
   static constexpr size_t kHead = 256;  // inputs up to this size are hashed in one call at the end
   template <bool kCopy>
-  void feed(char* dst, const char* src, size_t n);
+  void feed(char* dst, const char* src, size_t n, const char* ahead = nullptr, size_t ahead_n = 0);
 
   xxh3k::Acc acc_;
   uint64_t total_ = 0;

@@ -30,8 +30,12 @@ using HashFn = void (*)(Acc& a, const uint8_t* secret, const char* src, size_t k
 // caller does not know yet whether more input follows). Each source byte is loaded once; the
 // stored bytes and the hashed bytes are the same registers. Writes what it stored of stripe k-1
 // to last[64] and, if before != nullptr and k >= 2, of stripe k-2 to before[64]. No fence.
+// `ahead` (may be null) is where the caller's next copy will read from: while it copies line j
+// the kernel asks for line j of `ahead` too (into L2, for the first ahead_len bytes), so two
+// source streams are in flight at once (see copy_hash_avx512). A hint only: never dereferenced.
 using CopyHashFn = void (*)(Acc& a, const uint8_t* secret, char* dst, const char* src, size_t k,
-                            bool hold_last, uint8_t* last, uint8_t* before);
+                            bool hold_last, uint8_t* last, uint8_t* before, const char* ahead,
+                            size_t ahead_len);
 
 HashFn pick_hash();
 // nullptr where the CPU has no fused kernel (then the caller copies through a bounce buffer).

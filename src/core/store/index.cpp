@@ -384,7 +384,9 @@ bool Pool::fill_claimed(const NsHandle& ns, const Key& key, const Piece* src, si
     char* dst = block_payload(ns, chunk, block);
     Checksum hs;  // over the bytes written to the pool, not a second read of the caller's buffer
     for (size_t i = 0; i < n; ++i) {
-      hs.update_copy(dst, src[i].ptr, src[i].bytes);
+      const bool more = i + 1 < n;  // the next fragment's source streams in beside this one's
+      hs.update_copy(dst, src[i].ptr, src[i].bytes, more ? src[i + 1].ptr : nullptr,
+                     more ? src[i + 1].bytes : 0);
       dst += src[i].bytes;
     }
     coh_.stream_fence();  // payload reaches memory before the entry can say READY
@@ -414,7 +416,8 @@ bool Pool::copy_out(const NsHandle& ns, const Found& f, const Piece* dst, size_t
   Checksum hs;
   for (size_t i = 0; i < n && left; ++i) {
     uint64_t take = std::min<uint64_t>(dst[i].bytes, left);
-    hs.update_copy(dst[i].ptr, src, take);
+    const uint64_t next = i + 1 < n ? std::min<uint64_t>(dst[i + 1].bytes, left - take) : 0;
+    hs.update_copy(dst[i].ptr, src, take, src + take, next);
     src += take;
     left -= take;
   }
