@@ -16,6 +16,7 @@
 #include "bindings_tokens.h"
 #include "bindings_types.h"
 #include "checksum.h"
+#include "copy_threads.h"
 #include "cpu_features.h"
 #include "dtype.h"
 #include "layout.h"
@@ -989,5 +990,8 @@ NB_MODULE(_core, m) {
   m.def("nt_copy_kernel", [] { return std::string(nt_copy_kernel_name()); });
   m.def("checksum_copy_kernel", [] { return std::string(checksum_copy_kernel_name()); });
   m.def("set_copy_threads", [](unsigned n) { Pool::set_copy_threads(n); }, "n"_a);
+  m.def(
+      "copy_threads", [] { return copy_thread_count(); },
+      "Threads a large block batch or row gather is split over (set_copy_threads, CXLKV_COPY_THREADS).");
   m.def("xxh3_64", [](nb::bytes b) { return xxh3(b.c_str(), b.size(), 0); });
 }

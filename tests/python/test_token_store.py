@@ -257,6 +257,55 @@ def test_overwritten_or_corrupt_rows_are_a_miss(make_pool, pool_path):
         ts.gather_layers(b"c", np.tile(np.arange(40), (3, 1)), np.full((3, 40, 656), POISON, np.uint8))
 
 
+@pytest.fixture
+def two_copy_threads():
+    """Gathers of >= 1 MiB are split over the copy threads: make there be two, whatever the host."""
+    before = cxlkv._core.copy_threads()
+    cxlkv._core.set_copy_threads(2)
+    yield
+    cxlkv._core.set_copy_threads(before)
+
+
+def test_a_gather_split_over_threads_is_exact_and_reports_the_first_bad_row(
+    make_pool, pool_path, two_copy_threads
+):
+    rng = np.random.default_rng(_seed())
+    pool = make_pool(64 * MiB)
+    ts = pool.token_store(_layout(), max_tokens_per_seq=1200)
+    n = 1200
+    rows = _rows(rng, 3, n, 656)
+    _append_uneven(ts, b"big", rows, rng)
+    # 3 layers x 1,200 rows x 656 B = 2.4 MB: past the 1 MiB from which the core splits a gather
+    idx = np.stack([rng.integers(0, n, n) for _ in range(3)])
+    idx[0, 0], idx[2, -1] = 0, n - 1
+    out = np.full((3, n, 656), POISON, np.uint8)
+    ts.gather_layers(b"big", idx, out)
+    np.testing.assert_array_equal(out, rows[np.arange(3)[:, None], idx])
+    shared = rng.permutation(n)  # one index list for every layer
+    out = np.full((3, n, 656), POISON, np.uint8)
+    ts.gather_layers(b"big", np.tile(shared, (3, 1)), out)
+    np.testing.assert_array_equal(out, rows[:, shared])
+
+    def corrupt(layer: int, token: int) -> None:
+        c, t = divmod(token, 16)
+        where = ts._ns.locate(ts.block_key(b"big", c, 16))
+        off = where["offset"] + (layer * 16 + t) * 656 + 7
+        with open(pool_path, "r+b") as f:
+            f.seek(off)
+            byte = f.read(1)
+            f.seek(off)
+            f.write(bytes([byte[0] ^ 0xFF]))
+
+    # a bad row in the last part, then one in the first: each call names the first in row order
+    order = np.tile(np.arange(n), (3, 1))
+    corrupt(2, n - 5)
+    with pytest.raises(cxlkv.SequenceMissError, match=f"layer 2, token {n - 5}"):
+        ts.gather_layers(b"big", order, np.full((3, n, 656), POISON, np.uint8))
+    corrupt(0, 9)
+    with pytest.raises(cxlkv.SequenceMissError, match="layer 0, token 9"):
+        ts.gather_layers(b"big", order, np.full((3, n, 656), POISON, np.uint8))
+
+
 def test_placement_spreads_requests_over_devices():
     base = os.path.join(SHM_DIR, f"cxlkv-test-{uuid.uuid4().hex}")
     paths = [f"{base}-d{k}" for k in range(3)]

@@ -385,6 +385,7 @@ def cmd_bench_sparse(args: argparse.Namespace) -> int:
         pool_dir=args.pool_dir,
         seed=args.seed,
         quiet=args.json,
+        copy_threads=args.copy_threads,
     )
     if args.json:
         print_json(result)

@@ -540,6 +540,13 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument(
         "--pool-dir", default="/dev/shm", help="where the temporary pools live (default /dev/shm)"
     )
+    bs.add_argument(
+        "--copy-threads",
+        type=_pos_int,
+        default=None,
+        help="threads one gather may use (default: the core's choice; 1 compares like for like "
+        "with the single-threaded memcpy)",
+    )
     bs.add_argument("--json", action="store_true", help="print one JSON object")
     bs.set_defaults(func=cmd_bench_sparse)
     # bench serve (issue 16): N vLLM servers behind a round-robin router, vLLM's own client

@@ -8,7 +8,9 @@ tokens per layer per decode step, contexts 16K..128K. Per context and row format
 * sparse: ``TokenStore.gather_layers`` of random top-k indices (distinct, unsorted) per layer,
   every row verified;
 * memcpy: a copy of the same number of bytes from packed (contiguous) rows, out of a buffer as
-  large as the context's rows, a different slice each time: the limit;
+  large as the context's rows, a different slice each time: the limit; on one thread
+  (``gather_vs_memcpy``) and split over as many threads as the core's gather uses
+  (``copy_threads``; ``gather_vs_memcpy_mt``, the like-for-like ratio when that is more than 1);
 * private gather: the same rows (same indices) gathered by a plain C loop of row copies
   (``_core.rows_gather_private``; numpy's ``np.take`` is reported beside it) from private memory
   holding the context's rows ``[layers, context, row]``: what a gather costs without the pool, so
@@ -157,6 +159,29 @@ def _measure_context(
             np.copyto(flat_out, packed[start : start + sparse_bytes])
 
         memcpy_s = _best(memcpy, repeats)
+        threads = _core.copy_threads()
+        memcpy_mt_s = memcpy_s
+        if threads > 1:  # the same copy in `threads` contiguous parts (numpy releases the GIL)
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(threads - 1) as ex:
+
+                def memcpy_mt() -> None:
+                    start = (next(turn) % slices) * sparse_bytes
+                    cut = [sparse_bytes * p // threads for p in range(threads + 1)]
+                    futs = [
+                        ex.submit(
+                            np.copyto,
+                            flat_out[cut[p] : cut[p + 1]],
+                            packed[start + cut[p] : start + cut[p + 1]],
+                        )
+                        for p in range(1, threads)
+                    ]
+                    np.copyto(flat_out[: cut[1]], packed[start : start + cut[1]])
+                    for f in futs:
+                        f.result()
+
+                memcpy_mt_s = _best(memcpy_mt, repeats)
         private_s, numpy_s = _private_gather_s(
             packed[:row_total].reshape(layers, context, row_bytes), idx, out, repeats
         )
@@ -213,6 +238,9 @@ def _measure_context(
             "gather_gbps": sparse_bytes / sparse_s / 1e9,
             "memcpy_packed_gbps": sparse_bytes / memcpy_s / 1e9,
             "gather_vs_memcpy": memcpy_s / sparse_s,
+            "copy_threads": threads,
+            "memcpy_packed_mt_gbps": sparse_bytes / memcpy_mt_s / 1e9,
+            "gather_vs_memcpy_mt": memcpy_mt_s / sparse_s,
             "gather_private_gbps": sparse_bytes / private_s / 1e9,
             "gather_vs_private": private_s / sparse_s,
             "gather_numpy_gbps": sparse_bytes / numpy_s / 1e9,
@@ -237,8 +265,12 @@ def bench_sparse(
     pool_dir: str = "/dev/shm",
     seed: int | None = None,
     quiet: bool = False,
+    copy_threads: int | None = None,
 ) -> dict:
-    """Runs the benchmark (see the module doc) and returns the JSON-able result."""
+    """Runs the benchmark (see the module doc) and returns the JSON-able result. copy_threads:
+    threads one gather may use (default: the core's own choice, see ``_core.copy_threads``)."""
+    if copy_threads is not None:
+        _core.set_copy_threads(copy_threads)
     formats = formats or list(FORMATS)
     hit_rates = hit_rates if hit_rates is not None else [0.5, 0.8, 0.95]
     seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
@@ -257,6 +289,7 @@ def bench_sparse(
         "ratios are measured",
         "tokens_per_block": TOKENS_PER_BLOCK,
         "topk": topk,
+        "copy_threads": _core.copy_threads(),
         "seed": seed,
         "load_average": os.getloadavg(),
         "machine": machine(),
@@ -283,6 +316,7 @@ def print_result(con: Any, r: dict) -> None:
         "gather GB/s",
         "memcpy GB/s",
         "gather/memcpy",
+        f"gather/memcpy ({r['copy_threads']} t.)",
         "private gather GB/s",
         "gather/private",
     ):
@@ -300,6 +334,7 @@ def print_result(con: Any, r: dict) -> None:
             f"{x['gather_gbps']:.2f}",
             f"{x['memcpy_packed_gbps']:.2f}",
             f"{x['gather_vs_memcpy']:.2f}",
+            f"{x['gather_vs_memcpy_mt']:.2f}",
             f"{x['gather_private_gbps']:.2f}",
             f"{x['gather_vs_private']:.2f}",
         )

@@ -12,6 +12,7 @@
 #include <mutex>
 #include <thread>
 
+#include "copy_threads.h"
 #include "pool.h"
 
 namespace cxlkv {
@@ -155,6 +156,12 @@ void check_fragments(const NsHandle& ns, const std::vector<Fragment>& frags) {
 }  // namespace
 
 void Pool::set_copy_threads(unsigned n) { Workers::get().set_size(n); }
+
+unsigned copy_thread_count() { return Workers::get().size(); }
+
+void run_on_copy_threads(unsigned parts, const std::function<void(unsigned)>& fn) {
+  Workers::get().run(parts, fn);
+}
 
 size_t Pool::store(const NsHandle& ns, const Key* keys, size_t n, const std::vector<Fragment>& frags,
                    const int64_t* block_ids, uint32_t start_depth) {

@@ -4,8 +4,10 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include "checksum.h"
+#include "copy_threads.h"
 #include "errors.h"
 
 namespace cxlkv {
@@ -117,6 +119,10 @@ std::vector<ResolvedBlock> resolve_blocks(Pool& pool, const NsHandle& ns, const 
   return out;
 }
 
+namespace {
+// Gathers and verifies output rows [lo, hi) of a gather_rows call: row r is rank r % k of layer
+// first_layer + r / k, its index indices[r] (per layer) or indices[r % k], its bytes at out + r * R.
+//
 // Why the loop has two phases per batch of rows (measured with src/bench/gather_micro.cpp; 4
 // layers x 2,048 random rows of a 128K-token sequence, 656 / 1,152-B rows, BENCHMARKS.md):
 // * the copies alone run at a packed memcpy's speed: rows are independent loads the CPU overlaps
@@ -128,6 +134,51 @@ std::vector<ResolvedBlock> resolve_blocks(Pool& pool, const NsHandle& ns, const 
 //   itself (XXH3 on the AVX-512 stripe loop, xxh3_vec: ~25 GB/s on this VM, vs ~10 GB/s of DRAM).
 // The guarantee is unchanged: every delivered row is hashed in the caller's memory and compared
 // with the check stored beside it, before the call returns success.
+GatherResult gather_range(const Pool& pool, const SeqRows& s, uint32_t first_layer, const int64_t* indices,
+                          size_t k, bool indices_per_layer, char* out, size_t lo, size_t hi) {
+  const TokenGeometry& g = *s.g;
+  const uint64_t R = g.row_bytes;
+  GatherResult r;
+  constexpr size_t kBatch = 128;  // 84-147 KiB of 656-1,152-B rows: stays in L2 until hashed
+  uint64_t want[kBatch];          // the stored checks, read beside each row's copy
+  bool present[kBatch];           // false: the block's offset lies outside the arena
+  auto index_of = [&](size_t row) { return uint64_t(indices_per_layer ? indices[row] : indices[row % k]); };
+  for (size_t b0 = lo; b0 < hi; b0 += kBatch) {
+    const size_t n = std::min(kBatch, hi - b0);
+    for (size_t i = 0; i < n; ++i) {
+      const size_t row = b0 + i;
+      const uint64_t pos = index_of(row);
+      const uint32_t t = uint32_t(pos % g.tokens_per_block);
+      const char* blk = pool.arena_bytes(s.offsets[pos / g.tokens_per_block], g.block_bytes());
+      present[i] = blk != nullptr;
+      if (!blk) continue;
+      const uint32_t layer = first_layer + uint32_t(row / k);
+      std::memcpy(out + row * R, blk + g.row_off(layer, t), R);
+      std::memcpy(&want[i], blk + g.hash_off(layer, t), 8);
+    }
+    // Hash the bytes as delivered (never re-read the pool): a concurrent writer can only make the
+    // comparison fail, never make it pass for bytes other than those in out.
+    for (size_t i = 0; i < n; ++i) {
+      const size_t row = b0 + i;
+      const uint64_t pos = index_of(row);
+      const uint32_t layer = first_layer + uint32_t(row / k);
+      if (!present[i] || row_check(out + row * R, R, row_seed(s.seq_hash, s.stream, layer, pos)) != want[i]) {
+        r.status = GatherResult::kMiss, r.bad_pos = row, r.bad_index = int64_t(pos), r.bad_layer = layer;
+        return r;
+      }
+    }
+  }
+  return r;
+}
+
+// A gather of at least this many bytes is split over the copy threads in contiguous row ranges.
+// On one core the hash is serialised after the copies (see gather_range); on two, each half's
+// hash runs beside the other half's copies. The hand-off to a parked worker costs a few
+// microseconds: ~1% of a 1 MiB gather (~100-200 us here).
+constexpr uint64_t kParallelGatherBytes = 1ull << 20;
+constexpr size_t kMinRowsPerPart = 256;
+}  // namespace
+
 GatherResult gather_rows(const Pool& pool, const SeqRows& s, uint32_t first_layer, uint32_t n_layers,
                          const int64_t* indices, size_t k, bool indices_per_layer, char* out) {
   const TokenGeometry& g = *s.g;
@@ -140,38 +191,18 @@ GatherResult gather_rows(const Pool& pool, const SeqRows& s, uint32_t first_laye
       return r;
     }
   }
-  const uint64_t R = g.row_bytes;
-  constexpr size_t kBatch = 128;  // 84-147 KiB of 656-1,152-B rows: stays in L2 until hashed
-  uint64_t want[kBatch];          // the stored checks, read beside each row's copy
-  bool present[kBatch];           // false: the block's offset lies outside the arena
-  for (uint32_t j = 0; j < n_layers; ++j) {
-    const uint32_t layer = first_layer + j;
-    const int64_t* idx = indices_per_layer ? indices + size_t(j) * k : indices;
-    char* const dst = out + size_t(j) * k * R;
-    for (size_t b0 = 0; b0 < k; b0 += kBatch) {
-      const size_t n = std::min(kBatch, k - b0);
-      for (size_t i = 0; i < n; ++i) {
-        const uint64_t pos = uint64_t(idx[b0 + i]);
-        const uint32_t t = uint32_t(pos % g.tokens_per_block);
-        const char* blk = pool.arena_bytes(s.offsets[pos / g.tokens_per_block], g.block_bytes());
-        present[i] = blk != nullptr;
-        if (!blk) continue;
-        std::memcpy(dst + (b0 + i) * R, blk + g.row_off(layer, t), R);
-        std::memcpy(&want[i], blk + g.hash_off(layer, t), 8);
-      }
-      // Hash the bytes as delivered (never re-read the pool): a concurrent writer can only make
-      // the comparison fail, never make it pass for bytes other than those in dst.
-      for (size_t i = 0; i < n; ++i) {
-        const uint64_t pos = uint64_t(idx[b0 + i]);
-        if (!present[i] ||
-            row_check(dst + (b0 + i) * R, R, row_seed(s.seq_hash, s.stream, layer, pos)) != want[i]) {
-          r.status = GatherResult::kMiss, r.bad_pos = size_t(j) * k + b0 + i, r.bad_index = idx[b0 + i],
-          r.bad_layer = layer;
-          return r;
-        }
-      }
-    }
-  }
+  const size_t rows = size_t(n_layers) * k;
+  unsigned parts = 1;
+  if (uint64_t(rows) * g.row_bytes >= kParallelGatherBytes)
+    parts = unsigned(std::min<size_t>(copy_thread_count(), rows / kMinRowsPerPart));
+  if (parts <= 1) return gather_range(pool, s, first_layer, indices, k, indices_per_layer, out, 0, rows);
+  std::vector<GatherResult> part(parts);
+  run_on_copy_threads(parts, [&](unsigned p) {
+    part[p] = gather_range(pool, s, first_layer, indices, k, indices_per_layer, out, rows * p / parts,
+                           rows * (p + 1) / parts);
+  });
+  for (const GatherResult& x : part)              // parts are ordered ranges: the first failure of the first
+    if (x.status != GatherResult::kOk) return x;  // failing part is the first failing row
   return r;
 }
 
