@@ -165,7 +165,7 @@ CXLKV_AVX512 void copy_hash_avx512(Acc& a, const uint8_t* secret, char* dst, con
   // (glibc's large memcpy interleaves pages for the same reason). The next copy's source is
   // requested line for line beside this one's, into L2. A pool store of 64 fragments of 32 KiB per
   // 2 MiB block, one thread, huge pages, quiet 2-core VM (scripts/bench_copy_micro.sh): 0.85x ->
-  // 0.97x of one glibc memcpy of the same 1 GiB, 0.84x -> 0.95x of 128 MiB.
+  // 0.97-0.98x of one glibc memcpy of the same 1 GiB, 0.83-0.87x -> 0.94-0.96x of 128 MiB.
   const size_t ahead_lines = ahead ? ahead_len / kStripe : 0;
   if (m == 0) {
     for (size_t j = 0; j < k; ++j) {
