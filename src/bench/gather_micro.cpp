@@ -28,14 +28,7 @@ namespace {
 
 // token_rows.cpp's row_check as it was before xxh3_vec: libxxhash's XXH3 built for baseline
 // x86-64 (SSE2). The same value as row_check (tests/cpp/test_checksum.cpp).
-uint64_t mix(uint64_t x) {
-  x ^= x >> 30;
-  x *= 0xbf58476d1ce4e5b9ull;
-  x ^= x >> 27;
-  x *= 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-uint64_t row_check_sse2(const void* row, size_t n, uint64_t seed) { return mix(xxh3(row, n) ^ seed); }
+uint64_t row_check_sse2(const void* row, size_t n, uint64_t seed) { return check_mix(xxh3(row, n) ^ seed); }
 
 double now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -327,7 +320,7 @@ int main(int argc, char** argv) {
         c.update_copy(dst, blk + g.row_off(l, t), R);
         uint64_t want;
         std::memcpy(&want, blk + g.hash_off(l, t), 8);
-        bad += mix(c.digest() ^ row_seed(42, 0, l, pos)) != want;
+        bad += check_mix(c.digest() ^ row_seed(42, 0, l, pos)) != want;
       }
     }
     if (bad) std::printf("!! %lu rows failed\n", (unsigned long)bad);

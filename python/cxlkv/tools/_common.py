@@ -133,3 +133,18 @@ def create_pool_for(
         missing_chunks = -(-need_blocks // per_chunk) - chunks
         size += (missing_chunks + 2) * info["chunk_bytes"]
     raise CommandError(f"cannot size a benchmark pool for {need_blocks} blocks")
+
+
+def split_copy(pool: Any, dst: Any, src: Any, parts: int) -> None:
+    """``np.copyto(dst, src)`` of two flat arrays in ``parts`` contiguous slices: the first on the
+    calling thread, the others on ``pool`` (a ``ThreadPoolExecutor``; numpy releases the GIL).
+    The memcpy baselines' many-thread limit."""
+    import numpy as np
+
+    cut = [len(dst) * p // parts for p in range(parts + 1)]
+    futs = [
+        pool.submit(np.copyto, dst[cut[p] : cut[p + 1]], src[cut[p] : cut[p + 1]]) for p in range(1, parts)
+    ]
+    np.copyto(dst[: cut[1]], src[: cut[1]])
+    for f in futs:
+        f.result()

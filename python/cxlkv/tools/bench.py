@@ -46,6 +46,7 @@ from cxlkv.tools._common import (
     percentile,
     pow2_at_least,
     progress,
+    split_copy,
 )
 from cxlkv.tools.workers import report_failure, run_workers
 
@@ -278,15 +279,12 @@ def _bench_copy_one(
         copyto(flat2, flat)
         return time.perf_counter_ns() - t0
 
-    pair = ThreadPoolExecutor(max_workers=2)
-    half = flat.size // 2
+    pair = ThreadPoolExecutor(max_workers=1)
 
     def contig_2t():
         # the same contiguous copy, halves on two threads: the 2-thread limit for the core
         t0 = time.perf_counter_ns()
-        a = pair.submit(copyto, flat2[:half], flat[:half])
-        copyto(flat2[half:], flat[half:])
-        a.result()
+        split_copy(pair, flat2, flat, 2)
         return time.perf_counter_ns() - t0
 
     def baseline_check(order: list[int]) -> None:

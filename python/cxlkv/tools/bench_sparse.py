@@ -10,7 +10,7 @@ tokens per layer per decode step, contexts 16K..128K. Per context and row format
 * memcpy: a copy of the same number of bytes from packed (contiguous) rows, out of a buffer as
   large as the context's rows, a different slice each time: the limit; on one thread
   (``gather_vs_memcpy``) and split over as many threads as the core's gather uses
-  (``copy_threads``; ``gather_vs_memcpy_mt``, the like-for-like ratio when that is more than 1);
+  (the result's ``copy_threads``; ``gather_vs_memcpy_mt``, the like-for-like ratio when that is more than 1);
 * private gather: the same rows (same indices) gathered by a plain C loop of row copies
   (``_core.rows_gather_private``; numpy's ``np.take`` is reported beside it) from private memory
   holding the context's rows ``[layers, context, row]``: what a gather costs without the pool, so
@@ -40,7 +40,7 @@ import cxlkv
 
 from .. import _core
 from ..integrations.hot_buffer import HotBuffer
-from ._common import machine, progress
+from ._common import machine, progress, split_copy
 
 MODEL_LAYERS = 61
 FORMATS = {"fp8_ds_mla": 656, "bf16": 1152}
@@ -168,18 +168,7 @@ def _measure_context(
 
                 def memcpy_mt() -> None:
                     start = (next(turn) % slices) * sparse_bytes
-                    cut = [sparse_bytes * p // threads for p in range(threads + 1)]
-                    futs = [
-                        ex.submit(
-                            np.copyto,
-                            flat_out[cut[p] : cut[p + 1]],
-                            packed[start + cut[p] : start + cut[p + 1]],
-                        )
-                        for p in range(1, threads)
-                    ]
-                    np.copyto(flat_out[: cut[1]], packed[start : start + cut[1]])
-                    for f in futs:
-                        f.result()
+                    split_copy(ex, flat_out, packed[start : start + sparse_bytes], threads)
 
                 memcpy_mt_s = _best(memcpy_mt, repeats)
         private_s, numpy_s = _private_gather_s(
@@ -238,7 +227,6 @@ def _measure_context(
             "gather_gbps": sparse_bytes / sparse_s / 1e9,
             "memcpy_packed_gbps": sparse_bytes / memcpy_s / 1e9,
             "gather_vs_memcpy": memcpy_s / sparse_s,
-            "copy_threads": threads,
             "memcpy_packed_mt_gbps": sparse_bytes / memcpy_mt_s / 1e9,
             "gather_vs_memcpy_mt": memcpy_mt_s / sparse_s,
             "gather_private_gbps": sparse_bytes / private_s / 1e9,

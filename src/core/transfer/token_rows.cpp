@@ -27,8 +27,10 @@ namespace {
 
 uint64_t header_hash(const TokenBlockHeader& h) { return xxh3(&h, offsetof(TokenBlockHeader, header_hash)); }
 
+}  // namespace
+
 // splitmix64's finalizer: a cheap bijective mix, so distinct (layer, position) give distinct seeds.
-uint64_t mix(uint64_t x) {
+uint64_t check_mix(uint64_t x) {
   x ^= x >> 30;
   x *= 0xbf58476d1ce4e5b9ull;
   x ^= x >> 27;
@@ -36,14 +38,12 @@ uint64_t mix(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-}  // namespace
-
 // XXH3-64 with seed 0 (xxh3_vec: the same value as libxxhash's, on the CPU's widest stripe loop),
 // then the row's seed mixed in: XXH3's own seeded variant derives a secret
 // per call for inputs over 240 bytes (every row format here), which would cost more than the row.
-// mix() is a bijection, so rows of equal bytes at different (sequence, layer, position) still get
+// check_mix() is a bijection, so rows of equal bytes at different (sequence, layer, position) still get
 // different checks, and a row moved elsewhere never verifies.
-uint64_t row_check(const void* row, size_t n, uint64_t seed) { return mix(xxh3_vec(row, n) ^ seed); }
+uint64_t row_check(const void* row, size_t n, uint64_t seed) { return check_mix(xxh3_vec(row, n) ^ seed); }
 
 TokenGeometry TokenGeometry::make(uint64_t layers, uint64_t tokens_per_block, uint64_t row_bytes) {
   constexpr uint64_t kMax32 = std::numeric_limits<uint32_t>::max();
@@ -60,7 +60,8 @@ TokenGeometry TokenGeometry::make(uint64_t layers, uint64_t tokens_per_block, ui
 }
 
 uint64_t row_seed(uint64_t seq_hash, uint32_t stream, uint32_t layer, uint64_t position) {
-  return mix(seq_hash ^ mix((uint64_t(stream) << 48) ^ (uint64_t(layer) << 32) ^ mix(position + 1)));
+  return check_mix(seq_hash ^
+                   check_mix((uint64_t(stream) << 48) ^ (uint64_t(layer) << 32) ^ check_mix(position + 1)));
 }
 
 void seal_block(char* block, const TokenGeometry& g, uint64_t seq_hash, uint32_t stream, uint64_t chunk,

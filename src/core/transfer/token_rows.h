@@ -66,6 +66,8 @@ struct TokenGeometry {
 uint64_t row_seed(uint64_t seq_hash, uint32_t stream, uint32_t layer, uint64_t position);
 // The stored check of a row: binds its bytes to its seed (token_rows.cpp says how).
 uint64_t row_check(const void* row, size_t n, uint64_t seed);
+// splitmix64's finalizer, the bijective mix of row_check and row_seed.
+uint64_t check_mix(uint64_t x);
 
 // Completes a block the caller filled with rows (positions >= valid zeroed here): row hashes and
 // header. `block` holds g.block_bytes() bytes.
