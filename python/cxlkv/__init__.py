@@ -14,28 +14,38 @@ from typing import Any
 from . import _core
 from ._core import Lease, Namespace
 from .errors import (
+    ClosedError,
     CxlkvError,
     FencedError,
+    ForkedError,
     HostSlotBusyError,
     LayoutMismatchError,
     LockTimeoutError,
     NamespaceTableFullError,
     NodeTableFullError,
+    PinSlotsFullError,
     PoolCorruptError,
     PoolFormatError,
+    PoolFullError,
+    PoolInUseError,
     PoolNotReadyError,
     PoolTruncatedError,
     PoolVersionError,
+    ReadOnlyError,
+    SequenceConflictError,
+    SequenceMissError,
 )
 from .paths import DEFAULT_POOL_PATH, default_pool_path, ensure_private_dir, join_device_paths
 from .sizes import format_size, parse_size
-from .token_store import PoolFullError, SequenceConflictError, SequenceMissError, TokenStore, open_token_store
+from .token_store import TokenStore, open_token_store
 
 __all__ = [
     "DEFAULT_POOL_PATH",
     "DEFAULT_POOL_SIZE",
+    "ClosedError",
     "CxlkvError",
     "FencedError",
+    "ForkedError",
     "HostSlotBusyError",
     "KVLayout",
     "LayoutMismatchError",
@@ -44,13 +54,16 @@ __all__ = [
     "Namespace",
     "NamespaceTableFullError",
     "NodeTableFullError",
+    "PinSlotsFullError",
     "Pool",
     "PoolCorruptError",
     "PoolFormatError",
     "PoolFullError",
+    "PoolInUseError",
     "PoolNotReadyError",
     "PoolTruncatedError",
     "PoolVersionError",
+    "ReadOnlyError",
     "SequenceConflictError",
     "SequenceMissError",
     "TokenStore",

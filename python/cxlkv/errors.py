@@ -1,7 +1,8 @@
 """Every error cxlkv raises, and the one table of the ``cxlkv`` command's exit codes.
 
 The pool errors are the core's (src/core/errors.h), bound one to one by the extension; OS errors
-stay Python's built-ins (``FileNotFoundError``, ``PermissionError``...). :class:`CommandError` is
+stay Python's built-ins (``FileNotFoundError``, ``PermissionError``...); a bad argument is a
+``ValueError``. One type per condition: callers branch on the type, never on the message. :class:`CommandError` is
 what the tools (benchmarks, demos, their worker processes) and the CLI raise for a failure worth
 one line rather than a traceback; the CLI turns it into its exit code. It lives here, below the
 tools and the CLI, so that neither has to import the other to raise or catch it.
@@ -12,8 +13,10 @@ from __future__ import annotations
 import enum
 
 from ._core import (
+    ClosedError,
     CxlkvError,
     FencedError,
+    ForkedError,
     HostSlotBusyError,
     LayoutMismatchError,
     LockTimeoutError,
@@ -21,9 +24,11 @@ from ._core import (
     NodeTableFullError,
     PoolCorruptError,
     PoolFormatError,
+    PoolInUseError,
     PoolNotReadyError,
     PoolTruncatedError,
     PoolVersionError,
+    ReadOnlyError,
 )
 
 __all__ = [
@@ -32,16 +37,23 @@ __all__ = [
     "CxlkvError",
     "ExitCode",
     "FencedError",
+    "ForkedError",
     "HostSlotBusyError",
     "LayoutMismatchError",
     "LockTimeoutError",
     "NamespaceTableFullError",
     "NodeTableFullError",
+    "PinSlotsFullError",
     "PoolCorruptError",
     "PoolFormatError",
+    "PoolFullError",
+    "PoolInUseError",
     "PoolNotReadyError",
     "PoolTruncatedError",
     "PoolVersionError",
+    "ReadOnlyError",
+    "SequenceConflictError",
+    "SequenceMissError",
     "UntrustedModelNameError",
     "WeightPathError",
     "exit_codes_text",
@@ -88,10 +100,31 @@ class CommandError(Exception):
         self.exit_code = ExitCode(exit_code)
 
 
-class ClosedError(RuntimeError):
-    """A cxlkv object (an integration's backend, a pool session) used after its ``close()``:
-    the caller's bug or a shutdown race, never a cache miss. ``close()`` itself may be called
-    any number of times."""
+# ClosedError (bound by the core, a CxlkvError and a RuntimeError) is the one "used after close()"
+# type: the pool's own and that of every Python object of cxlkv (pool sessions, backends).
+
+
+class SequenceMissError(CxlkvError):
+    """Token store: rows asked for are not in the pool as written: the sequence (or a chunk of it)
+    is absent, was evicted or overwritten, or a row failed its hash. The rows of ``out`` are not
+    valid."""
+
+
+class SequenceConflictError(CxlkvError):
+    """Token store: an append found that another writer (another process or handle) extended the
+    sequence since this one last saw it. The append stopped at the chunk where it found the other
+    writer's version (normally its first: nothing stored). One writer per sequence; appending
+    again resumes from what the pool holds."""
+
+
+class PinSlotsFullError(CxlkvError):
+    """Token store: a refresh could pin only some of a sequence's present blocks: this process's
+    pin slots are exhausted (create the pool with more ``pin_slots``, or release leases)."""
+
+
+class PoolFullError(CxlkvError):
+    """Token store: an append could not store a block: the pool is full and nothing can be
+    evicted."""
 
 
 class WeightPathError(ValueError):

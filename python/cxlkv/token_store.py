@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from . import _core
-from .errors import CxlkvError
+from .errors import PinSlotsFullError, PoolFullError, SequenceConflictError, SequenceMissError
 
 __all__ = [
     "PoolFullError",
@@ -51,22 +51,6 @@ STREAM_INDEXER = 1
 INDEXER_VALUE_BYTES = 128
 INDEXER_SCALE_BYTES = 4
 INDEXER_ROW_BYTES = INDEXER_VALUE_BYTES + INDEXER_SCALE_BYTES
-
-
-class SequenceMissError(CxlkvError):
-    """Rows asked for are not in the pool as written: the sequence (or a chunk of it) is absent,
-    was evicted or overwritten, or a row failed its hash. The rows of ``out`` are not valid."""
-
-
-class SequenceConflictError(CxlkvError):
-    """An append found that another writer (another process or handle) extended the sequence
-    since this one last saw it. The append stopped at the chunk where it found the other writer's
-    version (normally its first: nothing stored). One writer per sequence; appending again resumes
-    from what the pool holds."""
-
-
-class PoolFullError(CxlkvError):
-    """An append could not store a block: the pool is full and nothing can be evicted."""
 
 
 def row_elems(layout: Any) -> int:
@@ -460,7 +444,7 @@ class TokenStore:
                 return
             if len(got) < more and len(lease) == len(got) and self._ns.contains(view.full_keys[F + len(got)]):
                 lease.release()
-                raise CxlkvError(
+                raise PinSlotsFullError(
                     f"could pin only {len(got)} of {more} blocks of the sequence: this process's "
                     "pin slots are exhausted (create the pool with more pin_slots)"
                 )

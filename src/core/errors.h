@@ -70,6 +70,26 @@ struct HostSlotBusyError : Error {
 struct LockTimeoutError : Error {
   using Error::Error;
 };
+// --- Misuse of a pool handle: one type per condition, so callers branch on the type ---
+// The pool was used after close() (Python: cxlkv.ClosedError, also a RuntimeError, the one type
+// for every cxlkv object used after its close()).
+struct ClosedError : Error {
+  using Error::Error;
+};
+// destroy (or create --force) refused: live processes are attached to the pool.
+struct PoolInUseError : Error {
+  using Error::Error;
+};
+// A call that writes the pool on a handle opened to look only: read-only, or as an observer
+// (attach=false, no node).
+struct ReadOnlyError : Error {
+  using Error::Error;
+};
+// The attachment was inherited through fork(): the child must open the pool again (its node,
+// heartbeat and locks belong to the parent).
+struct ForkedError : Error {
+  using Error::Error;
+};
 // Caller passed a bad argument (wrong key length, buffer too small...): Python ValueError.
 struct ArgumentError : Error {
   using Error::Error;

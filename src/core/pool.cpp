@@ -274,9 +274,9 @@ void Pool::destroy(const std::string& path, const DestroyOptions& opt) {
   if (p && !opt.ignore_attached) {
     auto live = p->attached_nodes();
     if (!live.empty())
-      throw Error("pool " + path + " is in use by " + std::to_string(live.size()) +
-                  " attached process(es): " + describe_nodes(live) +
-                  "; stop them first, or force it (CLI: --ignore-attached)");
+      throw PoolInUseError("pool " + path + " is in use by " + std::to_string(live.size()) +
+                           " attached process(es): " + describe_nodes(live) +
+                           "; stop them first, or force it (CLI: --ignore-attached)");
   }
   if (Mapping::is_devdax_path(path)) {
     char* b = p->region_.base();
@@ -361,12 +361,13 @@ Pool::~Pool() {
 }
 
 void Pool::ensure_usable() const {
-  if (!region_.base()) throw Error("pool " + path_ + " is closed");
+  if (!region_.base()) throw ClosedError("pool " + path_ + " is closed");
   if (fenced_.load(std::memory_order_acquire))
     throw fenced_error("pool " + path_ + ": node " + std::to_string(node_id_));
   if (fork_generation_ != fork_generation())
-    throw Error("pool " + path_ +
-                ": this attachment was inherited through fork(); open the pool again in the child process");
+    throw ForkedError(
+        "pool " + path_ +
+        ": this attachment was inherited through fork(); open the pool again in the child process");
   check_truncated();
 }
 

@@ -428,6 +428,22 @@ NB_MODULE(_core, m) {
   static nb::object fenced_error = make("FencedError", "cxlkv.FencedError", base_error);
   static nb::object slot_busy_error = make("HostSlotBusyError", "cxlkv.HostSlotBusyError", base_error);
   static nb::object lock_timeout_error = make("LockTimeoutError", "cxlkv.LockTimeoutError", base_error);
+  // Used after close(): one type for the pool and for every Python object of cxlkv (sessions,
+  // backends), also a RuntimeError, as Python's own use-after-close errors are.
+  static nb::object closed_error = [&] {
+    nb::object bases = nb::make_tuple(base_error, nb::handle(PyExc_RuntimeError));
+    nb::object e = nb::steal(PyErr_NewExceptionWithDoc(
+        "cxlkv.ClosedError",
+        "A cxlkv object (a pool, an integration's backend, a pool session) used after its close(): "
+        "the caller's bug or a shutdown race, never a cache miss. close() itself may be called any "
+        "number of times.",
+        bases.ptr(), nullptr));
+    m.attr("ClosedError") = e;
+    return e;
+  }();
+  static nb::object in_use_error = make("PoolInUseError", "cxlkv.PoolInUseError", base_error);
+  static nb::object read_only_error = make("ReadOnlyError", "cxlkv.ReadOnlyError", base_error);
+  static nb::object forked_error = make("ForkedError", "cxlkv.ForkedError", base_error);
 
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     // Messages may quote bytes read from the pool (names, model ids): decode them without failing,
@@ -464,6 +480,14 @@ NB_MODULE(_core, m) {
       raise(slot_busy_error.ptr(), e.what());
     } catch (const LockTimeoutError& e) {
       raise(lock_timeout_error.ptr(), e.what());
+    } catch (const ClosedError& e) {
+      raise(closed_error.ptr(), e.what());
+    } catch (const PoolInUseError& e) {
+      raise(in_use_error.ptr(), e.what());
+    } catch (const ReadOnlyError& e) {
+      raise(read_only_error.ptr(), e.what());
+    } catch (const ForkedError& e) {
+      raise(forked_error.ptr(), e.what());
     } catch (const ArgumentError& e) {
       raise(PyExc_ValueError, e.what());
     } catch (const OsError& e) {
@@ -545,7 +569,7 @@ NB_MODULE(_core, m) {
       .def("file_replaced",
            [](PyPool& pp) {  // usable on a truncated pool too: no ensure_usable
              std::shared_lock<std::shared_mutex> g(pp.mu);
-             if (!pp.pool || pp.pool->closed()) throw Error("pool is closed");
+             if (!pp.pool || pp.pool->closed()) throw ClosedError("pool is closed");
              return pp.pool->file_replaced();
            })
       .def("close",

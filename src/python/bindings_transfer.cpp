@@ -181,7 +181,7 @@ void bind_transfer(nb::module_& m) {
       [](PyPool& pp) {
         std::unique_lock<std::shared_mutex> g(pp.mu);
         Pool& p = pp.get();
-        if (p.read_only()) throw ArgumentError("a read-only pool has no writable view");
+        if (p.read_only()) throw ReadOnlyError("a read-only pool has no writable view");
         auto anchor = pp.views.lock();
         if (!anchor) {
           anchor = std::make_shared<MappingAnchor>();

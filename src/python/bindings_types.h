@@ -28,7 +28,7 @@ struct PyPool {
   std::shared_mutex mu;
   std::weak_ptr<MappingAnchor> views;  // set while views of the pool bytes exist
   Pool& get() {
-    if (!pool) throw Error("pool is closed");
+    if (!pool) throw ClosedError("pool is closed");
     pool->ensure_usable();
     return *pool;
   }

@@ -355,7 +355,7 @@ def test_f15_destroy_refuses_while_attached(pool_path):
         r = run_cli("pool", "create", pool_path, "--size", "16MiB", "--force")
         assert r.returncode == 2 and f"(pid {proc.pid})" in r.stderr, r.stderr
         assert os.path.exists(pool_path)
-        with pytest.raises(cxlkv.CxlkvError, match="attached"):
+        with pytest.raises(cxlkv.PoolInUseError):
             cxlkv.Pool.destroy(pool_path)
         r = run_cli("pool", "destroy", pool_path, "--ignore-attached")
         assert r.returncode == 0 and not os.path.exists(pool_path), r.stderr
@@ -441,7 +441,7 @@ def test_f23_read_only_info_takes_no_slot(pool_path):
         assert r.returncode == 0, r.stderr
     with cxlkv.Pool.open(pool_path, read_only=True) as p:
         assert p.info()["read_only"] and p.node_id == 0
-        with pytest.raises(cxlkv.CxlkvError, match="read-only"):
+        with pytest.raises(cxlkv.ReadOnlyError):
             p._core.open_namespace("x", small_layout())
 
 

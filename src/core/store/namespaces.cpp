@@ -68,11 +68,12 @@ uint64_t Pool::break_stale_ns_lock() {
 }
 
 NsHandle Pool::open_namespace(const Layout& want) {
-  if (read_only_) throw Error("pool " + path_ + " was opened read-only; namespaces cannot be opened");
+  if (read_only_) throw ReadOnlyError("pool " + path_ + " was opened read-only; namespaces cannot be opened");
   check_text("namespace name", want.name, kNameBytes);
   check_text("model_id", want.model_id, kModelIdBytes);
   if (observer_ || !node_id_)
-    throw Error("pool " + path_ + " was opened as an observer (attach=false): it cannot open namespaces");
+    throw ReadOnlyError("pool " + path_ +
+                        " was opened as an observer (attach=false): it cannot open namespaces");
   if (want.name.empty() || want.name.size() >= kNameBytes)
     throw ArgumentError("namespace name must have 1.." + std::to_string(kNameBytes - 1) + " bytes");
   if (want.model_id.size() >= kModelIdBytes)
@@ -104,15 +105,22 @@ NsHandle Pool::open_namespace(const Layout& want) {
   if (lookup(&h)) return h;
 
   // Create under the namespace-table lock (rare; a lock held by a dead node is broken by reap).
+  // Bound: 3 leases, the cross-host locks' bound: a holder stalled that long is judged dead and
+  // reaped first, so a live-looking holder past it is a stray write (or a stalled creator whose
+  // heartbeat runs): the creation fails, nothing is written.
   uint64_t* lock = &shared()->ns_lock.word;
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::milliseconds(3 * uint64_t(hdr_->lease_ms));
   for (int spins = 0;; ++spins) {
     uint64_t expected = 0;
     if (coh_.claim(lock, expected, node_id_)) break;
     if (spins % 100 == 0) break_stale_ns_lock();  // F13: a holder that can never release it
     if (spins % 100 == 99) reap_dead_nodes();
-    if (spins > 100000)
-      throw Error("pool " + path_ + ": namespace table lock held too long by node " +
-                  std::to_string(expected));
+    if (spins % 100 == 50 && std::chrono::steady_clock::now() > deadline)
+      throw LockTimeoutError("pool " + path_ + ": namespace table lock held by live node " +
+                             std::to_string(expected) + " for more than 3 leases (" +
+                             std::to_string(3 * uint64_t(hdr_->lease_ms)) +
+                             " ms): a stalled creator or a stray write; no namespace was created");
     std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
   struct Unlock {

@@ -117,8 +117,8 @@ void Pool::destroy_striped(const std::string& spec, const DestroyOptions& opt) {
   if (p && !opt.ignore_attached) {
     auto live = p->attached_nodes();
     if (!live.empty())
-      throw Error("pool " + spec + " is in use by " + std::to_string(live.size()) +
-                  " attached process(es); stop them first, or force it (CLI: --ignore-attached)");
+      throw PoolInUseError("pool " + spec + " is in use by " + std::to_string(live.size()) +
+                           " attached process(es); stop them first, or force it (CLI: --ignore-attached)");
   }
   if (p) {
     // Devices are wiped (init word, header, labels are not reachable through the range: the
