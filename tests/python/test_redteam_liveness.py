@@ -310,6 +310,12 @@ def test_check_info_and_reap_work_on_a_full_node_table(pool_path):
         }
         refused = _cli("pool", "reap", str(na), pool_path)
         assert refused.returncode == 1 and "alive" in refused.stdout + refused.stderr
+        # --wait without SECONDS watches a live node for three leases (0.6 s here), then gives up:
+        # every wait is bounded (README and the help say so)
+        t0 = time.monotonic()
+        waited = _cli("pool", "reap", str(na), pool_path, "--wait")
+        assert waited.returncode == 1 and "up to 0.6 s" in waited.stderr, waited.stderr
+        assert 0.6 <= time.monotonic() - t0 < 60
         forced = _cli("pool", "reap", str(na), pool_path, "--force", "--json")
         assert forced.returncode == 0 and "warning" in forced.stderr
         assert json.loads(forced.stdout)["reclaimed"] is True

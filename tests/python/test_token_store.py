@@ -344,3 +344,101 @@ def test_private_gather_reference_is_exact_and_bounded():
     with pytest.raises(IndexError):
         cxlkv._core.rows_gather_private(rows, 656, np.array([3, 50], np.int64), out[:2])
     assert (out == POISON).all()
+
+
+def test_an_append_of_no_tokens_is_refused(make_pool):
+    pool = make_pool(64 * MiB)
+    ts = pool.token_store(_layout(), max_tokens_per_seq=64)
+    ts.append(b"z", np.zeros((3, 2, 656), np.uint8))
+    with pytest.raises(ValueError):
+        ts.append(b"z", np.zeros((3, 0, 656), np.uint8))
+    with pytest.raises(ValueError):
+        ts.append(b"new", np.zeros((3, 0, 656), np.uint8))
+    assert ts.length(b"z") == 2 and ts.length(b"new") == 0
+
+
+RACE_LAYOUT = dict(
+    model_id="tok/race", num_layers=2, tokens_per_block=16, kind="mla", dtype="uint8", head_size=64
+)
+RACE_TOKENS = 2500
+RACE_SEQS = 8
+
+
+def _race_row(seq: int, pos, layer):
+    return (pos * 7 + layer + seq) % 251
+
+
+def test_gather_sees_every_token_length_reported_under_concurrent_appends(make_pool, pool_path):
+    """A writer process appends one token at a time (every append supersedes a partial version,
+    every 16th completes a chunk) while this process asks length() and gathers the last token it
+    reported: never an IndexError, always the written row. Before the fix a refresh could pass
+    the next version before it was put and reach the old one after it was deleted (3 of 1,047
+    gathers failed)."""
+    pool = make_pool(64 * MiB)
+    ts = pool.token_store(cxlkv.KVLayout(**RACE_LAYOUT), max_tokens_per_seq=RACE_TOKENS)
+    writer = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"""
+import numpy as np, cxlkv
+pool = cxlkv.Pool.open({pool_path!r})
+ts = pool.token_store(cxlkv.KVLayout(**{RACE_LAYOUT!r}), max_tokens_per_seq={RACE_TOKENS})
+for s in range({RACE_SEQS}):
+    for n in range({RACE_TOKENS}):
+        rows = np.empty((2, 1, 64), np.uint8)
+        rows[:, 0, :] = ((n * 7 + np.arange(2) + s) % 251)[:, None]
+        ts.append(b"seq%d" % s, rows)
+""",
+        ]
+    )
+    out = np.zeros((1, 64), np.uint8)
+    gathers = lengths = 0
+    try:
+        s = 0  # the sequence being written: the writer fills them in order
+        while writer.poll() is None and s < RACE_SEQS:
+            seq = b"seq%d" % s
+            n = ts.length(seq)
+            lengths += 1
+            if n == RACE_TOKENS:
+                s += 1
+            elif n:
+                ts.gather(seq, 1, [n - 1], out)  # IndexError here was the bug
+                assert (out == _race_row(s, n - 1, 1)).all()
+                gathers += 1
+                if gathers % 16 == 0:
+                    assert ts.length(seq) >= n  # never shrinks under appends
+        assert writer.wait(timeout=120) == 0
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+            writer.wait()
+    print(f"{gathers} gathers, {lengths} lengths during the appends")
+    assert gathers > 100
+    for s in range(RACE_SEQS):
+        seq = b"seq%d" % s
+        assert ts.length(seq) == RACE_TOKENS
+        idx = np.arange(RACE_TOKENS)
+        full = np.zeros((RACE_TOKENS, 64), np.uint8)
+        ts.gather(seq, 0, idx, full)
+        assert (full == _race_row(s, idx, 0)[:, None]).all()
+
+
+def test_numpy_bfloat16_of_ml_dtypes_in_every_call(make_pool):
+    """numpy has no bfloat16; ml_dtypes' is an extension dtype the extension's array type does not
+    know: append, gather and gather_layers take it as they take torch.bfloat16."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    rng = np.random.default_rng(_seed())
+    pool = make_pool(64 * MiB)
+    ts = pool.token_store(_layout(kind="mla", dtype="bf16", head_size=8, num_layers=2), max_tokens_per_seq=64)
+    bits = _rows(rng, 2, 21, 8, np.uint16)
+    rows = bits.view(ml_dtypes.bfloat16)
+    assert ts.append(b"b", rows) == 21
+    out = np.zeros((3, 8), ml_dtypes.bfloat16)
+    ts.gather(b"b", 1, [20, 0, 5], out)
+    np.testing.assert_array_equal(out.view(np.uint16), bits[1, [20, 0, 5]])
+    both = np.zeros((2, 2, 8), ml_dtypes.bfloat16)
+    ts.gather_layers(b"b", np.array([[3, 4], [19, 1]]), both)
+    np.testing.assert_array_equal(both[1].view(np.uint16), bits[1, [19, 1]])
+    with pytest.raises(ValueError):  # another 2-byte dtype is still refused
+        ts.gather(b"b", 1, [0], np.zeros((1, 8), np.float16))
