@@ -9,12 +9,11 @@
 
 #include "checksum.h"
 #include "errors.h"
+#include "header_checksum.h"
 
 namespace cxlkv {
 
 using namespace format;
-
-uint64_t header_checksum(const PoolHeader& h) { return xxh3(&h, offsetof(PoolHeader, checksum)); }
 
 void Region::adopt(char* b, uint64_t mapped, const std::string& path, bool read_only, CacheModel* model,
                    const std::function<void(const PoolHeader&)>& feature_check) {

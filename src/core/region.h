@@ -11,11 +11,9 @@
 
 #include "coherence.h"
 #include "format.h"
+#include "header_checksum.h"  // format::header_checksum: written by create, checked by adopt
 
 namespace cxlkv {
-
-// XXH3 of the header up to its checksum field: written by create, checked by Region::adopt.
-uint64_t header_checksum(const format::PoolHeader& h);
 
 class Region {
  public:

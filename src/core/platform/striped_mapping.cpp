@@ -14,6 +14,7 @@
 
 #include "checksum.h"
 #include "errors.h"
+#include "header_checksum.h"
 #include "mapping.h"
 
 namespace cxlkv {
@@ -242,7 +243,7 @@ Mapping Mapping::open_striped(const std::vector<std::string>& paths, bool popula
                           "), not its first device; list the devices in order, first device first");
       throw FormatError(P + " is not a cxlkv pool: its first device " + paths[0] + " has no pool header");
     }
-    if (h.checksum != xxh3(&h, offsetof(PoolHeader, checksum)))
+    if (h.checksum != header_checksum(h))
       throw FormatError("pool " + P + " header checksum mismatch: the header is corrupt");
     if (!(h.incompat & kIncompatStriped))
       throw FormatError("pool " + P + ": " + paths[0] +

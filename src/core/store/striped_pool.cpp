@@ -71,7 +71,7 @@ std::unique_ptr<Pool> Pool::create_striped(const std::string& spec, PoolHeader h
     std::memset(m.base(), 0, kSharedWordsOff);
     std::memset(m.base() + kSharedWordsOff + kCacheLine, 0, h.arena_off - kSharedWordsOff - kCacheLine);
   }
-  h.checksum = xxh3(&h, offsetof(PoolHeader, checksum));
+  h.checksum = header_checksum(h);
   std::memcpy(m.base(), &h, sizeof h);
   std::memcpy(m.base() + kStripeTableOff, &t, sizeof t);
   c.flush(m.base(), h.arena_off);
