@@ -353,6 +353,11 @@ const char* kCounterNames[] = {
     CXLKV_COUNTERS(CXLKV_COUNTER_NAME)
 #undef CXLKV_COUNTER_NAME
 };
+const char* kCounterMeanings[] = {
+#define CXLKV_COUNTER_MEANING(id, name, what) what,
+    CXLKV_COUNTERS(CXLKV_COUNTER_MEANING)
+#undef CXLKV_COUNTER_MEANING
+};
 
 // Strings read from the pool are untrusted bytes: decode them without ever failing.
 nb::object pool_str(const std::string& s) {
@@ -949,6 +954,15 @@ NB_MODULE(_core, m) {
       "The dtype named `dtype` (any alias, or an object whose str() is one, e.g. torch.bfloat16); ValueError "
       "otherwise.");
   m.def("backends", [] { return names_of(backend_names()); });
+  m.def(
+      "counter_info",
+      [] {
+        nb::list out;
+        for (uint32_t i = 0; i < format::kCounterCount; ++i)
+          out.append(nb::make_tuple(kCounterNames[i], kCounterMeanings[i]));
+        return out;
+      },
+      "The pool's counters (format.h's one list), in order: (name as Pool.stats() keys it, meaning).");
   bind_rpc(m);
   bind_platform(m);
   bind_tokens(m, token_ns_access);

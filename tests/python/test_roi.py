@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+import cxlkv
 from cxlkv.errors import CommandError
 from cxlkv.tools import roi
 
@@ -64,6 +65,11 @@ LLAMA_8B = {  # Llama-3-8B's published config: 8.03 B parameters, 128 KiB of bf1
 def test_parameters_and_kv_bytes_from_a_config():
     assert roi.model_params(LLAMA_8B) == pytest.approx(8.03e9, rel=0.01)
     assert roi.kv_bytes_per_token(LLAMA_8B) == 2 * 32 * 8 * 128 * 2
+    # dtype sizes are the core's table's, every alias of it (config names, torch names, vLLM's)
+    for name in ("float32", "torch.float16", "fp8", "fp8_e5m2", "int8"):
+        assert roi.kv_bytes_per_token(LLAMA_8B, name) == 2 * 32 * 8 * 128 * cxlkv.dtype_bytes(name)
+    with pytest.raises(CommandError):
+        roi.kv_bytes_per_token(LLAMA_8B, "float7")
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

@@ -14,38 +14,25 @@ import sys
 import threading
 from collections.abc import Iterator
 
+from cxlkv import _core
 from cxlkv.tools.pool_view import PoolSnapshot, lease_missed, read_pool
 
-# Pool.stats() counters -> (series name without _total, help). A counter the core adds later is
-# still exported, as cxlkv_<key>_total, so nothing the pool counts is hidden.
-COUNTERS = {
-    "hits": ("cxlkv_hits", "Lookups that delivered a block."),
-    "misses": ("cxlkv_misses", "Lookups that found nothing usable."),
-    "puts": ("cxlkv_puts", "Blocks stored."),
-    "puts_present": ("cxlkv_puts_present", "Puts of a key already stored."),
-    "puts_failed": ("cxlkv_puts_failed", "Puts that found no block to allocate or evict (pool full)."),
-    "puts_in_flight": ("cxlkv_puts_in_flight", "Puts that found the key being written by a live node."),
-    "evictions": ("cxlkv_evictions", "Blocks evicted to make room."),
-    "checksum_failures": ("cxlkv_checksum_failures", "Reads whose delivered bytes failed the checksum."),
-    "bytes_stored": ("cxlkv_stored_bytes", "Payload bytes stored."),
-    "bytes_loaded": ("cxlkv_loaded_bytes", "Payload bytes delivered."),
-    "deletes": ("cxlkv_deletes", "Entries deleted."),
-    "reclaimed_nodes": ("cxlkv_reclaimed_nodes", "Dead nodes reclaimed (what they held released)."),
-    "evict_skipped_pinned": ("cxlkv_evict_skipped_pinned", "Eviction candidates skipped: pinned."),
-    "corrupt_entries": ("cxlkv_corrupt_entries", "Index entries dropped as corrupt."),
-    "condemned": ("cxlkv_condemned", "Entries taken out after a checksum failure."),
-    "pins_exhausted": ("cxlkv_pins_exhausted", "Gets/acquires that found no free pin slot."),
-}
-# Pool.stats() keys that are levels, not counts (exported as gauges below), or derived.
-NOT_COUNTERS = {
-    "capacity_blocks",
-    "free_blocks",
-    "used_blocks",
-    "free_chunks",
-    "active_chunks",
-    "hit_rate",
-    "namespaces",
-}
+
+def counter_series_name(name: str) -> str:
+    """The series (without ``_total``) of the pool counter ``name``: ``cxlkv_<name>``, a unit
+    moved to the end as Prometheus wants it (``bytes_stored`` -> ``cxlkv_stored_bytes``)."""
+    if name.startswith("bytes_"):
+        return f"cxlkv_{name[len('bytes_') :]}_bytes"
+    return f"cxlkv_{name}"
+
+
+def counter_table() -> list[tuple[str, str, str]]:
+    """(Pool.stats() key, series without ``_total``, help) of every pool counter, in the core's
+    order: derived from the core's one counter list (format.h, ``_core.counter_info()``), so a
+    counter the core adds is exported with its meaning and without a change here."""
+    return [(n, counter_series_name(n), what[0].upper() + what[1:] + ".") for n, what in _core.counter_info()]
+
+
 VERDICTS = ("alive", "dead", "undecided")
 
 
@@ -140,12 +127,11 @@ def _pool_series(snap: PoolSnapshot) -> Iterator:
 
 
 def _counter_series(stats: dict) -> Iterator:
-    for key, value in stats.items():
-        if key in NOT_COUNTERS or not isinstance(value, int) or isinstance(value, bool):
+    for key, name, doc in counter_table():
+        if key not in stats:
             continue
-        name, doc = COUNTERS.get(key, (f"cxlkv_{key}", f"Pool counter {key}."))
         c = _family("counter", name, doc + " Summed over every node slot of the pool.")
-        c.add_metric([], float(value))
+        c.add_metric([], float(stats[key]))
         yield c
 
 

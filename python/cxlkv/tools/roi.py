@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from cxlkv import dtype_bytes
 from cxlkv.errors import CommandError
 
 __all__ = [
@@ -157,17 +158,15 @@ def model_params(cfg: dict) -> int:
     return embed + layers * (attn + mlp)
 
 
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1, "fp8": 1}
-
-
 def kv_bytes_per_token(cfg: dict, dtype: str | None = None) -> int:
     """Bytes of K and V one token stores over all layers (dense attention)."""
     cfg = _text_config(cfg)
     _hidden, layers, _heads, kv_heads, head_dim = _attention_geometry(cfg)
     name = dtype or str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
-    size = _DTYPE_BYTES.get(name.removeprefix("torch."))
-    if size is None:
-        raise CommandError(f"unknown KV dtype {name!r}; one of {sorted(_DTYPE_BYTES)}")
+    try:
+        size = dtype_bytes(name)  # the core's dtype table, the only one
+    except ValueError as e:
+        raise CommandError(f"KV dtype: {e}") from None
     return 2 * layers * kv_heads * head_dim * size
 
 

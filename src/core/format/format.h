@@ -268,23 +268,26 @@ inline uint64_t make_node_word(uint8_t st, uint32_t domain, uint32_t epoch) {
 // Counters are monotonic over the pool's life: an attaching node keeps the slot's counters, so
 // stats() (the sum over all slots) still counts processes that have exited.
 // The ONE list of counters: X(enum name, name shown by `pool stats`, meaning). Append only: a
-// counter's position is its index in NodeAreaFixed.counters of existing pools.
-#define CXLKV_COUNTERS(X)                                                                    \
-  X(kHits, hits, "lookups that delivered a block")                                           \
-  X(kMisses, misses, "lookups that found nothing usable")                                    \
-  X(kPuts, puts, "blocks stored")                                                            \
-  X(kPutsPresent, puts_present, "puts of a key already stored")                              \
-  X(kPutsFailed, puts_failed, "puts that found no block to allocate or evict")               \
-  X(kEvictions, evictions, "blocks evicted to make room")                                    \
-  X(kChecksumFailures, checksum_failures, "reads whose delivered bytes failed the checksum") \
-  X(kBytesStored, bytes_stored, "payload bytes stored")                                      \
-  X(kBytesLoaded, bytes_loaded, "payload bytes delivered")                                   \
-  X(kDeletes, deletes, "entries deleted")                                                    \
-  X(kReclaimedNodes, reclaimed_nodes, "dead nodes reclaimed")                                \
-  X(kEvictSkippedPinned, evict_skipped_pinned, "eviction candidates skipped: pinned")        \
-  X(kCorruptEntries, corrupt_entries, "entries dropped as corrupt")                          \
-  X(kCondemnedEntries, condemned, "entries taken out after a checksum failure (kCondemned)") \
-  X(kPinsExhausted, pins_exhausted, "gets/acquires that found no free pin slot")             \
+// counter's position is its index in NodeAreaFixed.counters of existing pools. The meaning is
+// bound to Python (_core.counter_info()): the exporter's help texts and docs/METRICS.md quote it.
+#define CXLKV_COUNTERS(X)                                                                      \
+  X(kHits, hits, "lookups that delivered a block")                                             \
+  X(kMisses, misses, "lookups that found nothing usable")                                      \
+  X(kPuts, puts, "blocks stored")                                                              \
+  X(kPutsPresent, puts_present, "puts of a key already stored")                                \
+  X(kPutsFailed, puts_failed,                                                                  \
+    "puts that found no block to allocate or evict (pool full of pinned or in-flight blocks)") \
+  X(kEvictions, evictions, "blocks evicted to make room")                                      \
+  X(kChecksumFailures, checksum_failures,                                                      \
+    "reads whose bytes failed the checksum (a miss, never wrong bytes)")                       \
+  X(kBytesStored, bytes_stored, "payload bytes stored")                                        \
+  X(kBytesLoaded, bytes_loaded, "payload bytes delivered")                                     \
+  X(kDeletes, deletes, "entries deleted")                                                      \
+  X(kReclaimedNodes, reclaimed_nodes, "dead nodes reclaimed (what they held released)")        \
+  X(kEvictSkippedPinned, evict_skipped_pinned, "eviction candidates skipped because pinned")   \
+  X(kCorruptEntries, corrupt_entries, "index entries dropped as corrupt")                      \
+  X(kCondemnedEntries, condemned, "entries taken out after a checksum failure")                \
+  X(kPinsExhausted, pins_exhausted, "gets/acquires that found no free pin slot")               \
   X(kPutsInFlight, puts_in_flight, "puts that found the key being written by a live node")
 // The formatter cannot see that the X-macro's expansion ends with a comma.
 // clang-format off
