@@ -243,6 +243,14 @@ std::vector<std::pair<uint32_t, uint32_t>> Pool::attached_nodes() {
   return out;
 }
 
+void Pool::refuse_destroy_if_attached(const std::string& spec) {
+  auto live = attached_nodes();
+  if (!live.empty())
+    throw PoolInUseError("pool " + spec + " is in use by " + std::to_string(live.size()) +
+                         " attached process(es): " + describe_nodes(live) +
+                         "; stop them first, or force it (CLI: --ignore-attached)");
+}
+
 void Pool::destroy(const std::string& path, const DestroyOptions& opt) {
   // Refuse to wipe or delete something that is not a pool, and a pool that live processes use
   // (they would keep serving an unlinked pool while new ones use a new one: split brain, F15).
@@ -271,13 +279,7 @@ void Pool::destroy(const std::string& path, const DestroyOptions& opt) {
                         " is not a devdax character device; not wiping it (remove a regular file with rm)");
     if (!p) throw FormatError(path + " does not hold a valid cxlkv pool; not wiping it");
   }
-  if (p && !opt.ignore_attached) {
-    auto live = p->attached_nodes();
-    if (!live.empty())
-      throw PoolInUseError("pool " + path + " is in use by " + std::to_string(live.size()) +
-                           " attached process(es): " + describe_nodes(live) +
-                           "; stop them first, or force it (CLI: --ignore-attached)");
-  }
+  if (p && !opt.ignore_attached) p->refuse_destroy_if_attached(path);
   if (Mapping::is_devdax_path(path)) {
     char* b = p->region_.base();
     p->region_.reset();  // no detach: never attached

@@ -373,6 +373,8 @@ class Pool {
   static std::unique_ptr<Pool> create_striped(const std::string& spec, format::PoolHeader h,
                                               const CreateOptions& opt, bool exist_ok);
   static void destroy_striped(const std::string& spec, const DestroyOptions& opt);
+  // destroy's one refusal, plain and striped: PoolInUseError naming the attached processes.
+  void refuse_destroy_if_attached(const std::string& spec);
   void validate_striping(const format::PoolHeader& h, const char* base);
   bool devices_replaced() const;
   bool devices_intact() const;

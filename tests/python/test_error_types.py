@@ -66,13 +66,19 @@ def test_closed_pool_raises_closed_error(pool_path):
     assert cxlkv.errors.ClosedError is cxlkv.ClosedError is cxlkv._core.ClosedError
 
 
-def test_destroy_while_attached_raises_pool_in_use(pool_path):
-    with cxlkv.Pool.create(pool_path, "16MiB", chunk_size="1MiB"):
-        with pytest.raises(cxlkv.PoolInUseError):
-            cxlkv.Pool.destroy(pool_path)
-    assert os.path.exists(pool_path)
-    cxlkv.Pool.destroy(pool_path)
-    assert not os.path.exists(pool_path)
+@pytest.mark.parametrize("devices", [1, 2])
+def test_destroy_while_attached_raises_pool_in_use(pool_path, devices):
+    """One refusal for plain and striped pools: the type, and the attached processes named."""
+    paths = [pool_path] if devices == 1 else [f"{pool_path}.dev{k}" for k in range(devices)]
+    spec = ",".join(paths)
+    extra = {} if devices == 1 else {"stripe_size": "256KiB"}
+    with cxlkv.Pool.create(paths if devices > 1 else pool_path, "16MiB", chunk_size="1MiB", **extra):
+        with pytest.raises(cxlkv.PoolInUseError) as ei:
+            cxlkv.Pool.destroy(spec)
+        assert f"(pid {os.getpid()})" in str(ei.value)  # who to stop: detail, not the condition
+    assert all(os.path.exists(p) for p in paths)
+    cxlkv.Pool.destroy(spec)
+    assert not any(os.path.exists(p) for p in paths)
 
 
 def test_read_only_and_observer_writes_raise_read_only_error(pool_path):

@@ -114,12 +114,7 @@ void Pool::destroy_striped(const std::string& spec, const DestroyOptions& opt) {
   } catch (const Error&) {
     if (!opt.remove_invalid) throw;
   }
-  if (p && !opt.ignore_attached) {
-    auto live = p->attached_nodes();
-    if (!live.empty())
-      throw PoolInUseError("pool " + spec + " is in use by " + std::to_string(live.size()) +
-                           " attached process(es); stop them first, or force it (CLI: --ignore-attached)");
-  }
+  if (p && !opt.ignore_attached) p->refuse_destroy_if_attached(spec);
   if (p) {
     // Devices are wiped (init word, header, labels are not reachable through the range: the
     // header is enough to make the devdax set unusable); files are removed.
