@@ -1,4 +1,4 @@
-"""What one `cxlkv events` poll costs: the index scan (core) and the diff (tools/events.py) on a
+"""What one `cxlkv events` poll costs: the index scan (core) and the diff (services/events.py) on a
 pool holding N blocks, against a baseline measured in the same run: copying the index area
 once (index_slots x 64 bytes, the least any scan must read).
 
@@ -15,7 +15,7 @@ import time
 
 import cxlkv
 from cxlkv.index_scan import scan_index
-from cxlkv.tools.events import PoolEventSource
+from cxlkv.services.events import PoolEventSource
 
 
 def best(fn, n=5) -> float:

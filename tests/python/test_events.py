@@ -324,7 +324,7 @@ def test_corrupt_index_entry_and_token_record_are_refused(pool_path, model_dir):
     """An entry naming a namespace that does not exist is no block (the core's scan drops it); a
     token record whose tokens do not hash to its key is not believed (the event has no tokens)."""
     from cxlkv.index_scan import scan_index
-    from cxlkv.tools.events import PoolEventSource
+    from cxlkv.services.events import PoolEventSource
 
     e = Engine(pool_path, model_dir, kv_events=True)
     try:

@@ -33,11 +33,13 @@ MAY_IMPORT: dict[str, set[str]] = {
     "testing": {"api"},
     "kernels": {"api", "kernels"},  # Triton kernels of the device data paths
     "integrations": {"api", "integrations", "kernels"},
+    # operator services (exporter, events, query, top): production code, so no benchmark or test model
+    "services": {"api", "services", "integrations"},
     "tools": {"api", "tools", "testing", "integrations", "kernels"},  # a benchmark measures an integration
-    "cli": {"api", "tools", "cli"},
+    "cli": {"api", "tools", "services", "cli"},
     "main": {"cli"},
 }
-SUBPACKAGE_LAYERS = {"tools", "cli", "integrations", "testing", "kernels"}
+SUBPACKAGE_LAYERS = {"tools", "services", "cli", "integrations", "testing", "kernels"}
 # Modules that need a third-party package beyond the core dependencies to import at all.
 OPTIONAL_DEPS = {"vllm", "aiohttp", "torch", "triton", "sglang", "lmcache"}
 

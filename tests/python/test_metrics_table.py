@@ -11,7 +11,7 @@ import pytest
 
 import cxlkv
 from cxlkv import _core
-from cxlkv.tools import exporter
+from cxlkv.services import exporter
 
 METRICS_MD = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "METRICS.md")
 

@@ -141,7 +141,7 @@ def test_exporter_use_per_namespace_and_device(pool_path):
     """Two namespaces with known contents: each one's blocks, bytes and chunks, and the device's."""
     from prometheus_client import generate_latest
 
-    from cxlkv.tools.exporter import make_registry
+    from cxlkv.services.exporter import make_registry
 
     with cxlkv.Pool.create(pool_path, 32 * MiB, chunk_size=MiB) as pool:
         a = pool.namespace(small_layout(model_id="a"))
@@ -235,11 +235,14 @@ def test_exporter_with_prometheus_client_0_24_1(pool_path, tmp_path):
         pytest.skip(f"pip could not install prometheus_client {OLD_CLIENT}: {r.stderr.strip()[-200:]}")
     make_traffic(pool_path, hits=2, misses=2)
     code = (
-        "import prometheus_client, sys; from cxlkv.tools.exporter import make_registry; "
+        "import prometheus_client, sys; from cxlkv.services.exporter import make_registry; "
         f"assert prometheus_client.__file__.startswith({str(target)!r}), prometheus_client.__file__; "
         f"sys.stdout.write(prometheus_client.generate_latest(make_registry({pool_path!r})).decode())"
     )
-    env = dict(os.environ, PYTHONPATH=str(target))
+    # the old client first, then whatever cxlkv this run tests (a checkout's python/ or the venv's)
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(target), os.environ.get("PYTHONPATH")]))
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 0, r.stderr
     assert sample(r.stdout, "cxlkv_up") == 1.0 and sample(r.stdout, "cxlkv_hits_total") == 2.0
@@ -390,7 +393,7 @@ def _exported_text(pool_path: str) -> str:
     connector registers through vLLM's hook (on a registry of its own)."""
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-    from cxlkv.tools.exporter import make_registry
+    from cxlkv.services.exporter import make_registry
 
     make_traffic(pool_path, hits=1, misses=1)
     text = generate_latest(make_registry(pool_path)).decode()

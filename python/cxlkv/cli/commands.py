@@ -18,7 +18,7 @@ import cxlkv
 from cxlkv.errors import CommandError, ExitCode
 from cxlkv.paths import device_paths
 from cxlkv.sizes import format_size
-from cxlkv.tools.pool_view import with_usage
+from cxlkv.services.pool_view import with_usage
 
 from .render import (
     escape,
@@ -606,11 +606,11 @@ def cmd_roi(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# events, query: what routers read (tools/events.py, tools/query.py)
+# events, query: what routers read (services/events.py, services/query.py)
 
 
 def cmd_events(args: argparse.Namespace) -> int:
-    from cxlkv.tools import events
+    from cxlkv.services import events
 
     pool = cxlkv.Pool.open(args.path)  # a missing or bad pool: an error now, exit 2; then run() owns it
     try:
@@ -649,7 +649,7 @@ def cmd_events(args: argparse.Namespace) -> int:
 
 
 def cmd_query(args: argparse.Namespace) -> int:
-    from cxlkv.tools import query
+    from cxlkv.services import query
 
     with cxlkv.Pool.open(args.path) as pool:
         if args.serve is not None:
@@ -685,11 +685,11 @@ def cmd_query(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# observe: exporter, top (cxlkv.tools.exporter, cxlkv.tools.top)
+# observe: exporter, top (cxlkv.services.exporter, cxlkv.services.top)
 
 
 def cmd_exporter(args: argparse.Namespace) -> int:
-    from cxlkv.tools import exporter
+    from cxlkv.services import exporter
 
     try:
         exporter.serve(args.path, args.port, args.addr, args.allow_foreign_owner)
@@ -701,7 +701,7 @@ def cmd_exporter(args: argparse.Namespace) -> int:
 
 
 def cmd_top(args: argparse.Namespace) -> int:
-    from cxlkv.tools import top
+    from cxlkv.services import top
 
     con = make_console()
     if args.once:

@@ -719,7 +719,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ro.add_argument("--json", action="store_true", help="print one JSON object")
     ro.set_defaults(func=cmd_roi)
-    # events, query (routers: tools/events.py, tools/query.py) ----------------------------------
+    # events, query (routers: services/events.py, services/query.py) ----------------------------------
     ev = sub.add_parser("events", help="publish the pool's KV events (vLLM's ZMQ format) for routers")
     ev.add_argument(
         "path", nargs="?", default=default_pool, metavar="POOL", help=f"pool (default {default_pool})"

@@ -11,7 +11,7 @@ import sys
 from typing import Any
 
 from cxlkv.sizes import format_size
-from cxlkv.tools.pool_view import printable
+from cxlkv.services.pool_view import printable
 
 __all__ = [
     "escape",

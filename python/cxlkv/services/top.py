@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 
 from cxlkv.sizes import format_size
-from cxlkv.tools.pool_view import PoolSnapshot, lease_missed, printable, read_pool
+from cxlkv.services.pool_view import PoolSnapshot, lease_missed, printable, read_pool
 
 # (stats key, column title, is bytes): the traffic shown per second.
 RATES = (

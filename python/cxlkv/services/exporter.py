@@ -15,7 +15,7 @@ import threading
 from collections.abc import Iterator
 
 from cxlkv import _core
-from cxlkv.tools.pool_view import PoolSnapshot, lease_missed, read_pool
+from cxlkv.services.pool_view import PoolSnapshot, lease_missed, read_pool
 
 
 def counter_series_name(name: str) -> str:
