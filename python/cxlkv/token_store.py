@@ -522,7 +522,7 @@ class TokenStore:
                     view.bad = f"the partial chunk {F} has a corrupt or foreign header"
                     return False
             lease.release()
-        return F < len(view.full_keys) and self._ns.contains(view.full_keys[F])
+        return len(view.full_keys) > F and self._ns.contains(view.full_keys[F])
 
     def _broken(self, seq: bytes, view: _View, chunk: int, what: str) -> None:
         """Chunk ``chunk`` is present but malformed: the view keeps (pins) only the chunks before

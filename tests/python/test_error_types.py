@@ -48,9 +48,11 @@ def test_core_throws_no_bare_base_error():
     for d, _, files in os.walk(os.path.join(ROOT, "src/core")):
         for f in files:
             text = open(os.path.join(d, f)).read()
-            for m in re.finditer(r"throw Error\(\s*\"?([^;]*)", text):
-                if not m.group(1).startswith("internal:"):
-                    bare.append(f"{f}: {m.group(0)[:60]}")
+            bare += [
+                f"{f}: {m.group(0)[:60]}"
+                for m in re.finditer(r"throw Error\(\s*\"?([^;]*)", text)
+                if not m.group(1).startswith("internal:")
+            ]
     assert not bare, bare
 
 
@@ -88,9 +90,8 @@ def test_read_only_and_observer_writes_raise_read_only_error(pool_path):
             p._core.open_namespace("x", small_layout())
         with pytest.raises(cxlkv.ReadOnlyError):
             p._core.transfer_view()
-    with cxlkv.Pool.open(pool_path, attach=False) as obs:
-        with pytest.raises(cxlkv.ReadOnlyError):
-            obs.namespace(small_layout())
+    with cxlkv.Pool.open(pool_path, attach=False) as obs, pytest.raises(cxlkv.ReadOnlyError):
+        obs.namespace(small_layout())
 
 
 def test_pool_used_in_a_forked_child_raises_forked_error(pool_path):

@@ -17,8 +17,8 @@ from typing import Any
 import cxlkv
 from cxlkv.errors import CommandError, ExitCode
 from cxlkv.paths import device_paths
-from cxlkv.sizes import format_size
 from cxlkv.services.pool_view import with_usage
+from cxlkv.sizes import format_size
 
 from .render import (
     escape,

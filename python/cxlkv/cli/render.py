@@ -10,8 +10,8 @@ import json
 import sys
 from typing import Any
 
-from cxlkv.sizes import format_size
 from cxlkv.services.pool_view import printable
+from cxlkv.sizes import format_size
 
 __all__ = [
     "escape",

@@ -15,8 +15,8 @@ import sys
 import time
 from collections.abc import Iterator
 
-from cxlkv.sizes import format_size
 from cxlkv.services.pool_view import PoolSnapshot, lease_missed, printable, read_pool
+from cxlkv.sizes import format_size
 
 # (stats key, column title, is bytes): the traffic shown per second.
 RATES = (
