@@ -13,6 +13,7 @@ import pytest
 import cxlkv
 from cxlkv import cli
 from cxlkv.cli import parser as cli_parser
+from cxlkv.cli import parser_pool
 from cxlkv.errors import EXIT_CODE_MEANINGS, CommandError, ExitCode, exit_codes_text
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -45,7 +46,7 @@ def test_errors_map_to_their_exit_code_and_one_line(monkeypatch, capsys, exc, co
     def command(args):
         raise exc
 
-    monkeypatch.setattr(cli_parser, "cmd_pool_info", command)
+    monkeypatch.setattr(parser_pool, "cmd_pool_info", command)
     monkeypatch.delenv("CXLKV_DEBUG", raising=False)
     assert cli.main(["pool", "info", "/nonexistent/pool"]) == code
     err = capsys.readouterr().err
@@ -58,7 +59,7 @@ def test_a_bug_exits_70_with_its_traceback_never_1(monkeypatch, capsys):
     def command(args):
         raise RuntimeError("an unexpected bug")
 
-    monkeypatch.setattr(cli_parser, "cmd_pool_stats", command)
+    monkeypatch.setattr(parser_pool, "cmd_pool_stats", command)
     assert cli.main(["pool", "stats", "/nonexistent/pool"]) == ExitCode.INTERNAL == 70
     err = capsys.readouterr().err
     assert "Traceback" in err and "RuntimeError: an unexpected bug" in err
@@ -68,7 +69,7 @@ def test_debug_adds_the_traceback_keeps_the_code(monkeypatch, capsys):
     def command(args):
         raise CommandError("a worker died", detail="worker traceback here")
 
-    monkeypatch.setattr(cli_parser, "cmd_pool_check", command)
+    monkeypatch.setattr(parser_pool, "cmd_pool_check", command)
     monkeypatch.setenv("CXLKV_DEBUG", "1")
     assert cli.main(["pool", "check", "/nonexistent/pool"]) == ExitCode.ERROR
     err = capsys.readouterr().err

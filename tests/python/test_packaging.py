@@ -61,3 +61,15 @@ def test_installed_wheel_is_what_runs() -> None:
     venv = os.environ.get("CXLKV_WHEEL_VENV")  # set by scripts/build-wheel.sh --test
     if venv:
         assert cxlkv.__file__.startswith(venv), cxlkv.__file__
+
+
+def test_tiny_tokenizer_word_list_ships_in_the_package() -> None:
+    """The tiny test model's tokenizer is trained on text made from a data file of the package
+    (cxlkv/testing/tiny_words.txt): a wheel without it could not build the model."""
+    from importlib import resources
+
+    from cxlkv.testing import models
+
+    words = (resources.files("cxlkv.testing") / "tiny_words.txt").read_text(encoding="utf-8").split()
+    assert len(words) == 529 and words[:3] == ["the", "of", "and"]
+    assert words == models._WORDS
