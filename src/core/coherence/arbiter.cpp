@@ -69,10 +69,12 @@ uint64_t Bakery::holder_beat(uint64_t node) const {
   return c_.coh.read(&c_.nodes[node - 1].beat);
 }
 
-void Bakery::check_fence() {
+void Bakery::check_fence() { check_fence_at(liveness::mono_ns()); }
+
+void Bakery::check_fence_at(uint64_t now) {
   if (c_.fenced->load(std::memory_order_acquire)) throw fenced_error(where_);
   uint64_t last = c_.last_beat->load(std::memory_order_acquire);
-  if (liveness::mono_ns() - last > c_.lease_ns / 2) {
+  if (now > last && now - last > c_.lease_ns / 2) {
     c_.fenced->store(true, std::memory_order_release);
     throw fenced_error(where_);
   }
@@ -362,8 +364,12 @@ void Bakery::take_over(uint32_t k) {
     c_.coh.flush(c_.base + off, kCacheLine);
 }
 
-void Bakery::acquire_tier1(uint32_t k, const void* addr, uint64_t deadline) {
+bool Bakery::acquire_tier1(uint32_t k, const void* addr, uint64_t deadline) {
   const uint64_t mine = mine_.load(std::memory_order_relaxed);
+  if (tier1_cas(k, 0, mine)) {  // uncontended: no clock read
+    line(k, c_.slot)->holder_line = uint64_t(static_cast<const char*>(addr) - c_.base);
+    return false;
+  }
   uint64_t seen = 0, seen_state = 0, seen_beat = 0, since = 0, spins = 0;
   uint64_t last_judge = 0, last_tick = liveness::mono_ns();
   uint64_t wait_start = last_tick, waits_seen = 0, word_seen = 0;
@@ -427,6 +433,7 @@ void Bakery::acquire_tier1(uint32_t k, const void* addr, uint64_t deadline) {
   }
   // Host-local, like tier1: the line we are about to modify, for a taker-over (take_over).
   line(k, c_.slot)->holder_line = uint64_t(static_cast<const char*>(addr) - c_.base);
+  return true;
 }
 
 void Bakery::release_row(uint32_t k) {
@@ -458,16 +465,20 @@ void Bakery::lock(const void* addr) {
   // progress write), and since that base is per attachment, a node-less attachment holds one
   // stripe at a time (nodeless_mu_): a thread of it could not refresh the fence of another's line.
   // A node has a heartbeat instead; its fence runs from its last beat.
+  // Clock reads are a good part of an uncontended acquire (tens of ns each on a VM): one at the
+  // entry serves the fence, the node-less fence base and the deadline, and again the fence of the
+  // first ticket write when nothing waited in between (a few uncontended instructions: the
+  // assumption of arbiter.h's fence argument).
   std::unique_lock<std::recursive_mutex> nodeless;
-  if (node_ == 0) {
-    nodeless = std::unique_lock<std::recursive_mutex>(nodeless_mu_);
-    c_.last_beat->store(liveness::mono_ns(), std::memory_order_release);  // nothing written yet
-  }
-  check_fence();  // a fenced attachment touches no row
+  if (node_ == 0) nodeless = std::unique_lock<std::recursive_mutex>(nodeless_mu_);
+  const uint64_t start = liveness::mono_ns();
+  if (nodeless.owns_lock()) c_.last_beat->store(start, std::memory_order_release);  // nothing written yet
+  check_fence_at(start);  // a fenced attachment touches no row
   // The claim's absolute bound (kClaimLeases), from here: threads of ours queued on the stripe,
   // host-mates in tier 1 and every row of tier 2 share it.
-  const uint64_t start = liveness::mono_ns(), deadline = start + kClaimLeases * c_.lease_ns;
-  if (!local_[k].try_lock() && !local_[k].try_lock_for(std::chrono::nanoseconds(deadline - start)))
+  const uint64_t deadline = start + kClaimLeases * c_.lease_ns;
+  bool waited = !local_[k].try_lock();
+  if (waited && !local_[k].try_lock_for(std::chrono::nanoseconds(deadline - start)))
     throw LockTimeoutError(c_.pool + ": cross-host lock stripe " + std::to_string(k) +
                            ": threads of this process held it while this claim waited " +
                            std::to_string(kClaimLeases) + " leases; the claim failed, nothing was changed");
@@ -478,12 +489,13 @@ void Bakery::lock(const void* addr) {
   }
   bool row = false;
   try {
-    acquire_tier1(k, addr, deadline);  // tier 1: processes of this host
+    waited |= acquire_tier1(k, addr, deadline);  // tier 1: processes of this host
     row = true;
     LockLine* me = line(k, c_.slot);
+    const uint64_t now = waited ? liveness::mono_ns() : start;
     // Node-less: the fence runs from this first write (tier 1 may have waited for host-mates).
-    if (nodeless.owns_lock()) c_.last_beat->store(liveness::mono_ns(), std::memory_order_release);
-    check_fence();  // before each write of the row: a silent holder may have been taken over
+    if (nodeless.owns_lock()) c_.last_beat->store(now, std::memory_order_release);
+    check_fence_at(now);  // before each write of the row: a silent holder may have been taken over
     me->choosing = 1;
     me->node = node_;
     me->node_word = node_word_;
@@ -499,7 +511,10 @@ void Bakery::lock(const void* addr) {
       top = std::max(top, observe(k, j, pulse).number);
     }
     const uint64_t mine = std::min<uint64_t>(top, 1ull << 62) + 1;  // untrusted: bounded
-    check_fence();
+    if (c_.hosts > 1)
+      check_fence();  // other rows were read (a drop and a load each) since the last check
+    else
+      check_fence_at(now);
     me->number = mine;
     me->choosing = 0;
     bump(me);
@@ -508,7 +523,7 @@ void Bakery::lock(const void* addr) {
     // While we wait, our line's `waits` advances (written back every progress_ns): hosts behind
     // our ticket then know we wait rather than sit in the lock, and do not count it to their bound.
     const uint64_t progress_ns = std::max<uint64_t>(c_.lease_ns / 16, 1'000'000);
-    uint64_t last_progress = liveness::mono_ns(), last_sweep = last_progress;
+    uint64_t last_progress = c_.hosts > 1 ? liveness::mono_ns() : now, last_sweep = last_progress;
     for (uint32_t j = 0; j < c_.hosts; ++j) {
       if (j == c_.slot) continue;
       LockLine seen{};

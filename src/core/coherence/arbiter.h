@@ -147,8 +147,10 @@ class Bakery final : public Arbiter {
   uint64_t& tier1(uint32_t stripe) const { return line(stripe, c_.slot)->tier1; }
   bool tier1_cas(uint32_t stripe, uint64_t expected, uint64_t desired) const;
   // Tier 1 of stripe k for the line at addr (caller holds local_[k]); takes over a dead holder.
-  void acquire_tier1(uint32_t k, const void* addr, uint64_t deadline);
-  void take_over(uint32_t k);  // after a CAS from a dead holder's word: its line, then ours
+  // Returns true when it had to wait (the word was not free at once).
+  bool acquire_tier1(uint32_t k, const void* addr, uint64_t deadline);
+  void check_fence_at(uint64_t now);  // check_fence on a time read a few instructions ago
+  void take_over(uint32_t k);         // after a CAS from a dead holder's word: its line, then ours
   // Gives the row of stripe k back: resets our ticket unless fenced, then frees the tier-1 word.
   void release_row(uint32_t k);
   void take_over_and_release(uint32_t k);  // take_over, then release_row (also on a throw)
