@@ -437,6 +437,39 @@ TEST(BakeryTickets, ForgedPulseCannotHoldAClaimPastItsAbsoluteBound) {
   EXPECT_LT(waited, (Bakery::kClaimLeases + 4) * 50'000'000ull) << "the bound must hold, not drift";
 }
 
+// Issue 23: a holder that waits in tier 2 rewrites its whole ticket with each progress write, so
+// a ticket someone else wrote into its line (here: "not competing", which would let a host behind
+// it in; or any number another host would honour) lives one progress write at most.
+TEST(BakeryTickets, AWaitingHolderRewritesItsWholeTicket) {
+  BakeryRig rig;
+  rig.ticket_of_live_node_on_row(1);  // node 2 on row 1 holds number 1 and waits (its waits move)
+  const uint32_t k = rig.bk->stripe_of(rig.word());
+  std::atomic<bool> release{false};
+  std::thread holder([&] {
+    while (!release) {
+      std::atomic_ref<uint64_t>(rig.line(k, 1)->waits).fetch_add(1);
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    std::atomic_ref<uint64_t>(rig.line(k, 1)->number).store(0);
+  });
+  std::thread waiter([&] {
+    rig.bk->lock(rig.word());
+    rig.bk->unlock(rig.word());
+  });
+  auto number = [&] { return std::atomic_ref<uint64_t>(rig.line(k, 0)->number).load(); };
+  while (number() == 0) std::this_thread::yield();  // our ticket is out: 2, behind row 1's 1
+  const uint64_t ours = number();
+  EXPECT_EQ(ours, 2u);
+  std::atomic_ref<uint64_t>(rig.line(k, 0)->number).store(0);  // the forger's write
+  std::atomic_ref<uint64_t>(rig.line(k, 0)->node).store(3);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));  // several progress writes (lease/16)
+  EXPECT_EQ(number(), ours) << "the waiting holder's ticket was not rewritten";
+  EXPECT_EQ(std::atomic_ref<uint64_t>(rig.line(k, 0)->node).load(), 0u);  // ours: node-less
+  release = true;
+  holder.join();
+  waiter.join();
+}
+
 // Issue 23: a tier-1 word in our row naming a live node of our row with the wrong epoch (a forged
 // word, written once) is stale: taken over after one lease of standstill, although the named
 // node beats all along; the claim then goes on. One naming a live node of another row is foreign:
