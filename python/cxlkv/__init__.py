@@ -208,6 +208,7 @@ class Pool:
         exist_ok: bool = False,
         lease_ms: int = _create_default("lease_ms"),
         lock_hosts: int | None = None,
+        intent_permille: int = _create_default("intent_permille"),
         allow_foreign_owner: bool = False,
         allow_group: bool = False,
     ) -> Pool:
@@ -220,7 +221,9 @@ class Pool:
         a pool striped over those devices, stripe_size bytes at a time (None: 2 MiB); its size is
         cut to whole stripes. A stripe_size for a single path, or of 0, is a ValueError.
         lock_hosts (multihost backend only, ValueError otherwise): host rows of the lock area, the
-        most hosts that can attach (None: the core's default)."""
+        most hosts that can attach (None: the core's default).
+        intent_permille: block-less intents (``reserve(keys, blocks=False)``) one node may hold at
+        once, in thousandths of the index slots; a reserve past it reports "capped"."""
         path = _path_or_default(path)
         ensure_private_dir(path)
         core = _core.Pool.create(
@@ -238,6 +241,7 @@ class Pool:
             allow_group=allow_group,
             stripe_bytes=None if stripe_size is None else parse_size(stripe_size),
             lock_hosts=lock_hosts,
+            intent_permille=intent_permille,
         )
         return cls(core)
 

@@ -154,6 +154,8 @@ std::unique_ptr<Pool> Pool::create(const std::string& path, const CreateOptions&
 
   h.checksum = header_checksum(h);
   std::memcpy(m.base(), &h, sizeof h);
+  reinterpret_cast<SharedWords*>(m.base() + kSharedWordsOff)->init.pad[kInitIntentCap] =
+      intent_cap_of(h.index_slots, opt.intent_permille);  // flushed with the metadata below
   Coherence c(opt.backend);
   c.flush(m.base(), h.arena_off);
   auto* sw = reinterpret_cast<SharedWords*>(m.base() + kSharedWordsOff);

@@ -41,8 +41,10 @@ struct CreateOptions {
   uint32_t max_namespaces = 64;
   Backend backend = Backend::coherent;
   uint32_t lease_ms = format::kLeaseMsDefault;  // heartbeat lease for nodes of another kernel
-  uint32_t lock_hosts = 0;           // multihost: host slots of the lock area; 0: kLockHostsDefault
-  uint64_t stripe_bytes = 0;         // a pool over several devices: 0 = format::kStripeBytesDefault
+  uint32_t lock_hosts = 0;    // multihost: host slots of the lock area; 0: kLockHostsDefault
+  uint64_t stripe_bytes = 0;  // a pool over several devices: 0 = format::kStripeBytesDefault
+  // Block-less intents one node may hold at once, in thousandths of the index (format 2.5).
+  uint32_t intent_permille = format::kIntentPermilleDefault;
   bool allow_foreign_owner = false;  // with exist_ok: see OpenOptions
   bool allow_group = false;
 };
@@ -181,7 +183,14 @@ struct CheckReport {
   uint64_t lock_tickets_stale = 0;    // its holder was reclaimed or never had a node; void for waiters
   uint64_t lock_tickets_stuck = 0;    // a live holder's ticket that did not move while we looked
   uint64_t lock_rows_reset = 0;       // tickets reset (our own row always; orphaned rows with repair)
+  uint64_t lock_words_foreign = 0;    // tier-1 words no process of their row's host can have written
+  uint64_t lock_words_stale = 0;      // tier-1 words naming a node not ALIVE in the word's epoch
+  uint64_t lock_words_held = 0;       // tier-1 words of a live holder that did not move while we looked
+  uint64_t lock_words_reset = 0;      // tier-1 words cleared (--repair: what waiters already ignore)
   uint64_t undecided_nodes = 0;       // nodes of another kernel not judged within a lease
+  uint64_t intents = 0;               // block-less intents (WRITING entries without a block) found
+  uint64_t intent_cap = 0;            // the per-node cap of them (Pool::intent_cap)
+  uint64_t nodes_at_intent_cap = 0;   // nodes holding their cap (warning) or more (error)
   void error(const std::string& what) {
     ok = false;
     if (errors.size() < 100) errors.push_back(what);
@@ -289,6 +298,12 @@ class Pool {
   std::vector<PinRef> acquire(const NsHandle& ns, const Key* keys, size_t n);
   uint32_t lease_cap() const;
   uint32_t get_pin_reserve() const;
+  // Block-less intents (reserve without a block): the cap per node (the creator's share of the
+  // index, SharedWords.init) and how many this node holds now. A reserve past the cap is refused
+  // (Reservation::capped) before it touches the index, so one node's flood of intents never
+  // takes the slots other nodes' puts need.
+  uint64_t intent_cap() const;
+  uint64_t intents_held() const { return intents_held_.load(std::memory_order_relaxed); }
   void release(const std::vector<PinRef>& pins);
 
   // --- batched gather/scatter (copy_engine.cpp) ---------------------------------------------
@@ -503,6 +518,8 @@ class Pool {
   uint32_t& domain_ = node_table_.domain();
   std::mutex& reap_mu_ = node_table_.mu();  // one reclaim at a time per lock descriptor
   uint64_t heartbeat_ = 0;                  // handle with the process heartbeat thread
+  std::atomic<uint64_t> intents_held_{0};   // this node's intents (reserved, not yet aborted)
+  void publish_intents();                   // the count into our node area (NodeAreaFixed.intents)
   std::atomic<bool> fenced_{false};         // this node was reclaimed while alive (L3), or fenced itself
   // multihost (arbiter.h): the cross-host lock and fence; the time before the last published beat
   std::unique_ptr<Bakery> bakery_;
@@ -526,7 +543,8 @@ class Pool {
   uint32_t participant1_ = 0;  // tier-1 participant byte + 1 this attachment holds (0: none)
   bool observer_ = false;      // opened with attach=false: no namespaces, whether or not it has a node
   void release_dead_rows(uint32_t idx, uint64_t reclaiming_word);
-  void check_lock_area(CheckReport& r);  // lock_check.cpp (r.repair: may reset orphaned rows)
+  void check_lock_area(CheckReport& r);    // lock_check.cpp (r.repair: may reset orphaned rows)
+  void check_tier1_words(CheckReport& r);  // lock_check.cpp: forged or stale tier-1 words
   void report_ticket(CheckReport& r, const format::LockLine& t, const std::string& what, bool foreign,
                      bool row_live);
   void watch_undecided_nodes(CheckReport& r, int64_t watch_ms);  // check.cpp

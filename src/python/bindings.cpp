@@ -298,6 +298,8 @@ nb::dict info_dict(Pool& p) {
   d["lease_ms"] = h.lease_ms;
   d["lock_hosts"] = h.lock_hosts;  // multihost: rows of the lock area (0 otherwise)
   d["host_slot"] = h.lock_hosts ? int64_t(p.host_slot()) : int64_t(-1);
+  d["intent_cap"] = p.intent_cap();  // block-less intents one node may hold at once
+  d["intents"] = p.intents_held();   // ... and how many this attachment holds now
   d["nt_copy_kernel"] = nt_copy_kernel_name();
   // The page size this process's mapping got (not the one asked for): huge_pages.h.
   const PageInfo pg = p.page_info();
@@ -345,6 +347,7 @@ nb::dict node_dict(const NodeInfo& n) {
   d["attach_unix_ns"] = n.attach_unix_ns;
   d["host_slot"] = n.host_slot1 ? int64_t(n.host_slot1) - 1 : int64_t(-1);  // multihost row, -1: none
   d["observer"] = n.observer;
+  d["intents"] = n.intents;  // block-less intents it holds (capped at the pool's intent_cap)
   return d;
 }
 
@@ -512,7 +515,8 @@ NB_MODULE(_core, m) {
           [](const std::string& path, uint64_t size, uint64_t chunk_bytes, uint64_t index_slots,
              uint32_t max_nodes, uint32_t pin_slots, uint32_t max_namespaces, const std::string& backend,
              bool exist_ok, uint32_t lease_ms, bool allow_foreign_owner, bool allow_group,
-             std::optional<uint32_t> lock_hosts, std::optional<uint64_t> stripe_bytes) {
+             std::optional<uint32_t> lock_hosts, std::optional<uint64_t> stripe_bytes,
+             uint32_t intent_permille) {
             // None: the default (the core's 0); an explicit 0 is a mistake, never "the default".
             if (stripe_bytes == 0u)
               throw ArgumentError("a stripe size of 0 is not a size (leave it out for the default)");
@@ -522,6 +526,7 @@ NB_MODULE(_core, m) {
             o.stripe_bytes = stripe_bytes.value_or(0);
             o.lease_ms = lease_ms;
             o.lock_hosts = lock_hosts.value_or(0);
+            o.intent_permille = intent_permille;
             o.allow_foreign_owner = allow_foreign_owner, o.allow_group = allow_group;
             o.size = size, o.chunk_bytes = chunk_bytes, o.index_slots = index_slots;
             o.max_nodes = max_nodes, o.pin_slots = pin_slots, o.max_namespaces = max_namespaces;
@@ -541,7 +546,8 @@ NB_MODULE(_core, m) {
           "pin_slots"_a = kCreateDefaults.pin_slots, "max_namespaces"_a = kCreateDefaults.max_namespaces,
           "backend"_a = backend_name(kCreateDefaults.backend), "exist_ok"_a = false,
           "lease_ms"_a = kCreateDefaults.lease_ms, "allow_foreign_owner"_a = false, "allow_group"_a = false,
-          "lock_hosts"_a = nb::none(), "stripe_bytes"_a = nb::none(), nb::rv_policy::take_ownership)
+          "lock_hosts"_a = nb::none(), "stripe_bytes"_a = nb::none(),
+          "intent_permille"_a = kCreateDefaults.intent_permille, nb::rv_policy::take_ownership)
       .def_static(
           "open",
           [](const std::string& path, bool populate, bool read_only, bool attach, bool allow_foreign_owner,
@@ -689,12 +695,21 @@ NB_MODULE(_core, m) {
             d["free_chunks"] = r.free_chunks;
             d["active_chunks"] = r.active_chunks;
             d["undecided_nodes"] = r.undecided_nodes;
+            nb::dict intents;
+            intents["held"] = r.intents;
+            intents["cap"] = r.intent_cap;
+            intents["nodes_at_cap"] = r.nodes_at_intent_cap;
+            d["intents"] = intents;
             if (g.p->backend() == Backend::multihost) {
               nb::dict lock;
               lock["foreign"] = r.lock_tickets_foreign;
               lock["stale"] = r.lock_tickets_stale;
               lock["stuck"] = r.lock_tickets_stuck;
               lock["reset"] = r.lock_rows_reset;
+              lock["words_foreign"] = r.lock_words_foreign;
+              lock["words_stale"] = r.lock_words_stale;
+              lock["words_held"] = r.lock_words_held;
+              lock["words_reset"] = r.lock_words_reset;
               d["lock_area"] = lock;
             }
             return d;
@@ -1019,6 +1034,7 @@ NB_MODULE(_core, m) {
         d["stripe_bytes"] =
             row(format::kStripeBytesDefault, format::kStripeBytesMin, format::kStripeBytesMax);
         d["lock_hosts"] = row(format::kLockHostsDefault, 1, format::kMaxLockHosts);
+        d["intent_permille"] = row(format::kIntentPermilleDefault, 1, format::kIntentPermilleMax);
         nb::dict backend;
         backend["default"] = backend_name(kCreateDefaults.backend);
         d["backend"] = backend;

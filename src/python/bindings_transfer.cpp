@@ -31,6 +31,7 @@ const char* state_name(Reservation::State s) {
     case Reservation::failed: return "failed";
     case Reservation::committed: return "committed";
     case Reservation::aborted: return "aborted";
+    case Reservation::capped: return "capped";
   }
   return "?";
 }

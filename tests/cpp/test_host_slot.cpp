@@ -405,6 +405,120 @@ TEST(BakeryTickets, AWaitingHolderIsProgressNotABoundToGiveUpOn) {
   holder.join();
 }
 
+// Issue 23: a ticket that waiters must honour (a live node of its own row) whose `waits` is
+// bumped forever (a forged pulse) reads as progress to the no-progress bound; the claim's
+// absolute bound ends it: LockTimeoutError naming the stripe, the row and the ticket.
+TEST(BakeryTickets, ForgedPulseCannotHoldAClaimPastItsAbsoluteBound) {
+  BakeryRig rig;
+  rig.ticket_of_live_node_on_row(1);
+  std::atomic<bool> stop{false};
+  std::thread forger([&] {
+    while (!stop) {
+      for (uint32_t k = 0; k < format::kLockStripes; ++k)
+        std::atomic_ref<uint64_t>(rig.line(k, 1)->waits).fetch_add(1);
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+  });
+  const uint64_t t0 = liveness::mono_ns();
+  std::string what;
+  try {
+    rig.bk->lock(rig.word());
+    rig.bk->unlock(rig.word());
+  } catch (const LockTimeoutError& e) {
+    what = e.what();
+  }
+  const uint64_t waited = liveness::mono_ns() - t0;
+  stop = true;
+  forger.join();
+  ASSERT_FALSE(what.empty()) << "a forged pulse kept the claim from its bound";
+  EXPECT_NE(what.find("row 1"), std::string::npos) << what;
+  EXPECT_NE(what.find("leases in all"), std::string::npos) << what;
+  EXPECT_GE(waited, Bakery::kClaimLeases * 50'000'000ull);
+  EXPECT_LT(waited, (Bakery::kClaimLeases + 4) * 50'000'000ull) << "the bound must hold, not drift";
+}
+
+// Issue 23: a holder that waits in tier 2 rewrites its whole ticket with each progress write, so
+// a ticket someone else wrote into its line (here: "not competing", which would let a host behind
+// it in; or any number another host would honour) lives one progress write at most.
+TEST(BakeryTickets, AWaitingHolderRewritesItsWholeTicket) {
+  BakeryRig rig;
+  rig.ticket_of_live_node_on_row(1);  // node 2 on row 1 holds number 1 and waits (its waits move)
+  const uint32_t k = rig.bk->stripe_of(rig.word());
+  std::atomic<bool> release{false};
+  std::thread holder([&] {
+    while (!release) {
+      std::atomic_ref<uint64_t>(rig.line(k, 1)->waits).fetch_add(1);
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    std::atomic_ref<uint64_t>(rig.line(k, 1)->number).store(0);
+  });
+  std::thread waiter([&] {
+    rig.bk->lock(rig.word());
+    rig.bk->unlock(rig.word());
+  });
+  auto number = [&] { return std::atomic_ref<uint64_t>(rig.line(k, 0)->number).load(); };
+  while (number() == 0) std::this_thread::yield();  // our ticket is out: 2, behind row 1's 1
+  const uint64_t ours = number();
+  EXPECT_EQ(ours, 2u);
+  std::atomic_ref<uint64_t>(rig.line(k, 0)->number).store(0);  // the forger's write
+  std::atomic_ref<uint64_t>(rig.line(k, 0)->node).store(3);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));  // several progress writes (lease/16)
+  EXPECT_EQ(number(), ours) << "the waiting holder's ticket was not rewritten";
+  EXPECT_EQ(std::atomic_ref<uint64_t>(rig.line(k, 0)->node).load(), 0u);  // ours: node-less
+  release = true;
+  holder.join();
+  waiter.join();
+}
+
+// Issue 23: a tier-1 word in our row naming a live node of our row with the wrong epoch (a forged
+// word, written once) is stale: taken over after one lease of standstill, although the named
+// node beats all along; the claim then goes on. One naming a live node of another row is foreign:
+// taken over at once. Either way the word's ticket is reset with it.
+TEST(BakeryTickets, ForgedTier1WordsAreVoid) {
+  BakeryRig rig;
+  const uint64_t alive = format::make_node_word(format::kNodeAlive, 1, 1);
+  rig.nodes[1].state = alive, rig.nodes[1].host_slot = 1;  // node 2 lives on our row 0
+  const uint32_t k = rig.bk->stripe_of(rig.word());
+  rig.line(k, 0)->tier1 = format::make_tier1_word(0, 2, 7);  // epoch 7: not node 2's
+  EXPECT_EQ(rig.bk->classify_tier1(rig.line(k, 0)->tier1, 0), Bakery::Tier1Kind::stale);
+  uint64_t t0 = liveness::mono_ns();
+  rig.bk->lock(rig.word());
+  rig.bk->unlock(rig.word());
+  uint64_t waited = liveness::mono_ns() - t0;
+  EXPECT_GE(waited, 50'000'000u);
+  EXPECT_LT(waited, Bakery::kWaitLeases * 50'000'000ull) << "a stale word costs one lease, not the bound";
+  EXPECT_EQ(rig.bk->takeovers(), 1u);
+  EXPECT_EQ(rig.line(k, 0)->tier1, 0u);
+
+  rig.nodes[1].host_slot = 2;  // node 2 now lives on row 1: a word of it in row 0 is nobody's
+  rig.line(k, 0)->tier1 = format::make_tier1_word(0, 2, 1);
+  EXPECT_EQ(rig.bk->classify_tier1(rig.line(k, 0)->tier1, 0), Bakery::Tier1Kind::foreign);
+  t0 = liveness::mono_ns();
+  rig.bk->lock(rig.word());
+  rig.bk->unlock(rig.word());
+  EXPECT_LT(liveness::mono_ns() - t0, 50'000'000u) << "a foreign word must not cost a lease";
+  EXPECT_EQ(rig.bk->takeovers(), 2u);
+}
+
+// The heartbeat's row healing clears a stale word written once, without any claim.
+TEST(BakeryTickets, RowHealingClearsAStaleTier1WordAfterALease) {
+  BakeryRig rig;
+  const uint64_t alive = format::make_node_word(format::kNodeAlive, 1, 1);
+  rig.nodes[1].state = alive, rig.nodes[1].host_slot = 1;
+  for (uint32_t k = 0; k < format::kLockStripes; ++k) {
+    rig.line(k, 0)->tier1 = format::make_tier1_word(3, 2, 9);
+    rig.line(k, 0)->number = 5;
+  }
+  EXPECT_EQ(rig.bk->heal_own_row(), 0u);  // first look: not yet a lease
+  std::this_thread::sleep_for(std::chrono::milliseconds(60));
+  rig.beat.store(liveness::mono_ns());
+  EXPECT_EQ(rig.bk->heal_own_row(), format::kLockStripes);
+  for (uint32_t k = 0; k < format::kLockStripes; ++k) {
+    EXPECT_EQ(rig.line(k, 0)->tier1, 0u) << k;
+    EXPECT_EQ(rig.line(k, 0)->number, 0u) << k;
+  }
+}
+
 // Found by the issue-14 review: a node-less tier-1 holder (an attach in progress) that waits in
 // tier 2 for more than a lease behind a live waiter of another host was taken over by its
 // host-mate, whose silence rule ignored the row's `waits` (the node-less holder's pulse): both

@@ -46,6 +46,7 @@ def cmd_pool_create(args: argparse.Namespace) -> int:
         "lease_ms",
         "stripe_size",
         "lock_hosts",
+        "intent_permille",
     ):
         v = getattr(args, name)
         if v is not None:
@@ -103,6 +104,8 @@ def _node_rows(nodes: list[dict]) -> list[dict]:
             row["state"] = f"{row['state']} (observer)"
         if n.get("host_slot", -1) >= 0:  # multihost: the node's row of the lock area
             row["host slot"] = n["host_slot"]
+        if n.get("intents"):  # block-less intents it holds (capped per node: info's intent_cap)
+            row["intents"] = n["intents"]
         beat = n.get("last_beat_unix_ns") or 0
         row["last_beat"] = f"{max(0.0, time.time() - beat / 1e9):.1f}s ago" if beat else "-"
         rows.append(row)

@@ -85,6 +85,14 @@ def add_pool(sub: Any, default_pool: str, create: dict) -> None:
         f"hosts that can attach, {_range(create['lock_hosts'])}",
     )
     c.add_argument(
+        "--intent-permille",
+        type=_ranged_int(create["intent_permille"]),
+        default=None,
+        help="block-less intents (coalescing markers) one node may hold at once, in thousandths of "
+        f"the index slots, {_range(create['intent_permille'])} (default "
+        f"{create['intent_permille']['default']})",
+    )
+    c.add_argument(
         "--lease-ms",
         type=_pos_int,
         default=None,

@@ -242,6 +242,7 @@ OVERVIEW_KEYS = (
     "pin_slots",
     "lease_ms",
     "lock_hosts",
+    "intent_cap",
 )
 
 
@@ -287,7 +288,8 @@ def render_pool_overview(console, title: str, info: dict, devices: list[dict], s
     limits = (
         f"{info.get('max_nodes')} nodes, {info.get('max_namespaces')} namespaces, "
         f"{int(info.get('index_slots', 0)):,} index slots, {int(info.get('pin_slots', 0)):,} pins per node, "
-        f"lease {int(info.get('lease_ms', 0)) / 1000:g} s"
+        f"lease {int(info.get('lease_ms', 0)) / 1000:g} s, "
+        f"{int(info.get('intent_cap', 0)):,} intents per node"
     )
     if int(info.get("lock_hosts") or 0):
         limits += f", {info['lock_hosts']} hosts (lock area)"

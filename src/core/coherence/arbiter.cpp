@@ -69,10 +69,12 @@ uint64_t Bakery::holder_beat(uint64_t node) const {
   return c_.coh.read(&c_.nodes[node - 1].beat);
 }
 
-void Bakery::check_fence() {
+void Bakery::check_fence() { check_fence_at(liveness::mono_ns()); }
+
+void Bakery::check_fence_at(uint64_t now) {
   if (c_.fenced->load(std::memory_order_acquire)) throw fenced_error(where_);
   uint64_t last = c_.last_beat->load(std::memory_order_acquire);
-  if (liveness::mono_ns() - last > c_.lease_ns / 2) {
+  if (now > last && now - last > c_.lease_ns / 2) {
     c_.fenced->store(true, std::memory_order_release);
     throw fenced_error(where_);
   }
@@ -86,13 +88,28 @@ bool Bakery::ticket_owner_attached(const LockLine& t, uint32_t row) const {
   return c_.coh.read(&s->host_slot) == uint64_t(row) + 1;
 }
 
-void Bakery::throw_wait_timeout(uint32_t stripe, uint32_t row, const LockLine& t) const {
-  throw LockTimeoutError(c_.pool + ": cross-host lock stripe " + std::to_string(stripe) + ": row " +
-                         std::to_string(row) + " holds ticket (choosing " + std::to_string(t.choosing) +
-                         ", number " + std::to_string(t.number) + ", node " + std::to_string(t.node) +
-                         ") unchanged for " + std::to_string(kWaitLeases) +
-                         " leases while its holder looks alive; the claim failed, nothing was changed "
-                         "(`cxlkv pool check` names the row; --repair clears tickets no host owns)");
+void Bakery::throw_wait_timeout(uint32_t stripe, uint32_t row, const LockLine& t, bool absolute) const {
+  throw LockTimeoutError(
+      c_.pool + ": cross-host lock stripe " + std::to_string(stripe) + ": row " + std::to_string(row) +
+      " holds ticket (choosing " + std::to_string(t.choosing) + ", number " + std::to_string(t.number) +
+      ", node " + std::to_string(t.node) + ", waits " + std::to_string(t.waits) + ") " +
+      (absolute ? "that kept this claim waiting " + std::to_string(kClaimLeases) +
+                      " leases in all (its waits moved, yet it never let us in)"
+                : "unchanged for " + std::to_string(kWaitLeases) + " leases while its holder looks alive") +
+      "; the claim failed, nothing was changed "
+      "(`cxlkv pool check` names the row; --repair clears tickets no host owns)");
+}
+
+void Bakery::throw_tier1_timeout(uint32_t stripe, uint64_t v, bool absolute) const {
+  throw LockTimeoutError(
+      c_.pool + ": cross-host lock stripe " + std::to_string(stripe) + ": the tier-1 word of row " +
+      std::to_string(c_.slot) + " (participant " + std::to_string(tier1_participant1(v)) + ", node " +
+      std::to_string(tier1_node(v)) + ", epoch " + std::to_string(tier1_epoch(v)) + ", " +
+      tier1_kind_name(classify_tier1(v, c_.slot)) + ") was held " +
+      (absolute
+           ? "until this claim had waited " + std::to_string(kClaimLeases) + " leases in all"
+           : "for " + std::to_string(kWaitLeases) + " leases by a process of this host that looks alive") +
+      "; the claim failed, nothing was changed (`cxlkv pool check` names the word)");
 }
 
 Bakery::Bakery(Config c) : c_(std::move(c)), where_(c_.pool) {
@@ -131,20 +148,64 @@ bool Bakery::participant_gone(uint64_t word) const {
   return !liveness::lock_held_by_other(*c_.lock, c_.participant_base + p1 - 1);
 }
 
-// False when a tier-1 word cannot be a host-mate's: it names a node out of range, or a node that
-// is ALIVE in the word's incarnation but attached to another row or host (a stray write from
-// anywhere in the pod). Any other word is judged by the rules of acquire_tier1 (the holder's
-// participant byte, or a lease of silence): a reclaimed holder may still be a live process
-// reaped by force, which stops storing only once its heartbeat notices.
-bool Bakery::tier1_holder_plausible(uint64_t word) const {
+const char* Bakery::tier1_kind_name(Tier1Kind k) {
+  switch (k) {
+    case Tier1Kind::free: return "free";
+    case Tier1Kind::holder: return "a live holder";
+    case Tier1Kind::nodeless: return "a holder without a node";
+    case Tier1Kind::stale: return "stale: its node is not alive in that epoch";
+    case Tier1Kind::foreign: return "foreign: no process of that row's host";
+  }
+  return "?";
+}
+
+// The word is untrusted (any process of the pod can write the line): it is judged from the node
+// table only. A process of the row's host writes make_tier1_word(participant, node, epoch of its
+// node word) | nonce, so a word naming a node that is ALIVE in another epoch, or not ALIVE, is
+// not the word of that node's current incarnation (stale); one naming a live node of another
+// row or host id, or out of range, or without the tag bit, is nobody's (foreign).
+Bakery::Tier1Kind Bakery::classify_tier1(uint64_t word, uint32_t row) const {
+  if (word == 0) return Tier1Kind::free;
+  if (!(word >> 63)) return Tier1Kind::foreign;
   const uint32_t node = tier1_node(word);
-  if (node == 0) return true;
-  if (node > c_.max_nodes) return false;
+  if (node == 0) return Tier1Kind::nodeless;
+  if (node > c_.max_nodes) return Tier1Kind::foreign;
   NodeSlot* s = &c_.nodes[node - 1];
   const uint64_t st = c_.coh.read(&s->state);
-  if (node_state(st) != kNodeAlive || node_epoch(st) != tier1_epoch(word) || !c_.host_id) return true;
-  c_.coh.invalidate(s, sizeof *s);
-  return s->host_slot == uint64_t(c_.slot) + 1 && s->host_id == c_.host_id;
+  if (node_state(st) != kNodeAlive || (node_epoch(st) & 0xFFFFFF) != tier1_epoch(word))
+    return Tier1Kind::stale;
+  c_.coh.invalidate(s, sizeof *s);  // ALIVE in this epoch: its fields are published (format.h L-rules)
+  if (s->host_slot != uint64_t(row) + 1) return Tier1Kind::foreign;
+  if (row == c_.slot && c_.host_id && s->host_id != c_.host_id) return Tier1Kind::foreign;
+  return Tier1Kind::holder;
+}
+
+uint64_t Bakery::read_tier1(uint32_t k, uint32_t j) const {
+  LockLine* l = line(k, j);
+  c_.coh.invalidate(l, sizeof *l);
+  return std::atomic_ref<uint64_t>(l->tier1).load(std::memory_order_acquire);
+}
+
+bool Bakery::take_over_own_word(uint32_t k, uint64_t seen) {
+  check_fence();
+  std::lock_guard<std::timed_mutex> g(local_[k]);
+  if (seen == 0 || seen == mine_.load(std::memory_order_relaxed) || !tier1_cas(k, seen, mine_.load()))
+    return false;
+  take_over_and_release(k);
+  return true;
+}
+
+bool Bakery::clear_orphaned_word(uint32_t k, uint32_t j, uint64_t seen_word, const LockLine& seen) {
+  if (j == c_.slot) return take_over_own_word(k, seen_word);
+  check_fence();
+  if (read_tier1(k, j) != seen_word || !same_line(read_ticket(k, j), seen)) return false;  // it moved
+  LockLine* l = line(k, j);
+  check_fence();
+  l->choosing = 0, l->number = 0, l->node = 0, l->node_word = 0;
+  std::atomic_ref<uint64_t>(l->tier1).store(0, std::memory_order_release);
+  bump(l);
+  write_back(l);
+  return true;
 }
 
 uint32_t Bakery::heal_own_row() {
@@ -152,14 +213,24 @@ uint32_t Bakery::heal_own_row() {
   uint32_t n = 0;
   const uint64_t mine = mine_.load(std::memory_order_relaxed);
   for (uint32_t k = 0; k < kLockStripes; ++k) {
-    std::unique_lock<std::mutex> g(local_[k], std::try_to_lock);
+    std::unique_lock<std::timed_mutex> g(local_[k], std::try_to_lock);
     if (!g.owns_lock()) continue;  // a thread of ours uses the stripe
     const uint64_t v = std::atomic_ref<uint64_t>(tier1(k)).load(std::memory_order_acquire);
     if (v != 0) {
       // A word whose process is gone, or that names no host-mate of this row (a stray write):
-      // take it over, as a waiter would (its ticket is reset with it).
-      if (v != mine && (participant_gone(v) || !tier1_holder_plausible(v)) && tier1_cas(k, v, mine)) {
+      // take it over, as a waiter would (its ticket is reset with it). A stale word (its node not
+      // ALIVE in its epoch: reclaimed, or a forged epoch) once it stood still for a lease: a real
+      // holder of that incarnation has fenced itself by then (its beats fail).
+      const Tier1Kind kind = v == mine ? Tier1Kind::holder : classify_tier1(v, c_.slot);
+      bool take = kind == Tier1Kind::foreign || (v != mine && participant_gone(v));
+      if (kind == Tier1Kind::stale) {
+        const uint64_t t = liveness::mono_ns();
+        if (stale_seen_[k].word != v) stale_seen_[k] = StaleWord{v, t};
+        take = take || t - stale_seen_[k].since > c_.lease_ns;
+      }
+      if (take && tier1_cas(k, v, mine)) {
         ++n;
+        stale_seen_[k] = StaleWord{};
         take_over_and_release(k);
       }
       continue;
@@ -217,7 +288,7 @@ LockLine Bakery::read_ticket(uint32_t k, uint32_t j) const {
 
 bool Bakery::reset_own_row(uint32_t k) {
   check_fence();
-  std::lock_guard<std::mutex> g(local_[k]);
+  std::lock_guard<std::timed_mutex> g(local_[k]);
   if (!tier1_cas(k, 0, mine_.load(std::memory_order_relaxed))) return false;
   release_row(k);  // writes number = choosing = 0 back with the free word (unless fenced)
   return true;
@@ -240,7 +311,7 @@ void Bakery::adopt_participant() {
   for (uint32_t k = 0; k < kLockStripes; ++k) {
     uint64_t v = std::atomic_ref<uint64_t>(tier1(k)).load(std::memory_order_acquire);
     if (v == 0 || tier1_participant1(v) != c_.participant1) continue;
-    std::lock_guard<std::mutex> g(local_[k]);
+    std::lock_guard<std::timed_mutex> g(local_[k]);
     if (tier1_cas(k, v, mine_.load(std::memory_order_relaxed))) take_over_and_release(k);
   }
 }
@@ -263,7 +334,7 @@ void Bakery::release_dead(uint32_t node, uint32_t epoch) {
     uint64_t v = std::atomic_ref<uint64_t>(tier1(k)).load(std::memory_order_acquire);
     if (v == 0 || tier1_node(v) != node || tier1_epoch(v) != (epoch & 0xFFFFFF)) continue;
     if (tier1_participant1(v) != 0 && !participant_gone(v)) continue;  // alive (reaped by force)
-    std::lock_guard<std::mutex> g(local_[k]);
+    std::lock_guard<std::timed_mutex> g(local_[k]);
     if (tier1_cas(k, v, mine_.load(std::memory_order_relaxed))) take_over_and_release(k);
   }
 }
@@ -274,7 +345,7 @@ uint32_t Bakery::sweep() {
   for (uint32_t k = 0; k < kLockStripes; ++k) {
     uint64_t v = std::atomic_ref<uint64_t>(tier1(k)).load(std::memory_order_acquire);
     if (v == 0 || v == mine || !participant_gone(v)) continue;
-    std::lock_guard<std::mutex> g(local_[k]);
+    std::lock_guard<std::timed_mutex> g(local_[k]);
     if (!tier1_cas(k, v, mine)) continue;
     ++n;
     take_over_and_release(k);
@@ -293,8 +364,12 @@ void Bakery::take_over(uint32_t k) {
     c_.coh.flush(c_.base + off, kCacheLine);
 }
 
-void Bakery::acquire_tier1(uint32_t k, const void* addr) {
+bool Bakery::acquire_tier1(uint32_t k, const void* addr, uint64_t deadline) {
   const uint64_t mine = mine_.load(std::memory_order_relaxed);
+  if (tier1_cas(k, 0, mine)) {  // uncontended: no clock read
+    line(k, c_.slot)->holder_line = uint64_t(static_cast<const char*>(addr) - c_.base);
+    return false;
+  }
   uint64_t seen = 0, seen_state = 0, seen_beat = 0, since = 0, spins = 0;
   uint64_t last_judge = 0, last_tick = liveness::mono_ns();
   uint64_t wait_start = last_tick, waits_seen = 0, word_seen = 0;
@@ -314,16 +389,20 @@ void Bakery::acquire_tier1(uint32_t k, const void* addr) {
       last_judge = t;
       // Untrusted: a word naming a node that is not one of our host-mates on this row (a stray
       // write from anywhere in the pod) is nobody's; the CAS below is among our host's processes.
-      bool gone = participant_gone(v) || !tier1_holder_plausible(v);
+      const Tier1Kind kind = classify_tier1(v, c_.slot);
+      bool gone = kind == Tier1Kind::foreign || participant_gone(v);
       if (!gone) {
         // Silence: the word, and its holder's pulse, unchanged for a lease on our clock: for a
         // node, its (state, beat); for a node-less holder (attach, observer on a full table),
         // the row's `waits`, which it advances while it waits in tier 2 (the pulse peers use).
+        // A stale word (its node not ALIVE in the word's epoch) has no pulse: the beats of the
+        // slot's current incarnation are not its holder's, and a real holder of the named
+        // incarnation fences itself within half a lease of its reclaim. The word alone counts.
         uint32_t node = tier1_node(v);
         uint64_t st = 0, bt = 0;
-        if (node != 0 && node <= c_.max_nodes)
+        if (kind == Tier1Kind::holder)
           st = c_.coh.read(&c_.nodes[node - 1].state), bt = holder_beat(node);
-        else if (node == 0)
+        else if (kind == Tier1Kind::nodeless)
           bt = std::atomic_ref<uint64_t>(line(k, c_.slot)->waits).load(std::memory_order_relaxed);
         if (since == 0 || v != seen || st != seen_state || bt != seen_beat)
           seen = v, seen_state = st, seen_beat = bt, since = t;
@@ -345,13 +424,8 @@ void Bakery::acquire_tier1(uint32_t k, const void* addr) {
     if (const uint64_t w = std::atomic_ref<uint64_t>(line(k, c_.slot)->waits).load(std::memory_order_relaxed);
         w != waits_seen || v != word_seen)
       waits_seen = w, word_seen = v, wait_start = t;
-    if (t - wait_start > kWaitLeases * c_.lease_ns)
-      throw LockTimeoutError(c_.pool + ": cross-host lock stripe " + std::to_string(k) +
-                             ": the tier-1 word of row " + std::to_string(c_.slot) + " (participant " +
-                             std::to_string(tier1_participant1(v)) + ", node " +
-                             std::to_string(tier1_node(v)) + ") was held for " + std::to_string(kWaitLeases) +
-                             " leases by a process of this host that looks alive; the claim failed, nothing "
-                             "was changed");
+    if (t - wait_start > kWaitLeases * c_.lease_ns) throw_tier1_timeout(k, v, false);
+    if (t > deadline) throw_tier1_timeout(k, v, true);
     if (++spins % 64 == 0)
       spins > 4096 ? std::this_thread::sleep_for(std::chrono::microseconds(50)) : std::this_thread::yield();
     else
@@ -359,6 +433,7 @@ void Bakery::acquire_tier1(uint32_t k, const void* addr) {
   }
   // Host-local, like tier1: the line we are about to modify, for a taker-over (take_over).
   line(k, c_.slot)->holder_line = uint64_t(static_cast<const char*>(addr) - c_.base);
+  return true;
 }
 
 void Bakery::release_row(uint32_t k) {
@@ -390,13 +465,23 @@ void Bakery::lock(const void* addr) {
   // progress write), and since that base is per attachment, a node-less attachment holds one
   // stripe at a time (nodeless_mu_): a thread of it could not refresh the fence of another's line.
   // A node has a heartbeat instead; its fence runs from its last beat.
+  // Clock reads are a good part of an uncontended acquire (tens of ns each on a VM): one at the
+  // entry serves the fence, the node-less fence base and the deadline, and again the fence of the
+  // first ticket write when nothing waited in between (a few uncontended instructions: the
+  // assumption of arbiter.h's fence argument).
   std::unique_lock<std::recursive_mutex> nodeless;
-  if (node_ == 0) {
-    nodeless = std::unique_lock<std::recursive_mutex>(nodeless_mu_);
-    c_.last_beat->store(liveness::mono_ns(), std::memory_order_release);  // nothing written yet
-  }
-  check_fence();     // a fenced attachment touches no row
-  local_[k].lock();  // tier 1: threads of this attachment
+  if (node_ == 0) nodeless = std::unique_lock<std::recursive_mutex>(nodeless_mu_);
+  const uint64_t start = liveness::mono_ns();
+  if (nodeless.owns_lock()) c_.last_beat->store(start, std::memory_order_release);  // nothing written yet
+  check_fence_at(start);  // a fenced attachment touches no row
+  // The claim's absolute bound (kClaimLeases), from here: threads of ours queued on the stripe,
+  // host-mates in tier 1 and every row of tier 2 share it.
+  const uint64_t deadline = start + kClaimLeases * c_.lease_ns;
+  bool waited = !local_[k].try_lock();
+  if (waited && !local_[k].try_lock_for(std::chrono::nanoseconds(deadline - start)))
+    throw LockTimeoutError(c_.pool + ": cross-host lock stripe " + std::to_string(k) +
+                           ": threads of this process held it while this claim waited " +
+                           std::to_string(kClaimLeases) + " leases; the claim failed, nothing was changed");
   if (depth_[k]++ != 0) {
     --depth_[k];
     local_[k].unlock();
@@ -404,12 +489,13 @@ void Bakery::lock(const void* addr) {
   }
   bool row = false;
   try {
-    acquire_tier1(k, addr);  // tier 1: processes of this host
+    waited |= acquire_tier1(k, addr, deadline);  // tier 1: processes of this host
     row = true;
     LockLine* me = line(k, c_.slot);
+    const uint64_t now = waited ? liveness::mono_ns() : start;
     // Node-less: the fence runs from this first write (tier 1 may have waited for host-mates).
-    if (nodeless.owns_lock()) c_.last_beat->store(liveness::mono_ns(), std::memory_order_release);
-    check_fence();  // before each write of the row: a silent holder may have been taken over
+    if (nodeless.owns_lock()) c_.last_beat->store(now, std::memory_order_release);
+    check_fence_at(now);  // before each write of the row: a silent holder may have been taken over
     me->choosing = 1;
     me->node = node_;
     me->node_word = node_word_;
@@ -425,7 +511,10 @@ void Bakery::lock(const void* addr) {
       top = std::max(top, observe(k, j, pulse).number);
     }
     const uint64_t mine = std::min<uint64_t>(top, 1ull << 62) + 1;  // untrusted: bounded
-    check_fence();
+    if (c_.hosts > 1)
+      check_fence();  // other rows were read (a drop and a load each) since the last check
+    else
+      check_fence_at(now);
     me->number = mine;
     me->choosing = 0;
     bump(me);
@@ -434,7 +523,7 @@ void Bakery::lock(const void* addr) {
     // While we wait, our line's `waits` advances (written back every progress_ns): hosts behind
     // our ticket then know we wait rather than sit in the lock, and do not count it to their bound.
     const uint64_t progress_ns = std::max<uint64_t>(c_.lease_ns / 16, 1'000'000);
-    uint64_t last_progress = liveness::mono_ns(), last_sweep = last_progress;
+    uint64_t last_progress = c_.hosts > 1 ? liveness::mono_ns() : now, last_sweep = last_progress;
     for (uint32_t j = 0; j < c_.hosts; ++j) {
       if (j == c_.slot) continue;
       LockLine seen{};
@@ -490,7 +579,10 @@ void Bakery::lock(const void* addr) {
         // stalled while its heartbeat ran: fail this claim with the evidence instead of wedging
         // every process of the pod. Any change of the ticket or of its waits is progress.
         if (now.waits != waits_seen) waits_seen = now.waits, blocked_since = t;
-        if (t - blocked_since > kWaitLeases * c_.lease_ns) throw_wait_timeout(k, j, now);
+        if (t - blocked_since > kWaitLeases * c_.lease_ns) throw_wait_timeout(k, j, now, false);
+        // Absolute: whatever the line does (a forged ticket whose `waits` is bumped in bursts
+        // reads as progress), the claim ends by its deadline.
+        if (t > deadline) throw_wait_timeout(k, j, now, true);
         if (t - last_sweep > progress_ns) {
           sweep_observations(pulse);
           last_sweep = t;
@@ -501,6 +593,11 @@ void Bakery::lock(const void* addr) {
               mine_.load(std::memory_order_relaxed))
             throw fenced_error(where_);  // a host-mate took our row over: we looked silent
           const uint64_t published = liveness::mono_ns();
+          // The whole ticket, not only `waits`: a word someone else wrote into our line (a
+          // forged ticket that would borrow our pulse, or make us look smaller or larger to
+          // other hosts) lives at most until this write, so hosts behind us always see our
+          // ticket as we hold it, and a forged ticket cannot take our pulse for its own.
+          me->choosing = 0, me->number = mine, me->node = node_, me->node_word = node_word_;
           bump(me);
           write_back(me);
           // Without a node this is our pulse: peers restart their silence clock once they see

@@ -72,9 +72,35 @@ class Bakery final : public Arbiter {
   // Tickets found void at once: the named node is not attached on that row with that word
   // (reclaimed, replaced, or a stray write naming a node of another row).
   uint64_t voided() const { return voided_.load(std::memory_order_relaxed); }
-  // Every wait for a stripe (tier 1 and each row of tier 2) ends within this many leases: past
-  // it the claim throws LockTimeoutError naming the stripe, the row and the ticket.
+  // A wait for one word (a tier-1 word, or one row's ticket in tier 2) that shows no progress
+  // (the word and its `waits` unchanged) for this many leases fails the claim: LockTimeoutError
+  // naming the stripe, the row and the word.
   static constexpr uint64_t kWaitLeases = 3;
+  // Absolute bound of one claim, whatever the lock lines do meanwhile (a forged ticket whose
+  // `waits` is bumped in bursts looks like progress forever): from lock()'s entry, the local
+  // mutex, tier 1 and tier 2 together end within this many leases, or the claim fails with
+  // LockTimeoutError naming the stripe, the row and the word it waited for last. An honest claim
+  // waits at most about one lease (dead tickets, all watched at once) plus critical sections of
+  // microseconds, so six leases leave a wide margin for a loaded machine.
+  static constexpr uint64_t kClaimLeases = 6;
+  // What a tier-1 word of row `row` can be, judged from the node table (never from the lock
+  // line): `holder` names a node ALIVE in the word's epoch attached on that row (of this host,
+  // for our own row); `nodeless` names no node (an attach in progress, an observer without a
+  // slot); `stale` names a node not ALIVE in the word's epoch (reclaimed, replaced, or a forged
+  // epoch): void once it stood still for a lease, by when any real holder of that incarnation
+  // has fenced itself; `foreign` cannot be any process of that row's host (malformed, node out
+  // of range, or a live node of another row or host): void at once.
+  enum class Tier1Kind { free, holder, nodeless, stale, foreign };
+  Tier1Kind classify_tier1(uint64_t word, uint32_t row) const;
+  static const char* tier1_kind_name(Tier1Kind k);
+  // `pool check`: the tier-1 word of (stripe, row) as memory holds it now.
+  uint64_t read_tier1(uint32_t stripe, uint32_t row) const;
+  // `pool check --repair` of our own row: takes over stripe k's tier-1 word if it is still
+  // `seen` (a CAS among this host's processes), writing back what it guarded, then releases it.
+  bool take_over_own_word(uint32_t stripe, uint64_t seen);
+  // `pool check --repair` of a row with no live node: clears its tier-1 word and ticket if the
+  // line still holds `seen_word` and `seen` (the one write of a row by another host).
+  bool clear_orphaned_word(uint32_t stripe, uint32_t row, uint64_t seen_word, const format::LockLine& seen);
   // True when ticket t of row `row` can be its host's: it names a node that is ALIVE with the
   // ticket's word and attached on that row (NodeSlot::host_slot). Reads the node slot.
   bool ticket_owner_attached(const format::LockLine& t, uint32_t row) const;
@@ -121,14 +147,17 @@ class Bakery final : public Arbiter {
   uint64_t& tier1(uint32_t stripe) const { return line(stripe, c_.slot)->tier1; }
   bool tier1_cas(uint32_t stripe, uint64_t expected, uint64_t desired) const;
   // Tier 1 of stripe k for the line at addr (caller holds local_[k]); takes over a dead holder.
-  void acquire_tier1(uint32_t k, const void* addr);
-  void take_over(uint32_t k);  // after a CAS from a dead holder's word: its line, then ours
+  // Returns true when it had to wait (the word was not free at once).
+  bool acquire_tier1(uint32_t k, const void* addr, uint64_t deadline);
+  void check_fence_at(uint64_t now);  // check_fence on a time read a few instructions ago
+  void take_over(uint32_t k);         // after a CAS from a dead holder's word: its line, then ours
   // Gives the row of stripe k back: resets our ticket unless fenced, then frees the tier-1 word.
   void release_row(uint32_t k);
   void take_over_and_release(uint32_t k);  // take_over, then release_row (also on a throw)
   bool participant_gone(uint64_t word) const;
-  bool tier1_holder_plausible(uint64_t word) const;
-  [[noreturn]] void throw_wait_timeout(uint32_t stripe, uint32_t row, const format::LockLine& t) const;
+  [[noreturn]] void throw_wait_timeout(uint32_t stripe, uint32_t row, const format::LockLine& t,
+                                       bool absolute) const;
+  [[noreturn]] void throw_tier1_timeout(uint32_t stripe, uint64_t word, bool absolute) const;
 
   Config c_;
   std::string where_;  // "pool PATH: node N" (FencedError's prefix)
@@ -136,7 +165,13 @@ class Bakery final : public Arbiter {
   uint64_t node_word_ = 0;
   uint64_t nonce_ = 0;             // told apart attachments that share (participant, node) = (0, 0)
   std::atomic<uint64_t> mine_{0};  // our tier-1 word
-  std::array<std::mutex, format::kLockStripes> local_;  // tier 1, threads of this attachment
+  std::array<std::timed_mutex, format::kLockStripes> local_;  // tier 1, threads of this attachment
+  // heal_own_row's look at each stripe's tier-1 word when it was `stale` (under local_[k]): the
+  // word and since when it stood still; taken over once it stood still for a lease.
+  struct StaleWord {
+    uint64_t word = 0, since = 0;
+  };
+  std::array<StaleWord, format::kLockStripes> stale_seen_{};
   std::array<uint32_t, format::kLockStripes> depth_{};  // re-entry guard (a bug, not a feature)
   // A node-less attachment (attach in progress, observer on a full node table) holds at most one
   // stripe at a time: its fence base (last_beat) is refreshed by its own line's writes, which

@@ -46,7 +46,10 @@ constexpr uint16_t kFormatMajor = 2;  // 2: NamespaceEntry of 512 bytes (source,
 // 4: multihost observers hold a node slot flagged kNodeObserver (NodeSlot.flags), and rows are
 //    probed (host_slot.cpp); LockLine.waits (from pad): a waiting holder's progress. Nothing an older build
 //    misreads (it sees an observer as any node); single-file pools still record minor 2.
-constexpr uint16_t kFormatMinor = 4;
+// 5: bounded intents (issue 23): SharedWords.init.pad[kInitIntentCap] holds the creator's cap of
+//    block-less intents per node, NodeAreaFixed.intents (from pad0) the owner's count. Older
+//    builds ignore both (they enforce no cap); single-file pools still record minor 2.
+constexpr uint16_t kFormatMinor = 5;
 // kIncompatStriped: the pool is interleaved over StripeTable::device_count devices; a reader that
 // maps only the first device would see the other devices' stripes as missing bytes.
 constexpr uint64_t kIncompatStriped = 1;
@@ -137,6 +140,22 @@ struct alignas(kCacheLine) SharedLine {
   uint64_t word;
   uint64_t pad[7];
 };
+// init.pad[kInitIntentCap] (format 2.5): block-less intents (Pool::reserve without a block) one
+//   node may hold at once, written by the creator before the init word says READY and never
+//   again. Untrusted like every shared word: read through intent_cap_of_word (0 = a pool made
+//   before 2.5: the default share; clamped to [1, index_slots / 2]).
+constexpr uint32_t kInitIntentCap = 0;
+constexpr uint32_t kIntentPermilleDefault = 50;  // 5 % of the index per node
+constexpr uint32_t kIntentPermilleMax = 500;
+inline uint64_t intent_cap_of(uint64_t index_slots, uint32_t permille) {
+  const uint64_t cap = index_slots / 1000 * permille + index_slots % 1000 * permille / 1000;
+  return cap < 1 ? 1 : cap;
+}
+inline uint64_t intent_cap_of_word(uint64_t word, uint64_t index_slots) {
+  if (word == 0) return intent_cap_of(index_slots, kIntentPermilleDefault);
+  const uint64_t most = index_slots / 2 < 1 ? 1 : index_slots / 2;
+  return word > most ? most : word;
+}
 struct SharedWords {
   SharedLine init;
   SharedLine ns_lock;
@@ -163,7 +182,12 @@ struct SharedWords {
 //   waits (2.4): advanced by the holder every few ms while its ticket waits for smaller ones, so
 //     a host blocked behind this ticket can tell a holder that waits (progress: no bound) from
 //     one that sits on a ticket (a holder stalled inside the lock, or a stray write): only the
-//     latter counts toward Bakery::kWaitLeases.
+//     latter counts toward Bakery::kWaitLeases. Each such write rewrites the whole ticket
+//     (choosing, number, node, node_word), so a forged ticket in a waiting holder's line lives
+//     one progress write at most; and whatever `waits` does, a claim ends within
+//     Bakery::kClaimLeases (issue 23).
+//   Every word of a line is untrusted: a tier-1 word is judged from the node table
+//     (Bakery::classify_tier1), never from the line.
 // See docs/ARCHITECTURE.md §11 "Host slots".
 constexpr size_t kLockAreaOff = kSharedWordsOff + kMetaAlign;  // 8192
 constexpr uint32_t kLockStripes = 16;
@@ -299,8 +323,9 @@ enum Counter : uint32_t {
 };
 // clang-format on
 struct alignas(kCacheLine) NodeAreaFixed {
-  uint64_t pin_hw;  // pins at index >= pin_hw are all zero
-  uint64_t pad0[7];
+  uint64_t pin_hw;   // pins at index >= pin_hw are all zero
+  uint64_t intents;  // format 2.5: block-less intents the owner holds now (reset by a reclaimer)
+  uint64_t pad0[6];
   uint64_t counters[16];
 };
 static_assert(kCounterCount <= 16);

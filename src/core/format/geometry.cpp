@@ -29,6 +29,8 @@ void plan_geometry(PoolHeader& h, const CreateOptions& opt) {
   uint32_t pin_slots = opt.pin_slots;
   if (pin_slots == 0)
     pin_slots = uint32_t(std::clamp<uint64_t>(opt.size / 32 / opt.max_nodes / 8, 256, kDefaultPinSlots));
+  if (opt.intent_permille == 0 || opt.intent_permille > kIntentPermilleMax)
+    throw ArgumentError("intent_permille must be in 1.." + std::to_string(kIntentPermilleMax));
   if (opt.max_namespaces == 0 || opt.max_namespaces > kMaxNamespaces)
     throw ArgumentError("max_namespaces must be in 1.." + std::to_string(kMaxNamespaces));
   uint64_t size = opt.size;

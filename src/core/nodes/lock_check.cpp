@@ -39,6 +39,7 @@ std::string describe(uint32_t k, uint32_t j, const LockLine& t) {
 }  // namespace
 
 void Pool::check_lock_area(CheckReport& r) {
+  check_tier1_words(r);
   const uint32_t hosts = hdr_->lock_hosts;
   struct Seen {
     uint32_t k, j;
@@ -115,6 +116,109 @@ void Pool::check_lock_area(CheckReport& r) {
       r.fixed(what + (s.foreign ? " (foreign)" : " (stale)") + " reset (no host owns the row)");
     } else if (Bakery::same_line(bakery_->read_ticket(s.k, s.j), s.t)) {
       report_ticket(r, s.t, what, s.foreign, true);
+    }
+  }
+}
+
+// Tier-1 words (host-local: a host's processes CAS them; another host reads whatever memory holds)
+// judged as a waiter of that row would (Bakery::classify_tier1): `foreign` (no process of the
+// row's host wrote it) is an error, void for waiters at once; `stale` (its node is not ALIVE in
+// the word's epoch: a crashed holder's, or forged) is a warning, void once it stood still for a
+// lease; a live holder's word that did not move while we looked is a warning (a holder stalled
+// inside the lock?), never touched. --repair clears only what waiters already ignore: foreign
+// words, and stale ones unchanged for a lease; in our own row by a CAS among our host's
+// processes (a takeover), in a row with no live node by the one write of a row by another host
+// (the word and the line compared right before it); a row whose host lives clears them itself
+// (Bakery::heal_own_row, every beat).
+void Pool::check_tier1_words(CheckReport& r) {
+  using Kind = Bakery::Tier1Kind;
+  struct Word {
+    uint32_t k, j;
+    uint64_t w;
+    LockLine t;
+  };
+  std::vector<Word> found;
+  for (uint32_t k = 0; k < kLockStripes; ++k)
+    for (uint32_t j = 0; j < hdr_->lock_hosts; ++j)
+      if (uint64_t w = bakery_->read_tier1(k, j)) found.push_back({k, j, w, bakery_->read_ticket(k, j)});
+  if (found.empty()) return;
+  const uint64_t first_look = liveness::mono_ns();
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // a live holder's word moves at once
+  auto describe_word = [&](const Word& x, Kind kind) {
+    std::string s = "lock stripe " + std::to_string(x.k) + " row " + std::to_string(x.j) +
+                    ": tier-1 word (participant " + std::to_string(tier1_participant1(x.w)) + ", node " +
+                    std::to_string(tier1_node(x.w)) + ", epoch " + std::to_string(tier1_epoch(x.w)) +
+                    ") is " + Bakery::tier1_kind_name(kind);
+    const uint32_t node = tier1_node(x.w);
+    if (node != 0 && node <= hdr_->max_nodes) {
+      NodeSlot* n = node_slot(node - 1);
+      const uint64_t st = coh_.read(&n->state);
+      coh_.invalidate(n, sizeof *n);
+      s += " (node " + std::to_string(node) + " is " +
+           (node_state(st) == kNodeAlive ? "ALIVE in epoch " + std::to_string(node_epoch(st) & 0xFFFFFF) +
+                                               " on row " + std::to_string(int64_t(n->host_slot) - 1)
+                                         : std::string("not ALIVE")) +
+           ")";
+    }
+    return s;
+  };
+  const RowUse use = row_use();
+  std::vector<Word> later;  // --repair: stale words, cleared once they stood still for a lease
+  for (const Word& x : found) {
+    if (bakery_->read_tier1(x.k, x.j) != x.w) continue;  // moved: a live holder's
+    const Kind kind = bakery_->classify_tier1(x.w, x.j);
+    const std::string what = describe_word(x, kind);
+    const bool own = x.j == host_slot_, row_live = own || use.mate[x.j] || use.other[x.j] != 0;
+    if (kind == Kind::holder || kind == Kind::nodeless) {
+      ++r.lock_words_held;
+      r.warnings.push_back(what + ": it did not move while checked (a holder stalled inside the lock?)");
+      continue;
+    }
+    if (r.repair && kind == Kind::foreign && (own || !row_live)) {
+      bool reset = false;
+      try {
+        reset = bakery_->clear_orphaned_word(x.k, x.j, x.w, x.t);
+      } catch (const FencedError&) {
+      }
+      if (reset) {
+        ++r.lock_words_reset;
+        r.fixed(what + ": cleared");
+        continue;
+      }
+    }
+    if (r.repair && kind == Kind::stale && (own || !row_live)) {
+      later.push_back(x);
+      continue;
+    }
+    const std::string after = row_live ? "; its row's host clears it within a lease and a quarter"
+                                       : "; `cxlkv pool check --repair` clears it";
+    if (kind == Kind::foreign) {
+      ++r.lock_words_foreign;
+      r.error(what + ": a stray or hostile write (waiters take it over at once)" + after);
+    } else {
+      ++r.lock_words_stale;
+      r.warnings.push_back(what + ": waiters take it over after a lease of standstill" + after);
+    }
+  }
+  if (later.empty()) return;
+  const uint64_t lease_ns = uint64_t(hdr_->lease_ms) * 1'000'000, now = liveness::mono_ns();
+  if (now < first_look + lease_ns + 10'000'000)
+    std::this_thread::sleep_for(std::chrono::nanoseconds(first_look + lease_ns + 10'000'000 - now));
+  const RowUse use2 = row_use();
+  for (const Word& x : later) {
+    const Kind kind = bakery_->classify_tier1(x.w, x.j);
+    const std::string what = describe_word(x, kind);
+    bool reset = false;
+    if (kind == Kind::stale && (x.j == host_slot_ || (!use2.mate[x.j] && !use2.other[x.j]))) try {
+        reset = bakery_->clear_orphaned_word(x.k, x.j, x.w, x.t);
+      } catch (const FencedError&) {
+      }
+    if (reset) {
+      ++r.lock_words_reset;
+      r.fixed(what + ": cleared after a lease of standstill");
+    } else if (bakery_->read_tier1(x.k, x.j) == x.w) {
+      ++r.lock_words_stale;
+      r.warnings.push_back(what + ": still there after a lease; not cleared (its row has a live host now)");
     }
   }
 }

@@ -20,6 +20,7 @@ NodeInfo NodeTable::judge(uint32_t idx, uint64_t w, uint32_t self_id, uint64_t s
   n.beat = coh.read(&s->beat);
   n.beat_unix_ns = s->beat_unix_ns;
   if (n.state == kNodeAlive) n.host_slot1 = s->host_slot, n.observer = (s->flags & kNodeObserver) != 0;
+  if (n.state == kNodeAlive) n.intents = coh.read(&region_.node_fixed(idx)->intents);
   if (self_id == idx + 1 && w == self_word) {
     n.self = n.same_kernel = n.lock_held = true;
     n.verdict = NodeInfo::kAlive;

@@ -28,6 +28,7 @@ struct NodeInfo {
   uint64_t lease_ms = 0;
   uint64_t host_slot1 = 0;  // multihost: the node's row + 1 (0: none); as published, display only
   bool observer = false;    // an observer's node (format::kNodeObserver): check, stats, reap
+  uint64_t intents = 0;     // block-less intents it holds (NodeAreaFixed.intents, as published)
   enum Verdict { kFree, kAlive, kDead, kUndecided } verdict = kFree;
   std::string evidence;  // one line, e.g. "lock held (same kernel)"
 };

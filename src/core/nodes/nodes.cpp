@@ -64,6 +64,7 @@ void Pool::attach_node(bool observer) {
       // Counters are kept across attachments: they accumulate per slot (one writer at a time),
       // so `pool stats` still counts the work of processes that have exited.
       coh_.publish(&fx->pin_hw, 0);
+      coh_.publish(&fx->intents, 0);  // a previous owner's count: its intents went with its reclaim
       coh_.flush(node_area(i), sizeof(NodeAreaFixed) + hw * 8);
       coh_.invalidate(s, sizeof *s);
       coh_.check_fence();
@@ -242,6 +243,7 @@ void Pool::reclaim_node(uint32_t idx, uint64_t reclaiming_word) {
   coh_.invalidate(pins(idx), hw * 8);  // multihost: write back zeros over its lines, not our stale copy
   for (uint64_t p = 0; p < hw; ++p) coh_.publish(&pins(idx)[p], 0);
   coh_.publish(&fx->pin_hw, 0);
+  coh_.publish(&fx->intents, 0);  // its intents are WRITING entries: tombstoned by step 2
   // 2. Index entries it was writing or evicting: tombstoned, their block freed (index.cpp). The
   //    same scan releases what no reclaim of a node would visit: entries whose node slot is FREE
   //    (abandoned_by), and CONDEMNED entries that no pin holds any more (its pins were maybe the last).

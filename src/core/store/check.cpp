@@ -119,10 +119,16 @@ void Pool::check_index(CheckReport& r) {
     coh_.invalidate(e, sizeof *e);
     *chunk = e->chunk, *block = e->block;
   };
+  std::vector<uint64_t> intents_of(size_t(hdr_->max_nodes) + 1, 0);  // [node]: block-less WRITING entries
   for (uint64_t slot = 0; slot <= slot_mask_; ++slot) {
     uint64_t w = coh_.read(&entry(slot)->state);
     uint8_t st = entry_state(w);
     if (st == kEmpty || st == kTombstone) continue;
+    if (st == kWriting && entry_node(w) <= hdr_->max_nodes) {
+      uint64_t chunk, block;
+      ref_of(slot, &chunk, &block);
+      if (chunk == kNoChunk) ++intents_of[entry_node(w)], ++r.intents;
+    }
     if (st == kCondemned) {
       // Any attached node may free it once nothing pins it; an observer only with repair.
       if ((node_id_ || r.repair) && reclaim_condemned(slot) && r.repair)
@@ -165,6 +171,23 @@ void Pool::check_index(CheckReport& r) {
     if (((slot - home) & slot_mask_) >= kMaxProbe)
       findings.push_back({slot, w, at + " is outside its key's probe window"});
     if (!keys.emplace(e.ns_id, std::string(reinterpret_cast<char*>(e.key), 32)).second) ++r.duplicate_keys;
+  }
+
+  // Bounded intents: a node at its cap gets no more (its reserves report `capped`), and other
+  // nodes' puts are unaffected; one above it was not built with the cap (or counted wrong).
+  r.intent_cap = intent_cap();
+  for (uint32_t n = 1; n <= hdr_->max_nodes; ++n) {
+    if (intents_of[n] < r.intent_cap) continue;
+    ++r.nodes_at_intent_cap;
+    const std::string what = "node " + std::to_string(n) + " holds " + std::to_string(intents_of[n]) +
+                             " block-less intents (reserve without a block); the cap per node is " +
+                             std::to_string(r.intent_cap);
+    if (intents_of[n] > r.intent_cap)
+      r.error(what +
+              ": more than the cap (a build without it?); they go when the node closes or is reclaimed");
+    else
+      r.warnings.push_back(what +
+                           ": at its cap, its further intents are refused (other nodes' puts are not)");
   }
 
   // Re-read suspects once after a pause: only what did not move is a finding (or repaired). Before

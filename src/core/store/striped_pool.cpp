@@ -74,6 +74,7 @@ std::unique_ptr<Pool> Pool::create_striped(const std::string& spec, PoolHeader h
   h.checksum = header_checksum(h);
   std::memcpy(m.base(), &h, sizeof h);
   std::memcpy(m.base() + kStripeTableOff, &t, sizeof t);
+  sw->init.pad[kInitIntentCap] = intent_cap_of(h.index_slots, opt.intent_permille);  // flushed below
   c.flush(m.base(), h.arena_off);
   c.publish(&sw->init.word, kInitReady);  // commit word, written last
   if (!devdax) {

@@ -19,14 +19,30 @@ void Pool::reserve(const NsHandle& ns, const Key& key, uint16_t depth, Reservati
   r->key = key;
   r->depth = depth;
   r->with_block = with_block;
+  // Bounded intents: counted before the claim, so concurrent reserves of one node never pass the
+  // cap together; given back when the claim takes nothing.
+  if (!with_block && intents_held_.fetch_add(1, std::memory_order_acq_rel) >= intent_cap()) {
+    intents_held_.fetch_sub(1, std::memory_order_acq_rel);
+    r->state = Reservation::capped;
+    return;
+  }
   Claimed c;
-  switch (claim_entry(ns, key, depth, &c)) {
+  PutResult claimed = PutResult::failed;
+  try {
+    claimed = claim_entry(ns, key, depth, &c);
+  } catch (...) {
+    if (!with_block) intents_held_.fetch_sub(1, std::memory_order_acq_rel);
+    throw;
+  }
+  if (!with_block && claimed != PutResult::stored) intents_held_.fetch_sub(1, std::memory_order_acq_rel);
+  switch (claimed) {
     case PutResult::present: r->state = Reservation::present; return;
     case PutResult::in_flight: r->state = Reservation::in_flight; return;
     case PutResult::failed: r->state = Reservation::failed; return;
     case PutResult::stored: break;
   }
   if (!with_block) {  // an intent: claim_entry left the entry's chunk kNoChunk, and so it stays
+    publish_intents();
     r->state = Reservation::reserved;
     r->slot = c.slot, r->gen = c.gen, r->tag = c.tag;
     r->chunk = kNoChunk;
@@ -54,6 +70,13 @@ void Pool::reserve(const NsHandle& ns, const Key& key, uint16_t depth, Reservati
 void Pool::abort(const NsHandle& ns, Reservation* r) {
   if (r->state != Reservation::reserved) return;
   r->state = Reservation::aborted;
+  if (!r->with_block) {
+    intents_held_.fetch_sub(1, std::memory_order_acq_rel);
+    if (!closed() && mapping_intact()) try {
+        publish_intents();
+      } catch (const FencedError&) {  // fenced: a reclaimer resets the count with our entries
+      }
+  }
   if (closed() || !mapping_intact()) return;  // the pool is gone: its reclaim frees the block
   uint64_t writing = make_entry_word(kWriting, uint8_t(node_id_), r->gen, r->tag);
   IndexEntry* e = entry(r->slot);
@@ -63,6 +86,16 @@ void Pool::abort(const NsHandle& ns, Reservation* r) {
     if (block_state(dw) == kBlockUsed && block_slot(dw) == r->slot) free_block(r->chunk, r->block);
   }
   coh_.claim(&e->state, writing, make_entry_word(kTombstone, 0, r->gen, r->tag));
+}
+
+uint64_t Pool::intent_cap() const {
+  const auto* sw = reinterpret_cast<const SharedWords*>(region_.base() + kSharedWordsOff);
+  return intent_cap_of_word(coh_.read(&sw->init.pad[kInitIntentCap]), hdr_->index_slots);
+}
+
+void Pool::publish_intents() {
+  if (node_id_ == 0) return;
+  coh_.publish(&node_fixed(node_id_ - 1)->intents, intents_held_.load(std::memory_order_relaxed));
 }
 
 bool Pool::commit(const NsHandle& ns, Reservation* r) {

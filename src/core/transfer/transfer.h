@@ -19,7 +19,8 @@ namespace cxlkv {
 // block (with_block false) it is an intent: the entry only, which other puts and reserves of the
 // key see in flight, which is never published (commit refuses) and which costs no pool block.
 struct Reservation {
-  enum State : uint8_t { reserved, present, in_flight, failed, committed, aborted };
+  // capped: an intent refused because this node holds Pool::intent_cap() of them already.
+  enum State : uint8_t { reserved, present, in_flight, failed, committed, aborted, capped };
   State state = failed;
   std::array<uint8_t, 32> key{};
   uint16_t depth = 0;
