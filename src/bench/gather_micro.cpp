@@ -214,7 +214,7 @@ int main(int argc, char** argv) {
 
   // Batched, and while hashing batch b, prefetch batch b + 1 (row i of it beside hashed row i):
   // the hash's arithmetic then overlaps the next batch's misses. hint: 3 = L1, 2 = L2, 1 = L3.
-  auto gather_overlap = [&](const char* base, size_t batch, int hint, size_t every) {
+  auto gather_overlap = [&](const char* base, size_t batch, int hint, size_t every, bool format2 = false) {
     uint64_t bad = 0;
     std::vector<uint64_t> want(batch);
     for (uint32_t l = 0; l < L; ++l) {
@@ -244,11 +244,13 @@ int main(int argc, char** argv) {
           const size_t nxt = i + batch;
           if (hint && nxt < k && (i - b0) % every == 0)
             for (size_t e = 0; e < every && nxt + e < k; ++e) pf(ix[nxt + e]);
-          bad += row_check_v1(dst0 + i * R, R, row_seed(42, 0, l, uint64_t(ix[i]))) != want[i - b0];
+          const uint64_t seed = row_seed(42, 0, l, uint64_t(ix[i]));
+          bad += (format2 ? row_check(dst0 + i * R, R, seed) : row_check_v1(dst0 + i * R, R, seed)) !=
+                 want[i - b0];
         }
       }
     }
-    (void)bad;  // format-1 checks: see row_check_v1
+    if (bad && format2) std::printf("!! %lu rows failed\n", (unsigned long)bad);
   };
 
   // Format 2, one pass per row: read the stored check, then copy and check the row from the same
@@ -333,6 +335,10 @@ int main(int argc, char** argv) {
   for (size_t b : {128})
     run(("shm: format 2, batched " + std::to_string(b) + ", then checked").c_str(),
         [&] { gather_batched(shm, b, true, 2, 0, ~size_t(0), true); });
+  for (int hint : {2, 3})
+    run(("shm: format 2, batched 32, next batch prefetched during checks, hint " + std::to_string(hint))
+            .c_str(),
+        [&] { gather_overlap(shm, 32, hint, 1, true); });
   for (size_t lag : {2, 8, 32})
     run(("shm: format 2, memcpy row i, check row i-" + std::to_string(lag)).c_str(),
         [&] { gather_lagged2(shm, lag); });

@@ -176,7 +176,7 @@ struct Kernels {
 #if defined(__x86_64__)
     const auto& f = cpu_features();
     if (f.avx512f && f.avx512bw) {
-      check = check_only_avx512, copy_check = copy_check_avx512, name = "avx512-fused";
+      check = check_only_avx512, copy_check = copy_check_avx512, name = "avx512";
     } else if (f.avx2) {
       check = check_avx2, copy_check = copy_check_avx2, name = "avx2";
     }
@@ -236,7 +236,7 @@ std::vector<RowCheckKernel> row_check_kernels() {
 #if defined(__x86_64__)
   const auto& f = cpu_features();
   if (f.avx2) out.push_back({"avx2", copy_check_avx2, check_avx2});
-  if (f.avx512f && f.avx512bw) out.push_back({"avx512-fused", copy_check_avx512, check_only_avx512});
+  if (f.avx512f && f.avx512bw) out.push_back({"avx512", copy_check_avx512, check_only_avx512});
 #endif
   return out;
 }

@@ -39,7 +39,7 @@ uint64_t copy_row_check(char* dst, const char* src, size_t n, uint64_t seed);
 // splitmix64's finalizer, the bijective mix of row_check and row_seed.
 uint64_t check_mix(uint64_t x);
 
-// "avx512-fused" / "avx2" / "scalar": the kernel copy_row_check uses on this CPU.
+// "avx512" / "avx2" / "scalar": the kernels row_check and copy_row_check use on this CPU.
 const char* row_check_kernel_name();
 
 // The portable definition (the reference the vector kernels are tested against).
