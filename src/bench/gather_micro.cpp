@@ -135,11 +135,11 @@ int main(int argc, char** argv) {
   // Copy a batch of rows (prefetched ahead), then hash the batch as delivered: the copy's misses
   // overlap each other instead of waiting behind the hash's arithmetic.
   auto gather_batched = [&](const char* base, size_t batch, bool fast, int pmode = 2, size_t lo = 0,
-                            size_t hi = ~size_t(0), bool format2 = false) {
+                            size_t hi = ~size_t(0), bool format2 = false, bool seeds_early = false) {
     hi = std::min(hi, k);
     constexpr size_t kAhead = 16;
     uint64_t bad = 0;
-    std::vector<uint64_t> want(batch);
+    std::vector<uint64_t> want(batch), seeds(batch);
     for (uint32_t l = 0; l < L; ++l) {
       const int64_t* ix = idx.data() + size_t(l) * k;
       char* dst0 = out.data() + size_t(l) * k * R;
@@ -161,9 +161,10 @@ int main(int argc, char** argv) {
           const uint32_t t = uint32_t(pos % T);
           std::memcpy(dst0 + i * R, blk + g.row_off(l, t), R);
           std::memcpy(&want[i - b0], blk + g.hash_off(l, t), 8);
+          if (seeds_early) seeds[i - b0] = row_seed(42, 0, l, pos);  // arithmetic beside the misses
         }
         for (size_t i = b0; i < b1; ++i) {
-          const uint64_t seed = row_seed(42, 0, l, uint64_t(ix[i]));
+          const uint64_t seed = seeds_early ? seeds[i - b0] : row_seed(42, 0, l, uint64_t(ix[i]));
           const uint64_t h = format2 ? row_check(dst0 + i * R, R, seed)
                              : fast  ? row_check_v1(dst0 + i * R, R, seed)
                                      : row_check_sse2(dst0 + i * R, R, seed);
@@ -332,6 +333,8 @@ int main(int argc, char** argv) {
   run("shm: format 2, one pass, check-line prefetch 8 ahead", [&] { gather_fused(shm, 8); });
   run("shm: format 2, batched 32, then checked (the loop now)",
       [&] { gather_batched(shm, 32, true, 2, 0, ~size_t(0), true); });
+  run("shm: format 2, batched 32, seeds computed during the copies",
+      [&] { gather_batched(shm, 32, true, 2, 0, ~size_t(0), true, true); });
   for (size_t b : {128})
     run(("shm: format 2, batched " + std::to_string(b) + ", then checked").c_str(),
         [&] { gather_batched(shm, b, true, 2, 0, ~size_t(0), true); });

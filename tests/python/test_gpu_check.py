@@ -30,6 +30,8 @@ def _missing_build_tools() -> list[str]:
         except ImportError:
             missing.append(mod)
     missing += [tool for tool in ("cmake", "git") if shutil.which(tool) is None]
+    if not (ROOT / ".git").exists():  # the checkout is copied as git names it
+        missing.append("a git checkout")
     return missing
 
 
