@@ -145,7 +145,11 @@ CXLKV_ROWS_AVX512 uint64_t check_avx512(char* dst, const char* src, size_t n, ui
     acc = stripe_avx512(acc, d, secret + 8 * s);
   }
   acc = scramble_avx512(acc, secret + kFoldKey);
-  return finish(uint64_t(_mm512_reduce_add_epi64(acc)), n, seed);
+  // the lanes' sum by vector adds (GCC's _mm512_reduce_add_epi64 ends with a signed scalar add,
+  // undefined on the overflow a hash sum has, and UBSan says so)
+  __m256i s4 = _mm256_add_epi64(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1));
+  __m128i s2 = _mm_add_epi64(_mm256_castsi256_si128(s4), _mm256_extracti128_si256(s4, 1));
+  return finish(uint64_t(_mm_cvtsi128_si64(s2)) + uint64_t(_mm_extract_epi64(s2, 1)), n, seed);
 }
 
 uint64_t copy_check_avx512(char* dst, const char* src, size_t n, uint64_t seed) {
