@@ -46,6 +46,7 @@ void bind_tokens(nb::module_& m, NsAccessFn access) {
         d["payload_bytes"] = g.payload_bytes(), d["hashes_off"] = g.hashes_off();
         d["header_off"] = g.header_off(), d["block_bytes"] = g.block_bytes();
         d["version"] = tokens::kTokenBlockVersion;
+        d["row_check_kernel"] = tokens::row_check_kernel_name();  // the gather's copy+check on this CPU
         return d;
       },
       "layers"_a, "tokens_per_block"_a, "row_bytes"_a,

@@ -77,7 +77,7 @@ TEST_F(TokenRows, SealResolveGatherExactThenCorruptionIsAMiss) {
   pool->release(pins);
 }
 
-// The gather copies rows in batches and hashes each batch after its copy (token_rows.cpp): a
+// The gather copies rows in batches and checks each batch after its copy (token_rows.cpp): a
 // gather over many batches is exact, and a corrupt row anywhere in a batch (not only its first)
 // is the miss reported, the first one in index order when there are several.
 TEST_F(TokenRows, BatchedGatherExactAndFirstCorruptRowIsTheMiss) {
@@ -101,7 +101,7 @@ TEST_F(TokenRows, BatchedGatherExactAndFirstCorruptRowIsTheMiss) {
   std::vector<uint64_t> offs;
   for (auto& b : r) offs.push_back(b.offset);
   tokens::SeqRows s{&g, seq, 0, n_tokens, offs.data(), offs.size()};
-  const size_t k = 517;  // four batches of 128 and a partial one
+  const size_t k = 517;  // sixteen batches of 32 and a partial one
   std::vector<int64_t> idx(2 * k);
   for (auto& i : idx) i = int64_t(rng() % n_tokens);
   idx[0] = 0, idx[k - 1] = int64_t(n_tokens - 1), idx[k] = idx[k + 1];  // ends and a duplicate
@@ -180,6 +180,50 @@ TEST_F(TokenRows, RowsChangingMidGatherAreAMissNeverWrongRows) {
   if (miss == 0) GTEST_LOG_(WARNING) << "the writer never changed a row under a gather";
   RecordProperty("ok", int(ok)), RecordProperty("miss", int(miss));
   pool->release(pins);
+}
+
+// The row check (row_check.h): every kernel this CPU has gives the scalar definition's value for
+// every length 1..1,200 at any alignment of source and destination, copies exactly the row's
+// bytes (nothing before or after dst), and every single-bit change, a swap of two stripes, another
+// seed or a zero tail grown by one byte changes the check.
+TEST(RowCheck, KernelsAgreeCopyExactlyAndEveryChangeIsSeen) {
+  std::mt19937_64 rng(std::random_device{}());
+  std::vector<char> src(1300), dst(1400);
+  for (auto& b : src) b = char(rng());
+  const auto kernels = tokens::row_check_kernels();
+  ASSERT_GE(kernels.size(), 1u);
+  for (size_t n = 1; n <= 1200; ++n) {
+    const size_t so = rng() % 64, dofs = 1 + rng() % 64;
+    const uint64_t seed = rng();
+    const uint64_t want = tokens::row_check_scalar(src.data() + so, n, seed);
+    ASSERT_EQ(tokens::row_check(src.data() + so, n, seed), want) << n;
+    for (const auto& k : kernels) {
+      std::fill(dst.begin(), dst.end(), char(0x5A));
+      ASSERT_EQ(k.check(src.data() + so, n, seed), want) << k.name << " " << n;
+      ASSERT_EQ(k.copy_check(dst.data() + dofs, src.data() + so, n, seed), want) << k.name << " " << n;
+      ASSERT_EQ(std::memcmp(dst.data() + dofs, src.data() + so, n), 0) << k.name << " " << n;
+      ASSERT_EQ(dst[dofs - 1], char(0x5A)) << k.name << " " << n;
+      ASSERT_EQ(dst[dofs + n], char(0x5A)) << k.name << " " << n;
+    }
+  }
+  for (size_t n : {656u, 1152u, 64u, 1u, 1100u}) {
+    std::vector<char> row(src.begin(), src.begin() + long(n));
+    const uint64_t seed = rng(), base = tokens::row_check(row.data(), n, seed);
+    EXPECT_NE(tokens::row_check(row.data(), n, seed ^ 1), base);
+    for (size_t bit = 0; bit < n * 8; ++bit) {
+      row[bit / 8] ^= char(1 << (bit % 8));
+      ASSERT_NE(tokens::row_check(row.data(), n, seed), base) << n << " bit " << bit;
+      row[bit / 8] ^= char(1 << (bit % 8));
+    }
+    if (n >= 128) {
+      std::vector<char> swapped(row);
+      std::swap_ranges(swapped.begin(), swapped.begin() + 64, swapped.begin() + 64);
+      EXPECT_NE(tokens::row_check(swapped.data(), n, seed), base);
+    }
+    std::vector<char> longer(row);
+    longer.push_back(0);  // the zero padding of the tail stripe must not make lengths equal
+    EXPECT_NE(tokens::row_check(longer.data(), n + 1, seed), base);
+  }
 }
 
 TEST_F(TokenRows, GeometryRefusesNonsense) {

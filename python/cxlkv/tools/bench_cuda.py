@@ -2,7 +2,13 @@
 one run: one cudaMemcpy of the same bytes (contiguous, registered pool <-> device) and one
 cudaMemcpyAsync per fragment (what a connector without the kernel does: layers x 2 per block).
 
-    python -m cxlkv.tools.bench_cuda [--pool PATH] [--blocks 256] [--json]
+    python -m cxlkv.tools.bench_cuda [--pool PATH | --pool-dir DIR] [--blocks 256] [--json] [--out FILE]
+    python -m cxlkv.tools.bench_cuda --register-gib 8 [--pool-dir DIR] [--json] [--out FILE]
+
+``--register-gib N``: instead, how long ``cudaHostRegister`` of an N GiB pool file takes
+(cuda_registration.py: ranges cut between chunks, every range's device pointer checked), cold
+(the registration faults the file's pages in) and warm, with the default 64 GiB ranges and with
+1 GiB and 256 MiB ones, and how long unregistering takes.
 
 Needs a GPU (scripts/gpu-check.sh runs it there). ``--device cpu`` runs the same logic on CPU
 tensors (under TRITON_INTERPRET=1: a correctness smoke test of the bench, its timings mean
@@ -30,7 +36,12 @@ def _geometry(small: bool) -> dict:
 
 
 def run(
-    device: str = "cuda", blocks: int = 256, small: bool = False, pool_path: str | None = None, iters: int = 5
+    device: str = "cuda",
+    blocks: int = 256,
+    small: bool = False,
+    pool_path: str | None = None,
+    iters: int = 5,
+    pool_dir: str = "/dev/shm",
 ) -> dict:
     import torch
 
@@ -46,7 +57,7 @@ def run(
         for _ in range(g["layers"])
     ]
     bb = sum(a[:, 0].numel() * a.element_size() for a in kv)
-    path = pool_path or f"/dev/shm/cxlkv-bench-cuda-{os.getpid()}"
+    path = pool_path or os.path.join(pool_dir, f"cxlkv-bench-cuda-{os.getpid()}")
     size = max(64 << 20, (blocks * bb * 3) // 2 + (64 << 20))
     pool = cxlkv.Pool.create(path, size, exist_ok=True)
     registration = None
@@ -112,6 +123,8 @@ def run(
             "block_bytes": bb,
             "bytes": total,
             "fragments_per_block": plan.fragments,
+            "iters": iters,
+            "pool_path": path,
         }
         for name, to_pool in (("gpu_to_pool", True), ("pool_to_gpu", False)):
             copy = paged.gather if to_pool else paged.scatter
@@ -149,6 +162,61 @@ def run(
             cxlkv.Pool.destroy(path, ignore_attached=True)
 
 
+def run_registration(gib: float, pool_dir: str = "/dev/shm") -> dict:
+    """cudaHostRegister of a pool file of ``gib`` GiB in ranges (see the module's docstring)."""
+    import torch
+
+    import cxlkv
+    from cxlkv.integrations.cuda_registration import MAX_RANGE_BYTES, register_pool
+
+    torch.zeros(1, device="cuda")  # the CUDA context exists before anything is timed
+    path = os.path.join(pool_dir, f"cxlkv-bench-register-{os.getpid()}")
+    pool = cxlkv.Pool.create(path, int(gib * 2**30))
+    try:
+        size = int(pool.transfer_view().shape[0])
+        runs = []
+        for label, max_range in (
+            ("cold", MAX_RANGE_BYTES),
+            ("warm", MAX_RANGE_BYTES),
+            ("warm", 1 << 30),
+            ("warm", 256 << 20),
+        ):
+            try:
+                ranges = len(pool.transfer_ranges(max_range))
+            except ValueError as e:  # the pool's head (index, tables) is larger than max_range
+                runs.append({"pages": label, "max_range_bytes": max_range, "skipped": str(e)})
+                continue
+            t0 = time.perf_counter()
+            reg = register_pool(pool, background=False, max_range_bytes=max_range)
+            reg_s = time.perf_counter() - t0
+            ok, reason = reg.registered, reg.reason
+            t0 = time.perf_counter()
+            reg.close()
+            unreg_s = time.perf_counter() - t0
+            runs.append(
+                {
+                    "pages": label,
+                    "max_range_bytes": max_range,
+                    "ranges": ranges,
+                    "registered": ok,
+                    "reason": reason,
+                    "register_s": round(reg_s, 4),
+                    "register_gbps": round(size / reg_s / 1e9, 2),
+                    "unregister_s": round(unreg_s, 4),
+                }
+            )
+        return {
+            "device": torch.cuda.get_device_name(0),
+            "pool_bytes": size,
+            "pool_path": path,
+            "runs": runs,
+            "all_registered": all(r.get("registered", True) for r in runs),
+        }
+    finally:
+        pool.close()
+        cxlkv.Pool.destroy(path, ignore_attached=True)
+
+
 class _UvaWords:
     def __init__(self, addr: int, dtype: Any, device: Any) -> None:
         self._addr, self.dtype, self.device = addr, dtype, device
@@ -180,8 +248,13 @@ def main(argv: list | None = None) -> int:
     ap.add_argument("--blocks", type=int, default=256)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--small", action="store_true", help="a toy geometry (the CPU smoke run)")
-    ap.add_argument("--pool", default=None)
+    ap.add_argument("--pool", default=None, help="an existing or new pool file (kept)")
+    ap.add_argument("--pool-dir", default="/dev/shm", help="where a temporary pool file goes")
+    ap.add_argument(
+        "--register-gib", type=float, default=0, help="time cudaHostRegister of a pool this large"
+    )
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out", default=None, help="also write the JSON result to this file")
     a = ap.parse_args(argv)
     if a.device == "cuda":
         import torch
@@ -189,9 +262,32 @@ def main(argv: list | None = None) -> int:
         if not torch.cuda.is_available():
             print("bench_cuda: skipped: no CUDA device in this process (torch.cuda.is_available() is False)")
             return 0
-    r = run(a.device, a.blocks, a.small, a.pool, a.iters)
+    if a.register_gib:
+        if a.device != "cuda":
+            ap.error("--register-gib needs --device cuda")
+        r = run_registration(a.register_gib, a.pool_dir)
+        ok = r["all_registered"]
+    else:
+        r = run(a.device, a.blocks, a.small, a.pool, a.iters, a.pool_dir)
+        ok = r["layout_matches_cpu_path"]
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(r, f, indent=1)
     if a.json:
         print(json.dumps(r))
+    elif a.register_gib:
+        print(f"{r['device']}: cudaHostRegister of a {r['pool_bytes'] / 2**30:.1f} GiB pool file")
+        for x in r["runs"]:
+            if "skipped" in x:
+                print(
+                    f"  {x['pages']:>4} pages, ranges of <= {x['max_range_bytes'] >> 20} MiB: skipped: {x['skipped']}"
+                )
+                continue
+            print(
+                f"  {x['pages']:>4} pages, {x['ranges']:>3} range(s) of <= {x['max_range_bytes'] >> 20} MiB: "
+                f"{x['register_s']} s ({x['register_gbps']} GB/s), unregister {x['unregister_s']} s"
+                + ("" if x["registered"] else f"  NOT REGISTERED: {x['reason']}")
+            )
     else:
         print(
             f"{r['device']}: {r['blocks']} blocks of {r['block_bytes']} B ({r['fragments_per_block']} fragments each)"
@@ -204,7 +300,7 @@ def main(argv: list | None = None) -> int:
                 f"(kernel/per-fragment {v['kernel_vs_per_fragment']}x)"
             )
         print(f"  pool bytes equal the CPU path's layout: {r['layout_matches_cpu_path']}")
-    return 0 if r["layout_matches_cpu_path"] else 1
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

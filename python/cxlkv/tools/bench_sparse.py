@@ -278,6 +278,9 @@ def bench_sparse(
         "tokens_per_block": TOKENS_PER_BLOCK,
         "topk": topk,
         "copy_threads": _core.copy_threads(),
+        # the token block format and the row check kernel the gathers ran (token_rows.h, row_check.h)
+        "token_format": _core.token_block_layout(1, 1, 1)["version"],
+        "row_check_kernel": _core.token_block_layout(1, 1, 1).get("row_check_kernel", "xxh3_vec"),
         "seed": seed,
         "load_average": os.getloadavg(),
         "machine": machine(),

@@ -29,22 +29,6 @@ uint64_t header_hash(const TokenBlockHeader& h) { return xxh3(&h, offsetof(Token
 
 }  // namespace
 
-// splitmix64's finalizer: a cheap bijective mix, so distinct (layer, position) give distinct seeds.
-uint64_t check_mix(uint64_t x) {
-  x ^= x >> 30;
-  x *= 0xbf58476d1ce4e5b9ull;
-  x ^= x >> 27;
-  x *= 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
-// XXH3-64 with seed 0 (xxh3_vec: the same value as libxxhash's, on the CPU's widest stripe loop),
-// then the row's seed mixed in: XXH3's own seeded variant derives a secret
-// per call for inputs over 240 bytes (every row format here), which would cost more than the row.
-// check_mix() is a bijection, so rows of equal bytes at different (sequence, layer, position) still get
-// different checks, and a row moved elsewhere never verifies.
-uint64_t row_check(const void* row, size_t n, uint64_t seed) { return check_mix(xxh3_vec(row, n) ^ seed); }
-
 TokenGeometry TokenGeometry::make(uint64_t layers, uint64_t tokens_per_block, uint64_t row_bytes) {
   constexpr uint64_t kMax32 = std::numeric_limits<uint32_t>::max();
   if (layers == 0 || tokens_per_block == 0 || row_bytes == 0 || layers > 4096 || tokens_per_block > 65536 ||
@@ -124,25 +108,24 @@ namespace {
 // Gathers and verifies output rows [lo, hi) of a gather_rows call: row r is rank r % k of layer
 // first_layer + r / k, its index indices[r] (per layer) or indices[r % k], its bytes at out + r * R.
 //
-// Why the loop has two phases per batch of rows (measured with src/bench/gather_micro.cpp; 4
-// layers x 2,048 random rows of a 128K-token sequence, 656 / 1,152-B rows, BENCHMARKS.md):
-// * the copies alone run at a packed memcpy's speed: rows are independent loads the CPU overlaps
-//   by itself (software prefetch of the rows gained nothing and with the hash in the loop it lost:
-//   11-18 lines per row x 16 rows ahead overflow the line-fill buffers);
-// * hashing each row right after its copy serialised the two: each row's misses waited behind the
-//   previous row's hash (0.3x of memcpy). Copying a batch, then hashing the batch as delivered
-//   (in L1/L2 by then) lets the misses of a batch overlap: 0.55-0.65x here; the rest is the hash
-//   itself (XXH3 on the AVX-512 stripe loop, xxh3_vec: ~25 GB/s on this VM, vs ~10 GB/s of DRAM).
-// The guarantee is unchanged: every delivered row is hashed in the caller's memory and compared
-// with the check stored beside it, before the call returns success.
+// Two phases per batch of rows: copy the batch (and read each row's stored check), then check the
+// batch as delivered. Why (src/bench/gather_micro.cpp keeps the variants; BENCHMARKS.md, "Token-row
+// gather", has the figures): the copies alone run at a packed memcpy's speed (rows are independent
+// loads the CPU overlaps by itself); checking each row right after its copy serialised the two
+// (each row's misses waited behind the previous row's arithmetic: 0.3x of memcpy), and so did,
+// intermittently, a kernel that copies and checks a row in one pass (copy_row_check). A batch of 32
+// rows (21-37 KiB of 656-1,152-B rows) is still in L1 when it is checked, so the check phase reads
+// no line from L2 and the copy phase's misses overlap each other. The format-2 check (row_check.h)
+// costs 23-31 ns per 656-B row in L1 on the VM of BENCHMARKS.md, format 1's XXH3 32-40 ns (best of
+// 50, loaded).
 GatherResult gather_range(const Pool& pool, const SeqRows& s, uint32_t first_layer, const int64_t* indices,
                           size_t k, bool indices_per_layer, char* out, size_t lo, size_t hi) {
   const TokenGeometry& g = *s.g;
   const uint64_t R = g.row_bytes;
   GatherResult r;
-  constexpr size_t kBatch = 128;  // 84-147 KiB of 656-1,152-B rows: stays in L2 until hashed
-  uint64_t want[kBatch];          // the stored checks, read beside each row's copy
-  bool present[kBatch];           // false: the block's offset lies outside the arena
+  constexpr size_t kBatch = 32;
+  uint64_t want[kBatch];  // the stored checks, read beside each row's copy
+  bool present[kBatch];   // false: the block's offset lies outside the arena
   auto index_of = [&](size_t row) { return uint64_t(indices_per_layer ? indices[row] : indices[row % k]); };
   for (size_t b0 = lo; b0 < hi; b0 += kBatch) {
     const size_t n = std::min(kBatch, hi - b0);
@@ -157,7 +140,7 @@ GatherResult gather_range(const Pool& pool, const SeqRows& s, uint32_t first_lay
       std::memcpy(out + row * R, blk + g.row_off(layer, t), R);
       std::memcpy(&want[i], blk + g.hash_off(layer, t), 8);
     }
-    // Hash the bytes as delivered (never re-read the pool): a concurrent writer can only make the
+    // Check the bytes as delivered (never re-read the pool): a concurrent writer can only make the
     // comparison fail, never make it pass for bytes other than those in out.
     for (size_t i = 0; i < n; ++i) {
       const size_t row = b0 + i;
@@ -173,8 +156,7 @@ GatherResult gather_range(const Pool& pool, const SeqRows& s, uint32_t first_lay
 }
 
 // A gather of at least this many bytes is split over the copy threads in contiguous row ranges.
-// On one core the hash is serialised after the copies (see gather_range); on two, each half's
-// hash runs beside the other half's copies. The hand-off to a parked worker costs a few
+// Each part's check phases run beside the other parts' copies; the hand-off to a parked worker costs a few
 // microseconds: ~1% of a 1 MiB gather (~100-200 us here).
 constexpr uint64_t kParallelGatherBytes = 1ull << 20;
 constexpr size_t kMinRowsPerPart = 256;

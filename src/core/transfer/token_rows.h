@@ -6,15 +6,16 @@
 // chunk are contiguous and a top-k gather of one layer touches only the rows it asks for:
 //
 //   [0, payload)             rows: row (layer l, token t) at (l * T + t) * row_bytes
-//   [hashes_off, +L*T*8)     one check per row: XXH3-64 of its bytes mixed with a seed of
-//                            (sequence, stream, layer, position) (row_check)
+//   [hashes_off, +L*T*8)     one check per row: a 64-bit hash of its bytes mixed with a seed of
+//                            (sequence, stream, layer, position) (row_check.h)
 //   [header_off, +64)        TokenBlockHeader (below)
 //
-// Integrity at row granularity: a gather hashes every row it delivered (in the caller's memory,
-// after the copy) and compares it with the row's stored hash. The seed binds a row to its
+// Integrity at row granularity: a gather checks every row it delivered (the bytes that reached
+// the caller's memory: the AVX-512 kernel copies and hashes each row in one pass, from the same
+// registers) and compares it with the row's stored check. The seed binds a row to its
 // sequence, stream, layer and absolute position, so bytes of another block, another sequence or a
 // reused block never verify: a sequence evicted, overwritten or corrupted under a reader is a
-// miss, never wrong rows (probability 2^-64 per row). Cost: one hash per row read, not per block.
+// miss, never wrong rows (probability ~2^-64 per row). Cost: one check per row read, not per block.
 //
 // The block's bytes are payload to the pool format (format.h is unchanged); their own format is
 // versioned here (kTokenBlockVersion) and part of the namespace identity through block_bytes and
@@ -24,11 +25,14 @@
 #include <cstdint>
 
 #include "pool.h"
+#include "row_check.h"
 
 namespace cxlkv::tokens {
 
 constexpr uint64_t kTokenBlockMagic = 0x4b4f54564b4c5843ull;  // "CXLKVTOK" little-endian
-constexpr uint32_t kTokenBlockVersion = 1;
+// 2: the row check of row_check.h (1: check_mix(XXH3-64 of the row ^ seed)). A block of another
+// version is foreign to resolve_blocks (a miss), and the version is part of every block's key.
+constexpr uint32_t kTokenBlockVersion = 2;
 
 // Invariants: written once by the block's writer before put(); header_hash = XXH3-64 of the 56
 // bytes before it; 1 <= valid_tokens <= tokens_per_block; rows at positions >= valid_tokens are
@@ -64,10 +68,7 @@ struct TokenGeometry {
 
 // The seed of row (layer, position) of a sequence's stream.
 uint64_t row_seed(uint64_t seq_hash, uint32_t stream, uint32_t layer, uint64_t position);
-// The stored check of a row: binds its bytes to its seed (token_rows.cpp says how).
-uint64_t row_check(const void* row, size_t n, uint64_t seed);
-// splitmix64's finalizer, the bijective mix of row_check and row_seed.
-uint64_t check_mix(uint64_t x);
+// The stored check of a row binds its bytes to its seed: row_check() (row_check.h says how).
 
 // Completes a block the caller filled with rows (positions >= valid zeroed here): row hashes and
 // header. `block` holds g.block_bytes() bytes.
