@@ -2,8 +2,8 @@
 
 vLLM builds them through ``CxlKVConnector.build_prom_metrics`` in the process that serves
 ``/metrics`` and feeds every step's ``CxlKVStats.data`` (summed over the workers) to
-:meth:`CxlKVPromMetrics.observe`. The stats keys are the connector's (vllm.py ``STAT_KEYS``);
-this module only maps them to series. Hits also reach vLLM's own
+:meth:`CxlKVPromMetrics.observe`. The stats keys (``STAT_KEYS``) and the per-interval
+stats object (``CxlKVStats``) are defined here too, beside the series they map to. Hits also reach vLLM's own
 ``vllm:external_prefix_cache_queries`` / ``_hits`` and ``vllm:prompt_tokens_cached_by_source``
 (the scheduler counts a connector's matched tokens as an external source by itself).
 
@@ -13,12 +13,37 @@ docs/METRICS.md lists every series.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 from cxlkv.integrations.coalesce import FALLBACK_CAUSES
+from cxlkv.integrations.coalesce import STAT_KEYS as COALESCE_STAT_KEYS
+
+# The connector's counters (both sides: the scheduler's travel to the worker with each step).
+STAT_KEYS = (
+    "load_blocks",
+    "load_failed_blocks",
+    "load_bytes",
+    "load_s",
+    "save_blocks",
+    "save_failed_blocks",
+    "save_bytes",
+    "save_s",
+    "saves_dropped_after_failed_load",
+    "saves_waited_at_preemption",
+    "pin_capped_requests",
+    "pin_capped_blocks",
+    "uncacheable_requests",
+    "pool_disabled",
+    "pool_fenced",
+    "lookup_tokens",
+    "hit_tokens",
+    "load_failed_unavailable_blocks",
+    *COALESCE_STAT_KEYS,
+)
 
 # name (without "vllm:" and "_total") -> (stats key, help). Plain counters, one per engine.
 COUNTERS = {
@@ -172,3 +197,32 @@ class CxlKVPromMetrics(KVConnectorPromMetrics):
         for key, per_engine in self._histograms.items():
             for seconds in data.get(key) or ():
                 per_engine[engine_idx].observe(float(seconds))
+
+
+@dataclasses.dataclass
+class CxlKVStats(KVConnectorStats):
+    """Per-interval counters of the connector, aggregated by vLLM's stats logger."""
+
+    def __post_init__(self):
+        for k in STAT_KEYS:
+            self.data.setdefault(k, 0)
+        for k in OP_TIME_KEYS:  # seconds of each copy, for the histograms
+            self.data.setdefault(k, [])
+
+    def reset(self):
+        for k in self.data:
+            self.data[k] = [] if isinstance(self.data[k], list) else 0
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for k, v in other.data.items():
+            self.data[k] = self.data.get(k, [] if isinstance(v, list) else 0) + v
+        return self
+
+    def reduce(self) -> dict:
+        d = {k: v for k, v in self.data.items() if not isinstance(v, list)}
+        d["load_gbps"] = round(d["load_bytes"] / d["load_s"] / 1e9, 3) if d["load_s"] else 0.0
+        d["save_gbps"] = round(d["save_bytes"] / d["save_s"] / 1e9, 3) if d["save_s"] else 0.0
+        return d
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
