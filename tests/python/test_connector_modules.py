@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import os
 import uuid
+from types import SimpleNamespace
 
 import pytest
 
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
 torch = pytest.importorskip("torch")
 from cxlkv.integrations import vllm as conn  # noqa: E402
+from cxlkv.integrations import vllm_groups as vg  # noqa: E402
 from cxlkv.integrations import vllm_metrics  # noqa: E402
 from cxlkv.integrations.vllm_common import ConnectorContext  # noqa: E402
 from cxlkv.integrations.vllm_scheduler import CxlKVScheduler  # noqa: E402
@@ -115,3 +117,55 @@ def test_stats_aggregate_and_reduce():
     assert isinstance(
         conn.CxlKVConnector.build_kv_connector_stats({"load_blocks": 3}), vllm_metrics.CxlKVStats
     )
+
+
+# -------------------------------------------------------------------------------------------------
+# KV cache groups (vllm_groups.py): what a hit needs from each, what a save keeps
+class SlidingWindowSpec(SimpleNamespace):
+    pass
+
+
+class ChunkedLocalAttentionSpec(SimpleNamespace):
+    pass
+
+
+class MambaSpec(SimpleNamespace):
+    pass
+
+
+def kv_config(*specs):
+    return SimpleNamespace(
+        kv_cache_groups=[
+            SimpleNamespace(kv_cache_spec=s, layer_names=[f"g{i}.l{j}" for j in range(2)])
+            for i, s in enumerate(specs)
+        ],
+        num_blocks=NUM_BLOCKS,
+    )
+
+
+def test_groups_reach_follows_vllms_hybrid_prefix_cache():
+    full = SimpleNamespace(page_size_bytes=64, block_size=128)
+    swa = SlidingWindowSpec(page_size_bytes=64, block_size=128, sliding_window=256)
+    chunked = ChunkedLocalAttentionSpec(page_size_bytes=64, block_size=128, attention_chunk_size=512)
+    groups = vg.group_layouts(kv_config(swa, full, chunked), 128)
+    assert [g.reach for g in groups] == [vg.SLIDING, vg.FULL, vg.CHUNKED]
+    assert vg.primary_group(groups) == 1
+    s, f, c = groups
+    # a hit at boundary 10 needs the 255 tokens before it: blocks 8 and 9 (cdiv(255, 128) = 2)
+    assert s.first_needed(10) == 8 and s.first_needed(1) == 0 and f.first_needed(10) == 0
+    # chunks of 4 blocks: a hit at 10 needs the chunk it is in, blocks [8, 10)
+    assert c.first_needed(10) == 8 and c.first_needed(8) == 8 and c.first_needed(7) == 4
+    assert f.block_bytes == 128 and "window=256" in s.describe(3) and s.describe(3) != f.describe(3)
+    # saves: every block of a full group; of the window group, those some anchor needs
+    kept = [j for j in range(40) if s.anchors_needing(j, 16, prompt_anchor=37)]
+    assert kept == [14, 15, 30, 31, 35, 36]
+    assert all(f.anchors_needing(j, 16, 37) for j in range(40))
+
+
+def test_state_groups_are_refused_in_one_line_naming_the_group():
+    full = SimpleNamespace(page_size_bytes=64, block_size=128)
+    with pytest.raises(vg.UnsupportedKVCacheGroup, match=r"KV cache group 1 of 2 \(MambaSpec") as e:
+        vg.group_layouts(kv_config(full, MambaSpec(page_size_bytes=64, block_size=128)), 128)
+    assert "\n" not in str(e.value)
+    with pytest.raises(vg.UnsupportedKVCacheGroup, match="block size 64"):
+        vg.group_layouts(kv_config(SimpleNamespace(page_size_bytes=64, block_size=64)), 128)

@@ -71,6 +71,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
@@ -101,9 +103,14 @@ __all__ = [
 ]
 
 
-class CxlKVConnector(KVConnectorBase_V1):
+class CxlKVConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM's entry point: each method goes to the side that runs it (vLLM builds one instance in
-    the scheduler process, role SCHEDULER, and one in each worker, role WORKER)."""
+    the scheduler process, role SCHEDULER, and one in each worker, role WORKER).
+
+    ``SupportsHMA``: vLLM keeps its hybrid KV cache manager on with this connector; each KV
+    cache group (full attention, sliding window, chunked local attention, MLA) is stored in its
+    own namespace (vllm_groups.py); SSM / linear-attention state groups are refused at start-up
+    (``vllm_groups.UnsupportedKVCacheGroup``)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -176,6 +183,10 @@ class CxlKVConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]):
         return self.scheduler.request_finished(request)
 
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]):
+        """vLLM's hybrid manager: once per request, for every group (SupportsHMA)."""
+        return self.scheduler.request_finished(request)
+
     def take_events(self) -> Iterable:
         if self.connector_scheduler is None:
             return ()
@@ -203,6 +214,11 @@ class CxlKVConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self.worker.get_finished(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        results = super().get_transfer_results(finished_req_ids)
+        results.failed_recving = self.worker.take_failed_recving()
+        return results
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors()

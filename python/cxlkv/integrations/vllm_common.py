@@ -14,6 +14,7 @@ from vllm.logger import init_logger
 
 import cxlkv
 from cxlkv.integrations import identity as ident
+from cxlkv.integrations import vllm_groups as vg
 from cxlkv.integrations import vllm_identity as vid
 from cxlkv.integrations.placement import placement_device
 from cxlkv.integrations.pool_session import PoolSession
@@ -71,13 +72,15 @@ class ConnectorContext:
         # A striped pool: a comma-separated string or a JSON list of device paths.
         self.pool_path = ",".join(map(str, pool_path)) if isinstance(pool_path, list) else str(pool_path)
         self.awaits_workers = not is_worker and vid.hashes_loaded_weights(extra)
-        self.identity = vid.describe(vllm_config, kv_cache_config, is_worker, extra)
-        self.block_bytes = self.identity.block_bytes
-        self.ns_name = (
-            ident.short_name(str(extra["namespace"]))
-            if extra.get("namespace")
-            else self.identity.namespace_name()
-        )
+        # One identity and namespace per KV cache group (vllm_groups.py); "identity" and "ns_name"
+        # are the primary group's (the one that names requests' blocks in events and coalescing).
+        self.groups = vg.group_layouts(kv_cache_config, self.block_size)
+        self.primary = vg.primary_group(self.groups)
+        self.checkpoint_blocks = int(extra.get("window_checkpoint_blocks", vg.DEFAULT_CHECKPOINT_BLOCKS))
+        if self.checkpoint_blocks < 1:
+            raise ValueError(f"cxlkv: window_checkpoint_blocks must be >= 1, not {self.checkpoint_blocks}")
+        self.identities = vid.describe(vllm_config, kv_cache_config, is_worker, extra)
+        self.ns_names = self._names(self.identities)
         self.logged: set[str] = set()
 
         def open_pool(create: bool) -> cxlkv.Pool:
@@ -109,11 +112,52 @@ class ConnectorContext:
             fail_fast=extra.get("on_pool_error", "degrade") == "fail",
         )
 
+    def _names(self, identities: list) -> list[str]:
+        override = self.extra.get("namespace")
+        if not override:
+            return [i.namespace_name() for i in identities]
+        if len(identities) == 1:
+            return [ident.short_name(str(override))]
+        return [ident.short_name(f"{override}/group{g}") for g in range(len(identities))]
+
+    # The primary group's identity and namespace (the only ones of a model with one group).
+    @property
+    def identity(self) -> ident.KVIdentity:
+        return self.identities[self.primary]
+
+    @property
+    def ns_name(self) -> str:
+        return self.ns_names[self.primary]
+
+    @property
+    def block_bytes(self) -> int:
+        return self.identity.block_bytes
+
+    @property
+    def multi(self) -> bool:
+        return len(self.groups) > 1
+
+    def adopt_weights(self, weights: str, weights_source: str) -> None:
+        """The workers' weights field (vLLM's handshake) for every group's identity."""
+        self.identities = [
+            dataclasses.replace(i, weights=weights, weights_source=weights_source) for i in self.identities
+        ]
+        self.ns_names = self._names(self.identities)
+
     def open_namespace(self, pool: cxlkv.Pool) -> Any:
+        """The namespace, or a hybrid model's namespaces (GroupNamespaces, one per group)."""
         device = placement_device(
             self.extra.get("pool_device"), self.identity.tp_rank, len(pool.info()["devices"])
         )
-        return pool.namespace(vid.pool_layout(self.identity), name=self.ns_name, device=device)
+        spaces = [
+            pool.namespace(vid.pool_layout(i), name=n, device=device)
+            for i, n in zip(self.identities, self.ns_names, strict=True)
+        ]
+        return GroupNamespaces(spaces) if self.multi else spaces[0]
+
+    def group_session(self, group: int) -> Any:
+        """The pool session as one group sees it (its calls run on the group's namespace)."""
+        return GroupSession(self.session, group) if self.multi else self.session
 
     def once(self, cause: str, msg: str, *args: Any) -> None:
         """A warning logged once per cause and process."""
@@ -131,3 +175,23 @@ class ConnectorContext:
             self.identity.source(),
             self.block_bytes,
         )
+
+
+class GroupNamespaces(tuple):
+    """A hybrid model's namespaces in one pool session, indexed by KV cache group: a fence reopens
+    them all at once (pool_session.py)."""
+
+
+class GroupSession:
+    """The pool session seen by one KV cache group: ``call`` runs on that group's namespace; the
+    rest (usable, retire, guard, pool, close...) is the session's."""
+
+    def __init__(self, session: PoolSession, group: int) -> None:
+        self._session = session
+        self.group = group
+
+    def call(self, what: str, fn: Callable[..., Any], *, retry: bool = True) -> Any:
+        return self._session.call(what, lambda spaces: fn(spaces[self.group]), retry=retry)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._session, name)

@@ -19,6 +19,7 @@ from vllm.logger import init_logger
 import cxlkv
 from cxlkv.integrations import identity as ident
 from cxlkv.integrations import loaded_weights as lw
+from cxlkv.integrations import vllm_groups as vg
 
 # Under the "vllm" logger, so that vLLM's logging configuration (level, format) applies.
 logger = init_logger("vllm.cxlkv")
@@ -178,6 +179,11 @@ class AwaitingWorkers:
             self._ns = self._open()
         return getattr(self._ns, name)
 
+    def __getitem__(self, group: int) -> Any:  # a hybrid model's namespaces (one per group)
+        if self._ns is None:
+            self._ns = self._open()
+        return self._ns[group]
+
 
 def pool_layout(identity: ident.KVIdentity) -> cxlkv.KVLayout:
     return cxlkv.KVLayout(
@@ -195,16 +201,11 @@ def pool_layout(identity: ident.KVIdentity) -> cxlkv.KVLayout:
     )
 
 
-def describe(vllm_config: Any, kv_cache_config: Any, is_worker: bool, extra: dict) -> ident.KVIdentity:
-    """The identity of this engine's KV cache (one group: uniform attention)."""
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ValueError(
-            f"cxlkv supports models with one KV cache group (uniform attention); this model has {len(groups)}"
-        )
-    spec = groups[0].kv_cache_spec
-    layers = len(groups[0].layer_names)
-    kind = "mla" if "MLA" in type(spec).__name__ else "dense"
+def describe(vllm_config: Any, kv_cache_config: Any, is_worker: bool, extra: dict) -> list[ident.KVIdentity]:
+    """The identity of each KV cache group of this engine (vllm_groups.py), in vLLM's order. One
+    group (uniform attention, or vLLM's hybrid manager off) keeps the identity it always had; in
+    a hybrid model each group's attention reach, window and layers are in its device layout."""
+    groups = vg.group_layouts(kv_cache_config, vllm_config.cache_config.block_size)
     tp_size = vllm_config.parallel_config.tensor_parallel_size
     tp_rank = 0
     if is_worker and tp_size > 1:
@@ -214,6 +215,15 @@ def describe(vllm_config: Any, kv_cache_config: Any, is_worker: bool, extra: dic
     # The worker holds the loaded weights (vLLM builds it after load_model); the scheduler
     # never sees them and adopts rank 0's identity in set_xfer_handshake_metadata.
     loaded = loaded_digest(vllm_config.model_config) if is_worker and hashes_loaded_weights(extra) else None
-    return derive_identity(
-        vllm_config, spec, layers, spec.page_size_bytes * layers, kind, tp_rank, tp_size, extra, loaded
-    )
+    out = []
+    for g in groups:
+        kind = "mla" if "MLA" in type(g.spec).__name__ else "dense"
+        identity = derive_identity(
+            vllm_config, g.spec, len(g.layer_names), g.block_bytes, kind, tp_rank, tp_size, extra, loaded
+        )
+        if len(groups) > 1:
+            identity = dataclasses.replace(
+                identity, device_layout=f"{identity.device_layout}|{g.describe(len(groups))}"
+            )
+        out.append(identity)
+    return out

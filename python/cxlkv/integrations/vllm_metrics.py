@@ -95,6 +95,14 @@ POOL_EVENTS = {"disabled": "pool_disabled", "fenced": "pool_fenced"}
 # Waits for another engine's blocks that gave up, by cause (coalesce.py).
 COALESCE_FALLBACKS = {cause: f"coalesce_fallback_{cause}" for cause in FALLBACK_CAUSES}
 
+# A hybrid model's blocks per KV cache group (vllm_groups.py), by outcome: stats keys
+# "<prefix><group index>", made by the connector as groups are seen.
+GROUP_OUTCOMES = {
+    "stored": "save_blocks_group",
+    "skipped": "skip_blocks_group",
+    "loaded": "load_blocks_group",
+}
+
 # Histograms of one copy (a batch of blocks of one request): stats key of the per-op list.
 HISTOGRAMS = {
     "cxlkv_load_seconds": ("load_op_s", "Seconds one load (a request's batch of blocks) took."),
@@ -159,6 +167,14 @@ class CxlKVPromMetrics(KVConnectorPromMetrics):
             "cause",
             tuple(COALESCE_FALLBACKS),
         )
+        self._groups: Any = self._counter_cls(
+            name="vllm:cxlkv_group_blocks",
+            documentation=(
+                "A hybrid model's KV blocks per KV cache group, by outcome: stored; skipped (a "
+                "sliding-window block no later hit can use: never stored); loaded."
+            ),
+            labelnames=[*self._labelnames, "group", "outcome"],
+        )
         self._histograms: dict[str, dict[int, Any]] = {
             key: create_metric_per_engine(
                 histogram(
@@ -194,6 +210,11 @@ class CxlKVPromMetrics(KVConnectorPromMetrics):
         for cause, key in COALESCE_FALLBACKS.items():
             if data.get(key):
                 self._coalesce_fallbacks[engine_idx][cause].inc(data[key])
+        for outcome, prefix in GROUP_OUTCOMES.items():
+            for key, n in data.items():
+                if key.startswith(prefix) and key[len(prefix) :].isdigit() and n:
+                    labels = self.per_engine_labelvalues[engine_idx]
+                    self._groups.labels(*labels, key[len(prefix) :], outcome).inc(n)
         for key, per_engine in self._histograms.items():
             for seconds in data.get(key) or ():
                 per_engine[engine_idx].observe(float(seconds))

@@ -23,6 +23,10 @@ from cxlkv.integrations.transfer import BlockOp
 from cxlkv.integrations.vllm_common import ConnectorContext, CxlKVConnectorMetadata, logger
 from cxlkv.integrations.vllm_identity import CxlKVHandshake
 
+# vLLM's null block (block_pool.py): what a group's block table holds where it freed or never
+# allocated a block (out of a sliding window).
+NULL_BLOCK = 0
+
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -33,13 +37,20 @@ if TYPE_CHECKING:
 @dataclasses.dataclass
 class _ReqState:
     request: Any
-    keys: ChainedKeys | None  # None: the request is not cached (see _keys_for)
-    block_ids: list = dataclasses.field(default_factory=list)
-    saved_blocks: int = 0  # blocks [0, saved_blocks) are in the pool or planned/held
-    load: BlockOp | None = None  # matched, not yet sent to the worker
-    inflight: BlockOp | None = None  # sent with step `lease_step`, outcome unknown
+    keys: ChainedKeys | None  # the primary group's; None: the request is not cached (see _keys_for)
+    # Per KV cache group (vllm_groups.py): its keys (group_keys[primary] is keys) and vLLM's block
+    # ids for the request (null blocks where a bounded group freed them).
+    group_keys: list = dataclasses.field(default_factory=list)
+    group_blocks: list = dataclasses.field(default_factory=list)
+    # Blocks [0, saved_blocks) are in the pool, planned/held, or (bounded groups) skipped: no
+    # later hit needs them.
+    saved_blocks: int = 0
+    load: list | None = None  # BlockOps per group, matched, not yet sent to the worker
+    inflight: list | None = None  # sent with step `lease_step`, outcome unknown
     held: list = dataclasses.field(default_factory=list)  # saves waiting for `inflight`'s outcome
-    lease: Any = None
+    lease: list = dataclasses.field(default_factory=list)  # one per group with pinned blocks
+    load_from: int = 0  # the blocks vLLM had locally when `load` was matched
+    async_floor: int = 0  # a hybrid model's asynchronous load brought blocks [0, async_floor)
     lease_step: int | None = None  # step whose metadata carries the load of this lease
     saving: bool = False  # a save of it went to the workers: its blocks are freed once they say so
 
@@ -62,11 +73,19 @@ class CxlKVScheduler:
         self._step = 0
         self._completed_steps = 0
         self._disabled_reported = False
+        self._async_loads: list[BlockOp] = []  # a hybrid model's loads, sent with the next step
+        # Each group's view of the session (its namespace); the primary group's names requests'
+        # blocks in events and coalescing.
+        self._groups = [self.ctx.group_session(g.index) for g in self.ctx.groups]
+        self._primary = self._groups[self.ctx.primary]
         cfg = CoalesceConfig.from_extra(self.ctx.extra)
         if cfg.enabled and self.ctx.identity.tp_size > 1:
             logger.info("cxlkv: coalescing of new prefixes is off with tensor parallelism (coalesce.py)")
             cfg = dataclasses.replace(cfg, enabled=False)
-        self._coalesce = CoalesceScheduler(cfg, self._session, self._count, logger)
+        if cfg.enabled and self.ctx.multi:
+            logger.info("cxlkv: coalescing of new prefixes is off with several KV cache groups (coalesce.py)")
+            cfg = dataclasses.replace(cfg, enabled=False)
+        self._coalesce = CoalesceScheduler(cfg, self._primary, self._count, logger)
         self.ctx.log_started("SCHEDULER")
 
     def _count(self, key: str, n: int = 1) -> None:
@@ -100,7 +119,7 @@ class CxlKVScheduler:
                 ),
             )
             return
-        self.ctx.identity, self.ctx.ns_name = adopted, meta.namespace
+        self.ctx.adopt_weights(meta.weights, meta.weights_source)
         # The session's pool now (it may be a new node after a fence); a fence here reopens it.
         ns = self._session.call("namespace", lambda _awaiting: self.ctx.open_namespace(self._session.pool))
         if ns is not None:
@@ -133,7 +152,8 @@ class CxlKVScheduler:
                 self._adapters[key] = None
         return self._adapters[key]
 
-    def _keys_for(self, request: Request) -> ChainedKeys | None:
+    def _keys_for(self, request: Request, group: int | None = None) -> ChainedKeys | None:
+        """The request's chained block keys in a group's namespace (default: the primary's)."""
         lora_id = None
         if getattr(request, "lora_request", None) is not None:
             lora_id = self._adapter_id(request.lora_request)
@@ -148,7 +168,11 @@ class CxlKVScheduler:
             for f in (getattr(request, "mm_features", None) or [])
         ]
         return ChainedKeys(
-            root_key(self.ctx.ns_name, lora_id, getattr(request, "cache_salt", None)),
+            root_key(
+                self.ctx.ns_names[self.ctx.primary if group is None else group],
+                lora_id,
+                getattr(request, "cache_salt", None),
+            ),
             self._block_size,
             mm,
             extra=extra,
@@ -173,7 +197,8 @@ class CxlKVScheduler:
     def _state(self, request: Request) -> _ReqState:
         st = self._reqs.get(request.request_id)
         if st is None:
-            st = _ReqState(request, self._keys_for(request))
+            keys = [self._keys_for(request, g) for g in range(len(self.ctx.groups))]
+            st = _ReqState(request, keys[self.ctx.primary], group_keys=keys)
             if st.keys is None:
                 self._count("uncacheable_requests")
             self._reqs[request.request_id] = st
@@ -198,7 +223,9 @@ class CxlKVScheduler:
         if max_blocks <= have:
             return 0, False
         keys = st.keys.extend(prompt, upto_blocks=max_blocks)
-        lease = self._session.call("acquire", lambda ns: ns.acquire(keys[:max_blocks]))
+        if self.ctx.multi:
+            return self._match_groups(st, request, prompt, have, max_blocks)
+        lease = self._primary.call("acquire", lambda ns: ns.acquire(keys[:max_blocks]))
         if lease is None:
             return 0, False
         hit = len(lease)
@@ -214,8 +241,8 @@ class CxlKVScheduler:
         if hit <= have:
             self._session.retire(lease)
             return 0, False
-        st.lease = lease
-        st.load = BlockOp(request.request_id, keys[have:hit], [], start_depth=have)
+        st.lease, st.load_from = [lease], have
+        st.load = [BlockOp(request.request_id, keys[have:hit], [], start_depth=have)]
         logger.debug(
             "cxlkv: %s: %d of %d prompt blocks in the pool (%d computed locally)",
             request.request_id,
@@ -225,9 +252,82 @@ class CxlKVScheduler:
         )
         return (hit - have) * self._block_size, False
 
+    def _match_groups(self, st: _ReqState, request: Request, prompt: list, have: int, max_blocks: int):
+        """A hybrid model's hit: the deepest block boundary every group can serve (vllm_groups.py),
+        each group's needed blocks pinned; vLLM's local hit covers [0, have) in every group."""
+        keys = [k.extend(prompt, upto_blocks=max_blocks) for k in st.group_keys]
+        self._count("lookup_tokens", (max_blocks - have) * self._block_size)
+        hit = max_blocks
+        for _ in range(4):  # pins that lost a race with eviction: look again, a few times
+            hit = self._common_hit(keys, have, hit)
+            if hit <= have:
+                return 0, False
+            leases: list = []
+            short: int | None = None
+            for g in self.ctx.groups:
+                lo = max(g.first_needed(hit), have)
+                lease = self._groups[g.index].call(
+                    "acquire", lambda ns, k=keys[g.index][lo:hit]: ns.acquire(k)
+                )
+                if lease is None:  # the pool became unusable
+                    for x in leases:
+                        self._session.retire(x)
+                    return 0, False
+                leases.append(lease)
+                if len(lease) < hit - lo:
+                    short = lo + len(lease)
+                    break
+            if short is None:
+                break
+            for x in leases:
+                self._session.retire(x)
+            hit = short
+        else:
+            return 0, False
+        st.lease, st.load_from = leases, have
+        st.load = []
+        for g in self.ctx.groups:
+            lo = max(g.first_needed(hit), have)
+            st.load.append(
+                BlockOp(request.request_id, keys[g.index][lo:hit], [], start_depth=lo, group=g.index)
+            )
+        self._count("hit_tokens", (hit - have) * self._block_size)
+        logger.debug(
+            "cxlkv: %s: %d of %d prompt blocks served by every group (%d computed locally)",
+            request.request_id,
+            hit,
+            max_blocks,
+            have,
+        )
+        # An asynchronous load: vLLM takes a failed load of a model with several groups only as a
+        # failed request (failed_recving, then recomputed from scratch), never as failed blocks.
+        return (hit - have) * self._block_size, True
+
+    def _common_hit(self, keys: list, have: int, hit: int) -> int:
+        """The deepest boundary <= hit where every group has the blocks it needs (those below
+        ``have`` are local), by lookups without pins."""
+        while hit > have:
+            before = hit
+            for g in self.ctx.groups:
+                while hit > have:
+                    lo = max(g.first_needed(hit), have)
+                    n = self._groups[g.index].call(
+                        "match_prefix", lambda ns, k=keys[g.index][lo:hit]: ns.match_prefix(k)
+                    )
+                    if n is None:
+                        return 0
+                    if n >= hit - lo:
+                        break
+                    # the first missing block lo + n is in the reach of every boundary in
+                    # (lo + n, hit]: the next candidate is lo + n
+                    hit = lo + n
+            if hit == before:
+                return hit
+        return hit
+
     def _check_pin_cap(self, req_id: str, rest: list, hit: int) -> None:
         """A hit that stopped while the next block is in the pool was capped by pin slots."""
-        more = self._session.call("match_prefix", lambda ns: ns.match_prefix(rest)) or 0
+        more = self._primary.call("match_prefix", lambda ns: ns.match_prefix(rest)) or 0
         if more > 0:
             self._count("pin_capped_requests")
             self._count("pin_capped_blocks", more)
@@ -243,8 +343,8 @@ class CxlKVScheduler:
             )
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
-        ids = blocks.get_block_ids()[0]
-        if self._coalesce.allocated(request.request_id, ids, num_external_tokens, self._block_size):
+        ids = blocks.get_block_ids()
+        if self._coalesce.allocated(request.request_id, ids[0], num_external_tokens, self._block_size):
             return
         st = self._reqs.get(request.request_id)
         if st is None or st.load is None:
@@ -253,19 +353,29 @@ class CxlKVScheduler:
             st.load = None
             self._release(st)
             return
-        first = st.load.start_depth
-        n = num_external_tokens // self._block_size
-        st.load.keys = st.load.keys[:n]
-        st.load.block_ids = list(ids[first : first + n])
-        if len(st.load.block_ids) != n:
-            logger.warning(
-                "cxlkv: %s: %d blocks allocated for %d external blocks; not loading",
-                request.request_id,
-                len(st.load.block_ids),
-                n,
-            )
-            st.load = None
-            self._release(st)
+        # vLLM may grant fewer tokens than offered: each group loads what that hit needs (a
+        # block it did not pin may be gone: the worker reports it, and vLLM recomputes)
+        hit = st.load_from + num_external_tokens // self._block_size
+        for op in st.load:
+            g = self.ctx.groups[op.group]
+            lo = max(g.first_needed(hit), st.load_from)
+            op.keys = list(st.group_keys[op.group].keys[lo:hit])
+            op.start_depth = lo
+            op.block_ids = list(ids[op.group][lo:hit])
+            if len(op.block_ids) != len(op.keys) or (self.ctx.multi and NULL_BLOCK in op.block_ids):
+                logger.warning(
+                    "cxlkv: %s: %d blocks allocated for %d external blocks of group %d; not loading",
+                    request.request_id,
+                    len(op.block_ids),
+                    len(op.keys),
+                    op.group,
+                )
+                st.load = None
+                self._release(st)
+                return
+        if self.ctx.multi:  # sent with the next step's metadata; the request waits for it
+            self._async_loads.extend(st.load)
+            st.inflight, st.load, st.async_floor = st.load, None, hit
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> CxlKVConnectorMetadata:
         self._step += 1
@@ -276,6 +386,7 @@ class CxlKVScheduler:
             self._disabled_reported = True
             self._count("pool_disabled")
         meta.waits = self._coalesce.take_waits()
+        meta.loads, self._async_loads = self._async_loads, []
         meta.idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
         for req_id in meta.preempted:
             self._coalesce.release(req_id, "preempted")
@@ -284,8 +395,9 @@ class CxlKVScheduler:
             st = self._reqs.get(new.req_id)
             if st is None:
                 continue
-            st.block_ids = list(new.block_ids[0])
-            st.saved_blocks = self._coalesce.loaded_floor(new.req_id)  # a wait's blocks are in the pool
+            st.group_blocks = [list(b) for b in new.block_ids]
+            # blocks in the pool: a coalesced wait's, an asynchronous load's
+            st.saved_blocks = max(self._coalesce.loaded_floor(new.req_id), st.async_floor)
             # (Re)scheduled from scratch (a preempted request may come back as new): the KV of
             # held saves lived in blocks it no longer owns.
             self._drop_held(st, "rescheduled as new")
@@ -298,10 +410,11 @@ class CxlKVScheduler:
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
                 # Preempted and resumed: the KV of held saves is gone; recompute re-saves them.
-                st.block_ids = list(new_ids[0]) if new_ids else []
+                st.group_blocks = [list(b) for b in new_ids] if new_ids else [[] for _ in self.ctx.groups]
                 self._drop_held(st, "preempted")
             elif new_ids:
-                st.block_ids.extend(new_ids[0])
+                for have_ids, more in zip(st.group_blocks, new_ids, strict=False):
+                    have_ids.extend(more)
             self._plan(st, req_id, cached.num_computed_tokens[i] + sched.get(req_id, 0), meta)
         if not self._async_saves:  # this step's saves are published when it completes
             for req_id, st in self._reqs.items():  # held saves are not sent yet
@@ -313,10 +426,11 @@ class CxlKVScheduler:
     def _plan(self, st: _ReqState, req_id: str, computed_after_step: int, meta) -> None:
         # A load planned for this step is sent even when the pool has failed since: the worker
         # then reports its blocks as load errors, and vLLM recomputes them.
-        if st.load is not None and st.load.block_ids:
-            meta.loads.append(st.load)
-            st.saved_blocks = max(st.saved_blocks, st.load.start_depth + len(st.load.keys))
-            st.inflight, st.lease_step = st.load, self._step
+        if st.load is not None and any(op.block_ids for op in st.load):
+            ops = [op for op in st.load if op.block_ids]
+            meta.loads.extend(ops)
+            st.saved_blocks = max(st.saved_blocks, max(op.start_depth + len(op.keys) for op in ops))
+            st.inflight, st.lease_step = ops, self._step
             st.load = None
         if not self._can_save or st.keys is None or not self._session.usable():
             return
@@ -325,23 +439,59 @@ class CxlKVScheduler:
             st.held, st.saving = [], True
         tokens = st.request.all_token_ids
         full = min(computed_after_step, len(tokens)) // self._block_size
-        full = min(full, len(st.block_ids))
+        full = min(full, *(len(ids) for ids in st.group_blocks)) if st.group_blocks else 0
         if full <= st.saved_blocks:
             return
-        keys = st.keys.extend(tokens, upto_blocks=full)
         first = st.saved_blocks
-        op = BlockOp(req_id, keys[first:full], st.block_ids[first:full], first)
         st.saved_blocks = full
+        ops = []
+        if not self.ctx.multi:
+            keys = st.keys.extend(tokens, upto_blocks=full)
+            ops.append(BlockOp(req_id, keys[first:full], st.group_blocks[0][first:full], first))
+        else:
+            ops = self._plan_groups(st, req_id, tokens, first, full)
         # KV computed while a load is unconfirmed may sit on top of blocks that never arrived.
         if st.inflight is not None:
-            st.held.append(op)
-        else:
-            meta.saves.append(op)
+            st.held.extend(ops)
+        elif ops:
+            meta.saves.extend(ops)
             st.saving = True
+
+    def _plan_groups(self, st: _ReqState, req_id: str, tokens: list, first: int, full: int) -> list:
+        """A hybrid model's saves of blocks [first, full): every block of a full-attention group;
+        of a bounded group (sliding window, chunked local) the blocks some anchor's hit needs
+        (vllm_groups.py), the others counted as skipped."""
+        prompt_anchor = (int(st.request.num_prompt_tokens) - 1) // self._block_size
+        ops = []
+        for g in self.ctx.groups:
+            keys = st.group_keys[g.index].extend(tokens, upto_blocks=full)
+            ids = st.group_blocks[g.index]
+            run: list[int] = []
+            for j in [*range(first, full), None]:
+                keep = (
+                    j is not None
+                    and ids[j] != NULL_BLOCK  # freed out of the window already
+                    and g.anchors_needing(j, self.ctx.checkpoint_blocks, prompt_anchor)
+                )
+                if keep:
+                    if run and run[-1] != j - 1:
+                        ops.append(self._op(req_id, g.index, keys, ids, run))
+                        run = []
+                    run.append(j)
+                elif j is not None:
+                    self._count(f"skip_blocks_group{g.index}")
+            if run:
+                ops.append(self._op(req_id, g.index, keys, ids, run))
+        return ops
+
+    @staticmethod
+    def _op(req_id: str, group: int, keys: list, ids: list, run: list) -> BlockOp:
+        lo, hi = run[0], run[-1] + 1
+        return BlockOp(req_id, keys[lo:hi], ids[lo:hi], lo, group=group)
 
     def _drop_held(self, st: _ReqState, why: str) -> None:
         if st.held:
-            st.saved_blocks = min(st.saved_blocks, st.held[0].start_depth)
+            st.saved_blocks = min(st.saved_blocks, min(h.start_depth for h in st.held))
             logger.debug("cxlkv: %s: %d held saves dropped (%s)", st.held[0].req_id, len(st.held), why)
             st.held = []
 
@@ -356,16 +506,33 @@ class CxlKVScheduler:
             getattr(connector_output, "finished_recving", None) or (),
             getattr(connector_output, "finished_sending", None) or (),
         )
+        self._async_loads_done(connector_output)
         for st in self._reqs.values():
-            op = st.inflight
-            if op is not None:
-                bad = [i for i, b in enumerate(op.block_ids) if b in invalid]
+            if st.inflight is not None and st.lease_step is not None:
+                bad = [(op, i) for op in st.inflight for i, b in enumerate(op.block_ids) if b in invalid]
                 if bad:
-                    self._load_failed(st, op, bad[0])
+                    op, i = min(bad, key=lambda x: x[0].start_depth + x[1])
+                    self._load_failed(st, op, i)
                 elif st.lease_step is not None and st.lease_step <= self._completed_steps:
                     st.inflight = None  # confirmed: held saves go out with the next step
-            if st.lease is not None and st.lease_step is not None and st.lease_step <= self._completed_steps:
+            if st.lease and st.lease_step is not None and st.lease_step <= self._completed_steps:
                 self._release(st)
+
+    def _async_loads_done(self, connector_output) -> None:
+        """A hybrid model's loads (asynchronous): vLLM reports each request in finished_recving,
+        and a failed one in failed_recving too (it recomputes the request from scratch)."""
+        done = set(getattr(connector_output, "finished_recving", None) or ())
+        failed = set(getattr(connector_output, "failed_recving", None) or ())
+        for req_id in done:
+            st = self._reqs.get(req_id)
+            if st is None or st.inflight is None or st.lease_step is not None:
+                continue
+            st.inflight = None
+            self._release(st)
+            if req_id in failed:
+                self._count("saves_dropped_after_failed_load", sum(len(h.keys) for h in st.held))
+                st.held, st.saved_blocks, st.async_floor = [], 0, 0
+                logger.info("cxlkv: %s: load failed; vLLM recomputes the request", req_id)
 
     def _load_failed(self, st: _ReqState, op: BlockOp, first_bad: int) -> None:
         """vLLM recomputes from the first failed block: nothing computed on top of it is saved,
@@ -378,7 +545,7 @@ class CxlKVScheduler:
         self._release(st)
         # The block that failed (corrupt, or gone) must not be found again by anyone; the core
         # drops a checksum failure itself, this covers a pin that kept it (no-op when absent).
-        self._session.call("delete", lambda ns: ns.delete(op.keys[first_bad]))
+        self._groups[op.group].call("delete", lambda ns: ns.delete(op.keys[first_bad]))
         logger.info(
             "cxlkv: %s: load failed at block %d; vLLM recomputes from there and the "
             "connector saves those blocks again",
@@ -388,6 +555,8 @@ class CxlKVScheduler:
 
     def request_finished(self, request: Request) -> tuple[bool, None]:
         st = self._reqs.pop(request.request_id, None)
+        # a load not sent yet would write blocks vLLM frees now
+        self._async_loads = [op for op in self._async_loads if op.req_id != request.request_id]
         self._coalesce.finished(request.request_id, st is not None and st.saving and self._async_saves)
         if st is None:
             return False, None
@@ -400,10 +569,10 @@ class CxlKVScheduler:
         return st.saving and self._async_saves, None
 
     def _release(self, st: _ReqState) -> None:
-        if st.lease is not None:
-            self._session.retire(st.lease)
-            st.lease = None
-            st.lease_step = None
+        for lease in st.lease:
+            self._session.retire(lease)
+        st.lease = []
+        st.lease_step = None
 
     # ------------------------------------------------------------------------------------------
     # KV events (vllm_events.py): vLLM publishes what take_events returns (--kv-events-config)
@@ -421,7 +590,7 @@ class CxlKVScheduler:
             return ()
         if not self._session.usable():
             return tracker.pool_lost() if self._session.disabled else ()
-        return self._session.call("events", lambda ns: tracker.take(self._session.pool, ns, self._reqs)) or ()
+        return self._primary.call("events", lambda ns: tracker.take(self._session.pool, ns, self._reqs)) or ()
 
     def shutdown(self) -> None:
         self._coalesce.close()

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from cxlkv.integrations.coalesce import CoalesceWorker
 from cxlkv.integrations.save_tracker import SaveTracker
-from cxlkv.integrations.transfer import BlockOp, CpuSaveHandle, CpuTransfer, Transfer
+from cxlkv.integrations.transfer import BlockOp, CpuSaveHandle, CpuTransfer, SaveHandle, Transfer
 from cxlkv.integrations.vllm_common import ConnectorContext, CxlKVConnectorMetadata, logger
 from cxlkv.integrations.vllm_identity import CxlKVHandshake
 from cxlkv.integrations.vllm_metrics import CxlKVStats
@@ -43,6 +43,14 @@ class CxlKVWorker:
         self._load_errors: set[int] = set()
         self._failed_reqs: set[str] = set()
         self._transfer: Transfer | None = None
+        # A hybrid model's groups: one transfer each (its layers, its namespace); the saves of
+        # bounded groups (sliding window) in flight, waited for before the next forward.
+        self._group_transfers: list[Transfer] = []
+        self._window_saves: list[SaveHandle] = []
+        # A hybrid model's loads are asynchronous for vLLM (its only failure report for several
+        # groups is a failed request): the requests loaded, and those that failed.
+        self._recved: set[str] = set()
+        self._failed_recving: set[str] = set()
         self._saves = SaveTracker()
         self._coalesce_worker = CoalesceWorker(self._session, self._count_stat, logger)
         self.ctx.log_started("WORKER")
@@ -55,36 +63,59 @@ class CxlKVWorker:
         return CxlKVHandshake(self.ctx.ns_name, self.ctx.identity.weights, self.ctx.identity.weights_source)
 
     def register_kv_caches(self, kv_caches: dict) -> None:
-        names = list(kv_caches)
-        arrays = [kv_caches[n] for n in names]
         num_blocks = self._kv_cache_config.num_blocks
-        first = arrays[0]
+        first = next(iter(kv_caches.values()))
         # CUDA-style layouts put K/V first: [2, num_blocks, ...]; CPU ones lead with blocks.
         self._block_dim = 1 if first.shape[0] == 2 and first.ndim > 1 and first.shape[1] == num_blocks else 0
-        per_block = sum(a.element_size() * a[(slice(None),) * self._block_dim + (0,)].numel() for a in arrays)
-        if per_block != self._block_bytes:
-            raise ValueError(
-                f"cxlkv: the KV cache holds {per_block} bytes per block, the namespace "
-                f"{self.ctx.ns_name!r} expects {self._block_bytes}"
+        # Each group's layers, in vLLM's order (a hybrid model's groups may share tensors: their
+        # block ids never collide, vLLM allocates them from one pool).
+        groups = [[kv_caches[n] for n in g.layer_names] for g in self.ctx.groups]
+        if not self.ctx.multi:
+            groups = [[kv_caches[n] for n in kv_caches]]
+        for g, arrays in enumerate(groups):
+            per_block = sum(
+                a.element_size() * a[(slice(None),) * self._block_dim + (0,)].numel() for a in arrays
             )
-        self._kv_arrays = [a.detach() for a in arrays]
-        self._transfer = self._build_transfer(first.is_cuda)
+            want = self.ctx.identities[g].block_bytes
+            if per_block != want:
+                raise ValueError(
+                    f"cxlkv: the KV cache holds {per_block} bytes per block, the namespace "
+                    f"{self.ctx.ns_names[g]!r} expects {want}"
+                )
+        self._kv_arrays = [a.detach() for a in groups[self.ctx.primary]]
+        if self.ctx.multi:
+            self._group_transfers = [
+                self._build_transfer(
+                    first.is_cuda, self.ctx.group_session(g), [a.detach() for a in arrays], g
+                )
+                for g, arrays in enumerate(groups)
+            ]
+            self._transfer = self._group_transfers[self.ctx.primary]
+        else:
+            self._transfer = self._build_transfer(first.is_cuda, self._session, self._kv_arrays, 0)
         logger.info(
-            "cxlkv: %d KV layers registered, %s, block_dim=%d",
-            len(arrays),
+            "cxlkv: %d KV layers registered in %d group(s), %s, block_dim=%d",
+            sum(len(a) for a in groups),
+            len(groups),
             tuple(first.shape),
             self._block_dim,
         )
 
-    def _build_transfer(self, on_cuda: bool) -> Transfer:
+    def _build_transfer(self, on_cuda: bool, session: Any, arrays: list, group: int) -> Transfer:
         # KV on a GPU: the CUDA data path (transfer_cuda.py: one fused Triton kernel per batch,
         # through the pool mapping registered with CUDA, else staged); on the CPU the core's copy
         # engine (ns.store / ns.load) on a save thread.
         if on_cuda:
             from cxlkv.integrations.transfer_cuda import CudaTransfer
 
-            return CudaTransfer(self._session, self._kv_arrays, self._block_dim, self._block_bytes)
-        return CpuTransfer(self._session, self._kv_arrays, self._block_dim)
+            return CudaTransfer(session, arrays, self._block_dim, self.ctx.identities[group].block_bytes)
+        return CpuTransfer(session, arrays, self._block_dim)
+
+    def _transfer_for(self, op: BlockOp) -> Transfer | None:
+        return self._group_transfers[op.group] if self._group_transfers else self._transfer
+
+    def _bytes_of(self, op: BlockOp) -> int:
+        return self.ctx.identities[op.group].block_bytes
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         # Before this step's forward, which may write the blocks the preempted requests held.
@@ -101,6 +132,11 @@ class CxlKVWorker:
                         n,
                     )
             self._saves.wait_for(preempted)
+        # vLLM frees a sliding window's blocks as the window moves past them (and may hand them
+        # to another request in this step's schedule): the copies that read them end first.
+        window_saves, self._window_saves = self._window_saves, []
+        for h in window_saves:
+            h.result()
 
     def start_load_kv(self, meta: CxlKVConnectorMetadata) -> None:
         self._failed_reqs = set()
@@ -112,13 +148,19 @@ class CxlKVWorker:
             t0 = time.perf_counter()
             # Not retried after a fence: the blocks were pinned by the fenced node's lease.
             usable = self._session.usable()
-            n = self._transfer.load(op) if self._transfer is not None and usable else 0
+            transfer = self._transfer_for(op)
+            n = transfer.load(op) if transfer is not None and usable else 0
             if not usable:  # the pool could not be used: every block of the op fails
                 self._stats.data["load_failed_unavailable_blocks"] += len(op.keys)
-            self._account_load(t0, n)
+            self._account_load(t0, n, op)
+            if self.ctx.multi:
+                self._recved.add(op.req_id)
             if n < len(op.keys):
                 self._stats.data["load_failed_blocks"] += len(op.keys) - n
-                self._load_errors.update(op.block_ids[n:])
+                if self.ctx.multi:
+                    self._failed_recving.add(op.req_id)
+                else:
+                    self._load_errors.update(op.block_ids[n:])
                 self._failed_reqs.add(op.req_id)
                 logger.warning(
                     "cxlkv: %s: %d of %d blocks failed to load; vLLM recomputes them",
@@ -136,8 +178,12 @@ class CxlKVWorker:
                 # this very step, so this step's KV of the request sits on missing blocks.
                 self._stats.data["saves_dropped_after_failed_load"] += len(op.keys)
                 continue
-            if self._transfer is not None and self._session.usable():
-                self._saves.add(op, self._transfer.submit_save(op))
+            transfer = self._transfer_for(op)
+            if transfer is not None and self._session.usable():
+                handle = transfer.submit_save(op)
+                self._saves.add(op, handle)
+                if self.ctx.groups[op.group].bounded:
+                    self._window_saves.append(handle)
         if not self._can_load or not self._async_saves:
             # Synchronous saves (the "async_saves": false opt-out), and a prefill instance
             # (kv_producer) in any mode: its answer tells the proxy that the decode instance may
@@ -154,7 +200,9 @@ class CxlKVWorker:
                 self._stats.data["save_s"] += handle.seconds
                 self._stats.data["save_op_s"].append(handle.seconds)
             self._stats.data["save_blocks"] += n
-            self._stats.data["save_bytes"] += n * self._block_bytes
+            self._stats.data["save_bytes"] += n * self._bytes_of(op)
+            if self.ctx.multi:
+                self._count_stat(f"save_blocks_group{op.group}", n)
             if n < len(op.keys):
                 self._stats.data["save_failed_blocks"] += len(op.keys) - n
                 self.ctx.once(
@@ -173,24 +221,33 @@ class CxlKVWorker:
         sending = self._saves.finished_sending(finished_req_ids)
         recving, errors = self._coalesce_worker.poll(finished_req_ids, self._load_waited)
         self._load_errors |= errors
+        recving, self._recved = set(recving or ()) | self._recved, set()
         return sending or None, recving or None
 
     def _load_waited(self, op: BlockOp) -> int:
         """A coalesced wait's blocks, through the same checksummed load as every load."""
-        if self._transfer is None:
+        transfer = self._transfer_for(op)
+        if transfer is None:
             return 0
         t0 = time.perf_counter()
-        n = self._transfer.load(op)
-        self._account_load(t0, n)
+        n = transfer.load(op)
+        self._account_load(t0, n, op)
         return n
 
-    def _account_load(self, t0: float, n: int) -> None:
+    def _account_load(self, t0: float, n: int, op: BlockOp) -> None:
         """One load op's time and the blocks it delivered, for the connector's stats."""
         dt = time.perf_counter() - t0
         self._stats.data["load_s"] += dt
         self._stats.data["load_op_s"].append(dt)
         self._stats.data["load_blocks"] += n
-        self._stats.data["load_bytes"] += n * self._block_bytes
+        self._stats.data["load_bytes"] += n * self._bytes_of(op)
+        if self.ctx.multi:
+            self._count_stat(f"load_blocks_group{op.group}", n)
+
+    def take_failed_recving(self) -> set[str]:
+        """Requests of get_finished's finished_recving whose load failed (vLLM recomputes them)."""
+        failed, self._failed_recving = self._failed_recving, set()
+        return failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -204,6 +261,6 @@ class CxlKVWorker:
         return out
 
     def shutdown(self) -> None:
-        if self._transfer is not None:
-            self._transfer.close()  # lets the queued saves finish (bounded)
+        for transfer in self._group_transfers or ([self._transfer] if self._transfer is not None else []):
+            transfer.close()  # lets the queued saves finish (bounded)
         self._session.close()
