@@ -3,9 +3,10 @@ sliding window on every other layer (python/cxlkv/testing/models.py ``tiny_swa_l
 vLLM's hybrid KV cache manager splits into two KV cache groups (sliding window, full attention).
 
 Three engines, one process each, reused across the cases: a reference without the connector, a
-producer on a cold pool and a fresh consumer on the warm pool (vLLM's own prefix cache off, so that
-each of its rounds loads from the pool; its second round after every block in the pool was
-corrupted)."""
+prefill instance (kv_producer) on a cold pool, and a fresh instance on the warm pool (kv_both, as
+the decode side of prefill/decode through the pool and as a shared prefix cache; vLLM's own prefix
+cache off, so that each of its rounds loads from the pool; its second round after every block in
+the pool was corrupted)."""
 
 from __future__ import annotations
 
@@ -43,7 +44,10 @@ def reference():
 @pytest.fixture(scope="module")
 def producer(pool):
     log: list = []
-    out = run_engine({"model": "tiny-swa", "pool": pool, "rounds": [{"prompts": plain(PROMPTS)}]}, log=log)
+    out = run_engine(
+        {"model": "tiny-swa", "pool": pool, "role": "kv_producer", "rounds": [{"prompts": plain(PROMPTS)}]},
+        log=log,
+    )
     return out[0], log[0]
 
 
@@ -75,7 +79,7 @@ def test_cold_pool_is_token_identical_to_no_connector(reference, producer):
         assert o["tokens"] == r["tokens"]
 
 
-def test_fresh_instance_hits_past_the_window_and_matches(reference, consumer):
+def test_prefill_to_decode_through_the_pool_hits_past_the_window_and_matches(reference, consumer):
     warm = consumer[0][0]
     assert warm["hybrid"] is True
     longest = max(warm["outputs"], key=lambda o: o["len"])
