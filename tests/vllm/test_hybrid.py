@@ -96,3 +96,16 @@ def test_corrupt_pool_mid_load_is_recompute_never_wrong_tokens(reference, consum
     assert faulty["corrupted"] > 0
     for r, o in zip(reference["outputs"], faulty["outputs"], strict=True):
         assert o["tokens"] == r["tokens"]
+
+
+def test_ssm_hybrid_state_group_refused_at_start_up_in_one_line(pool):
+    """Nemotron-H (Mamba-2 + attention): vLLM keeps its hybrid manager on with cxlkv configured,
+    builds a Mamba state group, and the connector refuses it by name: the engine does not start."""
+    log: list = []
+    with pytest.raises(AssertionError, match="engine failed"):
+        run_engine(
+            {"model": "tiny-nemotron-h", "pool": pool, "rounds": [{"prompts": plain(["hi"])}]}, log=log
+        )
+    assert "Turning off hybrid kv cache manager" not in log[0]
+    line = next(x for x in log[0].splitlines() if "UnsupportedKVCacheGroup: " in x)
+    assert "KV cache group 0 of 2 (MambaSpec" in line and "not stored by cxlkv" in line

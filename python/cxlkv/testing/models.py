@@ -860,6 +860,49 @@ def tiny_swa_llama(path: PathLike | None = None) -> str:
 __all__ += ["TINY_SWA_LLAMA_NAME", "tiny_swa_llama"]
 
 
+# --------------------------------------------------------------------------- tiny Nemotron-H (config only)
+
+TINY_NEMOTRON_H_NAME = "tiny-nemotron-h-config-v1"
+
+
+def _tiny_nemotron_h_build(out: Path) -> dict:
+    from transformers import NemotronHConfig
+
+    tok_dir = Path(tiny_llama())
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(tok_dir / f, out / f)
+    config = NemotronHConfig(
+        vocab_size=4096,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        hybrid_override_pattern="M*",  # a Mamba-2 layer, then an attention layer
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        mamba_num_heads=4,
+        mamba_head_dim=64,
+        ssm_state_size=16,
+        n_groups=1,
+        max_position_embeddings=4096,
+    )
+    config.dtype = "bfloat16"
+    config.save_pretrained(str(out))
+    return {"recipe": "cxlkv tiny Nemotron-H config (no weights: load it with load_format='dummy')"}
+
+
+def tiny_nemotron_h(path: PathLike | None = None) -> str:
+    """Builds (once) and returns a directory with a tiny Nemotron-H config (one Mamba-2 layer, one
+    attention layer) and the tiny tokenizer, without weights: for vLLM with
+    ``load_format="dummy"``, to see what an SSM hybrid's KV cache groups do (the connector refuses
+    the Mamba state group at start-up)."""
+    return _build_once(
+        Path(path) if path else model_cache_dir() / TINY_NEMOTRON_H_NAME, _tiny_nemotron_h_build
+    )
+
+
+__all__ += ["TINY_NEMOTRON_H_NAME", "tiny_nemotron_h"]
+
+
 # --------------------------------------------------------------------------- SmolLM2-135M-Instruct
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
