@@ -58,7 +58,9 @@ adopted by the scheduler side through vLLM's handshake; "sampled": the sampled f
 for a save; false: each step waits for its own), ``on_pool_error`` ("degrade": a pool that cannot be
 opened means serving without the cache, the default; "fail": refuse to start), ``coalesce``
 (default true) and ``coalesce_wait_s`` (default 30): a new prefix requested from several engines
-at once is computed by one of them while the others wait for its blocks (coalesce.py).
+at once is computed by one of them while the others wait for its blocks (coalesce.py);
+``window_checkpoint_blocks`` (default 16): a sliding-window group stores the window before every
+this many blocks and before the prompt's last block boundary (vllm_groups.py).
 """
 
 from __future__ import annotations
