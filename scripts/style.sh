@@ -23,7 +23,8 @@ done
 PY_PATHS=(python tests)
 # The typed surface: the public API and the connector (mypy follows their imports).
 MYPY_FILES=(python/cxlkv/__init__.py python/cxlkv/errors.py python/cxlkv/sizes.py
-            python/cxlkv/paths.py python/cxlkv/integrations/vllm.py)
+            python/cxlkv/paths.py python/cxlkv/integrations/vllm.py
+            python/cxlkv/integrations/vllm_scheduler.py python/cxlkv/integrations/vllm_worker.py)
 
 if [ "$fix" = 1 ]; then
   ruff check --fix "${PY_PATHS[@]}"

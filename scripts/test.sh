@@ -59,6 +59,7 @@ fi
 # added to that set must be listed here too (tests/python/test_ci_lists.py checks).
 python -m pytest -q -p no:cacheprovider --durations=10 "$@" \
   tests/python/test_connector_unit.py tests/python/test_connector_fence.py tests/python/test_async_saves_unit.py \
+  tests/python/test_connector_modules.py tests/python/test_connector_groups.py \
   tests/python/test_identity_vllm.py tests/python/test_loaded_weights.py tests/python/test_dtypes.py \
   tests/python/test_events.py tests/python/test_observe.py tests/python/test_paged_kernels.py \
   tests/python/test_transfer_cuda.py tests/python/test_token_store.py tests/python/test_hot_buffer.py \

@@ -39,7 +39,7 @@ def model_dir(tmp_path):
 
 
 def gated(engine: Engine) -> GatedSession:
-    w = engine.worker
+    w = engine.worker.worker
     g = GatedSession(w._session)
     w._transfer.close()
     w._transfer = CpuTransfer(g, w._kv_arrays, w._block_dim)

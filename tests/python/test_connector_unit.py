@@ -335,7 +335,7 @@ class Engine:
             self.compute(rid, r["computed"], r["computed"] + n)
         self.worker.wait_for_save()
         if wait_saves:  # as if the step outlasted its saves: the tests check the pool next
-            self.worker._saves.wait_all()
+            self.worker.worker._saves.wait_all()
         errors = self.worker.get_block_ids_with_load_errors()
         s = self.worker.get_kv_connector_stats()
         if s is not None:
@@ -441,10 +441,10 @@ def test_lease_lifetime_alloc_meta_output_finish(pool_path, model_dir):
     a = published(pool_path, model_dir, "r", toks)
     b = Engine(pool_path, model_dir)
     ns = b.sched._session.ns
-    key0 = b.sched._keys_for(make_req("x", toks)).extend(toks)[0]
+    key0 = b.sched.scheduler._keys_for(make_req("x", toks)).extend(toks)[0]
     b.add("r", toks)
-    st = b.sched._reqs["r"]
-    assert st.lease is not None and len(st.lease) == 6
+    st = b.sched.scheduler._reqs["r"]
+    assert len(st.lease) == 1 and len(st.lease[0]) == 6  # one group: one lease
     assert ns.delete(key0) is False  # pinned from lookup on...
     meta = b.sched.build_connector_meta(
         SimpleNamespace(
@@ -457,9 +457,9 @@ def test_lease_lifetime_alloc_meta_output_finish(pool_path, model_dir):
             num_scheduled_tokens={"r": 1},
         )
     )
-    assert len(meta.loads) == 1 and st.lease is not None  # ...through the step that loads them...
+    assert len(meta.loads) == 1 and st.lease  # ...through the step that loads them...
     b.sched.update_connector_output(SimpleNamespace(invalid_block_ids=set()))
-    assert st.lease is None  # ...and released once that step completed
+    assert not st.lease  # ...and released once that step completed
     assert ns.delete(key0) is True
     b.sched.request_finished(b.reqs["r"]["req"], [])
     a.close(), b.close()
@@ -470,10 +470,10 @@ def test_lease_released_when_request_finishes_before_its_load(pool_path, model_d
     a = published(pool_path, model_dir, "r", toks)
     b = Engine(pool_path, model_dir)
     b.add("r", toks)
-    st = b.sched._reqs["r"]
-    assert st.lease is not None
+    st = b.sched.scheduler._reqs["r"]
+    assert st.lease
     b.sched.request_finished(b.reqs["r"]["req"], [])  # aborted before being scheduled
-    assert st.lease is None and "r" not in b.sched._reqs
+    assert not st.lease and "r" not in b.sched.scheduler._reqs
     with cxlkv.Pool.open(pool_path) as p:
         assert p.check()["orphan_pins"] == 0
     a.close(), b.close()
@@ -529,7 +529,7 @@ def test_preemption_drops_held_saves_and_resaves(pool_path, model_dir):
     b = Engine(pool_path, model_dir)
     b.add("b", pq)
     b.step({"b": len(pq) - 3 * BS})
-    st = b.sched._reqs["b"]
+    st = b.sched.scheduler._reqs["b"]
     # Preempted before the held saves went out, resumed with new blocks and recomputed from 0.
     r = b.reqs["b"]
     b.free.extend(r["blocks"])
@@ -550,7 +550,7 @@ def test_preemption_drops_held_saves_and_resaves(pool_path, model_dir):
     b.worker.start_load_kv(None)
     b.compute("b", 0, len(pq))
     b.worker.wait_for_save()
-    b.worker._saves.wait_all()
+    b.worker.worker._saves.wait_all()
     b.worker.clear_connector_metadata()
     b.sched.update_connector_output(SimpleNamespace(invalid_block_ids=set()))
     b.finish("b")
@@ -734,8 +734,8 @@ def test_prompt_embeds_keyed_by_content(pool_path, model_dir):
         r.prompt_embeds = torch.from_numpy(
             np.random.default_rng(seed).standard_normal((n, 4)).astype("float32")
         )
-        reqs.append(e.sched._keys_for(r).extend([0] * n))
-    plain = e.sched._keys_for(make_req("t", [0] * n)).extend([0] * n)
+        reqs.append(e.sched.scheduler._keys_for(r).extend([0] * n))
+    plain = e.sched.scheduler._keys_for(make_req("t", [0] * n)).extend([0] * n)
     assert reqs[0] == reqs[1] and reqs[0][0] != reqs[2][0] and plain[0] != reqs[0][0]
     e.close()
 
@@ -749,11 +749,11 @@ def test_lora_keyed_by_adapter_content(pool_path, model_dir, tmp_path):
     def key(path, name):
         r = make_req("x", toks)
         r.lora_request = SimpleNamespace(lora_name=name, lora_int_id=1, lora_path=str(path))
-        return e.sched._keys_for(r).extend(toks)[0]
+        return e.sched.scheduler._keys_for(r).extend(toks)[0]
 
     assert key(ad1, "same-name") != key(ad2, "same-name")
     assert key(ad1, "one-name") == key(tmp_path / "ad1copy", "other-name")
     r = make_req("x", toks)
     r.lora_request = SimpleNamespace(lora_name="gone", lora_int_id=2, lora_path=str(tmp_path / "missing"))
-    assert e.sched._keys_for(r) is None  # unreadable adapter: not cached at all
+    assert e.sched.scheduler._keys_for(r) is None  # unreadable adapter: not cached at all
     e.close()

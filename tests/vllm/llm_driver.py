@@ -3,7 +3,8 @@ prints one `RESULT <json>` line per round. Driven by tests/vllm/test_connector.p
 
     python llm_driver.py '<json spec>'
 
-spec: model ("tiny" | "smollm2" | a model directory), served_model_name (optional), pool (path),
+spec: model ("tiny" | "tiny-swa" (sliding window on every other layer) | "tiny-nemotron-h" (an
+SSM hybrid, dummy weights) | "smollm2" | a model directory), load_format (vLLM's), served_model_name (optional), pool (path),
 connector (bool), role ("kv_both" ...), on_pool_error ("fail": an unusable pool stops the engine
 instead of serving without the cache), max_num_batched_tokens (optional), prefix_caching (bool,
 default true), ids (bool: report prompt token ids), stats (bool: report preemptions and the
@@ -109,6 +110,11 @@ def main() -> None:
 
     name = spec.get("model", "tiny")
     model = models.tiny_llama() if name == "tiny" else models.smollm2() if name == "smollm2" else name
+    if name == "tiny-swa":
+        model = models.tiny_swa_llama()
+    if name == "tiny-nemotron-h":  # a config without weights
+        model = models.tiny_nemotron_h()
+        spec.setdefault("load_format", "dummy")
     kw = dict(
         model=model,
         enforce_eager=True,
@@ -116,6 +122,8 @@ def main() -> None:
         max_model_len=spec.get("max_model_len", 4096),
         seed=0,
     )
+    if spec.get("load_format"):
+        kw["load_format"] = spec["load_format"]
     if spec.get("served_model_name"):
         kw["served_model_name"] = spec["served_model_name"]
     if spec.get("prefix_caching") is False:
@@ -143,6 +151,8 @@ def main() -> None:
     t0 = time.time()
     llm = LLM(**kw)
     print("STARTUP", round(time.time() - t0, 1), flush=True)
+    # vLLM's final word on its hybrid KV cache manager (a connector without SupportsHMA turns it off)
+    hybrid = not llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
     top = spec.get("top_logprobs", 1)
     sp = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), logprobs=top)
     for i, rnd in enumerate(spec["rounds"]):
@@ -198,7 +208,9 @@ def main() -> None:
             extra["cxlkv"] = cxlkv_counters(metrics)
         print(
             "RESULT "
-            + json.dumps({"round": i, "seconds": round(time.time() - t0, 3), "outputs": res, **extra}),
+            + json.dumps(
+                {"round": i, "seconds": round(time.time() - t0, 3), "hybrid": hybrid, "outputs": res, **extra}
+            ),
             flush=True,
         )
 

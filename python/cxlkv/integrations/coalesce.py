@@ -47,7 +47,7 @@ FIRST_POLL_S = 0.005  # a waiter's first re-check; doubles up to MAX_POLL_S
 MAX_POLL_S = 0.1
 MAX_IDLE_SLEEP_S = 0.05  # an engine with nothing but waits sleeps this long at most per step
 FALLBACK_CAUSES = ("writer_gone", "deadline", "pool_unavailable")
-# The connector's counters (vllm.py STAT_KEYS, vllm_metrics.py): markers taken, requests that
+# The connector's counters (vllm_metrics.py STAT_KEYS): markers taken, requests that
 # waited, blocks they got from another engine, waits that gave up (by cause), blocks recomputed then.
 STAT_KEYS = (
     "coalesce_intents",

@@ -26,7 +26,7 @@ from lmcache.integration.vllm.lmcache_mp_connector import get_dcp_decorated_mode
 from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_mp_connector import LMCacheMPConnector
 
 from cxlkv.integrations import identity as ident
-from cxlkv.integrations import vllm as cxlkv_vllm
+from cxlkv.integrations import vllm_identity as cxlkv_vllm
 from cxlkv.integrations.external_identity import UnresolvableModelError, weights_of
 from cxlkv.integrations.lmcache_identity import model_token
 
@@ -36,21 +36,21 @@ log = logging.getLogger("cxlkv.lmcache_vllm")
 def engine_identity(vllm_config: Any, cache_model_name: str) -> tuple[str, str]:
     """(the model field for LMCache keys, a display text of what it was derived from)."""
     mc = vllm_config.model_config
-    path = cxlkv_vllm._model_path(mc)
+    path = cxlkv_vllm.model_path(mc)
     if path is None:
         raise UnresolvableModelError(
             f"cxlkv: cannot read the weights of model {mc.model!r} (revision "
             f"{getattr(mc, 'revision', None)!r}) to derive the identity LMCache keys carry"
         )
     weights, source = weights_of(path)
-    kv_dtype = cxlkv_vllm._kv_dtype(vllm_config, None)
+    kv_dtype = cxlkv_vllm.kv_dtype(vllm_config, None)
     overrides = getattr(mc, "hf_overrides", None)
     backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
     fields = {
         "weights": weights,
-        "config": ident.config_digest(cxlkv_vllm._config_paths(mc), cxlkv_vllm._loaded_config(mc)),
+        "config": ident.config_digest(cxlkv_vllm.config_paths(mc), cxlkv_vllm.loaded_config(mc)),
         "kv_dtype": kv_dtype,
-        "kv_scales": cxlkv_vllm._kv_scales(vllm_config, kv_dtype),
+        "kv_scales": cxlkv_vllm.kv_scales(vllm_config, kv_dtype),
         "quantization": str(mc.quantization or "none"),
         "compute_dtype": str(mc.dtype).replace("torch.", ""),
         "overrides": repr(overrides) if overrides and not callable(overrides) else "",

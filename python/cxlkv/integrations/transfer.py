@@ -28,6 +28,7 @@ class BlockOp:
     keys: list  # 32-byte keys, one per block
     block_ids: list  # vLLM block ids, same length
     start_depth: int = 0  # position of keys[0] in its prefix chain
+    group: int = 0  # vLLM's KV cache group (a hybrid model's; vllm_groups.py)
 
 
 class SaveHandle(Protocol):

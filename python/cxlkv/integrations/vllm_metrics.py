@@ -2,8 +2,8 @@
 
 vLLM builds them through ``CxlKVConnector.build_prom_metrics`` in the process that serves
 ``/metrics`` and feeds every step's ``CxlKVStats.data`` (summed over the workers) to
-:meth:`CxlKVPromMetrics.observe`. The stats keys are the connector's (vllm.py ``STAT_KEYS``);
-this module only maps them to series. Hits also reach vLLM's own
+:meth:`CxlKVPromMetrics.observe`. The stats keys (``STAT_KEYS``) and the per-interval
+stats object (``CxlKVStats``) are defined here too, beside the series they map to. Hits also reach vLLM's own
 ``vllm:external_prefix_cache_queries`` / ``_hits`` and ``vllm:prompt_tokens_cached_by_source``
 (the scheduler counts a connector's matched tokens as an external source by itself).
 
@@ -13,12 +13,37 @@ docs/METRICS.md lists every series.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 from cxlkv.integrations.coalesce import FALLBACK_CAUSES
+from cxlkv.integrations.coalesce import STAT_KEYS as COALESCE_STAT_KEYS
+
+# The connector's counters (both sides: the scheduler's travel to the worker with each step).
+STAT_KEYS = (
+    "load_blocks",
+    "load_failed_blocks",
+    "load_bytes",
+    "load_s",
+    "save_blocks",
+    "save_failed_blocks",
+    "save_bytes",
+    "save_s",
+    "saves_dropped_after_failed_load",
+    "saves_waited_at_preemption",
+    "pin_capped_requests",
+    "pin_capped_blocks",
+    "uncacheable_requests",
+    "pool_disabled",
+    "pool_fenced",
+    "lookup_tokens",
+    "hit_tokens",
+    "load_failed_unavailable_blocks",
+    *COALESCE_STAT_KEYS,
+)
 
 # name (without "vllm:" and "_total") -> (stats key, help). Plain counters, one per engine.
 COUNTERS = {
@@ -69,6 +94,14 @@ LOAD_FAILURE_CAUSES = ("missing_or_corrupt", "pool_unavailable")
 POOL_EVENTS = {"disabled": "pool_disabled", "fenced": "pool_fenced"}
 # Waits for another engine's blocks that gave up, by cause (coalesce.py).
 COALESCE_FALLBACKS = {cause: f"coalesce_fallback_{cause}" for cause in FALLBACK_CAUSES}
+
+# A hybrid model's blocks per KV cache group (vllm_groups.py), by outcome: stats keys
+# "<prefix><group index>", made by the connector as groups are seen.
+GROUP_OUTCOMES = {
+    "stored": "save_blocks_group",
+    "skipped": "skip_blocks_group",
+    "loaded": "load_blocks_group",
+}
 
 # Histograms of one copy (a batch of blocks of one request): stats key of the per-op list.
 HISTOGRAMS = {
@@ -134,6 +167,14 @@ class CxlKVPromMetrics(KVConnectorPromMetrics):
             "cause",
             tuple(COALESCE_FALLBACKS),
         )
+        self._groups: Any = self._counter_cls(
+            name="vllm:cxlkv_group_blocks",
+            documentation=(
+                "A hybrid model's KV blocks per KV cache group, by outcome: stored; skipped (a "
+                "sliding-window block no later hit can use: never stored); loaded."
+            ),
+            labelnames=[*self._labelnames, "group", "outcome"],
+        )
         self._histograms: dict[str, dict[int, Any]] = {
             key: create_metric_per_engine(
                 histogram(
@@ -169,6 +210,40 @@ class CxlKVPromMetrics(KVConnectorPromMetrics):
         for cause, key in COALESCE_FALLBACKS.items():
             if data.get(key):
                 self._coalesce_fallbacks[engine_idx][cause].inc(data[key])
+        for outcome, prefix in GROUP_OUTCOMES.items():
+            for key, n in data.items():
+                if key.startswith(prefix) and key[len(prefix) :].isdigit() and n:
+                    labels = self.per_engine_labelvalues[engine_idx]
+                    self._groups.labels(*labels, key[len(prefix) :], outcome).inc(n)
         for key, per_engine in self._histograms.items():
             for seconds in data.get(key) or ():
                 per_engine[engine_idx].observe(float(seconds))
+
+
+@dataclasses.dataclass
+class CxlKVStats(KVConnectorStats):
+    """Per-interval counters of the connector, aggregated by vLLM's stats logger."""
+
+    def __post_init__(self):
+        for k in STAT_KEYS:
+            self.data.setdefault(k, 0)
+        for k in OP_TIME_KEYS:  # seconds of each copy, for the histograms
+            self.data.setdefault(k, [])
+
+    def reset(self):
+        for k in self.data:
+            self.data[k] = [] if isinstance(self.data[k], list) else 0
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for k, v in other.data.items():
+            self.data[k] = self.data.get(k, [] if isinstance(v, list) else 0) + v
+        return self
+
+    def reduce(self) -> dict:
+        d = {k: v for k, v in self.data.items() if not isinstance(v, list)}
+        d["load_gbps"] = round(d["load_bytes"] / d["load_s"] / 1e9, 3) if d["load_s"] else 0.0
+        d["save_gbps"] = round(d["save_bytes"] / d["save_s"] / 1e9, 3) if d["save_s"] else 0.0
+        return d
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())

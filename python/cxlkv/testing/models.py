@@ -300,6 +300,82 @@ def tiny_llama(path: PathLike | None = None) -> str:
     return _build_once(Path(path) if path else model_cache_dir() / TINY_LLAMA_NAME, _tiny_llama_build)
 
 
+# --------------------------------------------------------------------------- tiny sliding-window Llama
+
+TINY_SWA_LLAMA_NAME = "tiny-swa-llama-v1"
+# Every other layer attends to a sliding window (Gemma 3 / Mistral / gpt-oss style interleaving):
+# vLLM gives those layers their own KV cache group when its hybrid KV cache manager is on.
+TINY_SWA_WINDOW = 256  # tokens: two of vLLM CPU's 128-token blocks
+TINY_SWA_LAYER_TYPES = ["sliding_attention", "full_attention"] * 2
+
+
+def _tiny_swa_llama_build(out: Path) -> dict:
+    info = _tiny_llama_build(out)
+    config = json.loads((out / "config.json").read_text())
+    config.update(layer_types=TINY_SWA_LAYER_TYPES, sliding_window=TINY_SWA_WINDOW)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return dict(
+        info,
+        recipe="cxlkv tiny random llama, sliding window on every other layer",
+        sliding_window=TINY_SWA_WINDOW,
+        layer_types=TINY_SWA_LAYER_TYPES,
+    )
+
+
+def tiny_swa_llama(path: PathLike | None = None) -> str:
+    """Builds (once) and returns the directory of the tiny random Llama (same weights and
+    tokenizer as :func:`tiny_llama`) whose layers 0 and 2 attend to a 256-token sliding window
+    (``layer_types``, ``sliding_window`` in its config): two KV cache groups in vLLM with its
+    hybrid KV cache manager on (2 full-attention layers, 2 sliding-window layers)."""
+    return _build_once(Path(path) if path else model_cache_dir() / TINY_SWA_LLAMA_NAME, _tiny_swa_llama_build)
+
+
+__all__ += ["TINY_SWA_LLAMA_NAME", "tiny_swa_llama"]
+
+
+# --------------------------------------------------------------------------- tiny Nemotron-H (config only)
+
+TINY_NEMOTRON_H_NAME = "tiny-nemotron-h-config-v1"
+
+
+def _tiny_nemotron_h_build(out: Path) -> dict:
+    from transformers import NemotronHConfig
+
+    tok_dir = Path(tiny_llama())
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(tok_dir / f, out / f)
+    config = NemotronHConfig(
+        vocab_size=4096,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        hybrid_override_pattern="M*",  # a Mamba-2 layer, then an attention layer
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        mamba_num_heads=4,
+        mamba_head_dim=64,
+        ssm_state_size=16,
+        n_groups=1,
+        max_position_embeddings=4096,
+    )
+    config.dtype = "bfloat16"
+    config.save_pretrained(str(out))
+    return {"recipe": "cxlkv tiny Nemotron-H config (no weights: load it with load_format='dummy')"}
+
+
+def tiny_nemotron_h(path: PathLike | None = None) -> str:
+    """Builds (once) and returns a directory with a tiny Nemotron-H config (one Mamba-2 layer, one
+    attention layer) and the tiny tokenizer, without weights: for vLLM with
+    ``load_format="dummy"``, to see what an SSM hybrid's KV cache groups do (the connector refuses
+    the Mamba state group at start-up)."""
+    return _build_once(
+        Path(path) if path else model_cache_dir() / TINY_NEMOTRON_H_NAME, _tiny_nemotron_h_build
+    )
+
+
+__all__ += ["TINY_NEMOTRON_H_NAME", "tiny_nemotron_h"]
+
+
 # --------------------------------------------------------------------------- SmolLM2-135M-Instruct
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -1,0 +1,229 @@
+"""The identity of the KV bytes a vLLM engine holds (the vLLM side of identity.py and
+docs/IDENTITY.md): what determines them (weights by content, KV layout, dtype and scales,
+quantization, block size, TP rank, device layout) read from vLLM's configs, and the handshake by
+which the workers, who hold the loaded weights, name the namespace for the scheduler side.
+
+Used by the connector's both sides (vllm.py is the façade) and by lmcache_vllm.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import uuid
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
+from vllm.logger import init_logger
+
+import cxlkv
+from cxlkv.integrations import identity as ident
+from cxlkv.integrations import loaded_weights as lw
+from cxlkv.integrations import vllm_groups as vg
+
+# Under the "vllm" logger, so that vLLM's logging configuration (level, format) applies.
+logger = init_logger("vllm.cxlkv")
+
+
+def model_path(mc: Any) -> str | None:
+    for cand in (getattr(mc, "model_weights", None), mc.model):
+        if cand and os.path.exists(str(cand)):
+            return str(cand)
+    try:  # a hub id: the local snapshot vLLM loaded
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(mc.model, revision=getattr(mc, "revision", None), local_files_only=True)
+    except Exception:  # noqa: BLE001 - not resolvable: the caller says what to do
+        return None
+
+
+def kv_dtype(vllm_config: Any, spec: Any) -> str:
+    cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto")
+    if cache_dtype != "auto":  # fp8 caches may be stored as uint8: the configured type is the truth
+        return ident.canonical_dtype(cache_dtype)
+    return ident.canonical_dtype(getattr(spec, "dtype", vllm_config.model_config.dtype))
+
+
+def kv_scales(vllm_config: Any, dtype: str) -> str:
+    if not dtype.startswith("fp8") and dtype not in ("int8", "uint8"):  # canonical names
+        return "none"
+    if getattr(vllm_config.cache_config, "calculatekv_scales", False):
+        # Scales computed from this process's first batch: the bytes depend on it, so no other
+        # process can share them.
+        return f"dynamic-{uuid.uuid4().hex}"
+    return "checkpoint-or-unit"  # scales from the checkpoint (in the weights digest) or 1.0
+
+
+def config_paths(mc: Any) -> list[str]:
+    """Config sources other than the model directory (whose config files weights_digest hashes)."""
+    p = getattr(mc, "hf_config_path", None)
+    return [str(p)] if p and os.path.exists(str(p)) else []
+
+
+def loaded_config(mc: Any) -> dict | None:
+    """The config as vLLM parsed it (hf_config_path, hf_overrides, GGUF metadata all end up here)."""
+    to_dict = getattr(getattr(mc, "hf_config", None), "to_dict", None)
+    return to_dict() if callable(to_dict) else None
+
+
+def hashes_loaded_weights(extra: dict) -> bool:
+    """Whether the workers name the namespace by the weights as loaded (the default) rather
+    than by the sampled file digest ("weights_identity": "sampled"). An operator's model_id or
+    namespace replaces both."""
+    mode = extra.get("weights_identity", "loaded")
+    if mode not in ("loaded", "sampled"):
+        raise ValueError(f"cxlkv: weights_identity must be 'loaded' or 'sampled', not {mode!r}")
+    return mode == "loaded" and not extra.get("model_id") and not extra.get("namespace")
+
+
+def loaded_digest(mc: Any) -> lw.LoadedDigest | None:
+    """Every byte of this worker's weights: as loaded (its TP rank's parameters); where the
+    engine moved some out of reach (vLLM CPU's oneDNN linears), of the weight files they were
+    loaded from; None when the model is not reachable (the namespace then uses the sampled file
+    digest, and its source says so)."""
+    model = lw.caller_model()
+    if model is None:
+        logger.warning(
+            "cxlkv: the loaded model is not reachable from the connector; the namespace is "
+            "named by the sampled file digest (docs/IDENTITY.md)"
+        )
+        return None
+    try:
+        d = lw.module_digest(model)
+        path = model_path(mc) if d.emptied else None
+        if path is not None:
+            logger.info(
+                "cxlkv: %d weights were repacked out of reach at load; hashing every byte of the weight files",
+                d.emptied,
+            )
+            d = lw.files_digest(ident.weight_files(path))
+    except (RuntimeError, TypeError, ValueError, OSError) as e:  # a tensor numpy cannot view, ...
+        logger.warning(
+            "cxlkv: the weights cannot be hashed (%s); the namespace is named by the sampled file digest", e
+        )
+        return None
+    logger.info("cxlkv: weights (%s): %s, hashed in %.2f s", d.kind, d.describe(), d.seconds)
+    return d
+
+
+def derive_identity(
+    vllm_config: Any,
+    spec: Any,
+    layers: int,
+    block_bytes: int,
+    kind: str,
+    tp_rank: int,
+    tp_size: int,
+    extra: dict,
+    loaded: lw.LoadedDigest | None = None,
+) -> ident.KVIdentity:
+    mc = vllm_config.model_config
+    if extra.get("model_id"):
+        override = str(extra["model_id"])
+        weights, source = "model_id:" + override, f"operator model_id {override!r}"
+    else:
+        path = model_path(mc)
+        if path is None:
+            raise ValueError(
+                f"cxlkv: cannot read the weights of model {mc.model!r} to derive the KV "
+                "namespace from them; set kv_connector_extra_config.model_id"
+            )
+        w = ident.weights_digest(path)
+        config = ident.config_digest(config_paths(mc), loaded_config(mc))
+        weights, source = ident.weights_identity(w, config, loaded)
+    dtype = kv_dtype(vllm_config, spec)
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    device = vllm_config.device_config.device_type
+    overrides = getattr(mc, "hf_overrides", None)
+    return ident.KVIdentity(
+        weights=weights,
+        weights_source=source,
+        dtype=dtype,
+        kind=kind,
+        num_layers=layers,
+        num_kv_heads=int(getattr(spec, "num_kv_heads", 1)),
+        head_size=int(getattr(spec, "head_size", 1)),
+        block_size=vllm_config.cache_config.block_size,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        kv_scales=kv_scales(vllm_config, dtype),
+        quantization=str(mc.quantization or "none"),
+        compute_dtype=str(mc.dtype).replace("torch.", ""),
+        overrides=repr(overrides) if overrides and not callable(overrides) else "",
+        device_layout=f"{device}|{backend or 'auto'}|{type(spec).__name__}|{sys.byteorder}",
+        block_bytes=block_bytes,
+    )
+
+
+@dataclasses.dataclass
+class CxlKVHandshake(KVConnectorHandshakeMetadata):
+    """What a worker tells the scheduler side: the namespace it derived and the weights field
+    (with its source text) that the scheduler cannot compute, not holding the weights."""
+
+    namespace: str
+    weights: str
+    weights_source: str
+
+
+class AwaitingWorkers:
+    """The scheduler's namespace until the workers report theirs. vLLM's engine core reports
+    before the first request; an engine that never does gets the namespace of the sampled
+    file digest at first use: the one workers that could not hash their weights use."""
+
+    def __init__(self, open_namespace: Any) -> None:
+        self._open = open_namespace
+        self._ns: Any = None
+
+    def __getattr__(self, name: str) -> Any:
+        if self._ns is None:
+            self._ns = self._open()
+        return getattr(self._ns, name)
+
+    def __getitem__(self, group: int) -> Any:  # a hybrid model's namespaces (one per group)
+        if self._ns is None:
+            self._ns = self._open()
+        return self._ns[group]
+
+
+def pool_layout(identity: ident.KVIdentity) -> cxlkv.KVLayout:
+    return cxlkv.KVLayout(
+        model_id=identity.model_id(),
+        dtype=identity.dtype,
+        num_layers=identity.num_layers,
+        num_kv_heads=identity.num_kv_heads,
+        head_size=identity.head_size,
+        tokens_per_block=identity.block_size,
+        kind=identity.kind,
+        tp_rank=identity.tp_rank,
+        tp_size=identity.tp_size,
+        block_bytes=identity.block_bytes,
+        source=identity.source(),
+    )
+
+
+def describe(vllm_config: Any, kv_cache_config: Any, is_worker: bool, extra: dict) -> list[ident.KVIdentity]:
+    """The identity of each KV cache group of this engine (vllm_groups.py), in vLLM's order. One
+    group (uniform attention, or vLLM's hybrid manager off) keeps the identity it always had; in
+    a hybrid model each group's attention reach, window and layers are in its device layout."""
+    groups = vg.group_layouts(kv_cache_config, vllm_config.cache_config.block_size)
+    tp_size = vllm_config.parallel_config.tensor_parallel_size
+    tp_rank = 0
+    if is_worker and tp_size > 1:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        tp_rank = get_tensor_model_parallel_rank()
+    # The worker holds the loaded weights (vLLM builds it after load_model); the scheduler
+    # never sees them and adopts rank 0's identity in set_xfer_handshake_metadata.
+    loaded = loaded_digest(vllm_config.model_config) if is_worker and hashes_loaded_weights(extra) else None
+    out = []
+    for g in groups:
+        kind = "mla" if "MLA" in type(g.spec).__name__ else "dense"
+        identity = derive_identity(
+            vllm_config, g.spec, len(g.layer_names), g.block_bytes, kind, tp_rank, tp_size, extra, loaded
+        )
+        if len(groups) > 1:
+            identity = dataclasses.replace(
+                identity, device_layout=f"{identity.device_layout}|{g.describe(len(groups))}"
+            )
+        out.append(identity)
+    return out

@@ -1,0 +1,223 @@
+"""A hybrid model's KV cache groups through both sides of the connector, without an engine (the
+real-engine version is tests/vllm/test_hybrid.py): a sliding-window group and a full-attention
+group on a real pool. The producer stores every full-attention block and only the sliding-window
+blocks an anchor's hit needs; a fresh engine's hit is the deepest boundary both groups serve (a
+missing window block moves it), loads fill each group's own block ids, asynchronously, and a
+failed load is reported as a failed request (vLLM's failed_recving), never as block ids."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
+torch = pytest.importorskip("torch")
+import cxlkv  # noqa: E402
+from cxlkv.integrations import vllm as conn  # noqa: E402
+from cxlkv.integrations.keys import block_keys  # noqa: E402
+from cxlkv.integrations.vllm_common import GroupNamespaces  # noqa: E402
+from test_connector_unit import BS, HEAD, NUM_BLOCKS, Role, fake_configs, make_model, make_req, tokens  # noqa: E402
+
+CHECKPOINT = 4  # window_checkpoint_blocks
+WINDOW = 2 * BS + 1  # tokens: a hit needs the 2 blocks before it
+
+
+class SlidingWindowSpec(SimpleNamespace):
+    pass
+
+
+def hybrid_configs(pool_path, model_dir):
+    vc, kc = fake_configs(pool_path, model_dir, window_checkpoint_blocks=CHECKPOINT)
+    page = 2 * BS * HEAD * 2
+    full = kc.kv_cache_groups[0].kv_cache_spec
+    full.block_size = BS
+    swa = SlidingWindowSpec(
+        dtype=torch.bfloat16,
+        num_kv_heads=1,
+        head_size=HEAD,
+        page_size_bytes=page,
+        block_size=BS,
+        sliding_window=WINDOW,
+    )
+    kc.kv_cache_groups = [
+        SimpleNamespace(kv_cache_spec=swa, layer_names=["s0", "s1"]),
+        SimpleNamespace(kv_cache_spec=full, layer_names=["f0", "f1"]),
+    ]
+    return vc, kc
+
+
+class Hybrid:
+    """One engine's scheduler and worker connectors over real KV arrays of two groups (their
+    block ids never collide, as vLLM allocates them from one pool)."""
+
+    def __init__(self, pool_path, model_dir):
+        vc, kc = hybrid_configs(pool_path, model_dir)
+        self.sched = conn.CxlKVConnector(vc, Role.SCHEDULER, kc)
+        self.worker = conn.CxlKVConnector(vc, Role.WORKER, kc)
+        self.kv = {
+            n: torch.zeros((NUM_BLOCKS, 2, BS, 1, HEAD), dtype=torch.bfloat16)
+            for n in ("s0", "s1", "f0", "f1")
+        }
+        self.worker.register_kv_caches(self.kv)
+
+    def run(self, meta):
+        w = self.worker
+        w.bind_connector_metadata(meta)
+        w.handle_preemptions(meta)
+        w.start_load_kv(None)
+        w.wait_for_save()
+        w.connector_worker._saves.wait_all()
+        results = w.get_transfer_results(set())
+        w.clear_connector_metadata()
+        return results
+
+    def block(self, group: int, bid: int) -> bytes:
+        names = ("s0", "s1") if group == 0 else ("f0", "f1")
+        return b"".join(self.kv[n][bid].contiguous().view(torch.uint8).numpy().tobytes() for n in names)
+
+    def close(self):
+        self.worker.shutdown()
+        self.sched.shutdown()
+
+
+def new_req_output(rid, ids, computed, scheduled):
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=rid, block_ids=ids, num_computed_tokens=computed)],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[]
+        ),
+        num_scheduled_tokens={rid: scheduled},
+        total_num_scheduled_tokens=scheduled,
+    )
+
+
+def idle_output():
+    return SimpleNamespace(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[]
+        ),
+        num_scheduled_tokens={},
+        total_num_scheduled_tokens=0,
+    )
+
+
+@pytest.fixture
+def pool_path():
+    path = f"/dev/shm/cxlkv-groups-{uuid.uuid4().hex}"
+    yield path
+    if os.path.exists(path):
+        os.unlink(path)
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    return make_model(tmp_path / "model")
+
+
+N_BLOCKS = 10
+SW_IDS = list(range(1, 1 + N_BLOCKS + 1))  # block 0 is vLLM's null block
+FULL_IDS = list(range(20, 20 + N_BLOCKS + 1))
+
+
+def produce(pool_path, model_dir, toks) -> Hybrid:
+    a = Hybrid(pool_path, model_dir)
+    req = make_req("p", toks)
+    assert a.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    for g, ids in ((0, SW_IDS), (1, FULL_IDS)):  # every block's bytes, distinct per group
+        for j, bid in enumerate(ids):
+            for n in ("s0", "s1") if g == 0 else ("f0", "f1"):
+                a.kv[n][bid].fill_(float(1 + j + 100 * g))
+    blocks = SimpleNamespace(get_block_ids=lambda: (SW_IDS, FULL_IDS))
+    a.sched.update_state_after_alloc(req, blocks, 0)
+    meta = a.sched.build_connector_meta(new_req_output("p", (SW_IDS, FULL_IDS), 0, len(toks)))
+    a.run(meta)
+    a.sched.update_connector_output(SimpleNamespace(invalid_block_ids=set()))
+    a.sched.request_finished_all_groups(req, (SW_IDS, FULL_IDS))
+    return a
+
+
+def stored(pool_path, ns_name, toks) -> list:
+    with cxlkv.Pool.open(pool_path) as pool:
+        d = next(n for n in pool.namespaces() if n["name"] == ns_name)
+        ns = pool.namespace(cxlkv.KVLayout.from_info(d), name=ns_name)
+        return [i for i, k in enumerate(block_keys(toks, BS, ns_name)) if ns.get_bytes(k) is not None]
+
+
+def test_stores_every_full_block_and_only_the_windows_anchors_need(pool_path, model_dir):
+    toks = tokens(7, N_BLOCKS * BS + 1)
+    a = produce(pool_path, model_dir, toks)
+    names = a.sched.connector_scheduler.ctx.ns_names
+    assert len(set(names)) == 2  # one namespace per group
+    assert stored(pool_path, names[1], toks) == list(range(N_BLOCKS))
+    # checkpoints 4 and 8, and the prompt's last boundary 10: the 2 blocks before each
+    assert stored(pool_path, names[0], toks) == [2, 3, 6, 7, 8, 9]
+    stats = a.worker.get_kv_connector_stats().data
+    assert stats["save_blocks_group1"] == N_BLOCKS and stats["save_blocks_group0"] == 6
+    a.close()
+
+
+def test_fresh_engine_loads_each_groups_needs_asynchronously(pool_path, model_dir):
+    toks = tokens(8, N_BLOCKS * BS + 1)
+    a = produce(pool_path, model_dir, toks)
+    b = Hybrid(pool_path, model_dir)
+    req = make_req("c", toks)
+    assert b.sched.get_num_new_matched_tokens(req, 0) == (N_BLOCKS * BS, True)
+    ids = ([0] * (N_BLOCKS - 2) + [40, 41, 42], list(range(50, 61)))  # the window's blocks only
+    b.sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ids), N_BLOCKS * BS)
+    meta = b.sched.build_connector_meta(idle_output())
+    assert sorted((op.group, op.start_depth, len(op.keys)) for op in meta.loads) == [(0, 8, 2), (1, 0, 10)]
+    results = b.run(meta)
+    assert results.finished_recving == {"c"} and not results.failed_recving
+    for j in range(N_BLOCKS):
+        assert b.block(1, ids[1][j]) == a.block(1, FULL_IDS[j])
+    for j in (8, 9):
+        assert b.block(0, ids[0][j]) == a.block(0, SW_IDS[j])
+    assert b.block(0, 1) == bytes(len(b.block(0, 1)))  # nothing loaded below the window
+    b.sched.update_connector_output(SimpleNamespace(finished_recving={"c"}, failed_recving=set()))
+    assert not b.sched.connector_scheduler._reqs["c"].lease  # released once loaded
+    a.close(), b.close()
+
+
+def test_a_missing_window_block_moves_the_hit_to_a_boundary_both_groups_serve(pool_path, model_dir):
+    toks = tokens(9, N_BLOCKS * BS + 1)
+    a = produce(pool_path, model_dir, toks)
+    b = Hybrid(pool_path, model_dir)
+    sw = b.sched.connector_scheduler.ctx.ns_names[0]
+    assert b.sched._session.call("delete", lambda spaces: spaces[0].delete(block_keys(toks, BS, sw)[9]))
+    # boundary 10 needs window blocks 8, 9; boundary 9 needs 7, 8: both there
+    assert b.sched.get_num_new_matched_tokens(make_req("c", toks), 0) == (9 * BS, True)
+    a.close(), b.close()
+
+
+def test_a_failed_load_is_a_failed_request_never_block_ids(pool_path, model_dir):
+    toks = tokens(10, N_BLOCKS * BS + 1)
+    a = produce(pool_path, model_dir, toks)
+    b = Hybrid(pool_path, model_dir)
+    req = make_req("c", toks)
+    b.sched.get_num_new_matched_tokens(req, 0)
+    ids = ([0] * (N_BLOCKS - 2) + [40, 41, 42], list(range(50, 61)))
+    b.sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ids), N_BLOCKS * BS)
+    meta = b.sched.build_connector_meta(idle_output())
+    session = b.worker._session
+    real = session.ns
+
+    class Failing:  # the full group's namespace loses its blocks past the 3rd
+        def load(self, keys, arrays, block_ids, block_dim=0):
+            return real[1].load(keys[:3], arrays, block_ids[:3], block_dim=block_dim)
+
+        def __getattr__(self, name):
+            return getattr(real[1], name)
+
+    session.ns = GroupNamespaces([real[0], Failing()])
+    results = b.run(meta)
+    session.ns = real
+    assert results.failed_recving == {"c"} and "c" in results.finished_recving
+    assert b.worker.get_block_ids_with_load_errors() == set()  # vLLM refuses those for several groups
+    b.sched.update_connector_output(SimpleNamespace(finished_recving={"c"}, failed_recving={"c"}))
+    st = b.sched.connector_scheduler._reqs["c"]
+    assert st.saved_blocks == 0 and not st.lease  # vLLM recomputes it from scratch: saved again
+    a.close(), b.close()
