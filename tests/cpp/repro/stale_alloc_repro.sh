@@ -11,7 +11,7 @@ OUT="$(mktemp -d)"
 g++ -std=c++20 -O1 -g -I"$ROOT/src/core" -I"$ROOT/src/core/format" -I"$ROOT/src/core/coherence" \
     -I"$ROOT/src/core/nodes" -I"$ROOT/src/core/store" -I"$ROOT/src/core/transfer" -I"$ROOT/src/core/rpc" \
     -I"$ROOT/src/core/platform" "$ROOT/tests/cpp/repro/stale_alloc_repro.cpp" \
-    "$B/libcxlkv_core.a" -lgtest -lxxhash -lpthread -o "$OUT/stale"
+    "$B/libcxlkv_core.a" -lgtest -lpthread -o "$OUT/stale"
 P=/dev/shm/cxlkv-stale-repro-$$
 "$OUT/stale" setup "$P" & SETUP=$!
 sleep 0.5
