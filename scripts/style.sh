@@ -30,7 +30,9 @@ if [ "$fix" = 1 ]; then
   ruff check --fix "${PY_PATHS[@]}"
   ruff format "${PY_PATHS[@]}"
 else
-  ruff check --quiet "${PY_PATHS[@]}" && echo "ruff check: ok"
+  # Not `cmd && echo ok`: set -e ignores a failure on the left of &&, so a lint error passed.
+  ruff check --quiet "${PY_PATHS[@]}"
+  echo "ruff check: ok"
   ruff format --check --output-format concise "${PY_PATHS[@]}" && echo "ruff format: ok" ||
     { echo "(bash scripts/style.sh --fix formats them)" >&2; exit 1; }
 fi
@@ -41,6 +43,7 @@ if [ "$cpp" = 1 ]; then
   if [ "$fix" = 1 ]; then
     clang-format -i "${CPP_FILES[@]}"
   else
-    clang-format --dry-run -Werror "${CPP_FILES[@]}" && echo "clang-format: ok (${#CPP_FILES[@]} files)"
+    clang-format --dry-run -Werror "${CPP_FILES[@]}"
+    echo "clang-format: ok (${#CPP_FILES[@]} files)"
   fi
 fi
