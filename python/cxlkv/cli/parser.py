@@ -761,7 +761,7 @@ def build_parser() -> argparse.ArgumentParser:
     qy.add_argument(
         "--namespace",
         default=None,
-        help="KV namespace: its pool name (kv1-...) or weights identity (model_id)",
+        help="KV namespace: its pool name (kv2-...) or weights identity (model_id)",
     )
     qy.add_argument(
         "--lora-id", default=None, help="the adapter's content id, 'lora:<digest>' (not its name)"

@@ -15,6 +15,7 @@ from vllm.logger import init_logger
 import cxlkv
 from cxlkv.integrations import identity as ident
 from cxlkv.integrations import vllm_identity as vid
+from cxlkv.integrations.heads import HeadNamespace
 from cxlkv.integrations.placement import placement_device
 from cxlkv.integrations.pool_session import PoolSession
 from cxlkv.integrations.save_tracker import async_saves_enabled
@@ -72,7 +73,11 @@ class ConnectorContext:
         self.pool_path = ",".join(map(str, pool_path)) if isinstance(pool_path, list) else str(pool_path)
         self.awaits_workers = not is_worker and vid.hashes_loaded_weights(extra)
         self.identity = vid.describe(vllm_config, kv_cache_config, is_worker, extra)
-        self.block_bytes = self.identity.block_bytes
+        self.tp_rank = vid.tp_rank_of(vllm_config, is_worker)
+        kind, spec = vid.kind_and_spec(kv_cache_config)
+        self.heads = vid.head_plan(vllm_config, spec, kind, self.tp_rank)  # this rank's KV heads
+        self.head_dim: int | None = None  # the KV arrays' head dim (the worker's register_kv_caches)
+        self.block_bytes = self.identity.block_bytes * len(self.heads.local)  # this rank's share
         self.ns_name = (
             ident.short_name(str(extra["namespace"]))
             if extra.get("namespace")
@@ -110,10 +115,11 @@ class ConnectorContext:
         )
 
     def open_namespace(self, pool: cxlkv.Pool) -> Any:
-        device = placement_device(
-            self.extra.get("pool_device"), self.identity.tp_rank, len(pool.info()["devices"])
-        )
-        return pool.namespace(vid.pool_layout(self.identity), name=self.ns_name, device=device)
+        device = placement_device(self.extra.get("pool_device"), self.tp_rank, len(pool.info()["devices"]))
+        ns = pool.namespace(vid.pool_layout(self.identity), name=self.ns_name, device=device)
+        # Block keys in, per-head entries in the pool: lookups ask for every head, loads and
+        # stores move this rank's (heads.py).
+        return HeadNamespace(ns, self.heads, self.head_dim)
 
     def once(self, cause: str, msg: str, *args: Any) -> None:
         """A warning logged once per cause and process."""

@@ -15,6 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from cxlkv.integrations.coalesce import CoalesceWorker
+from cxlkv.integrations.heads import HeadNamespace, PerHeadTransfer, head_dim_of
 from cxlkv.integrations.save_tracker import SaveTracker
 from cxlkv.integrations.transfer import BlockOp, CpuSaveHandle, CpuTransfer, Transfer
 from cxlkv.integrations.vllm_common import ConnectorContext, CxlKVConnectorMetadata, logger
@@ -68,6 +69,13 @@ class CxlKVWorker:
                 f"{self.ctx.ns_name!r} expects {self._block_bytes}"
             )
         self._kv_arrays = [a.detach() for a in arrays]
+        if self.ctx.heads.split:  # the namespace moves this rank's heads through views of the arrays
+            self.ctx.head_dim = int(
+                self.ctx.extra.get("kv_head_dim")
+                or head_dim_of(first, self._block_dim, len(self.ctx.heads.local))
+            )
+            if isinstance(self._session.ns, HeadNamespace):
+                self._session.ns.head_dim = self.ctx.head_dim
         self._transfer = self._build_transfer(first.is_cuda)
         logger.info(
             "cxlkv: %d KV layers registered, %s, block_dim=%d",
@@ -83,6 +91,17 @@ class CxlKVWorker:
         if on_cuda:
             from cxlkv.integrations.transfer_cuda import CudaTransfer
 
+            if self.ctx.heads.split:  # a plan, reservations and pins per local head
+                assert self.ctx.head_dim is not None
+                return PerHeadTransfer(
+                    self._session,
+                    self._kv_arrays,
+                    self._block_dim,
+                    self.ctx.identity.block_bytes,
+                    self.ctx.head_dim,
+                    self.ctx.heads,
+                    CudaTransfer,
+                )
             return CudaTransfer(self._session, self._kv_arrays, self._block_dim, self._block_bytes)
         return CpuTransfer(self._session, self._kv_arrays, self._block_dim)
 
@@ -104,7 +123,7 @@ class CxlKVWorker:
 
     def start_load_kv(self, meta: CxlKVConnectorMetadata) -> None:
         self._failed_reqs = set()
-        if self.ctx.identity.tp_rank == 0:
+        if self.ctx.tp_rank == 0:
             for k, v in meta.counters.items():
                 self._stats.data[k] = self._stats.data.get(k, 0) + v
         self._coalesce_worker.add(meta.waits, meta.idle)
