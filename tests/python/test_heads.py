@@ -184,3 +184,12 @@ def test_mla_latent_once_for_every_rank(make_pool):
     # a replica that saves before rank 0 wrote finds nothing, writes nothing
     assert ns_for(pool, HeadPlan.replicated(2, 1), "mla").store(keys_of(1, "n"), latent, [0]) == 0
     assert ns_for(pool, HeadPlan.replicated(1, 0), "mla").match_prefix(keys_of(1, "n")) == 0
+
+
+def test_bench_tp_runs():
+    """python -m cxlkv.tools.bench_tp (BENCHMARKS.md), on a tiny geometry: every load checked."""
+    from cxlkv.tools import bench_tp
+
+    r = bench_tp.run(layers=2, heads=4, hs=8, bs=16, blocks=8, iters=1, copy_threads=None)
+    assert r["tp2_rank_from_tp1_heads"]["bytes"] * 2 == r["tp1_from_heads"]["bytes"]
+    assert r["ratio_tp2_from_tp1_vs_same_tp"] > 0

@@ -149,6 +149,32 @@ def head_views(arrays: Sequence[Any], block_dim: int, head_dim: int, j: int) -> 
     return out, int(new_dim if new_dim is not None else block_dim)
 
 
+def merged_heads(arrays: Sequence[Any], block_dim: int, head_dim: int) -> list | None:
+    """Views of ``arrays`` with the block and head dims merged into one (``block * heads +
+    head``), when the head dim directly follows the block dim and the two merge without a copy
+    (vLLM CPU's ``[blocks, heads, ...]``): then one core call moves every head of every block,
+    split over the copy threads as one batch. None otherwise (flash attention's layout)."""
+    if head_dim != block_dim + 1:
+        return None
+    out = []
+    for a in arrays:
+        shape, strides = tuple(a.shape), _strides(a)
+        if strides[block_dim] != shape[head_dim] * strides[head_dim]:
+            return None
+        merged = (*shape[:block_dim], shape[block_dim] * shape[head_dim], *shape[head_dim + 1 :])
+        v = a.view(merged) if hasattr(a, "data_ptr") else a.reshape(merged)  # torch: never a copy
+        if not hasattr(a, "data_ptr") and not np_shares(v, a):
+            return None
+        out.append(v)
+    return out
+
+
+def np_shares(v: Any, a: Any) -> bool:
+    import numpy as np
+
+    return bool(np.shares_memory(v, a))
+
+
 class HeadLease:
     """A lease on every head of the leading complete blocks; ``len`` counts blocks."""
 
@@ -222,6 +248,19 @@ class HeadNamespace:
             return list(arrays), block_dim
         return head_views(arrays, block_dim, self.head_dim, j)
 
+    def _merged(self, arrays: Sequence[Any], block_dim: int) -> list | None:
+        if self.head_dim is None or len(self.plan.local) == 1:
+            return None  # one head (or a latent): the per-head path is one call already
+        return merged_heads(arrays, block_dim, self.head_dim)
+
+    def _flat(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> tuple[list, list]:
+        """Block-major (every local head of block 0, then of block 1...): a leading count over it,
+        divided by the local heads, is the leading complete blocks."""
+        local = self.plan.local
+        hk = [head_key(k, g) for k in keys for g in local]
+        ids = [int(b) * len(local) + j for b in block_ids for j in range(len(local))]
+        return hk, ids
+
     def store(
         self,
         keys: Sequence[bytes],
@@ -235,6 +274,11 @@ class HeadNamespace:
         all present afterwards (a replica that writes nothing reports what it finds)."""
         n = len(keys)
         local = self.plan.local
+        merged = self._merged(arrays, block_dim)
+        if merged is not None and self.plan.writes:  # every local head of every block, one call
+            hk, ids = self._flat(keys, block_ids)
+            got = int(self._ns.store(hk, merged, ids, block_dim=block_dim, start_depth=start_depth))
+            return got // len(local)
         for j in self.plan.writes:
             views, bd = self._views(arrays, block_dim, j)
             hk = self.plan.keys(keys, local[j])
@@ -250,6 +294,10 @@ class HeadNamespace:
         """Reads this rank's heads into ``arrays``; the leading blocks whose every local head
         loaded and verified (the rest are misses: the caller recomputes them)."""
         n = len(keys)
+        merged = self._merged(arrays, block_dim)
+        if merged is not None:
+            hk, ids = self._flat(keys, block_ids)
+            return int(self._ns.load(hk, merged, ids, block_dim=block_dim)) // len(self.plan.local)
         for j, g in enumerate(self.plan.local):
             if n == 0:
                 break

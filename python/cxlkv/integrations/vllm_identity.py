@@ -1,7 +1,8 @@
 """The identity of the KV bytes a vLLM engine holds (the vLLM side of identity.py and
 docs/IDENTITY.md): what determines them (weights by content, KV layout, dtype and scales,
-quantization, block size, TP rank, device layout) read from vLLM's configs, and the handshake by
-which the workers, who hold the loaded weights, name the namespace for the scheduler side.
+quantization, block size, total KV heads, device layout) read from vLLM's configs, and the
+handshake by which the workers, who hold the loaded weights, name the namespace for the
+scheduler side.
 
 Used by the connector's both sides (vllm.py is the façade) and by lmcache_vllm.py."""
 
