@@ -23,6 +23,7 @@ device path (transfer_cuda.py reserves and pins per head: :class:`PerHeadTransfe
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import hashlib
@@ -360,7 +361,9 @@ class PerHeadTransfer:
         for t in self._parts:
             if n == 0:
                 break
-            n = min(n, int(t.load(dataclasses.replace(op, keys=op.keys[:n], block_ids=op.block_ids[:n]))))
+            part = copy.copy(op)  # a BlockOp (transfer.py): its first n blocks
+            part.keys, part.block_ids = op.keys[:n], op.block_ids[:n]
+            n = min(n, int(t.load(part)))
         return n
 
     def submit_save(self, op: Any) -> _AllHandle:
