@@ -1,8 +1,9 @@
 """One block layout for every TP size (integrations/heads.py) with real vLLM CPU engines: a
 prefix stored by a TP=1 engine is a hit for a TP=2 engine, and the reverse, with greedy outputs
 identical to what each engine computes without the pool (the same prompt under another
-cache_salt: other keys, so computed). Two engines, alive together: the TP=1 one waits (a file)
-while the TP=2 one runs, so each starts once."""
+cache_salt: other keys, so computed). Then prefill -> decode across TP sizes: a TP=2 decode
+instance (kv_consumer: loads, never saves) gets the prompt the TP=1 engine prefilled. The TP=1
+engine waits (a file) while the TP=2 ones run, so each engine starts once."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "OMP_NUM_THREADS": "1"}
 TP1_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0", "OMP_NUM_THREADS": "1"}
 
 
-def spec(pool: str, tp: int, rounds: list) -> dict:
+def spec(pool: str, tp: int, rounds: list, role: str = "kv_both") -> dict:
     return {
+        "role": role,
         "model": "tiny",
         "pool": pool,
         "tp": tp,
@@ -44,16 +46,18 @@ def test_tp1_and_tp2_share_prefixes_both_ways(pool_path, tmp_path):
         spec(pool_path, 1, [one(p), {**one(r, "cold-a"), "wait_for": a_go}, one(r)]),
         TP1_ENV,
     )
-    b = None
+    b = d = None
     try:
         a.expect("RESULT ")  # P is in the pool, written by TP=1
         b = EngineProc(spec(pool_path, 2, [one(p, "cold-b"), one(p), one(r)]), TP2_ENV)
         b_res = b.results(600)
         with open(a_go, "w"):
             pass
+        d = EngineProc(spec(pool_path, 2, [one(p)], role="kv_consumer"), TP2_ENV)
         a_res = a.results(600)
+        d_res = d.results(600)
     finally:
-        for e in (a, b):
+        for e in (a, b, d):
             if e is not None and e.p.poll() is None:
                 os.killpg(e.p.pid, 9)
                 e.p.wait()
@@ -69,5 +73,10 @@ def test_tp1_and_tp2_share_prefixes_both_ways(pool_path, tmp_path):
     assert hit_a["cached"] >= (hit_a["len"] - 1) // BLOCK * BLOCK > 0, hit_a
     assert cold_a["cached"] == 0
     parted.append(parted_at_tie(cold_a, hit_a))
+    # P/D: the TP=2 decode instance loads the TP=1 prefill's blocks, and saves nothing
+    decode = d_res[0]["outputs"][0]
+    assert decode["cached"] >= (decode["len"] - 1) // BLOCK * BLOCK > 0, decode
+    parted.append(parted_at_tie(cold_b, decode))
+    assert not d_res[0]["cxlkv"].get("vllm:cxlkv_store_outcome_blocks{outcome=stored}"), d_res[0]["cxlkv"]
     print("parted at", parted)
     assert store_r["cached"] == 0  # R was new to the pool when TP=2 computed and stored it
