@@ -122,7 +122,11 @@ _LAYOUT_DEFAULTS = {f["name"]: f["default"] for f in _core.layout_fields()}
 class KVLayout:
     """What a namespace's blocks hold. Two layouts that differ in any field never share blocks.
 
-    dense: per layer, K and V of ``num_kv_heads x head_size`` per token.
+    dense: per layer, K and V of ``num_kv_heads x head_size`` per token. ``heads_per_entry`` = k
+           >= 1: an entry holds k KV heads of a block (every layer, K and V; one entry per block
+           and head group, each under its own key), so that readers of any tensor-parallel size
+           read exactly their heads; ``num_kv_heads`` is then the model's total (0: an entry is
+           a whole block, as its writer laid it out).
     mla:   per layer, one latent vector of ``head_size`` per token (DeepSeek MLA).
     ``dtype`` takes any alias of :func:`dtypes` (or a torch/numpy dtype) and is stored canonical
     (``KVLayout(dtype="bfloat16").dtype == "bf16"``), so every alias names the same namespace.
@@ -141,8 +145,7 @@ class KVLayout:
     head_size: int = _LAYOUT_DEFAULTS["head_size"]
     tokens_per_block: int = _LAYOUT_DEFAULTS["tokens_per_block"]
     kind: str = _LAYOUT_DEFAULTS["kind"]
-    tp_rank: int = _LAYOUT_DEFAULTS["tp_rank"]
-    tp_size: int = _LAYOUT_DEFAULTS["tp_size"]
+    heads_per_entry: int = _LAYOUT_DEFAULTS["heads_per_entry"]
     block_bytes: int | None = None  # None: the natural size of the other fields
     source: str = dataclasses.field(default="", compare=False)
 
@@ -163,7 +166,7 @@ class KVLayout:
         return dtype_bytes(self.dtype)
 
     def default_name(self) -> str:
-        return f"{self.model_id}#tp{self.tp_rank}/{self.tp_size}"
+        return f"{self.model_id}#h{self.heads_per_entry}" if self.heads_per_entry else self.model_id
 
 
 SizeLike = int | str

@@ -96,13 +96,21 @@ TEST(LayoutFields, EveryFieldEntersTheFingerprintAndTheDiff) {
 TEST(LayoutFields, NaturalBlockBytesAndChecks) {
   Layout l = sample("bf16");
   EXPECT_EQ(l.block_bytes, 16u * 4 * 64 * 2 * 2 * 2);
+  l.heads_per_entry = 1;  // one KV head of the block per entry: half of it
+  EXPECT_EQ(natural_block_bytes(l), 16u * 4 * 64 * 2 * 2);
+  EXPECT_NO_THROW(check_layout(l));
+  l.heads_per_entry = 0;
   l.kind = format::kLayoutMla;
   EXPECT_EQ(natural_block_bytes(l), 16u * 4 * 64 * 2);
   l.num_layers = 0xFFFFFFFFu;
   l.head_size = 0xFFFFFFFFu;
   EXPECT_THROW(natural_block_bytes(l), ArgumentError);
   Layout bad = sample("bf16");
-  bad.tp_rank = 1;
+  bad.heads_per_entry = 3;  // does not divide 2 heads
+  EXPECT_THROW(check_layout(bad), ArgumentError);
+  bad = sample("bf16");
+  bad.kind = format::kLayoutMla;
+  bad.heads_per_entry = 1;  // an MLA latent is not split by head
   EXPECT_THROW(check_layout(bad), ArgumentError);
   bad = sample("bf16");
   bad.dtype = 4242;

@@ -391,14 +391,15 @@ def test_two_models_never_alias(make_pool):
     assert a.name in names and b.name in names
 
 
-def test_tp_ranks_are_distinct_namespaces(make_pool):
+def test_head_entries_are_another_namespace(make_pool):
     pool = make_pool()
-    r0 = pool.namespace(small_layout(model_id="test/tp", tp_rank=0, tp_size=2))
-    r1 = pool.namespace(small_layout(model_id="test/tp", tp_rank=1, tp_size=2))
-    assert r0.id != r1.id
+    whole = pool.namespace(small_layout(None, model_id="test/tp", num_kv_heads=2))
+    per_head = pool.namespace(small_layout(None, model_id="test/tp", num_kv_heads=2, heads_per_entry=1))
+    assert whole.id != per_head.id
+    assert per_head.block_bytes * 2 == whole.block_bytes  # one of the two heads per entry
     k = tu.make_key("tp")
-    r0.put(k, b"rank0")
-    assert not r1.contains(k)
+    whole.put(k, b"whole")
+    assert not per_head.contains(k)
 
 
 def test_mla_block_bytes():

@@ -170,15 +170,13 @@ def test_identity_every_field_separates():
     for k, v in (
         ("weights", "w2"),
         ("block_size", 8),
-        ("tp_rank", 1),
+        ("heads_per_entry", 1),
         ("quantization", "awq"),
         ("kv_scales", "x"),
         ("device_layout", "cuda"),
         ("compute_dtype", "fp16"),
     ):
         kw = dict(base, **{k: v})
-        if k == "tp_rank":
-            kw["tp_size"] = 2
         assert ident.KVIdentity(**kw).namespace_name() != ref, k
     # the source is display text, not identity
     assert ident.KVIdentity(**base, weights_source="elsewhere").namespace_name() == ref
@@ -404,6 +402,7 @@ def tokens(seed: int, n: int) -> list:
 
 def pool_blocks(pool_path: str, ns_name: str, toks: list) -> dict:
     """depth -> bytes of every block of toks' chain that the pool holds."""
+    from cxlkv.integrations.heads import head_key
     from cxlkv.integrations.keys import block_keys
 
     with cxlkv.Pool.open(pool_path) as pool:
@@ -411,8 +410,9 @@ def pool_blocks(pool_path: str, ns_name: str, toks: list) -> dict:
         lay = cxlkv.KVLayout.from_info(d)
         ns = pool.namespace(lay, name=ns_name)
         out = {}
+        assert lay.heads_per_entry == 1 and lay.num_kv_heads == 1  # one entry per block and head
         for i, k in enumerate(block_keys(toks, BS, ns_name)):
-            b = ns.get_bytes(k)
+            b = ns.get_bytes(head_key(k, 0))
             if b is not None:
                 out[i] = bytes(b)
         return out

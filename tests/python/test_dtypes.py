@@ -118,7 +118,7 @@ def test_kvlayout_fields_are_the_core_field_list():
     core = [f["name"] for f in _core.layout_fields()]
     py = {f.name for f in dataclasses.fields(cxlkv.KVLayout)}
     assert py - set(core) == {"model_id", "source"}
-    assert core[:9] == [
+    assert core[:8] == [
         "block_bytes",
         "dtype",
         "kind",
@@ -126,8 +126,7 @@ def test_kvlayout_fields_are_the_core_field_list():
         "num_kv_heads",
         "head_size",
         "tokens_per_block",
-        "tp_rank",
-        "tp_size",
+        "heads_per_entry",
     ]
 
 
@@ -136,8 +135,10 @@ def test_layout_field_checks_come_from_the_core():
         layout("bf16", num_layers=0)
     with pytest.raises(ValueError, match=r"head_size must be in 1\.\.4294967295, got -3"):
         layout("bf16", head_size=-3)
-    with pytest.raises(ValueError, match="tp_rank must be in"):
-        layout("bf16", tp_rank=2, tp_size=2)
+    with pytest.raises(ValueError, match="heads_per_entry must divide num_kv_heads"):
+        layout("bf16", num_kv_heads=4, heads_per_entry=3)
+    with pytest.raises(ValueError, match="dense layouts only"):
+        layout("bf16", kind="mla", heads_per_entry=1)
     with pytest.raises(TypeError, match="num_layers must be an integer, not float"):
         layout("bf16", num_layers=2.0)
     with pytest.raises(TypeError, match="tokens_per_block must be an integer, not bool"):

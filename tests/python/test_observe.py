@@ -157,11 +157,11 @@ def test_exporter_use_per_namespace_and_device(pool_path):
             m[0]: float(m[1]) for m in re.findall(rf'^{series}{{namespace="([^"]+)"}} (\S+)$', text, re.M)
         }
 
-    assert per_ns("cxlkv_namespace_used_blocks") == {"a#tp0/1": 5.0, "b#tp0/1": 3.0}
-    assert per_ns("cxlkv_namespace_used_bytes") == {"a#tp0/1": 5 * 4096.0, "b#tp0/1": 3 * 8192.0}
-    assert per_ns("cxlkv_namespace_chunks") == {"a#tp0/1": 1.0, "b#tp0/1": 1.0}
+    assert per_ns("cxlkv_namespace_used_blocks") == {"a": 5.0, "b": 3.0}
+    assert per_ns("cxlkv_namespace_used_bytes") == {"a": 5 * 4096.0, "b": 3 * 8192.0}
+    assert per_ns("cxlkv_namespace_chunks") == {"a": 1.0, "b": 1.0}
     cap = per_ns("cxlkv_namespace_capacity_bytes")
-    assert 0 < cap["a#tp0/1"] <= MiB and 0 < cap["b#tp0/1"] <= MiB
+    assert 0 < cap["a"] <= MiB and 0 < cap["b"] <= MiB
     device_used = float(re.search(r"^cxlkv_device_used_bytes\{[^}]*\} (\S+)$", text, re.M).group(1))
     assert device_used == 5 * 4096 + 3 * 8192  # the blocks' strides (cache-line multiples here)
 

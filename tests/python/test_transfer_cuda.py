@@ -208,3 +208,47 @@ def test_the_gpu_bench_logic_runs_on_cpu():
             "kernel_vs_memcpy",
             "kernel_vs_per_fragment",
         } <= set(r[k])
+
+
+def test_per_head_device_path_reads_what_the_cpu_path_wrote_at_another_tp(make_pool):
+    """The CUDA path of per-head entries (heads.PerHeadTransfer: a CudaTransfer per local head over
+    that head's views, flash attention's strided layout): a TP=2 rank loads its head of blocks the
+    CPU path wrote at TP=1, and what it saves is what the CPU path of TP=1 reads back."""
+    import cxlkv
+    from cxlkv.integrations.heads import HeadNamespace, HeadPlan, PerHeadTransfer
+
+    shape, block_dim = SHAPES["cuda"]  # [2, blocks, block_size, heads, head_size]
+    pool = make_pool()
+    layout = cxlkv.KVLayout(
+        model_id="test/per-head",
+        dtype="bf16",
+        num_layers=LAYERS,
+        num_kv_heads=H,
+        head_size=D,
+        tokens_per_block=BS,
+        heads_per_entry=1,
+    )
+    entry = BB // H
+    whole = HeadNamespace(pool.namespace(layout), HeadPlan(H), 3)
+    src = kv(shape, 7)
+    ids, keys = [1, 6], [os.urandom(32) for _ in range(2)]
+    assert whole.store(keys, src, ids, block_dim=block_dim) == 2
+    plan = HeadPlan(H, 2, 1)  # rank 1 of TP=2: head 1, its own one-head arrays
+    mine = [a[:, :, :, 1:2].contiguous() for a in kv(shape, poison=True)]
+    ns1 = HeadNamespace(pool.namespace(layout), plan, 3)
+    t = PerHeadTransfer(session_on(pool, ns1), mine, block_dim, entry, 3, plan, CudaTransfer)
+    assert t.load(BlockOp("r", keys, [3, 0])) == 2
+    for i, j in zip(ids, [3, 0], strict=True):
+        for a, b in zip(src, mine, strict=True):
+            assert torch.equal(a[:, i, :, 1].view(torch.uint8), b[:, j, :, 0].view(torch.uint8))
+    keys2 = [os.urandom(32) for _ in range(2)]
+    assert t.submit_save(BlockOp("s", keys2, [3, 0])).result() == 2
+    # head 0 of keys2 was never written (rank 0 did not save): no hit for a TP-agnostic lookup
+    assert whole.match_prefix(keys2) == 0
+    back = kv(shape, poison=True)
+    got = [a[:, :, :, 1:2].contiguous() for a in back]
+    assert ns1.load(keys2, got, [5, 7], block_dim=block_dim) == 2  # the CPU path reads rank 1's head
+    for a, b in zip(mine, got, strict=True):
+        assert torch.equal(a[:, 3].view(torch.uint8), b[:, 5].view(torch.uint8))
+    t.close()
+    assert pool.check()["ok"]

@@ -8,7 +8,8 @@ SSM hybrid, dummy weights) | "smollm2" | a model directory), load_format (vLLM's
 connector (bool), role ("kv_both" ...), on_pool_error ("fail": an unusable pool stops the engine
 instead of serving without the cache), max_num_batched_tokens (optional), prefix_caching (bool,
 default true), ids (bool: report prompt token ids), stats (bool: report preemptions and the
-connector's vllm:cxlkv_* counters as "cxlkv"), extra_config (more kv_connector_extra_config keys),
+connector's vllm:cxlkv_* counters as "cxlkv"), tp (tensor_parallel_size; set
+VLLM_CPU_OMP_THREADS_BIND in the environment), extra_config (more kv_connector_extra_config keys),
 max_tokens, top_logprobs (k > 1: report each position's top k as "top"), async_saves (bool;
 default: $CXLKV_TEST_ASYNC_SAVES, else the connector's), rounds: [{"prompts": [{"prompt":
 str, "cache_salt": str?}], "before": "corrupt_pool" | "corrupt_depth:D" | "unlink_pool" |
@@ -124,6 +125,9 @@ def main() -> None:
     )
     if spec.get("load_format"):
         kw["load_format"] = spec["load_format"]
+    if spec.get("tp", 1) > 1:  # vLLM CPU: one OpenMP thread bound per rank ("0|1")
+        kw["tensor_parallel_size"] = spec["tp"]
+        kw["distributed_executor_backend"] = "mp"
     if spec.get("served_model_name"):
         kw["served_model_name"] = spec["served_model_name"]
     if spec.get("prefix_caching") is False:

@@ -63,7 +63,7 @@ def add_services(sub: Any, default_pool: str) -> None:
     qy.add_argument(
         "--namespace",
         default=None,
-        help="KV namespace: its pool name (kv1-...) or weights identity (model_id)",
+        help="KV namespace: its pool name (kv2-...) or weights identity (model_id)",
     )
     qy.add_argument(
         "--lora-id", default=None, help="the adapter's content id, 'lora:<digest>' (not its name)"

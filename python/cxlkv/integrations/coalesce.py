@@ -23,8 +23,8 @@ flight and waits for the blocks (vLLM's asynchronous KV load) instead of recompu
 
 Everything the worker needs travels in the connector metadata (:class:`WaitOp`): no state is
 shared between the scheduler and the worker, so any executor works. Tensor parallelism is not
-supported (each rank has its own namespace, the marker lives in rank 0's): coalescing is off with
-one log line when ``tp_size > 1``.
+supported (the ranks share one namespace of per-head entries, heads.py, but each would poll and
+load its waits on its own, untested): coalescing is off with one log line when ``tp_size > 1``.
 
 Extra config: ``coalesce`` (default true; a marker costs an index entry, never a pool block, so a
 full pool loses no READY KV to it) and ``coalesce_wait_s`` (default 30: longer than a long prefill

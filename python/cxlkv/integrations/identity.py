@@ -6,9 +6,11 @@ Recipe (docs/IDENTITY.md explains the why and the limits):
 * the weights, by content: :func:`weights_digest` hashes every weight file's size, its tensor
   table (safetensors header / GGUF tensor infos: names, dtypes, shapes, offsets) and fixed-size
   samples of every tensor's bytes at deterministic offsets (start, middle, end);
-* the KV layout (kind, layers, KV heads, head size), the KV cache dtype through the core's
-  canonical dtype table, the KV scales, the quantization method, the block size, the TP rank/size
-  and the device's byte layout: :class:`KVIdentity`.
+* the KV layout (kind, layers, the model's total KV heads, head size, KV heads per pool entry),
+  the KV cache dtype through the core's canonical dtype table, the KV scales, the quantization
+  method, the block size and the device's byte layout: :class:`KVIdentity`. Not the
+  tensor-parallel size or rank: the vLLM connector stores one entry per block and KV head, which
+  every TP size reads (heads.py), so engines of any TP size share a namespace.
 
 Per-file digests are cached beside the model (``.cxlkv-identity.json``) or, where that directory
 is read-only, under ``~/.cache/cxlkv/identity/`` (keyed by the resolved path): a 100 GB checkpoint
@@ -453,8 +455,7 @@ class KVIdentity:
     num_kv_heads: int
     head_size: int
     block_size: int  # tokens per block
-    tp_rank: int = 0
-    tp_size: int = 1
+    heads_per_entry: int = 0  # dense: KV heads per pool entry (0: whole blocks; heads.py)
     kv_scales: str = "none"  # how K/V are scaled into dtype (fp8: the scales or their method)
     quantization: str = "none"  # weight quantization method (changes the computed KV)
     compute_dtype: str = ""  # the model's activation dtype (K/V are computed in it)
@@ -478,7 +479,7 @@ class KVIdentity:
     def namespace_name(self) -> str:
         """What the namespace is called in the pool: the identity's digest (no display name: the
         same bytes under two aliases must share it), 192 bits."""
-        return f"kv1-{self.digest()[:48]}"
+        return f"kv2-{self.digest()[:48]}"  # kv2: per-head entries, no TP rank/size (format 2.5)
 
     def model_id(self) -> str:
         """The layout's model_id field (96 bytes): the weights identity, hashed if too long."""
@@ -488,7 +489,7 @@ class KVIdentity:
         """Human-readable provenance for ``cxlkv pool info`` (display only, never identity)."""
         s = (
             f"{self.weights_source or self.weights}; kv {self.dtype} scales={self.kv_scales} "
-            f"quant={self.quantization} bs{self.block_size} tp{self.tp_rank}/{self.tp_size} "
+            f"quant={self.quantization} bs{self.block_size} h{self.num_kv_heads}/e{self.heads_per_entry} "
             f"{self.device_layout}"
         )
         s = "".join(c if c.isprintable() and c.isascii() else "?" for c in s)

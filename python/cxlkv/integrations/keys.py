@@ -9,11 +9,11 @@ with a fixed root, so any process computing the keys of the same tokens gets the
                     | extra(i))
 
 Everything that changes the KV of a block is in its key: the namespace (the weights' content,
-dtype, layout, TP rank: see identity.py), the LoRA adapter by content (its digest, never its
-name), the tenant's cache_salt (tenants never share blocks), the tokens of the whole prefix
-(chaining), the multimodal inputs placed in the block, and ``extra(i)``: per-block bytes the
-token ids do not show (the digest of a block's prompt embeddings, whose token ids are
-placeholders).
+dtype, layout: see identity.py; heads.py derives a key per KV head entry from it), the LoRA
+adapter by content (its digest, never its name), the tenant's cache_salt (tenants never share
+blocks), the tokens of the whole prefix (chaining), the multimodal inputs placed in the block,
+and ``extra(i)``: per-block bytes the token ids do not show (the digest of a block's prompt
+embeddings, whose token ids are placeholders).
 """
 
 from __future__ import annotations

@@ -246,8 +246,6 @@ class CxlKVL2Connector:
                 num_kv_heads=1,
                 head_size=1,
                 block_size=1,
-                tp_rank=0,
-                tp_size=1,
                 device_layout=f"{DEVICE_LAYOUT} kv_rank={key.kv_rank:08x} group={key.group}",
                 block_bytes=size,
                 weights_source=source,

@@ -105,8 +105,6 @@ class CxlKVHiCacheStorage(HiCacheStorage):
             head_size=self.identity.head_size,
             tokens_per_block=self.identity.block_size,
             kind=self.identity.kind,
-            tp_rank=self.identity.tp_rank,
-            tp_size=self.identity.tp_size,
             block_bytes=self.identity.block_bytes,
             source=self.identity.source(),
         )
@@ -142,6 +140,8 @@ class CxlKVHiCacheStorage(HiCacheStorage):
             f"/layers{host.start_layer}-{host.end_layer}/cp{c.attn_cp_rank}of{c.attn_cp_size}"
             f"/dcp{c.dcp_rank}of{c.dcp_size}/{host.storage_format_tag or '-'}/{sys.byteorder}"
         )
+        if not mla:  # a page holds this rank's slice of the KV heads: the slice is the layout
+            layout += f"/tp{c.tp_rank}of{c.tp_size}"
         return ident.KVIdentity(
             weights=self._weights,
             dtype=ident.canonical_dtype(host.dtype),
@@ -150,8 +150,6 @@ class CxlKVHiCacheStorage(HiCacheStorage):
             num_kv_heads=1 if mla else host.head_num,
             head_size=head_size,
             block_size=host.page_size,
-            tp_rank=0 if mla else c.tp_rank,
-            tp_size=1 if mla else c.tp_size,
             device_layout=layout,
             block_bytes=page_bytes,
             weights_source=self._weights_source,

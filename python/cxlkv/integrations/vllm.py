@@ -13,8 +13,8 @@ Roles: ``kv_both`` (shared prefix cache), ``kv_producer`` (a prefill instance: s
 loads) and ``kv_consumer`` (a decode instance: loads, never saves).
 
 Identity: the namespace is derived from what determines the KV bytes (the weights by content,
-the KV layout, dtype and scales, quantization, block size, TP rank, device layout: see
-identity.py and docs/IDENTITY.md), never from the served alias. LoRA adapters enter the keys by
+the KV layout, dtype and scales, quantization, block size, the model's KV heads (not the TP
+rank: heads.py), device layout: see identity.py and docs/IDENTITY.md), never from the served alias. LoRA adapters enter the keys by
 content; prompt embeddings by their digest.
 
 The connector is laid out like vLLM's own offloading connector: this module is the façade vLLM

@@ -16,6 +16,7 @@ import cxlkv
 from cxlkv.integrations import identity as ident
 from cxlkv.integrations import vllm_groups as vg
 from cxlkv.integrations import vllm_identity as vid
+from cxlkv.integrations.heads import HeadNamespace
 from cxlkv.integrations.placement import placement_device
 from cxlkv.integrations.pool_session import PoolSession
 from cxlkv.integrations.save_tracker import async_saves_enabled
@@ -81,6 +82,12 @@ class ConnectorContext:
             raise ValueError(f"cxlkv: window_checkpoint_blocks must be >= 1, not {self.checkpoint_blocks}")
         self.identities = vid.describe(vllm_config, kv_cache_config, is_worker, extra)
         self.ns_names = self._names(self.identities)
+        self.tp_rank = vid.tp_rank_of(vllm_config, is_worker)
+        # This rank's KV heads, per group (heads.py): one pool entry per block and KV head.
+        self.group_heads = [
+            vid.head_plan(vllm_config, g.spec, vid.kind_of(g.spec), self.tp_rank) for g in self.groups
+        ]
+        self.head_dim: int | None = None  # the KV arrays' head dim (the worker's register_kv_caches)
         self.logged: set[str] = set()
 
         def open_pool(create: bool) -> cxlkv.Pool:
@@ -130,8 +137,17 @@ class ConnectorContext:
         return self.ns_names[self.primary]
 
     @property
+    def heads(self) -> Any:
+        """The primary group's head plan (HeadPlan)."""
+        return self.group_heads[self.primary]
+
+    def group_block_bytes(self, group: int) -> int:
+        """Bytes of one block of a group in this rank's KV arrays: its local heads' entries."""
+        return self.identities[group].block_bytes * len(self.group_heads[group].local)
+
+    @property
     def block_bytes(self) -> int:
-        return self.identity.block_bytes
+        return self.group_block_bytes(self.primary)
 
     @property
     def multi(self) -> bool:
@@ -145,13 +161,13 @@ class ConnectorContext:
         self.ns_names = self._names(self.identities)
 
     def open_namespace(self, pool: cxlkv.Pool) -> Any:
-        """The namespace, or a hybrid model's namespaces (GroupNamespaces, one per group)."""
-        device = placement_device(
-            self.extra.get("pool_device"), self.identity.tp_rank, len(pool.info()["devices"])
-        )
+        """The namespace, or a hybrid model's namespaces (GroupNamespaces, one per group). Block
+        keys in, per-head entries in the pool: lookups ask for every head, loads and stores move
+        this rank's (heads.py)."""
+        device = placement_device(self.extra.get("pool_device"), self.tp_rank, len(pool.info()["devices"]))
         spaces = [
-            pool.namespace(vid.pool_layout(i), name=n, device=device)
-            for i, n in zip(self.identities, self.ns_names, strict=True)
+            HeadNamespace(pool.namespace(vid.pool_layout(i), name=n, device=device), h, self.head_dim)
+            for i, n, h in zip(self.identities, self.ns_names, self.group_heads, strict=True)
         ]
         return GroupNamespaces(spaces) if self.multi else spaces[0]
 

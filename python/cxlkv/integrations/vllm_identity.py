@@ -1,7 +1,8 @@
 """The identity of the KV bytes a vLLM engine holds (the vLLM side of identity.py and
 docs/IDENTITY.md): what determines them (weights by content, KV layout, dtype and scales,
-quantization, block size, TP rank, device layout) read from vLLM's configs, and the handshake by
-which the workers, who hold the loaded weights, name the namespace for the scheduler side.
+quantization, block size, total KV heads, device layout) read from vLLM's configs, and the
+handshake by which the workers, who hold the loaded weights, name the namespace for the
+scheduler side.
 
 Used by the connector's both sides (vllm.py is the façade) and by lmcache_vllm.py."""
 
@@ -20,6 +21,7 @@ import cxlkv
 from cxlkv.integrations import identity as ident
 from cxlkv.integrations import loaded_weights as lw
 from cxlkv.integrations import vllm_groups as vg
+from cxlkv.integrations.heads import HeadPlan
 
 # Under the "vllm" logger, so that vLLM's logging configuration (level, format) applies.
 logger = init_logger("vllm.cxlkv")
@@ -76,11 +78,21 @@ def hashes_loaded_weights(extra: dict) -> bool:
     return mode == "loaded" and not extra.get("model_id") and not extra.get("namespace")
 
 
-def loaded_digest(mc: Any) -> lw.LoadedDigest | None:
-    """Every byte of this worker's weights: as loaded (its TP rank's parameters); where the
-    engine moved some out of reach (vLLM CPU's oneDNN linears), of the weight files they were
-    loaded from; None when the model is not reachable (the namespace then uses the sampled file
-    digest, and its source says so)."""
+def loaded_digest(mc: Any, tp_size: int = 1) -> lw.LoadedDigest | None:
+    """Every byte of this worker's weights: as loaded; where the engine moved some out of reach
+    (vLLM CPU's oneDNN linears), or where a rank holds a shard of them (tp_size > 1: a shard's
+    digest would differ per rank and per TP size, and every TP size shares the namespace), of the
+    weight files they were loaded from; None when the model is not reachable (the namespace then
+    uses the sampled file digest, and its source says so)."""
+    if tp_size > 1:
+        path = model_path(mc)
+        if path is None:
+            return None
+        d = lw.files_digest(ident.weight_files(path))
+        logger.info(
+            "cxlkv: weights (%s, TP %d): %s, hashed in %.2f s", d.kind, tp_size, d.describe(), d.seconds
+        )
+        return d
     model = lw.caller_model()
     if model is None:
         logger.warning(
@@ -132,6 +144,9 @@ def derive_identity(
         config = ident.config_digest(config_paths(mc), loaded_config(mc))
         weights, source = ident.weights_identity(w, config, loaded)
     dtype = kv_dtype(vllm_config, spec)
+    # Dense: one pool entry per block and KV head of the model, whatever the TP size (heads.py);
+    # MLA: the replicated latent, one entry per block.
+    heads = head_plan(vllm_config, spec, kind, tp_rank)
     backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
     device = vllm_config.device_config.device_type
     overrides = getattr(mc, "hf_overrides", None)
@@ -141,18 +156,41 @@ def derive_identity(
         dtype=dtype,
         kind=kind,
         num_layers=layers,
-        num_kv_heads=int(getattr(spec, "num_kv_heads", 1)),
+        num_kv_heads=heads.total,
+        heads_per_entry=1 if heads.split else 0,
         head_size=int(getattr(spec, "head_size", 1)),
         block_size=vllm_config.cache_config.block_size,
-        tp_rank=tp_rank,
-        tp_size=tp_size,
         kv_scales=kv_scales(vllm_config, dtype),
         quantization=str(mc.quantization or "none"),
         compute_dtype=str(mc.dtype).replace("torch.", ""),
         overrides=repr(overrides) if overrides and not callable(overrides) else "",
         device_layout=f"{device}|{backend or 'auto'}|{type(spec).__name__}|{sys.byteorder}",
-        block_bytes=block_bytes,
+        block_bytes=block_bytes // len(heads.local),  # a rank's block holds its local heads
     )
+
+
+def head_plan(vllm_config: Any, spec: Any, kind: str, tp_rank: int) -> HeadPlan:
+    """Which of the model's KV heads this rank holds (vLLM's split, heads.py)."""
+    tp_size = vllm_config.parallel_config.tensor_parallel_size
+    if kind != "dense":
+        return HeadPlan.replicated(tp_size, tp_rank)
+    total = getattr(vllm_config.model_config, "get_total_num_kv_heads", None)
+    local = int(getattr(spec, "num_kv_heads", 1))
+    return HeadPlan(int(total()) if callable(total) else local * tp_size, tp_size, tp_rank)
+
+
+def tp_rank_of(vllm_config: Any, is_worker: bool) -> int:
+    """This worker's tensor-parallel rank (the scheduler side: 0)."""
+    if not is_worker or vllm_config.parallel_config.tensor_parallel_size == 1:
+        return 0
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
+
+
+def kind_of(spec: Any) -> str:
+    """A KV cache spec's entry kind: "mla" (one latent, replicated over ranks) or "dense"."""
+    return "mla" if "MLA" in type(spec).__name__ else "dense"
 
 
 @dataclasses.dataclass
@@ -194,8 +232,7 @@ def pool_layout(identity: ident.KVIdentity) -> cxlkv.KVLayout:
         head_size=identity.head_size,
         tokens_per_block=identity.block_size,
         kind=identity.kind,
-        tp_rank=identity.tp_rank,
-        tp_size=identity.tp_size,
+        heads_per_entry=identity.heads_per_entry,
         block_bytes=identity.block_bytes,
         source=identity.source(),
     )
@@ -207,19 +244,18 @@ def describe(vllm_config: Any, kv_cache_config: Any, is_worker: bool, extra: dic
     a hybrid model each group's attention reach, window and layers are in its device layout."""
     groups = vg.group_layouts(kv_cache_config, vllm_config.cache_config.block_size)
     tp_size = vllm_config.parallel_config.tensor_parallel_size
-    tp_rank = 0
-    if is_worker and tp_size > 1:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-        tp_rank = get_tensor_model_parallel_rank()
+    tp_rank = tp_rank_of(vllm_config, is_worker)
     # The worker holds the loaded weights (vLLM builds it after load_model); the scheduler
     # never sees them and adopts rank 0's identity in set_xfer_handshake_metadata.
-    loaded = loaded_digest(vllm_config.model_config) if is_worker and hashes_loaded_weights(extra) else None
+    loaded = (
+        loaded_digest(vllm_config.model_config, tp_size)
+        if is_worker and hashes_loaded_weights(extra)
+        else None
+    )
     out = []
     for g in groups:
-        kind = "mla" if "MLA" in type(g.spec).__name__ else "dense"
         identity = derive_identity(
-            vllm_config, g.spec, len(g.layer_names), g.block_bytes, kind, tp_rank, tp_size, extra, loaded
+            vllm_config, g.spec, len(g.layer_names), g.block_bytes, kind_of(g.spec), tp_rank, tp_size, extra, loaded
         )
         if len(groups) > 1:
             identity = dataclasses.replace(

@@ -79,7 +79,7 @@ class CxlKVScheduler:
         self._groups = [self.ctx.group_session(g.index) for g in self.ctx.groups]
         self._primary = self._groups[self.ctx.primary]
         cfg = CoalesceConfig.from_extra(self.ctx.extra)
-        if cfg.enabled and self.ctx.identity.tp_size > 1:
+        if cfg.enabled and self.ctx.heads.tp_size > 1:
             logger.info("cxlkv: coalescing of new prefixes is off with tensor parallelism (coalesce.py)")
             cfg = dataclasses.replace(cfg, enabled=False)
         if cfg.enabled and self.ctx.multi:
@@ -108,6 +108,13 @@ class CxlKVScheduler:
         if not self.ctx.awaits_workers or not isinstance(meta, CxlKVHandshake):
             return
         self.ctx.awaits_workers = False
+        others = {m.namespace for m in metadata.values() if isinstance(m, CxlKVHandshake)} - {meta.namespace}
+        if others:  # every rank stores its heads into one namespace: they must agree on it
+            self._session.guard.fail(
+                "the TP ranks derived different KV namespaces",
+                ValueError(f"rank 0: {meta.namespace}, others: {sorted(others)}"),
+            )
+            return
         adopted = dataclasses.replace(
             self.ctx.identity, weights=meta.weights, weights_source=meta.weights_source
         )

@@ -15,6 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from cxlkv.integrations.coalesce import CoalesceWorker
+from cxlkv.integrations.heads import HeadNamespace, PerHeadTransfer, head_dim_of
 from cxlkv.integrations.save_tracker import SaveTracker
 from cxlkv.integrations.transfer import BlockOp, CpuSaveHandle, CpuTransfer, SaveHandle, Transfer
 from cxlkv.integrations.vllm_common import ConnectorContext, CxlKVConnectorMetadata, logger
@@ -76,12 +77,23 @@ class CxlKVWorker:
             per_block = sum(
                 a.element_size() * a[(slice(None),) * self._block_dim + (0,)].numel() for a in arrays
             )
-            want = self.ctx.identities[g].block_bytes
+            want = self.ctx.group_block_bytes(g)
             if per_block != want:
                 raise ValueError(
                     f"cxlkv: the KV cache holds {per_block} bytes per block, the namespace "
                     f"{self.ctx.ns_names[g]!r} expects {want}"
                 )
+        if any(h.split for h in self.ctx.group_heads):
+            # The namespaces move this rank's heads through views of the arrays (heads.py).
+            self.ctx.head_dim = int(
+                self.ctx.extra.get("kv_head_dim")
+                or head_dim_of(first, self._block_dim, len(self.ctx.heads.local))
+            )
+            spaces = self._session.ns  # None until the pool opens: open_namespace reads head_dim then
+            spaces = spaces if isinstance(spaces, tuple) else [spaces]
+            for ns in spaces:
+                if isinstance(ns, HeadNamespace):
+                    ns.head_dim = self.ctx.head_dim
         self._kv_arrays = [a.detach() for a in groups[self.ctx.primary]]
         if self.ctx.multi:
             self._group_transfers = [
@@ -108,14 +120,26 @@ class CxlKVWorker:
         if on_cuda:
             from cxlkv.integrations.transfer_cuda import CudaTransfer
 
-            return CudaTransfer(session, arrays, self._block_dim, self.ctx.identities[group].block_bytes)
+            heads = self.ctx.group_heads[group]
+            if heads.split:  # a plan, reservations and pins per local head
+                assert self.ctx.head_dim is not None
+                return PerHeadTransfer(
+                    session,
+                    arrays,
+                    self._block_dim,
+                    self.ctx.identities[group].block_bytes,
+                    self.ctx.head_dim,
+                    heads,
+                    CudaTransfer,
+                )
+            return CudaTransfer(session, arrays, self._block_dim, self.ctx.group_block_bytes(group))
         return CpuTransfer(session, arrays, self._block_dim)
 
     def _transfer_for(self, op: BlockOp) -> Transfer | None:
         return self._group_transfers[op.group] if self._group_transfers else self._transfer
 
     def _bytes_of(self, op: BlockOp) -> int:
-        return self.ctx.identities[op.group].block_bytes
+        return self.ctx.group_block_bytes(op.group)
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         # Before this step's forward, which may write the blocks the preempted requests held.
@@ -140,7 +164,7 @@ class CxlKVWorker:
 
     def start_load_kv(self, meta: CxlKVConnectorMetadata) -> None:
         self._failed_reqs = set()
-        if self.ctx.identity.tp_rank == 0:
+        if self.ctx.tp_rank == 0:
             for k, v in meta.counters.items():
                 self._stats.data[k] = self._stats.data.get(k, 0) + v
         self._coalesce_worker.add(meta.waits, meta.idle)

@@ -33,6 +33,7 @@ import cxlkv
 from cxlkv.errors import CommandError
 from cxlkv.index_scan import scan_index
 from cxlkv.integrations import token_records as tr
+from cxlkv.integrations.heads import head_key
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 DEFAULT_TOPIC = "kv@cxlkv-{pool}@{namespace}"
@@ -95,6 +96,7 @@ class PoolEventSource:
         self._known = np.zeros(0, _KNOWN)  # published incarnations, sorted by id
         self._pending: dict[int, _Pending] = {}  # id -> a new block waiting for its token record
         self._ns: dict[int, dict] = {}
+        self._heads: set[int] = set()  # entries of heads other than 0 (per-head namespaces): no event
         self._records: dict[int, object] = {}  # block size -> record namespace handle (or None)
         self.records_found = self.records_missing = 0
 
@@ -115,6 +117,16 @@ class PoolEventSource:
         if ns is None:
             return None
         return tr.decode(ns.get_bytes(tr.record_key(key)), key, block_size)  # type: ignore[attr-defined]
+
+    def _block_entry(self, key: bytes, info: dict) -> bool:
+        """Whether an entry names a block: always, unless its namespace stores one entry per KV
+        head (integrations/heads.py), whose head 0 is under the block key and the other heads
+        under keys derived from it: then the key is a block's if its head 1 entry is there."""
+        per_entry = int(info.get("heads_per_entry") or 0)
+        if not per_entry or int(info["num_kv_heads"]) // per_entry < 2:
+            return True
+        ns = self.pool.namespace(cxlkv.KVLayout.from_info(info), name=info["name"])
+        return bool(ns.contains(head_key(key, 1)))
 
     def _wanted(self, info: dict | None) -> bool:
         return info is not None and not tr.is_record_namespace(info) and self.only in (None, info["name"])
@@ -140,12 +152,13 @@ class PoolEventSource:
         unstable_slots = scan.unstable
         for i in [i for i in self._pending if i not in present and (i >> 24) not in unstable_slots]:
             del self._pending[i]  # gone before it was published: nothing to say
+        self._heads &= set(ids.tolist()) | {i for i in self._heads if (i >> 24) in unstable_slots}
 
         # new: incarnations neither published nor pending
         fresh = np.flatnonzero(~np.isin(ids, self._known["id"], assume_unique=True))
         for j in fresh:
             i = int(ids[j])
-            if i in self._pending:
+            if i in self._pending or i in self._heads:
                 continue
             ns_id = int(rec["ns_id"][j])
             if self._wanted(self.namespace(ns_id)):
@@ -165,6 +178,10 @@ class PoolEventSource:
             r = self._record(p.key, bs)
             if r is None and now < p.deadline:
                 continue  # its record may still come (the connector writes it a step later)
+            if r is None and not self._block_entry(p.key, info):
+                self._heads.add(i)  # another head's entry of a block announced by its head 0
+                del self._pending[i]
+                continue
             self.records_found += r is not None
             self.records_missing += r is None
             out[p.ns_id].append(stored_event(p.key, r, bs, self.medium))

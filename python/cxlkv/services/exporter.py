@@ -140,7 +140,7 @@ def _namespace_series(snap: PoolSnapshot) -> Iterator:
         "info",
         "cxlkv_namespace",
         "A namespace of the pool and what its identity was derived from.",
-        ("namespace", "id", "model_id", "kind", "dtype", "tp", "source"),
+        ("namespace", "id", "model_id", "kind", "dtype", "heads_per_entry", "source"),
     )
     block = _family("gauge", "cxlkv_namespace_block_size", "Bytes of one KV block.", ("namespace",), "bytes")
     cap = _family(
@@ -166,7 +166,7 @@ def _namespace_series(snap: PoolSnapshot) -> Iterator:
                 "model_id": str(n.get("model_id", ""))[:128],
                 "kind": str(n.get("kind", "")),
                 "dtype": str(n.get("dtype", "")),
-                "tp": f"{n.get('tp_rank', 0)}/{n.get('tp_size', 1)}",
+                "heads_per_entry": str(n.get("heads_per_entry", 0)),
                 "source": str(n.get("source", ""))[:128],
             },
         )

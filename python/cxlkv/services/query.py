@@ -3,7 +3,7 @@
 Answered straight from the pool's index: the keys are derived exactly as the connector derives
 them (integrations/keys.py: the namespace's name, the LoRA adapter by content, the tenant's
 cache_salt), and ``match_prefix`` counts the leading ones present. The namespace is chosen by
-what determines the bytes: its pool name (``kv1-...``, the identity digest of docs/IDENTITY.md)
+what determines the bytes: its pool name (``kv2-...``, the identity digest of docs/IDENTITY.md)
 or its weights identity (the layout's ``model_id``), never by a served model alias; a pool with
 one KV namespace needs neither.
 
@@ -24,6 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import cxlkv
 from cxlkv.errors import CommandError
 from cxlkv.integrations import token_records as tr
+from cxlkv.integrations.heads import HeadNamespace, HeadPlan
 from cxlkv.integrations.keys import block_keys
 
 MAX_TOKENS = 1 << 20  # a request larger than this is refused, not hashed
@@ -56,6 +57,14 @@ def _token_ids(values) -> list[int]:
     return values
 
 
+def blocks_view(ns, info: dict):
+    """A namespace of per-head entries (heads_per_entry, integrations/heads.py) answers for whole
+    blocks: a block matches when every head of it is there."""
+    if not info.get("heads_per_entry"):
+        return ns
+    return HeadNamespace(ns, HeadPlan(int(info["num_kv_heads"]) // int(info["heads_per_entry"])))
+
+
 def query(
     pool: cxlkv.Pool,
     token_ids: list,
@@ -67,7 +76,7 @@ def query(
     """{"namespace", "block_size", "matched_blocks", "matched_tokens", "total_tokens"}."""
     token_ids = _token_ids(token_ids)
     info = select_namespace(pool, model)
-    ns = pool.namespace(cxlkv.KVLayout.from_info(info), name=info["name"])
+    ns = blocks_view(pool.namespace(cxlkv.KVLayout.from_info(info), name=info["name"]), info)
     bs = int(info["tokens_per_block"])
     keys = block_keys(token_ids, bs, info["name"], lora=lora_id, cache_salt=cache_salt)
     matched = ns.match_prefix(keys) if keys else 0

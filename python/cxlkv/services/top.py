@@ -121,7 +121,7 @@ def _namespaces(cur: PoolSnapshot):
     for n in cur.namespaces:
         layout = (
             f"{n.get('kind')} {n.get('dtype')} L{n.get('num_layers')} H{n.get('num_kv_heads')} "
-            f"D{n.get('head_size')} T{n.get('tokens_per_block')} tp{n.get('tp_rank')}/{n.get('tp_size')}"
+            f"D{n.get('head_size')} T{n.get('tokens_per_block')} h/e{n.get('heads_per_entry') or 'all'}"
         )
         t.add_row(
             str(n.get("id")),

@@ -49,6 +49,12 @@ constexpr uint16_t kFormatMajor = 2;  // 2: NamespaceEntry of 512 bytes (source,
 // 5: bounded intents (issue 23): SharedWords.init.pad[kInitIntentCap] holds the creator's cap of
 //    block-less intents per node, NodeAreaFixed.intents (from pad0) the owner's count. Older
 //    builds ignore both (they enforce no cap); single-file pools still record minor 2.
+//    Also in 5 (issue 22, the same landing): LayoutFields lost tp_rank/tp_size (NamespaceEntry bytes 48..55)
+//    and gained heads_per_entry (bytes 48..51; 52..55 padding), and the namespace fingerprint recipe is v3
+//    (layout.cpp). A namespace of either side never matches a layout of the other (the fingerprints differ:
+//    an open by name is a LayoutMismatchError, and the vLLM connector's names changed with its identity), so
+//    an older pool's namespaces are a cold cache to this build and never wrong KV. Older builds show
+//    heads_per_entry as tp_rank in listings; they never open these namespaces.
 constexpr uint16_t kFormatMinor = 5;
 // kIncompatStriped: the pool is interleaved over StripeTable::device_count devices; a reader that
 // maps only the first device would see the other devices' stripes as missing bytes.
@@ -352,6 +358,10 @@ inline uint64_t pin_value(uint64_t slot, uint32_t gen) { return ((slot + 1) << 2
 // X(type, name, codec, default, min, max): codec = how the value is named in text: number
 // (decimal), dtype (dtype.h codes), kind (LayoutKind names, names.h). min/max bound what a caller
 // may ask for; values read from a pool are bounded again before they steer anything.
+// heads_per_entry (dense only): 0, an entry holds a whole block as its writer laid it out (all
+// num_kv_heads); k >= 1, an entry holds k KV heads of one block (every layer, K and V), so a
+// reader of any tensor-parallel size reads exactly its heads (docs/ARCHITECTURE.md, "One block
+// layout for every TP size"); num_kv_heads is then the model's total.
 #define CXLKV_LAYOUT_FIELDS(X)                                   \
   X(uint64_t, block_bytes, number, 0, 1, format::kMaxBlockBytes) \
   X(uint32_t, dtype, dtype, 1 /* bf16 */, 1, 0xFFFFFFFFu)        \
@@ -360,8 +370,7 @@ inline uint64_t pin_value(uint64_t slot, uint32_t gen) { return ((slot + 1) << 2
   X(uint32_t, num_kv_heads, number, 1, 1, 0xFFFFFFFFu)           \
   X(uint32_t, head_size, number, 1, 1, 0xFFFFFFFFu)              \
   X(uint32_t, tokens_per_block, number, 16, 1, 0xFFFFFFFFu)      \
-  X(uint32_t, tp_rank, number, 0, 0, 0xFFFFFFFEu)                \
-  X(uint32_t, tp_size, number, 1, 1, 0xFFFFFFFFu)
+  X(uint32_t, heads_per_entry, number, 0, 0, 0xFFFFFFFFu)
 
 // Plain and fixed-width; copied whole into and out of the entry. Nothing hashes its raw bytes (the
 // fingerprint walks the list), so padding a new field may introduce is harmless.

@@ -66,7 +66,9 @@ uint64_t natural_block_bytes(const LayoutFields& l) {
                         l.head_size,
                         d->bytes,
                         l.kind == format::kLayoutDense ? 2u : 1u,
-                        l.kind == format::kLayoutDense ? l.num_kv_heads : 1u};
+                        l.kind != format::kLayoutDense ? 1u
+                        : l.heads_per_entry            ? l.heads_per_entry
+                                                       : l.num_kv_heads};
   uint64_t bytes = 1;
   for (uint64_t f : factors)
     if (__builtin_mul_overflow(bytes, f, &bytes)) bytes = ~0ull;
@@ -86,13 +88,19 @@ void check_layout(const LayoutFields& l) {
   if (!find_dtype(l.dtype)) throw ArgumentError("unknown dtype code " + std::to_string(l.dtype));
   if (!code_known(layout_kind_names(), l.kind))
     throw ArgumentError("unknown layout kind code " + std::to_string(l.kind));
-  if (l.tp_rank >= l.tp_size)
-    throw ArgumentError("tp_rank must be in [0, tp_size): tp_rank " + std::to_string(l.tp_rank) +
-                        ", tp_size " + std::to_string(l.tp_size));
+  if (l.heads_per_entry != 0 && l.kind != format::kLayoutDense)
+    throw ArgumentError(
+        "heads_per_entry applies to dense layouts only (mla and opaque blocks are not "
+        "split by KV head), got " +
+        std::to_string(l.heads_per_entry));
+  if (l.heads_per_entry != 0 && l.num_kv_heads % l.heads_per_entry != 0)
+    throw ArgumentError("heads_per_entry must divide num_kv_heads: heads_per_entry " +
+                        std::to_string(l.heads_per_entry) + ", num_kv_heads " +
+                        std::to_string(l.num_kv_heads));
 }
 
 uint64_t layout_fingerprint(const std::string& model_id, const LayoutFields& l) {
-  std::string s = "cxlkv-namespace-v2";
+  std::string s = "cxlkv-namespace-v3";  // v3: heads_per_entry for tp_rank/tp_size (format 2.5)
   s += '\0';
   s += model_id;
   s += '\0';

@@ -42,10 +42,12 @@ std::span<const LayoutFieldDesc> layout_field_table();
 // Sets field `f` from a caller's value; ArgumentError naming the field and its range.
 void set_layout_field(format::LayoutFields& l, const LayoutFieldDesc& f, uint64_t v);
 // The block size a layout implies: tokens_per_block x num_layers x head_size x dtype bytes, x 2 x
-// num_kv_heads for dense (K and V per head); mla and opaque: one vector per token and layer.
+// heads for dense (K and V per head; heads_per_entry heads, or num_kv_heads when it is 0); mla and
+// opaque: one vector per token and layer.
 // ArgumentError if it overflows the block_bytes range; the dtype and kind must be known.
 uint64_t natural_block_bytes(const format::LayoutFields& l);
-// A caller's layout is usable: every field in range, known dtype and kind, tp_rank < tp_size.
+// A caller's layout is usable: every field in range, known dtype and kind, heads_per_entry 0 or
+// dividing num_kv_heads of a dense layout.
 void check_layout(const format::LayoutFields& l);
 // The namespace fingerprint: model_id and every layout field, by name and value. Not the
 // namespace name, not the source.
