@@ -255,7 +255,15 @@ def describe(vllm_config: Any, kv_cache_config: Any, is_worker: bool, extra: dic
     out = []
     for g in groups:
         identity = derive_identity(
-            vllm_config, g.spec, len(g.layer_names), g.block_bytes, kind_of(g.spec), tp_rank, tp_size, extra, loaded
+            vllm_config,
+            g.spec,
+            len(g.layer_names),
+            g.block_bytes,
+            kind_of(g.spec),
+            tp_rank,
+            tp_size,
+            extra,
+            loaded,
         )
         if len(groups) > 1:
             identity = dataclasses.replace(
