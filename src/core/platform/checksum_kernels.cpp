@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "cpu_features.h"
+#include "xxh3_scalar.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -24,29 +25,6 @@ constexpr uint64_t kP64_5 = 0x27D4EB2F165667C5ull;
 constexpr size_t kScrambleKey = kSecretBytes - kStripe;        // 128
 constexpr size_t kLastStripeKey = kSecretBytes - kStripe - 7;  // 121
 constexpr size_t kMergeKey = 11;
-
-inline uint64_t rd64(const void* p) {
-  uint64_t v;
-  std::memcpy(&v, p, 8);
-  return v;  // little-endian hosts only (x86-64, aarch64): XXH3 reads little-endian words
-}
-
-void stripe_scalar(uint64_t* acc, const uint8_t* in, const uint8_t* key) {
-  for (int i = 0; i < 8; ++i) {
-    uint64_t d = rd64(in + 8 * i), dk = d ^ rd64(key + 8 * i);
-    acc[i ^ 1] += d;
-    acc[i] += (dk & 0xFFFFFFFFu) * (dk >> 32);
-  }
-}
-
-void scramble_scalar(uint64_t* acc, const uint8_t* key) {
-  for (int i = 0; i < 8; ++i) {
-    uint64_t a = acc[i];
-    a ^= a >> 47;
-    a ^= rd64(key + 8 * i);
-    acc[i] = a * kP32_1;
-  }
-}
 
 void hash_scalar(Acc& a, const uint8_t* secret, const char* src, size_t k) {
   for (size_t j = 0; j < k; ++j) {

@@ -5,6 +5,7 @@
 
 #include "checksum_kernels.h"  // XXH3's default secret
 #include "cpu_features.h"
+#include "xxh3_scalar.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -13,6 +14,9 @@
 namespace cxlkv::tokens {
 
 namespace {
+using xxh3k::rd64;
+using xxh3k::scramble_scalar;
+using xxh3k::stripe_scalar;
 constexpr uint64_t kP32_1 = 0x9E3779B1u;                // XXH3's scramble multiplier
 constexpr uint64_t kLengthMul = 0x9E3779B185EBCA87ull;  // the row length enters the seed times this
 constexpr size_t kStripe = xxh3k::kStripe;
@@ -26,29 +30,6 @@ constexpr size_t kFoldKey = 96;       // the final scramble's own 64 bytes of th
 alignas(64) constexpr uint64_t kInit[8] = {
     0xC2B2AE3Du,           0x9E3779B185EBCA87ull, 0xC2B2AE3D27D4EB4Full, 0x165667B19E3779F9ull,
     0x85EBCA77C2B2AE63ull, 0x85EBCA77u,           0x27D4EB2F165667C5ull, 0x9E3779B1u};
-
-inline uint64_t rd64(const void* p) {
-  uint64_t v;
-  std::memcpy(&v, p, 8);
-  return v;  // little-endian hosts (x86-64, aarch64)
-}
-
-void stripe_scalar(uint64_t* acc, const uint8_t* in, const uint8_t* key) {
-  for (int i = 0; i < 8; ++i) {
-    uint64_t d = rd64(in + 8 * i), dk = d ^ rd64(key + 8 * i);
-    acc[i ^ 1] += d;
-    acc[i] += (dk & 0xFFFFFFFFu) * (dk >> 32);
-  }
-}
-
-void scramble_scalar(uint64_t* acc, const uint8_t* key) {
-  for (int i = 0; i < 8; ++i) {
-    uint64_t a = acc[i];
-    a ^= a >> 47;
-    a ^= rd64(key + 8 * i);
-    acc[i] = a * kP32_1;
-  }
-}
 
 inline uint64_t finish(uint64_t folded, size_t n, uint64_t seed) {
   return check_mix(folded ^ seed ^ (uint64_t(n) * kLengthMul));
