@@ -74,8 +74,14 @@ def test_f2_failed_load_does_not_poison_the_pool(two_pools, tiny_model):
                 }
             )
         )
+    import cxlkv
+
     control, corrupted = runs
-    assert corrupted[1]["corrupted"] == 1
+    with cxlkv.Pool.open(two_pools[1]) as pool:
+        (d,) = pool.namespaces()
+    # The depth-2 block is one pool entry per KV head (ARCHITECTURE.md §9a): every one corrupted.
+    per_block = d["num_kv_heads"] // d["heads_per_entry"] if d["heads_per_entry"] else 1
+    assert corrupted[1]["corrupted"] == per_block
     ids = control[1]["outputs"][0]["ids"]
     n_full = len(ids) // BLOCK
     assert control[1]["outputs"][0]["cached"] >= 3 * BLOCK  # the depth-2 block was loaded
