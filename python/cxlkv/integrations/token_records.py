@@ -9,7 +9,8 @@ publishes the tokens with the event.
 
 The pool is untrusted input, so a record is believed only if it proves itself:
 ``sha256(prev | token ids as int32 LE) == key`` (how keys.py chains a block with no multimodal or
-embedding input; only such blocks get records). Anything else (a bad magic, version, size, name
+embedding input; only such blocks get records; a first block's prev is the chain's root, and the
+root of an unseeded chain, ``keys.UNSEEDED``, stands for no prefix: ``sha256(token ids)``). Anything else (a bad magic, version, size, name
 or a hash that does not match) is ``None``: the event then goes out without tokens.
 
 Format (little-endian), RECORD_HEADER bytes then 4 * block_size:
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import cxlkv
+from cxlkv.integrations.keys import chain_step
 
 MAGIC = b"CXTR"
 VERSION = 1
@@ -81,7 +83,7 @@ def chains(prev: bytes, token_ids: Sequence[int], key: bytes) -> bool:
     arr = np.asarray(token_ids, dtype=np.int64)
     if arr.size and (arr.min() < -(2**31) or arr.max() >= 2**31):
         return False
-    return hashlib.sha256(prev + arr.astype("<i4").tobytes()).digest() == key
+    return chain_step(prev, arr.astype("<i4").tobytes()) == key
 
 
 def encode(rec: TokenRecord, block_size: int) -> bytes:
