@@ -162,6 +162,11 @@ def merged_heads(arrays: Sequence[Any], block_dim: int, head_dim: int) -> list |
         shape, strides = tuple(a.shape), _strides(a)
         if strides[block_dim] != shape[head_dim] * strides[head_dim]:
             return None
+        inner = 1  # the core moves each block's tail as one run: it must be C-contiguous
+        for d in range(len(shape) - 1, head_dim, -1):
+            if shape[d] != 1 and strides[d] != inner:
+                return None  # (SGLang's page_head view: the per-head path gathers it)
+            inner *= shape[d]
         merged = (*shape[:block_dim], shape[block_dim] * shape[head_dim], *shape[head_dim + 1 :])
         v = a.view(merged) if hasattr(a, "data_ptr") else a.reshape(merged)  # torch: never a copy
         if not hasattr(a, "data_ptr") and not np_shares(v, a):
