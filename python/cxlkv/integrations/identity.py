@@ -31,6 +31,7 @@ import os
 import re
 import stat
 import struct
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -42,12 +43,15 @@ __all__ = [
     "CACHE_FILE",
     "IDENTITY_VERSION",
     "SAMPLE_BYTES",
+    "SHARED_DTYPES",
+    "SHARED_ENTRY_LAYOUT",
     "KVIdentity",
     "WeightsDigest",
     "adapter_digest",
     "canonical_dtype",
     "config_digest",
     "file_digest",
+    "shared_identity",
     "short_name",
     "tensor_digest",
     "weight_files",
@@ -494,3 +498,46 @@ class KVIdentity:
         )
         s = "".join(c if c.isprintable() and c.isascii() else "?" for c in s)
         return s if len(s) <= limit else s[: limit - 3] + "..."
+
+
+# -------------------------------------------------------------------------------------------------
+# the namespace engines share (docs/IDENTITY.md, "Across engines")
+SHARED_ENTRY_LAYOUT = "entry:layer,kv,token,dim"  # one KV head's entry: per layer K rows then V rows
+SHARED_DTYPES = ("bf16", "fp16", "fp32")  # no scales: equal values are equal bytes
+
+
+def shared_identity(
+    weights: str,
+    weights_source: str,
+    dtype: Any,
+    num_layers: int,
+    num_kv_heads: int,
+    head_size: int,
+    block_size: int,
+) -> KVIdentity:
+    """The identity of a dense KV cache that any engine can read and write: what determines the
+    bytes of one per-head entry and nothing about the engine. ``weights``: the ``files:`` kind
+    over the model directory alone (``config_digest()`` with no engine-parsed config: an
+    engine's parsed config is its own), or an operator's ``model_id``. The entry of KV head g of
+    a block is, for each layer in order, that head's K of the block's tokens (token-major,
+    ``head_size`` elements each), then its V; ``block_bytes`` is one such entry. K/V computed in
+    ``dtype`` (the compute dtype is the KV dtype), no weight quantization, no config overrides:
+    an engine configured otherwise keeps its own namespace."""
+    dt = canonical_dtype(dtype)
+    if dt not in SHARED_DTYPES:
+        raise ValueError(f"KV dtype {dt} has no engine-neutral namespace (scaled or quantized KV)")
+    itemsize = 4 if dt == "fp32" else 2
+    return KVIdentity(
+        weights=weights,
+        weights_source=weights_source,
+        dtype=dt,
+        kind="dense",
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        block_size=block_size,
+        heads_per_entry=1,
+        compute_dtype=dt,
+        device_layout=f"{SHARED_ENTRY_LAYOUT}|{sys.byteorder}",
+        block_bytes=num_layers * 2 * block_size * head_size * itemsize,
+    )

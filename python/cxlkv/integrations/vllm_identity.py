@@ -269,5 +269,47 @@ def describe(vllm_config: Any, kv_cache_config: Any, is_worker: bool, extra: dic
             identity = dataclasses.replace(
                 identity, device_layout=f"{identity.device_layout}|{g.describe(len(groups))}"
             )
+        else:
+            identity = engine_neutral(vllm_config, g.spec, identity, extra, loaded) or identity
         out.append(identity)
     return out
+
+
+def engine_neutral(
+    vllm_config: Any, spec: Any, identity: ident.KVIdentity, extra: dict, loaded: lw.LoadedDigest | None
+) -> ident.KVIdentity | None:
+    """The namespace other engines share (identity.shared_identity; SGLang's HiCache backend
+    derives the same) when nothing but the weights, dtype, geometry and block size determines
+    this engine's per-head entries; None keeps the engine's own. The entry order (per layer K
+    rows then V rows of one head) is vLLM CPU's (CPU_ATTN's [blocks, heads, 2 x block_size,
+    head_size] per layer, read per head by heads.py): other devices keep their own namespace
+    until theirs is shown equal. Checked alike on both sides (the scheduler adopts the workers'
+    weights field into the identity this returns)."""
+    mc = vllm_config.model_config
+    path = None if extra.get("model_id") else model_path(mc)
+    if (
+        extra.get("share_engines", True) is False
+        or vllm_config.device_config.device_type != "cpu"
+        or type(spec).__name__ != "FullAttentionSpec"
+        or identity.kind != "dense"
+        or identity.quantization != "none"
+        or identity.overrides
+        or config_paths(mc)
+        or identity.dtype not in ident.SHARED_DTYPES
+        or ident.canonical_dtype(mc.dtype) != identity.dtype
+        or (path is not None and str(path).endswith(".gguf"))  # its config is parsed, not a file
+    ):
+        return None
+    weights, source = identity.weights, identity.weights_source
+    if path is not None:  # the model directory alone: vLLM's parsed config is vLLM's own
+        weights, source = ident.weights_identity(ident.weights_digest(path), ident.config_digest(), loaded)
+    shared = ident.shared_identity(
+        weights,
+        source,
+        identity.dtype,
+        identity.num_layers,
+        identity.num_kv_heads,
+        identity.head_size,
+        identity.block_size,
+    )
+    return shared if shared.block_bytes == identity.block_bytes else None
