@@ -26,6 +26,7 @@ pytest.importorskip(
 import torch
 from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
@@ -42,14 +43,14 @@ def _fake_model(path, seed: int) -> str:
         {"w": rng.standard_normal((32, 32)).astype(np.float32)}, os.path.join(path, "model.safetensors")
     )
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump({"model_type": "llama"}, f)
+        json.dump({"model_type": "llama", "num_key_value_heads": HEADS}, f)
     return str(path)
 
 
-def _host_pool(layout: str) -> MHATokenToKVPoolHost:
+def _host_pool(layout: str, heads: int = HEADS) -> MHATokenToKVPoolHost:
     """SGLang's MHA host pool over CPU device buffers (pin_memory off: no CUDA)."""
-    k = tuple(torch.zeros(DEVICE_TOKENS, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(LAYERS))
-    v = tuple(torch.zeros(DEVICE_TOKENS, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(LAYERS))
+    k = tuple(torch.zeros(DEVICE_TOKENS, heads, HEAD_DIM, dtype=torch.bfloat16) for _ in range(LAYERS))
+    v = tuple(torch.zeros(DEVICE_TOKENS, heads, HEAD_DIM, dtype=torch.bfloat16) for _ in range(LAYERS))
 
     def ptrs(ts):
         return torch.tensor([t.data_ptr() for t in ts], dtype=torch.uint64)
@@ -57,19 +58,22 @@ def _host_pool(layout: str) -> MHATokenToKVPoolHost:
     info = MHABufferInfo(
         buffers=KVBuffers(k=k, v=v, k_data_ptrs=ptrs(k), v_data_ptrs=ptrs(v), layout=KVBufferLayout.NHD),
         page_size=PAGE,
-        head_num=HEADS,
+        head_num=heads,
         head_dim=HEAD_DIM,
         v_head_dim=HEAD_DIM,
         dtype=torch.bfloat16,
         device=torch.device("cpu"),
     )
-    return MHATokenToKVPoolHost(
-        info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
-        device_capacity_tokens=DEVICE_TOKENS, start_layer=0, end_layer=LAYERS,
-    )  # fmt: skip
+    # SGLang refuses a host pool when the machine's free memory minus its reserve is short: this
+    # one is a few KiB, so book it against a budget of its own (a loaded CI host is not short).
+    with host_memory_budget_scope(64 << 20):
+        return MHATokenToKVPoolHost(
+            info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
+            device_capacity_tokens=DEVICE_TOKENS, start_layer=0, end_layer=LAYERS,
+        )  # fmt: skip
 
 
-def _backend(pool_path: str, model: str | None, host, tp_rank: int = 0):
+def _backend(pool_path: str, model: str | None, host, tp_rank: int = 0, tp_size: int = 1):
     """What SGLang's cache controller does with ``--hicache-storage-backend dynamic``."""
     extra = {
         "backend_name": "cxlkv",
@@ -81,7 +85,7 @@ def _backend(pool_path: str, model: str | None, host, tp_rank: int = 0):
     if model is not None:
         extra["model_path"] = model
     config = HiCacheStorageConfig(
-        tp_rank=tp_rank, tp_size=2, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
         is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=host.layout == "page_first",
         model_name="served-alias", extra_config=extra,
     )  # fmt: skip
@@ -141,13 +145,84 @@ def test_identity_weights_rank_and_layout(sg_pool, tmp_path):
     a = _backend(sg_pool, model, _host_pool("page_first"))
     keys = [f"{i:064x}" for i in range(1, 3)]
     assert a.batch_set_v1(keys, _indices([1, 2])) == [True, True]
-    expected = {(str(copy), "page_first", 0): 2, (other, "page_first", 0): 0, (model, "page_first", 1): 0,
-                (model, "layer_first", 0): 0}  # fmt: skip
-    for (weights, layout, rank), hits in expected.items():
-        b = _backend(sg_pool, weights, _host_pool(layout), tp_rank=rank)
-        assert b.batch_exists(keys) == hits, (weights, layout, rank)
+    # layer_first shares with page_first (both convert to the engine-neutral per-head entries)
+    expected = {(str(copy), "page_first"): 2, (other, "page_first"): 0, (model, "layer_first"): 2,
+                (model, "page_head"): 2}  # fmt: skip
+    for (weights, layout), hits in expected.items():
+        b = _backend(sg_pool, weights, _host_pool(layout))
+        assert b.batch_exists(keys) == hits, (weights, layout)
         b.close()
     a.close()
+
+
+def test_a_tp2_rank_reads_its_head_of_pages_a_tp1_server_wrote(sg_pool, tmp_path):
+    """One entry per page and KV head: rank 1 of a TP=2 server (one KV head) finds the pages a
+    TP=1 server (both heads) stored, and loads exactly head 1's K and V."""
+    model = _fake_model(tmp_path / "m", 1)
+    host_a, host_b = _host_pool("layer_first"), _host_pool("page_head", heads=1)
+    a = _backend(sg_pool, model, host_a)
+    b = _backend(sg_pool, model, host_b, tp_rank=1, tp_size=2)
+    host_a.kv_buffer.copy_(torch.randn(host_a.kv_buffer.shape).to(torch.bfloat16))
+    keys = [f"{i:064x}" for i in range(1, 3)]
+    assert a.batch_set_v1(keys, _indices([1, 2])) == [True, True]
+    assert b.batch_exists(keys) == 2
+    assert b.batch_get_v1(keys, _indices([5, 6])) == [True, True]
+    ka, kb = _logical(host_a), _logical(host_b)  # [2, layer, token, head, dim]
+    for src, dst in ((1, 5), (2, 6)):
+        want = ka[:, :, src * PAGE : (src + 1) * PAGE, 1]
+        assert torch.equal(kb[:, :, dst * PAGE : (dst + 1) * PAGE, 0], want)
+    a.close()
+    b.close()
+
+
+def vid_layout(identity):
+    import cxlkv
+
+    return cxlkv.KVLayout(
+        model_id=identity.model_id(), dtype=identity.dtype, num_layers=identity.num_layers,
+        num_kv_heads=identity.num_kv_heads, head_size=identity.head_size,
+        tokens_per_block=identity.block_size, kind=identity.kind,
+        heads_per_entry=identity.heads_per_entry, block_bytes=identity.block_bytes,
+        source=identity.source(),
+    )  # fmt: skip
+
+
+def _logical(host) -> torch.Tensor:
+    """The host buffer as [k/v, layer, token, head, dim], from the dims SGLang documents for each
+    layout (MHATokenToKVPoolHost.init_kv_buffer): independent of cxlkv's views."""
+    buf, heads = host.kv_buffer, host.head_num
+    if host.layout == "layer_first":  # [2, layer, token, head, dim]
+        return buf
+    if host.layout == "page_first":  # [2, token, layer, head, dim]
+        return buf.permute(0, 2, 1, 3, 4)
+    if host.layout == "page_first_direct":  # [2, page, layer, token, head, dim]
+        return buf.permute(0, 2, 1, 3, 4, 5).reshape(2, LAYERS, -1, heads, HEAD_DIM)
+    assert host.layout == "page_head"  # [2, page, head, token, layer, dim]
+    return buf.permute(0, 4, 1, 3, 2, 5).reshape(2, LAYERS, -1, heads, HEAD_DIM)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_entries_are_engine_neutral(sg_pool, tmp_path, layout):
+    """Each page is stored as one entry per KV head: per layer, the head's K rows of the page's
+    tokens then its V rows (what the vLLM connector stores), whatever SGLang's host layout."""
+    import cxlkv
+    from cxlkv.integrations.heads import head_key
+
+    host = _host_pool(layout)
+    storage = _backend(sg_pool, _fake_model(tmp_path / "m", 1), host)
+    assert storage.shared and storage.identity.heads_per_entry == 1
+    host.kv_buffer.copy_(torch.randn(host.kv_buffer.shape).to(torch.bfloat16))
+    page_hash = "ab" * 32
+    assert storage.batch_set_v1([page_hash], _indices([3])) == [True]
+    name = storage.identity.namespace_name()
+    logical = _logical(host)
+    storage.close()
+    with cxlkv.Pool.open(sg_pool) as pool:  # a plain handle on the namespace: the raw entries
+        plain = pool.namespace(vid_layout(storage.identity), name)
+        for h in range(HEADS):
+            got = plain.get_bytes(head_key(bytes.fromhex(page_hash), h))
+            want = logical[:, :, 3 * PAGE : 4 * PAGE, h].permute(1, 0, 2, 3).contiguous()
+            assert got == want.view(-1).view(torch.uint8).numpy().tobytes(), (layout, h)
 
 
 def test_threads_share_one_backend(sg_pool, tmp_path):
@@ -252,3 +327,27 @@ def test_calls_racing_close_see_the_open_backend_or_a_closed_error(sg_pool, tmp_
     for th in threads:
         th.join(60)
     assert not unexpected, unexpected
+
+
+def test_vllm_keys_chain_sglangs_page_hashes():
+    """The vLLM connector's keys (keys.py) are SGLang's own page hashes of the same token ids
+    (``get_hash_str``, seeded as SGLang seeds a request with a cache_salt), so the SGLang
+    backend, which sees only those hashes, stores and finds the same pool keys."""
+    from sglang.srt.mem_cache.utils import get_hash_str, storage_namespace_seed
+
+    from cxlkv.integrations.keys import block_keys, page_key, root_key, sglang_seed
+
+    toks = [int(x) for x in np.random.default_rng(7).integers(0, 50_000, 5 * PAGE + 3)]
+    for salt in (None, "tenant-a", ""):
+        seed = storage_namespace_seed(None, salt)
+        mine_seed = sglang_seed(None, salt)
+        assert (seed, mine_seed) == (None, None) or (mine_seed is not None and mine_seed.hex() == seed)
+        theirs = get_hash_str(toks[: 5 * PAGE], seed, page_size=PAGE)
+        assert block_keys(toks, PAGE, "kv2-x", cache_salt=salt) == [page_key(h) for h in theirs]
+    # a LoRA request never chains like a base-model or an SGLang request, nor another adapter
+    base = block_keys(toks, PAGE, "kv2-x")
+    lora_a = block_keys(toks, PAGE, "kv2-x", lora="lora:aaaa")
+    lora_b = block_keys(toks, PAGE, "kv2-x", lora="lora:bbbb")
+    assert len({base[0], lora_a[0], lora_b[0]}) == 3
+    assert root_key("kv2-x", "lora:aaaa") != sglang_seed("lora:aaaa", None)
+    assert page_key("not-a-page-hash") not in base

@@ -11,7 +11,17 @@ host pool's token indices: one SGLang page is one cxlkv block, gathered from (an
 SGLang's host buffer by the core's copy engine, with no intermediate tensor. ``batch_exists``
 returns the leading run of pages present (``match_prefix``).
 
-Identity (docs/IDENTITY.md): the namespace is derived from the weights ``model_path`` (default:
+Sharing with vLLM (docs/IDENTITY.md, "Across engines"): an MHA host pool in the layouts
+``layer_first``, ``page_first``, ``page_first_direct`` or ``page_head``, with bf16/fp16/fp32 KV,
+one pipeline stage, no context parallelism and ``interface_v1`` is stored in the engine-neutral
+namespace (identity.shared_identity: the weights by content, dtype, layers, the model's KV heads,
+head size, page size) as one entry per page and KV head, converted at copy time from SGLang's
+layout by a strided view (per layer: the head's K rows of the page's tokens, then its V rows:
+what the vLLM connector stores). Its key is SGLang's page hash itself: the vLLM connector computes the
+same chain from the tokens (keys.py), so a prefix either engine stored is found by the other. Every other pool (MLA, ``page_unified``, pipeline or context
+parallel, fp8, the tensor interface) keeps the SGLang-only namespace below, and logs why.
+
+SGLang-only namespace (docs/IDENTITY.md): derived from the weights ``model_path`` (default:
 SGLang's ``model_name``) names on this host, by content (external_identity.py), and from
 everything SGLang's page key does not cover: KV dtype, layer/head geometry, page size, TP rank
 (MLA pools are replicated across ranks: one shared slice), pipeline stage and its layers,
@@ -27,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import logging
 import sys
 import threading
@@ -39,7 +50,9 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 import cxlkv
 from cxlkv.errors import ClosedError
 from cxlkv.integrations import identity as ident
-from cxlkv.integrations.external_identity import weights_of
+from cxlkv.integrations import keys as shared_keys
+from cxlkv.integrations.external_identity import resolve_model_dir, weights_of
+from cxlkv.integrations.heads import HeadNamespace, HeadPlan
 from cxlkv.integrations.pool_session import PoolSession
 
 log = logging.getLogger("cxlkv.sglang")
@@ -71,6 +84,65 @@ def page_view(host_pool: Any) -> tuple[torch.Tensor, int]:
     raise UnsupportedHostPoolError(f"{type(host_pool).__name__}: layout {layout!r} is not supported by cxlkv")
 
 
+SHARED_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
+
+
+def entry_view(host_pool: Any) -> torch.Tensor:
+    """SGLang's MHA host buffer as ``[page, head, layer, k/v, token, dim]`` (a strided view, no
+    copy): ``view[p, h]`` read in order is the engine-neutral entry of page p and KV head h."""
+    buf = host_pool.kv_buffer
+    pages, n, layers = host_pool.page_num, host_pool.page_size, host_pool.layer_num
+    heads, dim = host_pool.head_num, host_pool.head_dim
+    layout = host_pool.layout
+    if layout == "layer_first":  # [2, layer, token, head, dim]
+        return buf.view(2, layers, pages, n, heads, dim).permute(2, 4, 1, 0, 3, 5)
+    if layout == "page_first":  # [2, token, layer, head, dim]
+        return buf.view(2, pages, n, layers, heads, dim).permute(1, 4, 3, 0, 2, 5)
+    if layout == "page_first_direct":  # [2, page, layer, token, head, dim]
+        return buf.permute(1, 4, 2, 0, 3, 5)
+    if layout == "page_head":  # [2, page, head, token, layer, dim]
+        return buf.permute(1, 2, 4, 0, 3, 5)
+    raise UnsupportedHostPoolError(f"{type(host_pool).__name__}: layout {layout!r} has no per-head view")
+
+
+def why_not_shared(host: Any, c: HiCacheStorageConfig, extra: dict) -> str | None:
+    """Why this host pool's pages cannot go to the engine-neutral namespace (None: they can)."""
+    dtype = ident.canonical_dtype(host.dtype)
+    checks = [
+        (extra.get("share_engines", True) is False, "share_engines is false"),
+        (
+            not extra.get("interface_v1"),
+            "the tensor interface moves pages in SGLang's own layout (set interface_v1)",
+        ),
+        (bool(c.is_mla_model), "an MLA latent has no per-head entry"),
+        (type(host).__name__ != "MHATokenToKVPoolHost", f"host pool class {type(host).__name__}"),
+        (host.layout not in SHARED_LAYOUTS, f"host layout {host.layout!r}"),
+        (dtype not in ident.SHARED_DTYPES, f"KV dtype {dtype} (scaled or quantized)"),
+        (getattr(host, "v_head_dim", host.head_dim) != host.head_dim, "K and V head sizes differ"),
+        (bool(host.storage_format_tag), f"storage format {host.storage_format_tag!r}"),
+        (c.pp_size != 1, "pipeline parallelism (a page holds a stage's layers)"),
+        (c.attn_cp_size != 1 or c.dcp_size != 1, "context parallelism"),
+        (bool(c.should_split_heads), "tp_lcm_size head splitting"),
+    ]
+    return next((why for bad, why in checks if bad), None)
+
+
+def total_kv_heads(model: str, host: Any, c: HiCacheStorageConfig, extra: dict) -> int:
+    """The model's KV heads: the extra config's ``num_kv_heads``, else config.json's, else this
+    rank's times the TP size."""
+    if extra.get("num_kv_heads"):
+        return int(extra["num_kv_heads"])
+    try:
+        root = resolve_model_dir(model)
+        cfg = json.loads((root / "config.json").read_text()) if root.is_dir() else {}
+        n = cfg.get("num_key_value_heads") or cfg.get("num_attention_heads")
+        if n:
+            return int(n)
+    except (OSError, ValueError, LookupError):
+        pass
+    return int(host.head_num) * int(c.tp_size)
+
+
 class CxlKVHiCacheStorage(HiCacheStorage):
     """SGLang HiCache storage in a cxlkv pool. extra_config: ``pool_path`` (default: cxlkv's
     default pool), ``pool_size`` (create it if missing), ``model_path`` (the weights; default
@@ -84,7 +156,13 @@ class CxlKVHiCacheStorage(HiCacheStorage):
         model = extra.get("model_path") or storage_config.model_name
         if not model:
             raise ValueError("cxlkv HiCache storage: no model_path in the extra config and no model_name")
-        self._weights, self._weights_source = weights_of(str(model))  # UnresolvableModelError: clear
+        self._model, self._extra = str(model), extra
+        if extra.get("model_id"):  # the operator's name for the weights, as the vLLM connector's
+            self._weights, self._weights_source = "model_id:" + str(extra["model_id"]), "operator model_id"
+        else:
+            self._weights, self._weights_source = weights_of(str(model))  # UnresolvableModelError: clear
+        self._key: Callable[[str], bytes] = pool_key
+        self.shared = False
         self._lock = threading.Lock()
         self._closed = False
         self._session: PoolSession | None = None
@@ -95,8 +173,21 @@ class CxlKVHiCacheStorage(HiCacheStorage):
     # ------------------------------------------------------------------ registration
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
-        view, block_dim = page_view(mem_pool_host)
-        self.identity = self._identity(mem_pool_host, view, block_dim)
+        why = why_not_shared(mem_pool_host, self.config, self._extra)
+        wrap: Callable[[Any], Any] = lambda ns: ns  # noqa: E731
+        if why is None:
+            self.identity = self._shared_identity(mem_pool_host)
+            name = self.identity.namespace_name()
+            plan = HeadPlan(self.identity.num_kv_heads, self.config.tp_size, self.config.tp_rank)
+            view, block_dim = entry_view(mem_pool_host), 0
+            key: Callable[[str], bytes] = shared_keys.page_key
+            wrap = functools.partial(HeadNamespace, plan=plan, head_dim=1)
+        else:
+            log.info("cxlkv: SGLang pages stay in an SGLang-only namespace (not shared with vLLM): %s", why)
+            view, block_dim = page_view(mem_pool_host)
+            self.identity = self._identity(mem_pool_host, view, block_dim)
+            name = self.identity.namespace_name()
+            key = pool_key
         layout = cxlkv.KVLayout(
             model_id=self.identity.model_id(),
             dtype=self.identity.dtype,
@@ -105,22 +196,33 @@ class CxlKVHiCacheStorage(HiCacheStorage):
             head_size=self.identity.head_size,
             tokens_per_block=self.identity.block_size,
             kind=self.identity.kind,
+            heads_per_entry=self.identity.heads_per_entry,
             block_bytes=self.identity.block_bytes,
             source=self.identity.source(),
         )
-        name = self.identity.namespace_name()
         with self._lock:
             if self._closed:
                 raise ClosedError("cxlkv HiCache storage: register_mem_pool_host after close()")
-            self._view, self._block_dim = view, block_dim
+            self._view, self._block_dim, self._key, self.shared = view, block_dim, key, why is None
             self._session = PoolSession(
                 self._path,
                 log,
                 self._open_pool,
-                lambda pool: pool.namespace(layout, name),
+                lambda pool: wrap(pool.namespace(layout, name)),
                 who="sglang-hicache",
                 fail_fast=True,
             )
+
+    def _shared_identity(self, host: Any) -> ident.KVIdentity:
+        return ident.shared_identity(
+            self._weights,
+            self._weights_source,
+            host.dtype,
+            host.layer_num,
+            total_kv_heads(self._model, host, self.config, self._extra),
+            host.head_dim,
+            host.page_size,
+        )
 
     def _identity(self, host: Any, view: torch.Tensor, block_dim: int) -> ident.KVIdentity:
         c = self.config
@@ -184,7 +286,7 @@ class CxlKVHiCacheStorage(HiCacheStorage):
         if not keys:
             return []
         pages = self._pages(keys, host_indices)
-        pkeys = [pool_key(k) for k in keys]
+        pkeys = [self._key(k) for k in keys]
 
         def run(ns: Any) -> int:
             copy = ns.store if op == "store" else ns.load
@@ -206,7 +308,7 @@ class CxlKVHiCacheStorage(HiCacheStorage):
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         if not keys:
             return 0
-        pkeys = [pool_key(k) for k in keys]
+        pkeys = [self._key(k) for k in keys]
         return int(self._call("sglang exists", lambda ns: ns.match_prefix(pkeys)) or 0)
 
     def exists(self, key: str) -> bool:
@@ -216,6 +318,7 @@ class CxlKVHiCacheStorage(HiCacheStorage):
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
         if target_location is None:
             raise ValueError("cxlkv HiCache storage: get needs a target_location tensor")
+        self._tensor_interface("get")
         out = target_location.view(-1).view(torch.uint8).numpy()
         ok = self._call("sglang get", lambda ns: ns.get(pool_key(key), out))
         return target_location if ok else None
@@ -224,6 +327,7 @@ class CxlKVHiCacheStorage(HiCacheStorage):
         return [self.get(k, t) for k, t in zip(keys, target_locations, strict=True)]
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        self._tensor_interface("set")
         src = value if value is not None else target_location
         data = src.contiguous().view(-1).view(torch.uint8).numpy()
         return bool(self._call("sglang set", functools.partial(_put, key=pool_key(key), data=data)))
@@ -234,6 +338,12 @@ class CxlKVHiCacheStorage(HiCacheStorage):
         srcs = values if values is not None else target_locations
         stored = [self.set(k, v) for k, v in zip(keys, srcs, strict=True)]  # every one, not up to a failure
         return all(stored)
+
+    def _tensor_interface(self, what: str) -> None:
+        if self.shared and not self._closed:  # SGLang calls it only with interface_v1 off
+            raise UnsupportedHostPoolError(
+                f"cxlkv HiCache storage: {what} of a whole page in a shared namespace"
+            )
 
     def close(self) -> None:
         """Releases the pool; idempotent. Any call after it raises ClosedError."""
