@@ -54,6 +54,8 @@ count; default: interleaved, see placement.py), ``pool_size`` (used when the poo
 who know two checkpoints are the same), ``namespace`` (overrides the namespace name entirely),
 ``weights_identity`` ("loaded", the default: every byte of the weights, hashed by the workers and
 adopted by the scheduler side through vLLM's handshake; "sampled": the sampled file digest only),
+``share_engines`` (true, the default: where the KV bytes allow, the engine-neutral namespace
+SGLang's HiCache backend shares, docs/IDENTITY.md "Across engines"; false: this engine's own),
 ``file_check_interval_s`` (default 0.001), ``async_saves`` (true, the default: no step waits
 for a save; false: each step waits for its own), ``on_pool_error`` ("degrade": a pool that cannot be
 opened means serving without the cache, the default; "fail": refuse to start), ``coalesce``
