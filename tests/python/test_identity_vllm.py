@@ -167,3 +167,38 @@ def test_weights_that_cannot_be_hashed_fall_back_to_sampled(pool_path, tmp_path)
     m[2].weight = torch.nn.Parameter(torch.empty(ROWS, device="meta"), requires_grad=False)  # no bytes
     sched, worker = engine(pool_path, d, m)
     assert worker.identity.source().startswith("weights sampled") and sched._ns_name == worker._ns_name
+
+
+def test_engine_neutral_namespace_and_its_opt_out(pool_path, tmp_path):
+    """vLLM CPU with one full-attention group and auto 16-bit KV names its namespace the way
+    SGLang's HiCache backend does (identity.shared_identity: no engine, no parsed config, the
+    per-head entry order); ``share_engines: false`` keeps the engine's own; both sides agree;
+    another spec class (here vLLM's duck-typed test spec) is not shared."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from cxlkv.integrations import identity as ident
+
+    m = model()
+    d = save(m, tmp_path / "m")
+
+    def pair(**extra):
+        vc, kc = fake_configs(pool_path, str(d), **extra)
+        old = kc.kv_cache_groups[0].kv_cache_spec
+        kc.kv_cache_groups[0].kv_cache_spec = FullAttentionSpec(
+            block_size=vc.cache_config.block_size, num_kv_heads=old.num_kv_heads, head_size=old.head_size,
+            dtype=torch.bfloat16,
+        )  # fmt: skip
+        sched = conn.CxlKVConnector(vc, Role.SCHEDULER, kc)
+        worker = Runner(m).build(vc, kc)
+        sched.set_xfer_handshake_metadata({0: worker.get_handshake_metadata()})
+        return sched, worker
+
+    sched, shared = pair()
+    own = pair(share_engines=False)[1]
+    assert shared.identity.device_layout.startswith(ident.SHARED_ENTRY_LAYOUT), shared.identity
+    assert shared.identity.compute_dtype == shared.identity.dtype and shared.identity.heads_per_entry == 1
+    assert sched._ns_name == shared._ns_name
+    assert own._ns_name != shared._ns_name
+    assert not own.identity.device_layout.startswith(ident.SHARED_ENTRY_LAYOUT)
+    duck = engine(pool_path, d, m)[1]
+    assert not duck.identity.device_layout.startswith(ident.SHARED_ENTRY_LAYOUT)
