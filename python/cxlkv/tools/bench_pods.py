@@ -41,12 +41,11 @@ from cxlkv.errors import CommandError
 from cxlkv.tools.remote_store import RedisServer
 from cxlkv.tools.serve_fleet import Fleet, Server, cpu_sets, free_port, wait_port, wait_ready
 
-__all__ = ["HOSTS", "run"]
+__all__ = ["check", "print_result", "run"]
 
 CHUNK = 256  # LMCache's chunk: only whole chunks are stored and loaded
 L2_WAIT_S = 120  # LMCache writes its L2 adapters behind the request
 RESTART_ROUNDS = 4  # fresh requests after the remote's restart, until LMCache writes to it again
-HOSTS = ("1a", "1b", "2a", "1c")
 PATHS = (
     "recompute",
     "pool_hit",
