@@ -377,7 +377,7 @@ def test_vllm_commands_without_vllm_exit_2_with_the_reason(argv):
 )
 def test_bench_pods_arguments(bad, message):
     """`bench pods` starts four vLLM engines, an LMCache server per engine and a Redis server: a
-    --long benchmark. CI runs its code in tests/vllm/test_pods.py (the same run on the tiny model);
+    long benchmark, not run by the CLI smoke. CI runs its code in tests/vllm/test_pods.py (the same run on the tiny model);
     here only its arguments, which are refused before anything starts (exit 2, one line)."""
     r = cxlkv_cli("bench", "pods", *bad)
     assert r.returncode == 2, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])

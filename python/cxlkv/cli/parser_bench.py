@@ -305,7 +305,7 @@ def add_bench(sub: Any, default_pool: str) -> None:
         "pods",
         help="two pods (two pools), LMCache servers with cxlkv as the first L2 and one real "
         "Redis/Valkey as the second: TTFT of pool hit / remote hit / recompute, remote death and "
-        "restart (needs vLLM, LMCache, redis-server; a --long benchmark: four engine starts)",
+        "restart (needs vLLM, LMCache, redis-server; a long benchmark: four engine starts, one after another)",
     )
     bp.add_argument("--model", default="smollm2", help="tiny, smollm2 or a model directory (default smollm2)")
     bp.add_argument("--prompts", type=_pos_int, default=2, help="prompts per path (default 2)")
