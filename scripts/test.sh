@@ -46,13 +46,18 @@ fi
 echo "== vLLM integration tests (real vLLM CPU engines, one process each)"
 bash "$ROOT/scripts/setup-vllm.sh" "$VENV"
 # The peers the integrations are tested against: LMCache 0.5.6 (+ matplotlib), SGLang's storage
-# interface (--no-deps); and a real Prometheus server for the exporter's test.
+# interface (--no-deps); a real Prometheus server for the exporter's test and a real Redis server
+# behind two pods' pools (tests/vllm/test_pods.py; the test starts and stops it on a free port).
 bash "$ROOT/scripts/setup-peers.sh" "$VENV"
 bash "$ROOT/scripts/setup-sglang.sh" "$VENV"
-if ! command -v prometheus >/dev/null; then
+MISSING=""
+command -v prometheus >/dev/null || MISSING="$MISSING prometheus"
+command -v redis-server >/dev/null || command -v valkey-server >/dev/null || MISSING="$MISSING redis-server"
+if [ -n "$MISSING" ]; then
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq prometheus >/dev/null
+  # shellcheck disable=SC2086 # one word per package
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq $MISSING >/dev/null
 fi
 # The Python tests that need vLLM, torch, Triton (interpreter on CPU), LMCache, SGLang or
 # Prometheus skip in the first pass (nothing of those is installed then); they run here. A module

@@ -356,6 +356,7 @@ def test_bench_index(scratch_pool_dir):
         ["bench", "vllm", "--model", "tiny", "--contexts", "1", "--turns", "1", "--json"],
         ["demo", "--vllm"],
         ["bench", "serve", "--model", "tiny", "--json"],
+        ["bench", "pods", "--model", "tiny", "--prompts", "1", "--json"],
     ],
 )
 def test_vllm_commands_without_vllm_exit_2_with_the_reason(argv):
@@ -364,6 +365,24 @@ def test_vllm_commands_without_vllm_exit_2_with_the_reason(argv):
     assert r.returncode == 2, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
     assert r.stderr.startswith("cxlkv: error:") and "needs vLLM" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and r.stdout == "", (r.stdout, r.stderr)
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (["--prompts", "0"], "--prompts"),
+        (["--pool-size", "lots"], "--pool-size"),
+        (["--words", "-3"], "--words"),
+    ],
+)
+def test_bench_pods_arguments(bad, message):
+    """`bench pods` starts four vLLM engines, an LMCache server per engine and a Redis server: a
+    long benchmark, not run by the CLI smoke. CI runs its code in tests/vllm/test_pods.py (the same run on the tiny model);
+    here only its arguments, which are refused before anything starts (exit 2, one line)."""
+    r = cxlkv_cli("bench", "pods", *bad)
+    assert r.returncode == 2, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+    assert message in r.stderr and r.stdout == "", r.stderr
+    assert "--json" in ok(cxlkv_cli("bench", "pods", "--help")).stdout
 
 
 def test_bench_index_fewer_ops_than_one_batch(scratch_pool_dir):

@@ -355,6 +355,34 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+def cmd_bench_pods(args: argparse.Namespace) -> int:
+    """bench pods (issue 24): its code is tools/bench_pods.py."""
+    _require_vllm("bench pods")
+    import importlib.util
+
+    if importlib.util.find_spec("lmcache") is None:
+        raise CommandError(
+            f"bench pods needs LMCache 0.5.6, not installed in {sys.prefix} (scripts/setup-peers.sh)"
+        )
+    from cxlkv.tools import bench_pods
+    from cxlkv.tools.remote_store import find_server
+
+    find_server()  # before any engine starts: the remote must exist
+    con = make_console(stderr=args.json)
+    summary = bench_pods.run(
+        model=args.model,
+        prompts=args.prompts,
+        words=args.words,
+        pool_size=args.pool_size,
+        on_progress=(lambda m: con.print(f"[dim]{m}[/dim]")),
+    )
+    if args.json:
+        print_json({**summary, "problems": bench_pods.check(summary)})
+    else:
+        bench_pods.print_result(con, summary)
+    return ExitCode.OK if not bench_pods.check(summary) else ExitCode.CHECK_FAILED
+
+
 def cmd_bench_index(args: argparse.Namespace) -> int:
     from cxlkv.tools import bench
 

@@ -1,4 +1,4 @@
-"""``cxlkv bench ...``: copy, index, rpc, failover, vllm, sparse, serve."""
+"""``cxlkv bench ...``: copy, index, rpc, failover, vllm, sparse, serve, pods."""
 
 from __future__ import annotations
 
@@ -297,3 +297,26 @@ def add_bench(sub: Any, default_pool: str) -> None:
     )
     bs.add_argument("--json", action="store_true", help="print a JSON list of rows")
     bs.set_defaults(func=cmd_bench_serve)
+
+    # bench pods (issue 24): two pods, LMCache with cxlkv first and a real Redis/Valkey behind it
+    from .commands import cmd_bench_pods
+
+    bp = bsub.add_parser(
+        "pods",
+        help="two pods (two pools), LMCache servers with cxlkv as the first L2 and one real "
+        "Redis/Valkey as the second: TTFT of pool hit / remote hit / recompute, remote death and "
+        "restart (needs vLLM, LMCache, redis-server; a long benchmark: four engine starts, one after another)",
+    )
+    bp.add_argument("--model", default="smollm2", help="tiny, smollm2 or a model directory (default smollm2)")
+    bp.add_argument("--prompts", type=_pos_int, default=2, help="prompts per path (default 2)")
+    bp.add_argument(
+        "--words",
+        type=_pos_int,
+        default=900,
+        help="words per prompt (default 900: ~3K tokens with smollm2, ~1.5K with tiny)",
+    )
+    bp.add_argument(
+        "--pool-size", type=_size_arg, default=parse_size("1GiB"), help="each pod's pool (default 1GiB)"
+    )
+    bp.add_argument("--json", action="store_true", help="print one JSON object")
+    bp.set_defaults(func=cmd_bench_pods)
