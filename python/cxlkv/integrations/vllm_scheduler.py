@@ -254,11 +254,12 @@ class CxlKVScheduler:
         self._count("hit_tokens", max(0, hit - have) * self._block_size)
         if hit < max_blocks:
             self._check_pin_cap(request.request_id, keys[hit:max_blocks], hit)
-            if self._coalesce.on_miss(
+            wait = self._coalesce.on_miss(
                 request.request_id, keys, have, hit, max_blocks, self._can_save, self._can_load
-            ):  # another engine computes the rest: wait for it (asynchronous load)
+            )
+            if wait is not None:  # another engine computes the next blocks: wait for those only
                 self._session.retire(lease)
-                return (max_blocks - have) * self._block_size, True
+                return len(wait.op.keys) * self._block_size, True
         if hit <= have:
             self._session.retire(lease)
             return 0, False
