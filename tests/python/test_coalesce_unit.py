@@ -364,7 +364,10 @@ def test_next_turn_waits_only_for_the_blocks_the_turn_in_flight_covers(pool_path
     assert wait_d is not None and wait_d.op.keys == turn1[:3] and wait_d.uncovered == 1
     assert c.held_blocks("d") == (3, 4)
     # Nothing in flight at the first missing block: no wait at all, even if later ones are.
-    assert scheduler(pool_path).on_miss("e", [hashlib.sha256(b"x").digest(), *turn1], 0, 0, 5, True, True) is None
+    assert (
+        scheduler(pool_path).on_miss("e", [hashlib.sha256(b"x").digest(), *turn1], 0, 0, 5, True, True)
+        is None
+    )
     for s in (a, b, c):
         s.close()
 
@@ -453,7 +456,14 @@ def test_stalled_writer_releases_its_waiter(pool_path):
     given up after STALL_FACTOR x one chunk's estimated compute, long before the bound."""
     keys = chain(35, 8)
     a = scheduler(pool_path)
-    b = CoalesceScheduler(CoalesceConfig(prefill_tps=BS, fixed_rate=True), session(pool_path), Counts(), LOG, BS, chunk_tokens=BS)
+    b = CoalesceScheduler(
+        CoalesceConfig(prefill_tps=BS, fixed_rate=True),
+        session(pool_path),
+        Counts(),
+        LOG,
+        BS,
+        chunk_tokens=BS,
+    )
     a.on_miss("w", keys, 0, 0, 8, True, True)
     wait = b.on_miss("r", keys, 0, 0, 8, True, True)
     assert wait is not None and wait.wait_s == pytest.approx(8.0) and wait.stall_s == pytest.approx(2.0)

@@ -349,7 +349,13 @@ class CoalesceWorker:
     """Worker side: re-checks every wait each step (vLLM calls get_finished every step, empty ones
     too); loads its blocks once all are there, or the leading ones when the wait gives up."""
 
-    def __init__(self, session: Any, count: Callable[..., None], logger: Any, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        session: Any,
+        count: Callable[..., None],
+        logger: Any,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._session = session
         self._count = count
         self._log = logger

@@ -103,7 +103,9 @@ def row(
     config: str, concurrency: int, per_request: list[dict], duration_s: float, before: list, after: list
 ) -> dict[str, Any]:
     ok = [r for r in per_request if r["success"]]
-    delta = {k: sum(a.get(k, 0.0) - b.get(k, 0.0) for a, b in zip(after, before, strict=True)) for k in after[0]}
+    delta = {
+        k: sum(a.get(k, 0.0) - b.get(k, 0.0) for a, b in zip(after, before, strict=True)) for k in after[0]
+    }
     prompt = delta["prompt"] or 1.0
     ttft = _ms([r["ttft_s"] for r in ok])
     itl = [x for r in ok for x in r["itl_s"]]
