@@ -106,6 +106,7 @@ def test_marker_derivation():
 
 def test_config_defaults_and_errors():
     assert CoalesceConfig.from_extra({}) == CoalesceConfig(True, 30.0, DEFAULT_PREFILL_TPS, False)  # on
+    assert DEFAULT_PREFILL_TPS == 250.0  # documented (README, ARCHITECTURE §9)
     assert CoalesceConfig.from_extra({"coalesce": False, "coalesce_wait_s": 2}) == CoalesceConfig(False, 2.0)
     fixed = CoalesceConfig.from_extra({"coalesce_prefill_tokens_per_s": 50})
     assert fixed.prefill_tps == 50.0 and fixed.fixed_rate
@@ -429,6 +430,8 @@ def test_wait_bound_from_the_prefill_rate(pool_path):
     b = scheduler(pool_path, prefill_tps=float(BS * 4) / 2.0, wait_s=30.0)  # 4 blocks: 2 s
     assert b.bounds(4 * BS) == (pytest.approx(2.0), pytest.approx(4.0))
     assert b.bounds(10**9)[0] == 30.0  # capped by coalesce_wait_s
+    # Other requests' prompt tokens still to compute here would share the steps: a longer bound.
+    assert b.bounds(4 * BS, backlog=4 * BS)[0] == pytest.approx(4.0)
     a.on_miss("w", keys, 0, 0, 4, True, True)
     wait = b.on_miss("r", keys, 0, 0, 4, True, True)
     assert wait is not None and wait.wait_s == pytest.approx(2.0)

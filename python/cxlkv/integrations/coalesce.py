@@ -19,10 +19,12 @@ asynchronous KV load), loads what is already READY, and computes the rest at onc
   it is computed at once, and the intents it got there are its own (others may wait for it). A
   next turn that shares all but the last blocks of a turn still in flight thus waits only for the
   blocks that turn covers, never for blocks no intent covers.
-* Bounds (``WaitPolicy``): a wait lasts at most the estimated time to compute what it waits for,
-  from this engine's measured prefill rate (:class:`PrefillRate`: prompt tokens per second of its
-  own steps; ``coalesce_prefill_tokens_per_s`` before the first measurement, or fixed when an
-  operator sets it), and never more than ``coalesce_wait_s``. The worker re-checks every step:
+* Bounds: a wait lasts at most the estimated time to compute what it waits for in this engine
+  (the blocks waited for plus the prompt tokens of other requests this engine still has to
+  compute, which would share its steps), from this engine's measured prefill rate
+  (:class:`PrefillRate`: prompt tokens per second of its own steps;
+  ``coalesce_prefill_tokens_per_s`` before the first measurement, or fixed when an operator sets
+  it), and never more than ``coalesce_wait_s``. The worker re-checks every step:
   the first missing block's intent gone (writer died, was preempted, finished short) ->
   ``writer_gone``; no new block for ``STALL_FACTOR`` x the time to compute one step's chunk ->
   ``stalled``; the bound passed -> ``deadline``. Then it loads the leading present blocks and
@@ -52,9 +54,9 @@ from cxlkv.integrations.transfer import BlockOp
 INTENT_SUFFIX = b"cxlkv-intent"
 DEFAULT_WAIT_S = 30.0
 # Prefill tokens per second assumed before this engine has measured its own: a slow CPU engine's
-# (SmolLM2-135M on two loaded cores does a few thousand), so the first waits on a GPU are longer
-# than needed rather than cut short; the stall rule still ends a wait on a writer making no progress.
-DEFAULT_PREFILL_TPS = 1000.0
+# (SmolLM2-135M on two cores shared by several servers under load does a few hundred), so the first
+# waits on a GPU are longer than needed rather than cut short; the first prefill step measures it.
+DEFAULT_PREFILL_TPS = 250.0
 RATE_SMOOTHING = 0.3  # weight of a new step's rate in the moving estimate
 MIN_SAMPLE_TOKENS = 32  # a step with fewer prompt tokens says more about overheads than prefill
 STALL_FACTOR = 2.0  # no new block for this many times one chunk's estimated compute: stalled
@@ -195,14 +197,24 @@ class CoalesceScheduler:
         # is bounded by one wait.
         self._waited: set[str] = set()
 
-    def bounds(self, tokens: int) -> tuple[float, float]:
-        """(wait bound, stall bound) for waiting on `tokens` prompt tokens another engine computes."""
-        wait = min(self.cfg.wait_s, self.rate.seconds_for(tokens))
+    def bounds(self, tokens: int, backlog: int = 0) -> tuple[float, float]:
+        """(wait bound, stall bound) for waiting on `tokens` prompt tokens another engine computes,
+        with `backlog` prompt tokens of other requests still to compute in this engine (they share
+        its steps with this request's prefill if it computed the blocks itself)."""
+        wait = min(self.cfg.wait_s, self.rate.seconds_for(tokens + backlog))
         stall = max(MIN_STALL_S, STALL_FACTOR * self.rate.seconds_for(min(tokens, self._chunk)))
         return wait, stall
 
     def on_miss(
-        self, req_id: str, keys: list, have: int, hit: int, max_blocks: int, can_save: bool, can_load: bool
+        self,
+        req_id: str,
+        keys: list,
+        have: int,
+        hit: int,
+        max_blocks: int,
+        can_save: bool,
+        can_load: bool,
+        backlog: int = 0,
     ) -> WaitOp | None:
         """The prompt's pool hit ends at `hit` < `max_blocks`: take intents for the blocks this
         request computes and, where another engine holds the leading ones, return the wait to plan."""
@@ -232,7 +244,7 @@ class CoalesceScheduler:
         if not covered or not can_load or have > hit or req_id in self._waited:
             return None  # nobody else computes its next block, more here locally, or waited already
         end = hit + covered
-        wait_s, stall_s = self.bounds(covered * self._block_size)
+        wait_s, stall_s = self.bounds(covered * self._block_size, backlog)
         op = BlockOp(req_id, list(keys[have:end]), [], start_depth=have)
         wait = WaitOp(op, wait_s, stall_s, already=hit - have, uncovered=max_blocks - end)
         self._pending[req_id] = wait

@@ -255,7 +255,14 @@ class CxlKVScheduler:
         if hit < max_blocks:
             self._check_pin_cap(request.request_id, keys[hit:max_blocks], hit)
             wait = self._coalesce.on_miss(
-                request.request_id, keys, have, hit, max_blocks, self._can_save, self._can_load
+                request.request_id,
+                keys,
+                have,
+                hit,
+                max_blocks,
+                self._can_save,
+                self._can_load,
+                backlog=self._prefill_backlog(request.request_id),
             )
             if wait is not None:  # another engine computes the next blocks: wait for those only
                 self._session.retire(lease)
@@ -273,6 +280,17 @@ class CxlKVScheduler:
             have,
         )
         return (hit - have) * self._block_size, False
+
+    def _prefill_backlog(self, req_id: str) -> int:
+        """Prompt tokens other requests of this engine still have to compute (running or queued):
+        a request that computed its blocks itself would share the steps with them."""
+        return sum(
+            max(
+                0, int(st.request.num_prompt_tokens) - int(getattr(st.request, "num_computed_tokens", 0) or 0)
+            )
+            for rid, st in self._reqs.items()
+            if rid != req_id
+        )
 
     def _match_groups(self, st: _ReqState, request: Request, prompt: list, have: int, max_blocks: int):
         """A hybrid model's hit: the deepest block boundary every group can serve (vllm_groups.py),
