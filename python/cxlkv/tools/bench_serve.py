@@ -293,7 +293,17 @@ def run(
                 with Fleet(logdir) as fleet:
                     t0 = time.monotonic()
                     progress.update(total, description=f"{config}: starting {n} server(s)")
-                    servers = _start(fleet, config, n, model_dir, served, max_len, pool_gib, shares, union)
+                    try:
+                        servers = _start(
+                            fleet, config, n, model_dir, served, max_len, pool_gib, shares, union
+                        )
+                    except CommandError as e:  # the other configurations' rows still count
+                        skipped[config] = f"its servers did not start: {str(e)[:300]}"
+                        con.print(f"  [red]{config}: skipped, {skipped[config]}[/red]")
+                        finished += per_config
+                        progress.update(total, completed=finished)
+                        _cleanup_pool()
+                        continue
                     router = fleet.router([s.url for s in servers], mode)
                     wait_ready([router])
                     con.print(f"  {config}: {n} server(s) ready in {time.monotonic() - t0:.0f} s")
