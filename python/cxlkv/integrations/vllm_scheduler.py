@@ -253,16 +253,21 @@ class CxlKVScheduler:
         self._count("lookup_tokens", (max_blocks - have) * self._block_size)
         self._count("hit_tokens", max(0, hit - have) * self._block_size)
         if hit < max_blocks:
-            self._check_pin_cap(request.request_id, keys[hit:max_blocks], hit)
-            wait = self._coalesce.on_miss(
-                request.request_id,
-                keys,
-                have,
-                hit,
-                max_blocks,
-                self._can_save,
-                self._can_load,
-                backlog=self._prefill_backlog(request.request_id),
+            # capped by pin slots: the next block is in the pool, nobody needs to compute it
+            capped = self._check_pin_cap(request.request_id, keys[hit:max_blocks], hit)
+            wait = (
+                None
+                if capped
+                else self._coalesce.on_miss(
+                    request.request_id,
+                    keys,
+                    have,
+                    hit,
+                    max_blocks,
+                    self._can_save,
+                    self._can_load,
+                    backlog=self._prefill_backlog(request.request_id),
+                )
             )
             if wait is not None:  # another engine computes the next blocks: wait for those only
                 self._session.retire(lease)
@@ -365,7 +370,7 @@ class CxlKVScheduler:
                 return hit
         return hit
 
-    def _check_pin_cap(self, req_id: str, rest: list, hit: int) -> None:
+    def _check_pin_cap(self, req_id: str, rest: list, hit: int) -> bool:
         """A hit that stopped while the next block is in the pool was capped by pin slots."""
         more = self._primary.call("match_prefix", lambda ns: ns.match_prefix(rest)) or 0
         if more > 0:
@@ -381,6 +386,7 @@ class CxlKVScheduler:
                 more,
                 self.ctx.pool_path,
             )
+        return more > 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
         ids = blocks.get_block_ids()
