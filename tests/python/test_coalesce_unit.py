@@ -18,9 +18,11 @@ import pytest
 
 import cxlkv
 from cxlkv.integrations.coalesce import (
+    DEFAULT_PREFILL_TPS,
     CoalesceConfig,
     CoalesceScheduler,
     CoalesceWorker,
+    PrefillRate,
     WaitOp,
     intent_key,
 )
@@ -52,8 +54,15 @@ def pool_path():
 
 
 class Counts(dict):
-    def __call__(self, key: str, n: int = 1) -> None:
-        self[key] = self.get(key, 0) + n
+    """The connector's counters as vLLM sees them (zero increments are never sent)."""
+
+    def __call__(self, key: str, n: float = 1) -> None:
+        if n:
+            self[key] = self.get(key, 0) + n
+
+    def blocks(self) -> dict:
+        """Without the seconds waited (a wall-clock figure)."""
+        return {k: v for k, v in self.items() if k != "coalesce_wait_s"}
 
 
 def session(path: str) -> PoolSession:
@@ -96,21 +105,27 @@ def test_marker_derivation():
 
 
 def test_config_defaults_and_errors():
-    assert CoalesceConfig.from_extra({}) == CoalesceConfig(True, 30.0)  # on by default
+    assert CoalesceConfig.from_extra({}) == CoalesceConfig(True, 30.0, DEFAULT_PREFILL_TPS, False)  # on
+    assert DEFAULT_PREFILL_TPS == 250.0  # documented (README, ARCHITECTURE §9)
     assert CoalesceConfig.from_extra({"coalesce": False, "coalesce_wait_s": 2}) == CoalesceConfig(False, 2.0)
+    fixed = CoalesceConfig.from_extra({"coalesce_prefill_tokens_per_s": 50})
+    assert fixed.prefill_tps == 50.0 and fixed.fixed_rate
     for bad in (
         {"coalesce": "no"},
         {"coalesce_wait_s": 0},
         {"coalesce_wait_s": "5"},
         {"coalesce_wait_s": True},
+        {"coalesce_prefill_tokens_per_s": 0},
+        {"coalesce_prefill_tokens_per_s": "fast"},
     ):
         with pytest.raises(ValueError, match="coalesce"):
             CoalesceConfig.from_extra(bad)
 
 
 def scheduler(path: str, counts: Counts | None = None, **cfg) -> CoalesceScheduler:
+    cfg.setdefault("prefill_tps", 1.0)  # a slow engine: the bound is wait_s unless a test sets it
     return CoalesceScheduler(
-        CoalesceConfig(**cfg), session(path), Counts() if counts is None else counts, LOG
+        CoalesceConfig(**cfg, fixed_rate=True), session(path), Counts() if counts is None else counts, LOG, BS
     )
 
 
@@ -122,7 +137,8 @@ def test_first_engine_writes_second_waits(pool_path):
     assert a.on_miss("ra", keys, 0, 0, 6, True, True) is None and a.holds("ra")  # looked up again
     assert a.on_miss("ra2", keys, 0, 0, 6, True, True) is None and not a.holds("ra2")  # same engine
     wait = b.on_miss("rb", keys, 0, 0, 6, True, True)
-    assert isinstance(wait, WaitOp) and wait.op.keys == keys and wait.marker == intent_key(keys[0])
+    assert isinstance(wait, WaitOp) and wait.op.keys == keys and wait.uncovered == 0
+    assert all(state_of(pool_path, intent_key(k)) == "in_flight" for k in keys)  # A's: one per block
     b.lookup_started("rb")  # not scheduled: vLLM looks it up again, and this time it does not wait
     assert not b.allocated("rb", list(range(10, 16)), 6 * BS, BS)
     assert b.on_miss("rb", keys, 0, 0, 6, True, True) is not None
@@ -218,7 +234,7 @@ def test_waiter_loads_blocks_once_the_writer_publishes_them(pool_path):
     store(pool_path, keys, 7)  # its saves (block 0 was present: kept as it was)
     a.finished("ra", saves_in_flight=False)
     assert poll_until_done(w, load) == ({"rb"}, set())
-    assert counts == {"coalesced_blocks": 3}
+    assert counts.blocks() == {"coalesced_blocks": 3, "coalesce_saved_tokens": 3 * BS}
     assert all((arr[:, 9:12] == 7).all() and (arr[:, 8] == 5).all() for arr in arrays)
     b.step_done(1, set(), {"rb"}, ())
     assert b.loaded_floor("rb") == 4
@@ -237,10 +253,12 @@ def test_writer_done_with_fewer_blocks_and_deadline(pool_path):
     store(pool_path, keys[:2], 3)  # the writer's prompt was shorter: two blocks
     a.finished("ra", saves_in_flight=False)
     assert poll_until_done(w, load) == ({"rb"}, {2, 3})
-    assert counts == {
+    assert counts.blocks() == {
         "coalesced_blocks": 2,
+        "coalesce_saved_tokens": 2 * BS,
         "coalesce_fallback_writer_gone": 1,
         "coalesce_recomputed_blocks": 2,
+        "coalesce_partial_loads": 1,
     }
     b.step_done(1, {2, 3}, {"rb"}, ())
     assert b.loaded_floor("rb") == 2
@@ -253,7 +271,7 @@ def test_writer_done_with_fewer_blocks_and_deadline(pool_path):
     counts.clear()
     w.add(b.take_waits(), idle=True)
     assert poll_until_done(w, load) == ({"rc"}, {4, 5})
-    assert counts == {"coalesced_blocks": 0, "coalesce_fallback_deadline": 1, "coalesce_recomputed_blocks": 2}
+    assert counts.blocks() == {"coalesce_fallback_deadline": 1, "coalesce_recomputed_blocks": 2}
     # vLLM looks the request up again to recompute: the marker is still held, but it does not
     # wait twice (one coalesce_wait_s per request at most); once finished, the id may wait again.
     b.step_done(2, {4, 5}, {"rc"}, ())
@@ -276,7 +294,7 @@ WRITER = textwrap.dedent(
     from test_coalesce_unit import session, chain
     from cxlkv.integrations.coalesce import CoalesceConfig, CoalesceScheduler
     import logging
-    s = CoalesceScheduler(CoalesceConfig(), session({path!r}), lambda *a: None, logging.getLogger())
+    s = CoalesceScheduler(CoalesceConfig(), session({path!r}), lambda *a: None, logging.getLogger(), 4)
     s.on_miss("writer", chain(21, 3), 0, 0, 3, True, True)
     print("HOLDING", flush=True)
     time.sleep(600)
@@ -310,3 +328,182 @@ def test_writer_killed_waiter_recomputes(pool_path):
         if p.poll() is None:
             p.kill()
             p.wait(30)
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 24 item 2: a wait covers only what another engine's intents cover, and is bounded by the
+# estimated time to compute it; a writer dead, stalled or short releases its waiters at once.
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_next_turn_waits_only_for_the_blocks_the_turn_in_flight_covers(pool_path):
+    """Turn 1 (4 blocks) is in flight on A; turn 2 on B shares them and adds 2: B waits for the 4
+    and takes the intents of the 2 it computes; C, with turn 2 too, waits for all 6 (A's and B's).
+    A prompt that diverges at block 3 waits for blocks 0-2 only."""
+    turn1 = chain(31, 4)
+    turn2 = turn1 + [hashlib.sha256(b"turn2/%d" % i).digest() for i in range(2)]
+    counts = Counts()
+    a, b, c = scheduler(pool_path), scheduler(pool_path, counts), scheduler(pool_path)
+    assert a.on_miss("t1", turn1, 0, 0, 4, True, True) is None and a.held_blocks("t1") == (0, 4)
+    wait = b.on_miss("t2", turn2, 0, 0, 6, True, True)
+    assert wait is not None and wait.op.keys == turn1 and wait.uncovered == 2
+    assert b.held_blocks("t2") == (4, 6)  # the blocks it computes at once: others may wait for them
+    assert b.allocated("t2", list(range(20, 26)), 4 * BS, BS)  # vLLM: 4 blocks external
+    assert counts == {"coalesce_intents": 1, "coalesce_waits": 1, "coalesce_uncovered_blocks": 2}
+    wait_c = c.on_miss("t2c", turn2, 0, 0, 6, True, True)
+    assert wait_c is not None and wait_c.op.keys == turn2 and wait_c.uncovered == 0
+    assert not c.holds("t2c")  # every block is somebody's
+    diverged = turn1[:3] + [hashlib.sha256(b"other").digest()]
+    wait_d = c.on_miss("d", diverged, 0, 0, 4, True, True)
+    assert wait_d is not None and wait_d.op.keys == turn1[:3] and wait_d.uncovered == 1
+    assert c.held_blocks("d") == (3, 4)
+    # Nothing in flight at the first missing block: no wait at all, even if later ones are.
+    assert (
+        scheduler(pool_path).on_miss("e", [hashlib.sha256(b"x").digest(), *turn1], 0, 0, 5, True, True)
+        is None
+    )
+    for s in (a, b, c):
+        s.close()
+
+
+def test_wait_loads_the_covered_part_and_counts_it(pool_path):
+    turn1 = chain(32, 3)
+    turn2 = turn1 + chain(33, 2)
+    a, b = scheduler(pool_path), scheduler(pool_path)
+    a.on_miss("t1", turn1, 0, 0, 3, True, True)
+    b.on_miss("t2", turn2, 0, 0, 5, True, True)
+    b.allocated("t2", [5, 6, 7, 8, 9], 3 * BS, BS)
+    counts = Counts()
+    w = CoalesceWorker(session(pool_path), counts, LOG)
+    _, _, load = loader(pool_path)
+    w.add(b.take_waits(), idle=False)
+    assert w.poll(set(), load) == (set(), set())
+    store(pool_path, turn1, 4)
+    assert w.poll(set(), load) == ({"t2"}, set())  # the step after they landed
+    assert counts["coalesced_blocks"] == 3 and counts["coalesce_saved_tokens"] == 3 * BS
+    assert counts["coalesce_partial_loads"] == 1  # the 2 uncovered blocks are computed
+    assert "coalesce_recomputed_blocks" not in counts and counts["coalesce_wait_s"] >= 0
+    a.close()
+    b.close()
+
+
+def test_prefill_rate_measured_from_steps():
+    clock = Clock()
+    rate = PrefillRate(1000.0, clock=clock)
+    assert rate.seconds_for(500) == 0.5 and not rate.measured  # the default before a measurement
+    rate.step_planned(2000)
+    clock.t += 0.5
+    rate.step_done()
+    assert rate.measured and rate.tps == pytest.approx(4000)
+    rate.step_planned(4)  # a decode step: too few prompt tokens to say anything
+    clock.t += 1.0
+    rate.step_done()
+    assert rate.tps == pytest.approx(4000)
+    # Asynchronous scheduling: the next step was planned before this one completed; it runs from
+    # the completion of the previous one.
+    rate.step_planned(1000)
+    rate.step_planned(1000)
+    clock.t += 1.0
+    rate.step_done()
+    clock.t += 1.0
+    rate.step_done()
+    assert rate.tps == pytest.approx(4000 * 0.7**2 + 1000 * 0.3 * 0.7 + 1000 * 0.3)
+    fixed = PrefillRate(100.0, fixed=True, clock=clock)
+    fixed.step_planned(5000)
+    clock.t += 0.1
+    fixed.step_done()
+    assert fixed.tps == 100.0  # an operator's rate is kept
+
+
+def test_wait_bound_from_the_prefill_rate(pool_path):
+    """The bound is the time this engine would take to compute the blocks waited for: a writer
+    slower than that loses its waiter at the bound (deadline), which loads what landed."""
+    keys = chain(34, 4)
+    a = scheduler(pool_path)
+    b = scheduler(pool_path, prefill_tps=float(BS * 4) / 2.0, wait_s=30.0)  # 4 blocks: 2 s
+    assert b.bounds(4 * BS) == (pytest.approx(2.0), pytest.approx(4.0))
+    assert b.bounds(10**9)[0] == 30.0  # capped by coalesce_wait_s
+    # Other requests' prompt tokens still to compute here would share the steps: a longer bound.
+    assert b.bounds(4 * BS, backlog=4 * BS)[0] == pytest.approx(4.0)
+    a.on_miss("w", keys, 0, 0, 4, True, True)
+    wait = b.on_miss("r", keys, 0, 0, 4, True, True)
+    assert wait is not None and wait.wait_s == pytest.approx(2.0)
+    b.allocated("r", [0, 1, 2, 3], 4 * BS, BS)
+    clock, counts = Clock(), Counts()
+    w = CoalesceWorker(session(pool_path), counts, LOG, clock=clock)
+    _, _, load = loader(pool_path)
+    w.add(b.take_waits(), idle=False)
+    for _ in range(3):
+        clock.t += 0.5
+        store(pool_path, keys[: 1 + _], 2)  # progress: no stall
+        assert w.poll(set(), load) == (set(), set())
+    clock.t += 0.5  # 2 s: the bound
+    assert w.poll(set(), load) == ({"r"}, {3})
+    assert counts["coalesce_fallback_deadline"] == 1 and counts["coalesced_blocks"] == 3
+    assert counts["coalesce_partial_loads"] == 1 and counts["coalesce_recomputed_blocks"] == 1
+    # The bound follows the measured rate: a faster engine waits less.
+    b.rate.tps *= 4
+    assert b.bounds(4 * BS)[0] == pytest.approx(0.5)
+    a.close()
+
+
+def test_stalled_writer_releases_its_waiter(pool_path):
+    """A writer that holds its intents and makes no progress (e.g. queued behind other work) is
+    given up after STALL_FACTOR x one chunk's estimated compute, long before the bound."""
+    keys = chain(35, 8)
+    a = scheduler(pool_path)
+    b = CoalesceScheduler(
+        CoalesceConfig(prefill_tps=BS, fixed_rate=True),
+        session(pool_path),
+        Counts(),
+        LOG,
+        BS,
+        chunk_tokens=BS,
+    )
+    a.on_miss("w", keys, 0, 0, 8, True, True)
+    wait = b.on_miss("r", keys, 0, 0, 8, True, True)
+    assert wait is not None and wait.wait_s == pytest.approx(8.0) and wait.stall_s == pytest.approx(2.0)
+    b.allocated("r", list(range(8)), 8 * BS, BS)
+    clock, counts = Clock(), Counts()
+    w = CoalesceWorker(session(pool_path), counts, LOG, clock=clock)
+    _, _, load = loader(pool_path)
+    w.add(b.take_waits(), idle=False)
+    clock.t += 1.5
+    store(pool_path, keys[:2], 1)
+    assert w.poll(set(), load) == (set(), set())  # progress at 1.5 s
+    clock.t += 1.9
+    assert w.poll(set(), load) == (set(), set())
+    clock.t += 0.1  # 2 s without a new block
+    assert w.poll(set(), load) == ({"r"}, set(range(2, 8)))
+    assert counts["coalesce_fallback_stalled"] == 1 and counts["coalesced_blocks"] == 2
+    a.close()
+
+
+@pytest.mark.parametrize("how", ["short", "preempted"])
+def test_writer_short_or_preempted_releases_its_waiter_within_a_step(pool_path, how):
+    keys = chain(36, 4)
+    a, b = scheduler(pool_path), scheduler(pool_path)
+    a.on_miss("w", keys, 0, 0, 4, True, True)
+    b.on_miss("r", keys, 0, 0, 4, True, True)
+    b.allocated("r", [4, 5, 6, 7], 4 * BS, BS)
+    counts = Counts()
+    w = CoalesceWorker(session(pool_path), counts, LOG)
+    _, _, load = loader(pool_path)
+    w.add(b.take_waits(), idle=False)
+    assert w.poll(set(), load) == (set(), set())
+    if how == "short":  # it saved 1 block, then finished (its saves of the rest failed)
+        store(pool_path, keys[:1], 9)
+        a.finished("w", saves_in_flight=False)
+    else:
+        a.release("w", "preempted")
+    done, errors = w.poll(set(), load)  # the very next step
+    assert done == {"r"} and errors == ({5, 6, 7} if how == "short" else {4, 5, 6, 7})
+    assert counts["coalesce_fallback_writer_gone"] == 1
+    a.close()

@@ -757,3 +757,24 @@ def test_lora_keyed_by_adapter_content(pool_path, model_dir, tmp_path):
     r.lora_request = SimpleNamespace(lora_name="gone", lora_int_id=2, lora_path=str(tmp_path / "missing"))
     assert e.sched.scheduler._keys_for(r) is None  # unreadable adapter: not cached at all
     e.close()
+
+
+def test_coalesce_next_turn_waits_only_for_the_turn_in_flight(pool_path, model_dir):
+    """Issue 24 item 2 through the connector: turn 2 (13 prompt blocks) arrives on engine B while
+    turn 1 (its first 10 blocks) is in flight on A: B offers vLLM those 10 blocks as an
+    asynchronous load, not its whole miss, and holds the intents of the 3 it computes at once. A's
+    prefill steps give its prefill rate (the bound of the waits it plans)."""
+    turn1 = tokens(40, 10 * BS + 1)
+    turn2 = turn1 + tokens(41, 3 * BS)
+    a, b = Engine(pool_path, model_dir), Engine(pool_path, model_dir)
+    assert a.add("t1", turn1) == 0  # a new prefix: A computes it and takes its intents
+    rate = a.sched.scheduler._coalesce.rate
+    assert not rate.measured
+    req = make_req("t2", turn2)
+    assert b.sched.get_num_new_matched_tokens(req, 0) == (10 * BS, True)
+    assert b.sched.scheduler._coalesce.held_blocks("t2") == (10, 13)
+    a.step({"t1": len(turn1)})
+    assert rate.measured and rate.tps > 0
+    b.sched.request_finished(req, [])
+    a.finish("t1")
+    a.close(), b.close()

@@ -35,7 +35,9 @@ def spec(model: str, pool: str, rounds: list[tuple[str, str, str]], wait_s: floa
         "pool": pool,
         "stats": True,
         "max_tokens": 8,
-        "extra_config": {"coalesce": True, "coalesce_wait_s": wait_s},
+        # The writers' saves are slowed on purpose; a fixed slow rate keeps the waits' bound
+        # (the estimated time to compute the 12 blocks here) above those delays.
+        "extra_config": {"coalesce": True, "coalesce_wait_s": wait_s, "coalesce_prefill_tokens_per_s": 2},
         "rounds": [
             {
                 "prompts": [{"prompt": p, **({"cache_salt": salt} if salt else {})}],

@@ -16,7 +16,7 @@
     cxlkv bench copy   [--json] [--geometry llama3-8b|smollm2-135m|all] [--iters N]
     cxlkv bench index  [--procs N[,N...]] [--json] [--ops N]
     cxlkv bench vllm   [--model smollm2|tiny] [--contexts N] [--turns N] [--json]   (needs vLLM)
-    cxlkv bench serve  [--model M] [--instances N] [--concurrency 1,4,8] [--configs single,plain,cxlkv,lmcache]
+    cxlkv bench serve  [--model M] [--instances N] [--concurrency 1,4,8] [--configs single,plain,cxlkv,nocoalesce,lmcache]
                        [--dataset prefix_repetition|multiturn] [--num-prompts N] [--plot DIR] [--json]
     cxlkv demo         [--procs N] [--seconds S] [--pool PATH] [--json] | --vllm    (--vllm needs vLLM)
 

@@ -241,14 +241,16 @@ def add_bench(sub: Any, default_pool: str) -> None:
         "--configs",
         type=lambda t: [c.strip() for c in t.split(",") if c.strip()],
         default=["single", "plain", "cxlkv", "lmcache"],
-        help="of single,plain,cxlkv,lmcache, run in this order, each on fresh servers (default all; "
-        "lmcache is skipped with the reason when it is not installed: scripts/setup-peers.sh)",
+        help="of single,plain,cxlkv,nocoalesce,lmcache, run in this order, each on fresh servers "
+        "(default single,plain,cxlkv,lmcache; nocoalesce: cxlkv with coalescing off; lmcache is "
+        "skipped with the reason when it is not installed: scripts/setup-peers.sh)",
     )
     bs.add_argument(
         "--dataset",
         default="prefix_repetition",
-        help="prefix_repetition, multiturn, or both comma-separated (run on the same servers of "
-        "each configuration, one after the other; default prefix_repetition)",
+        help="prefix_repetition, multiturn, multiturn_overlap (every turn in one round: a turn "
+        "arrives while the previous one is in flight), or several comma-separated (run on the "
+        "same servers of each configuration, one after the other; default prefix_repetition)",
     )
     bs.add_argument(
         "--num-prompts", type=_pos_int, default=32, help="requests per concurrency level (default 32)"

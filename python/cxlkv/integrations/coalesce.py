@@ -1,38 +1,48 @@
-"""Compute a new prefix once across vLLM instances (issue 16, item 5).
+"""Compute a new prefix once across vLLM instances (issue 16 item 5; issue 24 item 2: never convoy).
 
 When two engines get the same NEW prompt at the same moment, both would compute it. The pool
-knows which chains are being written, so the first engine to miss at block k takes an *intent
-marker* for that chain, and any other engine that misses at the same block finds the marker in
-flight and waits for the blocks (vLLM's asynchronous KV load) instead of recomputing them.
+knows which chains are being written, so an engine that misses takes an *intent* for every block
+it will compute, and any other engine that misses there waits for exactly those blocks (vLLM's
+asynchronous KV load), loads what is already READY, and computes the rest at once.
 
-* The marker is an index entry in WRITING state with no block, taken with
-  ``Namespace.reserve(..., blocks=False)`` on the key
-  :func:`intent_key` derives from the chain key of block k: it names exactly the bytes of the
-  prefix up to block k (identity follows the bytes), and it is never committed, so it is never
-  readable KV. It is released (``abort``) once the writer's saves of its prompt blocks are done,
-  or when the request finishes, is aborted or preempted; a writer that dies (``kill -9``) leaves
-  a WRITING entry of a gone node, which the core treats as absent (``writing_same_key``) and
-  reclaims.
-* A waiter returns its remaining full prompt blocks as external tokens with ``load_async=True``;
-  its worker polls the pool with a bounded backoff and loads the blocks once all are present,
-  through the same checksummed ``ns.load`` as every load. It gives up when the marker is gone and
-  blocks are still missing (writer finished with a shorter prompt, dropped them, or died:
-  ``writer_gone``), or ``coalesce_wait_s`` after the wait began (``deadline``): it loads the
-  leading present blocks and reports the rest through ``get_block_ids_with_load_errors``, so vLLM
-  recomputes them (policy "recompute", which the connector sets).
+* An intent is an index entry in WRITING state with no block, taken with
+  ``Namespace.reserve(..., blocks=False)`` on the key :func:`intent_key` derives from the chain key
+  of one block: it names exactly the bytes of the prefix up to that block (identity follows the
+  bytes), and it is never committed, so it is never readable KV. A writer takes one per prompt
+  block it computes (``[hit, prompt blocks)``, in one reserve), so its intents say which keys it
+  will write; a node holds at most ``intent_cap`` of them (past it: ``capped``, those blocks are
+  simply not covered). They are released (``abort``) once the writer's saves of its prompt blocks
+  are done, or when the request finishes, is aborted or preempted; a writer that dies
+  (``kill -9``) leaves WRITING entries of a gone node, which the core treats as absent and reclaims.
+* A request that misses at block ``hit`` reserves the intents of ``[hit, prompt blocks)`` itself:
+  the leading run found ``in_flight`` (another engine's) is what it waits for; every block after
+  it is computed at once, and the intents it got there are its own (others may wait for it). A
+  next turn that shares all but the last blocks of a turn still in flight thus waits only for the
+  blocks that turn covers, never for blocks no intent covers.
+* Bounds: a wait lasts at most the estimated time to compute what it waits for in this engine
+  (the blocks waited for plus the prompt tokens of other requests this engine still has to
+  compute, which would share its steps), from this engine's measured prefill rate
+  (:class:`PrefillRate`: prompt tokens per second of its own steps;
+  ``coalesce_prefill_tokens_per_s`` before the first measurement, or fixed when an operator sets
+  it), and never more than ``coalesce_wait_s``. The worker re-checks every step:
+  the first missing block's intent gone (writer died, was preempted, finished short) ->
+  ``writer_gone``; no new block for ``STALL_FACTOR`` x the time to compute one step's chunk ->
+  ``stalled``; the bound passed -> ``deadline``. Then it loads the leading present blocks and
+  reports the rest through ``get_block_ids_with_load_errors``, so vLLM recomputes them (policy
+  "recompute", which the connector sets).
 
 Everything the worker needs travels in the connector metadata (:class:`WaitOp`): no state is
-shared between the scheduler and the worker, so any executor works. Tensor parallelism is not
-supported (the ranks share one namespace of per-head entries, heads.py, but each would poll and
-load its waits on its own, untested): coalescing is off with one log line when ``tp_size > 1``.
+shared between the scheduler and the worker, so any executor works. Tensor parallelism and
+hybrid models (several KV cache groups) stay off (see docs/ARCHITECTURE.md §9: a wait loads one
+group, and TP ranks would each decide a wait's outcome on their own, untested).
 
-Extra config: ``coalesce`` (default true; a marker costs an index entry, never a pool block, so a
-full pool loses no READY KV to it) and ``coalesce_wait_s`` (default 30: longer than a long prefill
-on a loaded CPU, short enough that a stalled writer costs one bounded delay).
+Extra config: ``coalesce`` (default true), ``coalesce_wait_s`` (default 30: the cap of any one
+wait) and ``coalesce_prefill_tokens_per_s`` (the estimate before a measurement; set it to fix it).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import time
@@ -43,44 +53,98 @@ from cxlkv.integrations.transfer import BlockOp
 
 INTENT_SUFFIX = b"cxlkv-intent"
 DEFAULT_WAIT_S = 30.0
-FIRST_POLL_S = 0.005  # a waiter's first re-check; doubles up to MAX_POLL_S
-MAX_POLL_S = 0.1
+# Prefill tokens per second assumed before this engine has measured its own: a slow CPU engine's
+# (SmolLM2-135M on two cores shared by several servers under load does a few hundred), so the first
+# waits on a GPU are longer than needed rather than cut short; the first prefill step measures it.
+DEFAULT_PREFILL_TPS = 250.0
+RATE_SMOOTHING = 0.3  # weight of a new step's rate in the moving estimate
+MIN_SAMPLE_TOKENS = 32  # a step with fewer prompt tokens says more about overheads than prefill
+STALL_FACTOR = 2.0  # no new block for this many times one chunk's estimated compute: stalled
+MIN_STALL_S = 0.25  # ... but at least this long (a save and a poll lie between two chunks)
 MAX_IDLE_SLEEP_S = 0.05  # an engine with nothing but waits sleeps this long at most per step
-FALLBACK_CAUSES = ("writer_gone", "deadline", "pool_unavailable")
-# The connector's counters (vllm_metrics.py STAT_KEYS): markers taken, requests that
-# waited, blocks they got from another engine, waits that gave up (by cause), blocks recomputed then.
+FALLBACK_CAUSES = ("writer_gone", "stalled", "deadline", "pool_unavailable")
+# The connector's counters (vllm_metrics.py STAT_KEYS): requests that took intents, requests that
+# waited, blocks they got from another engine (and the prompt tokens that saved), waits that gave
+# up (by cause), blocks recomputed then, waits that loaded only part of the prompt's miss, blocks of
+# a waiter's miss no intent covered (computed at once), seconds spent waiting.
 STAT_KEYS = (
     "coalesce_intents",
     "coalesce_waits",
     "coalesced_blocks",
+    "coalesce_saved_tokens",
     *(f"coalesce_fallback_{cause}" for cause in FALLBACK_CAUSES),
     "coalesce_recomputed_blocks",
+    "coalesce_partial_loads",
+    "coalesce_uncovered_blocks",
+    "coalesce_wait_s",
 )
 
 
 def intent_key(chain_key: bytes) -> bytes:
-    """The marker of "block k of this chain is being computed": sha256(chain key of block k |
-    b"cxlkv-intent"). A distinct derivation, so a marker is never a block's key, and two engines
-    derive the same marker exactly when they would compute the same bytes."""
+    """The intent of "this block of this chain is being computed": sha256(chain key | b"cxlkv-intent").
+    A distinct derivation, so an intent is never a block's key, and two engines derive the same
+    intent exactly when they would compute the same bytes."""
     if len(chain_key) != 32:
         raise ValueError(f"cxlkv: a chain key has 32 bytes, not {len(chain_key)}")
     return hashlib.sha256(bytes(chain_key) + INTENT_SUFFIX).digest()
+
+
+def _seconds(value: Any, name: str, low: float, high: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not low < float(value) <= high:
+        raise ValueError(f"cxlkv: {name} must be a number in ({low:g}, {high:g}], not {value!r}")
+    return float(value)
 
 
 @dataclasses.dataclass(frozen=True)
 class CoalesceConfig:
     enabled: bool = True
     wait_s: float = DEFAULT_WAIT_S
+    prefill_tps: float = DEFAULT_PREFILL_TPS
+    fixed_rate: bool = False  # the operator set the rate: no measurement replaces it
 
     @classmethod
     def from_extra(cls, extra: dict) -> CoalesceConfig:
         on = extra.get("coalesce", True)
         if not isinstance(on, bool):
             raise ValueError(f"cxlkv: coalesce must be true or false, not {on!r}")
-        wait = extra.get("coalesce_wait_s", DEFAULT_WAIT_S)
-        if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 < float(wait) <= 3600:
-            raise ValueError(f"cxlkv: coalesce_wait_s must be a number of seconds in (0, 3600], not {wait!r}")
-        return cls(on, float(wait))
+        wait = _seconds(extra.get("coalesce_wait_s", DEFAULT_WAIT_S), "coalesce_wait_s", 0, 3600)
+        tps = extra.get("coalesce_prefill_tokens_per_s")
+        if tps is None:
+            return cls(on, wait)
+        return cls(on, wait, _seconds(tps, "coalesce_prefill_tokens_per_s", 0, 1e9), fixed_rate=True)
+
+
+class PrefillRate:
+    """This engine's prefill rate, measured from its own steps: prompt tokens a step computed over
+    the time from its start (its plan, or the previous step's completion if later: steps overlap
+    with asynchronous scheduling) to its completion. A moving average; the default until then."""
+
+    def __init__(self, default_tps: float, fixed: bool = False, clock: Callable[[], float] = time.monotonic):
+        self.tps = default_tps
+        self.measured = False
+        self._fixed = fixed
+        self._clock = clock
+        self._steps: collections.deque[tuple[float, int]] = collections.deque()
+        self._last_done: float | None = None
+
+    def step_planned(self, prefill_tokens: int) -> None:
+        self._steps.append((self._clock(), prefill_tokens))
+
+    def step_done(self) -> None:
+        now = self._clock()
+        if not self._steps:
+            return
+        planned, tokens = self._steps.popleft()
+        start = planned if self._last_done is None else max(planned, self._last_done)
+        self._last_done = now
+        if self._fixed or tokens < MIN_SAMPLE_TOKENS or now <= start:
+            return
+        sample = tokens / (now - start)
+        self.tps = sample if not self.measured else (1 - RATE_SMOOTHING) * self.tps + RATE_SMOOTHING * sample
+        self.measured = True
+
+    def seconds_for(self, tokens: int) -> float:
+        return tokens / self.tps
 
 
 @dataclasses.dataclass
@@ -88,66 +152,101 @@ class WaitOp:
     """A request waiting for blocks another engine computes (scheduler -> worker metadata)."""
 
     op: BlockOp  # keys [start_depth, start_depth + len) of the prompt and the vLLM blocks for them
-    marker: bytes
-    wait_s: float
+    wait_s: float  # the bound: estimated time to compute the blocks waited for (capped)
+    stall_s: float  # no new block for this long: the writer is stalled
     already: int = 0  # leading blocks that were in the pool when the wait began
+    uncovered: int = 0  # the prompt's missing blocks after the wait's: no intent, computed at once
+    tokens_per_block: int = 0
 
 
 @dataclasses.dataclass
-class _Marker:
-    key: bytes
+class _Intents:
+    keys: list  # the intent keys this request holds (a subset of the reservation's)
     reservation: Any
-    end_blocks: int  # the writer's prompt blocks: released once its saves cover them
+    start: int  # the first block it holds an intent for
+    end_blocks: int  # the request's prompt blocks: released once its saves cover them
     release_after_step: int | None = None
 
 
 class CoalesceScheduler:
-    """Scheduler side: takes, holds and releases intent markers; plans waits."""
+    """Scheduler side: takes, holds and releases intents; plans waits and bounds them."""
 
-    def __init__(self, cfg: CoalesceConfig, session: Any, count: Callable[..., None], logger: Any) -> None:
+    def __init__(
+        self,
+        cfg: CoalesceConfig,
+        session: Any,
+        count: Callable[..., None],
+        logger: Any,
+        block_size: int,
+        chunk_tokens: int = 2048,
+        rate: PrefillRate | None = None,
+    ) -> None:
         self.cfg = cfg
+        self.rate = rate or PrefillRate(cfg.prefill_tps, cfg.fixed_rate)
+        self._block_size = block_size
+        self._chunk = max(1, chunk_tokens)  # one step's prompt tokens at most (the stall unit)
         self._session = session
         self._count = count
         self._log = logger
-        self._markers: dict[str, _Marker] = {}
+        self._intents: dict[str, _Intents] = {}
         self._pending: dict[str, WaitOp] = {}  # decided, blocks not allocated yet
         self._ready: list[WaitOp] = []  # blocks allocated: sent with the next metadata
         self._waiting: dict[str, WaitOp] = {}  # sent to the worker, outcome pending
         self._floors: dict[str, int] = {}  # finished waits: leading blocks now in vLLM's cache
-        # Requests that waited once: a wait that gave up is not repeated (its writer may be stalled
-        # and still hold the marker), so one request's delay is bounded by one coalesce_wait_s.
+        # Requests that waited once: a wait that gave up is not repeated, so one request's delay
+        # is bounded by one wait.
         self._waited: set[str] = set()
 
+    def bounds(self, tokens: int, backlog: int = 0) -> tuple[float, float]:
+        """(wait bound, stall bound) for waiting on `tokens` prompt tokens another engine computes,
+        with `backlog` prompt tokens of other requests still to compute in this engine (they share
+        its steps with this request's prefill if it computed the blocks itself)."""
+        wait = min(self.cfg.wait_s, self.rate.seconds_for(tokens + backlog))
+        stall = max(MIN_STALL_S, STALL_FACTOR * self.rate.seconds_for(min(tokens, self._chunk)))
+        return wait, stall
+
     def on_miss(
-        self, req_id: str, keys: list, have: int, hit: int, max_blocks: int, can_save: bool, can_load: bool
+        self,
+        req_id: str,
+        keys: list,
+        have: int,
+        hit: int,
+        max_blocks: int,
+        can_save: bool,
+        can_load: bool,
+        backlog: int = 0,
     ) -> WaitOp | None:
-        """The prompt's pool hit ends at `hit` < `max_blocks`: take the chain's marker (this
-        request computes it) or, if another engine holds it, return the wait to plan."""
+        """The prompt's pool hit ends at `hit` < `max_blocks`: take intents for the blocks this
+        request computes and, where another engine holds the leading ones, return the wait to plan."""
         if not self.cfg.enabled or hit >= max_blocks:
             return None
-        marker = intent_key(keys[hit])
-        held = self._markers.get(req_id)
+        held = self._intents.get(req_id)
         if held is not None:
-            if held.key == marker:
+            if held.start == hit:
                 return None  # looked up again (not scheduled last time): still ours
-            self.release(req_id, "its prompt now misses at another block")
-        if any(m.key == marker for m in self._markers.values()):
+            self.release(req_id, "looked up again at another block")
+        wanted = [intent_key(k) for k in keys[hit:max_blocks]]
+        local = {k for i in self._intents.values() for k in i.keys}
+        if wanted[0] in local:
             return None  # another request of this engine computes it: vLLM's own business
-        res = self._session.call("coalesce", lambda ns: ns.reserve([marker], start_depth=hit, blocks=False))
-        state = res.states[0] if res is not None else "failed"
-        if state == "reserved":
-            if not can_save:  # it never publishes the blocks: nobody should wait for it
-                res.abort()
-                return None
-            self._markers[req_id] = _Marker(marker, res, max_blocks)
+        res = self._session.call("coalesce", lambda ns: ns.reserve(wanted, start_depth=hit, blocks=False))
+        states = list(res.states) if res is not None else ["failed"] * len(wanted)
+        covered = 0  # the leading blocks another engine's intents cover
+        while covered < len(wanted) and states[covered] == "in_flight" and wanted[covered] not in local:
+            covered += 1
+        mine = [k for k, s in zip(wanted, states, strict=True) if s == "reserved"]
+        if mine and can_save:
+            first = hit + states.index("reserved")
+            self._intents[req_id] = _Intents(mine, res, first, max_blocks)
             self._count("coalesce_intents")
-            return None
-        if res is not None:
-            res.abort()  # nothing held; explicit for readers
-        if state != "in_flight" or not can_load or have > hit or req_id in self._waited:
-            return None  # no marker to be had (index full), more here locally, or waited already
-        op = BlockOp(req_id, list(keys[have:max_blocks]), [], start_depth=have)
-        wait = WaitOp(op, marker, self.cfg.wait_s, already=hit - have)
+        elif res is not None:
+            res.abort()  # nothing to hold (or it never publishes blocks: nobody should wait for it)
+        if not covered or not can_load or have > hit or req_id in self._waited:
+            return None  # nobody else computes its next block, more here locally, or waited already
+        end = hit + covered
+        wait_s, stall_s = self.bounds(covered * self._block_size, backlog)
+        op = BlockOp(req_id, list(keys[have:end]), [], start_depth=have)
+        wait = WaitOp(op, wait_s, stall_s, already=hit - have, uncovered=max_blocks - end)
         self._pending[req_id] = wait
         return wait
 
@@ -165,19 +264,23 @@ class CoalesceScheduler:
         if n == 0:
             return True
         first = wait.op.start_depth
+        wait.uncovered += max(0, len(wait.op.keys) - n)
         wait.op.keys = wait.op.keys[:n]
         wait.op.block_ids = list(block_ids[first : first + n])
         wait.already = min(wait.already, n)
+        wait.tokens_per_block = block_size
         self._ready.append(wait)
         self._waited.add(req_id)
         self._count("coalesce_waits")
+        self._count("coalesce_uncovered_blocks", wait.uncovered)
         self._log.info(
             "cxlkv: %s: blocks %d-%d of its prompt are being computed by another engine; waiting "
-            "for them (at most %.0f s)",
+            "for them (at most %.2f s; %d blocks after them no intent covers, computed here)",
             req_id,
             first,
             first + n - 1,
             wait.wait_s,
+            wait.uncovered,
         )
         return True
 
@@ -188,9 +291,9 @@ class CoalesceScheduler:
         return out
 
     def saves_planned(self, req_id: str, saved_blocks: int, step: int) -> None:
-        """Synchronous saves: the step that carries the save of the marker's last prompt block
-        publishes it before it completes; the marker goes once that step has completed."""
-        m = self._markers.get(req_id)
+        """Synchronous saves: the step that carries the save of the last prompt block publishes it
+        before it completes; the intents go once that step has completed."""
+        m = self._intents.get(req_id)
         if m is not None and m.release_after_step is None and saved_blocks >= m.end_blocks:
             m.release_after_step = step
 
@@ -201,8 +304,8 @@ class CoalesceScheduler:
         finished_recving: Iterable[str],
         finished_sending: Iterable[str],
     ) -> None:
-        for req_id in [r for r, m in self._markers.items() if m.release_after_step is not None]:
-            step = self._markers[req_id].release_after_step
+        for req_id in [r for r, m in self._intents.items() if m.release_after_step is not None]:
+            step = self._intents[req_id].release_after_step
             if step is not None and step <= completed_steps:
                 self.release(req_id, "its prompt blocks are saved")
         for req_id in finished_sending:  # asynchronous saves: every copy of the request is done
@@ -220,10 +323,10 @@ class CoalesceScheduler:
         return self._floors.pop(req_id, 0)
 
     def release(self, req_id: str, why: str) -> None:
-        m = self._markers.pop(req_id, None)
+        m = self._intents.pop(req_id, None)
         if m is not None:
             self._session.call("coalesce", lambda _ns: m.reservation.abort())
-            self._log.debug("cxlkv: %s: intent marker released (%s)", req_id, why)
+            self._log.debug("cxlkv: %s: %d intents released (%s)", req_id, len(m.keys), why)
 
     def finished(self, req_id: str, saves_in_flight: bool) -> None:
         self._pending.pop(req_id, None)
@@ -234,36 +337,48 @@ class CoalesceScheduler:
             self.release(req_id, "finished")
 
     def close(self) -> None:
-        for req_id in list(self._markers):
+        for req_id in list(self._intents):
             self.release(req_id, "shutdown")
 
     def holds(self, req_id: str) -> bool:
-        return req_id in self._markers
+        return req_id in self._intents
+
+    def held_blocks(self, req_id: str) -> tuple[int, int] | None:
+        """[first, end) of the prompt blocks this request holds intents for (tests, logs)."""
+        m = self._intents.get(req_id)
+        return None if m is None else (m.start, m.start + len(m.keys))
 
 
 @dataclasses.dataclass
 class _Waiting:
     wait: WaitOp
-    deadline: float
-    next_poll: float
-    interval: float = FIRST_POLL_S
+    began: float
+    progress_at: float  # when the last new block of the wait appeared (or it began)
+    present: int = 0
 
 
 class CoalesceWorker:
-    """Worker side: polls the pool for the blocks of each wait; loads them once all are there,
-    or the leading ones when the wait gives up."""
+    """Worker side: re-checks every wait each step (vLLM calls get_finished every step, empty ones
+    too); loads its blocks once all are there, or the leading ones when the wait gives up."""
 
-    def __init__(self, session: Any, count: Callable[..., None], logger: Any) -> None:
+    def __init__(
+        self,
+        session: Any,
+        count: Callable[..., None],
+        logger: Any,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._session = session
         self._count = count
         self._log = logger
+        self._clock = clock
         self._waits: dict[str, _Waiting] = {}
         self._idle = False
 
     def add(self, waits: Iterable[WaitOp], idle: bool) -> None:
-        now = time.monotonic()
+        now = self._clock()
         for w in waits:
-            self._waits[w.op.req_id] = _Waiting(w, now + w.wait_s, now)
+            self._waits[w.op.req_id] = _Waiting(w, now, now, w.already)
         self._idle = idle
 
     def pending(self) -> int:
@@ -277,23 +392,19 @@ class CoalesceWorker:
         for req_id in set(finished_req_ids) & set(self._waits):  # aborted while waiting
             del self._waits[req_id]
             done.add(req_id)
-        now = time.monotonic()
         for req_id, st in list(self._waits.items()):
-            if now < st.next_poll:
-                continue
+            now = self._clock()
             outcome = self._check(st, now)
             if outcome is None:
-                st.interval = min(st.interval * 2, MAX_POLL_S)
-                st.next_poll = now + st.interval
                 continue
             present, cause = outcome
             del self._waits[req_id]
             done.add(req_id)
-            errors |= self._finish(st.wait, present, cause, now - (st.deadline - st.wait.wait_s), load)
+            errors |= self._finish(st.wait, present, cause, now - st.began, load)
         if self._idle and self._waits and not done:
             # Nothing else runs in this engine: without a pause its loop would spin on a core the
-            # writer computes on.
-            time.sleep(min(MAX_IDLE_SLEEP_S, max(0.0, min(s.next_poll for s in self._waits.values()) - now)))
+            # writer computes on. The pause is short next to any bound (MIN_STALL_S).
+            time.sleep(MAX_IDLE_SLEEP_S)
         return done, errors
 
     def _check(self, st: _Waiting, now: float) -> tuple[int, str | None] | None:
@@ -304,12 +415,19 @@ class CoalesceWorker:
             return 0, "pool_unavailable"
         if present >= len(keys):
             return present, None
-        if now >= st.deadline:
+        if present > st.present:
+            st.present, st.progress_at = present, now
+        if now - st.began >= st.wait.wait_s:
             return present, "deadline"
-        state = self._session.call("coalesce", lambda ns: _probe(ns, st.wait.marker, st.wait.op.start_depth))
-        if state == "in_flight":
-            return None
-        # The writer is done, gone or dropped it: its last blocks may have landed meanwhile.
+        if now - st.progress_at >= st.wait.stall_s:
+            return present, "stalled"
+        # The first missing block: is it still somebody's intent? (Its writer may have died, been
+        # preempted, or finished short of it.)
+        depth = st.wait.op.start_depth + present
+        state = self._session.call("coalesce", lambda ns: _probe(ns, intent_key(keys[present]), depth))
+        if state != "reserved":
+            return None  # held ("in_flight"), or not checkable now ("capped", "failed"): bounded
+        # Nobody holds it: its writer is done, gone or dropped it; the block may have landed meanwhile.
         again = self._session.call("coalesce", lambda ns: ns.match_prefix(keys), retry=False)
         present = max(present, again or 0)
         return present, (None if present >= len(keys) else "writer_gone")
@@ -323,14 +441,19 @@ class CoalesceWorker:
             if present
             else 0
         )
-        self._count("coalesced_blocks", max(0, n - wait.already))
+        got = max(0, n - wait.already)
+        self._count("coalesced_blocks", got)
+        self._count("coalesce_saved_tokens", got * wait.tokens_per_block)
+        self._count("coalesce_wait_s", waited_s)
         missing = len(op.keys) - n
+        if n and (missing or wait.uncovered):
+            self._count("coalesce_partial_loads")
         if cause is not None or missing:
             cause = cause or "writer_gone"  # present, then failed its checksum or was evicted
             self._count("coalesce_fallback_" + cause)
             self._count("coalesce_recomputed_blocks", missing)
             self._log.info(
-                "cxlkv: %s: gave up waiting after %.1f s (%s): %d of %d blocks loaded, vLLM "
+                "cxlkv: %s: gave up waiting after %.2f s (%s): %d of %d blocks loaded, vLLM "
                 "recomputes the rest",
                 op.req_id,
                 waited_s,
@@ -340,7 +463,7 @@ class CoalesceWorker:
             )
         else:
             self._log.info(
-                "cxlkv: %s: %d blocks computed by another engine loaded after %.1f s",
+                "cxlkv: %s: %d blocks computed by another engine loaded after %.2f s",
                 op.req_id,
                 n,
                 waited_s,
@@ -351,10 +474,10 @@ class CoalesceWorker:
         self._waits.clear()
 
 
-def _probe(ns: Any, marker: bytes, depth: int) -> str:
-    """The marker's state without holding it: a reserve that succeeds means nobody holds it (a
+def _probe(ns: Any, intent: bytes, depth: int) -> str:
+    """An intent's state without holding it: a reserve that succeeds means nobody holds it (a
     dead writer's entry counts as absent) and is aborted at once."""
-    res = ns.reserve([marker], start_depth=depth, blocks=False)
+    res = ns.reserve([intent], start_depth=depth, blocks=False)
     state = res.states[0]
     res.abort()
     return str(state)

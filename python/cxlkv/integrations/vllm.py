@@ -59,8 +59,10 @@ SGLang's HiCache backend shares, docs/IDENTITY.md "Across engines"; false: this 
 ``file_check_interval_s`` (default 0.001), ``async_saves`` (true, the default: no step waits
 for a save; false: each step waits for its own), ``on_pool_error`` ("degrade": a pool that cannot be
 opened means serving without the cache, the default; "fail": refuse to start), ``coalesce``
-(default true) and ``coalesce_wait_s`` (default 30): a new prefix requested from several engines
-at once is computed by one of them while the others wait for its blocks (coalesce.py);
+(default true), ``coalesce_wait_s`` (default 30, the cap of one wait) and
+``coalesce_prefill_tokens_per_s`` (the prefill rate assumed before one is measured): a new prefix
+requested from several engines at once is computed by one of them while the others wait for the
+blocks it covers, each wait bounded by the estimated time to compute them (coalesce.py);
 ``window_checkpoint_blocks`` (default 16): a sliding-window group stores the window before every
 this many blocks and before the prompt's last block boundary (vllm_groups.py).
 """

@@ -77,6 +77,25 @@ COUNTERS = {
         "coalesce_recomputed_blocks",
         "KV blocks a waiting request recomputed after its wait gave up.",
     ),
+    "cxlkv_coalesce_saved_tokens": (
+        "coalesce_saved_tokens",
+        "Prompt tokens a waiting request loaded once another engine had computed them (prefill saved).",
+    ),
+    "cxlkv_coalesce_partial_loads": (
+        "coalesce_partial_loads",
+        (
+            "Waits that loaded part of the prompt's missing blocks and computed the rest (blocks "
+            "no intent covered, or left when the wait gave up)."
+        ),
+    ),
+    "cxlkv_coalesce_uncovered_blocks": (
+        "coalesce_uncovered_blocks",
+        "Missing prompt blocks of waiting requests that no other engine's intent covered: computed at once.",
+    ),
+    "cxlkv_coalesce_wait_seconds": (
+        "coalesce_wait_s",
+        "Seconds requests spent waiting for blocks another engine was computing.",
+    ),
     "cxlkv_uncacheable_requests": (
         "uncacheable_requests",
         "Requests the connector does not cache (no key derivable, e.g. unsupported inputs).",
@@ -161,9 +180,10 @@ class CxlKVPromMetrics(KVConnectorPromMetrics):
         self._coalesce_fallbacks = self._labelled(
             "vllm:cxlkv_coalesce_fallbacks",
             "Waits for blocks another engine was computing that gave up and recomputed, by cause: "
-            "writer_gone (its marker was released or reclaimed while blocks were missing: the "
-            "writer finished a shorter prompt, dropped them, or died); deadline "
-            "(coalesce_wait_s passed); pool_unavailable.",
+            "writer_gone (the first missing block's intent was released or reclaimed: the writer "
+            "finished short, was preempted, or died); stalled (no new block for twice a chunk's "
+            "estimated compute); deadline (the estimated time to compute the blocks waited for, "
+            "from this engine's prefill rate, or coalesce_wait_s); pool_unavailable.",
             "cause",
             tuple(COALESCE_FALLBACKS),
         )

@@ -55,6 +55,12 @@ class _ReqState:
     saving: bool = False  # a save of it went to the workers: its blocks are freed once they say so
 
 
+def _prompt_tokens(st: _ReqState, computed: int, scheduled: int) -> int:
+    """Of a request's tokens scheduled in a step, those that compute its prompt (prefill)."""
+    prompt = int(getattr(st.request, "num_prompt_tokens", 0) or 0)
+    return max(0, min(computed + scheduled, prompt) - computed)
+
+
 class CxlKVScheduler:
     """The connector in vLLM's scheduler process."""
 
@@ -85,7 +91,15 @@ class CxlKVScheduler:
         if cfg.enabled and self.ctx.multi:
             logger.info("cxlkv: coalescing of new prefixes is off with several KV cache groups (coalesce.py)")
             cfg = dataclasses.replace(cfg, enabled=False)
-        self._coalesce = CoalesceScheduler(cfg, self._primary, self._count, logger)
+        sched_cfg = getattr(vllm_config, "scheduler_config", None)
+        self._coalesce = CoalesceScheduler(
+            cfg,
+            self._primary,
+            self._count,
+            logger,
+            block_size=self._block_size,
+            chunk_tokens=int(getattr(sched_cfg, "max_num_batched_tokens", 0) or 2048),
+        )
         self.ctx.log_started("SCHEDULER")
 
     def _count(self, key: str, n: int = 1) -> None:
@@ -239,12 +253,25 @@ class CxlKVScheduler:
         self._count("lookup_tokens", (max_blocks - have) * self._block_size)
         self._count("hit_tokens", max(0, hit - have) * self._block_size)
         if hit < max_blocks:
-            self._check_pin_cap(request.request_id, keys[hit:max_blocks], hit)
-            if self._coalesce.on_miss(
-                request.request_id, keys, have, hit, max_blocks, self._can_save, self._can_load
-            ):  # another engine computes the rest: wait for it (asynchronous load)
+            # capped by pin slots: the next block is in the pool, nobody needs to compute it
+            capped = self._check_pin_cap(request.request_id, keys[hit:max_blocks], hit)
+            wait = (
+                None
+                if capped
+                else self._coalesce.on_miss(
+                    request.request_id,
+                    keys,
+                    have,
+                    hit,
+                    max_blocks,
+                    self._can_save,
+                    self._can_load,
+                    backlog=self._prefill_backlog(request.request_id),
+                )
+            )
+            if wait is not None:  # another engine computes the next blocks: wait for those only
                 self._session.retire(lease)
-                return (max_blocks - have) * self._block_size, True
+                return len(wait.op.keys) * self._block_size, True
         if hit <= have:
             self._session.retire(lease)
             return 0, False
@@ -258,6 +285,17 @@ class CxlKVScheduler:
             have,
         )
         return (hit - have) * self._block_size, False
+
+    def _prefill_backlog(self, req_id: str) -> int:
+        """Prompt tokens other requests of this engine still have to compute (running or queued):
+        a request that computed its blocks itself would share the steps with them."""
+        return sum(
+            max(
+                0, int(st.request.num_prompt_tokens) - int(getattr(st.request, "num_computed_tokens", 0) or 0)
+            )
+            for rid, st in self._reqs.items()
+            if rid != req_id
+        )
 
     def _match_groups(self, st: _ReqState, request: Request, prompt: list, have: int, max_blocks: int):
         """A hybrid model's hit: the deepest block boundary every group can serve (vllm_groups.py),
@@ -332,7 +370,7 @@ class CxlKVScheduler:
                 return hit
         return hit
 
-    def _check_pin_cap(self, req_id: str, rest: list, hit: int) -> None:
+    def _check_pin_cap(self, req_id: str, rest: list, hit: int) -> bool:
         """A hit that stopped while the next block is in the pool was capped by pin slots."""
         more = self._primary.call("match_prefix", lambda ns: ns.match_prefix(rest)) or 0
         if more > 0:
@@ -348,6 +386,7 @@ class CxlKVScheduler:
                 more,
                 self.ctx.pool_path,
             )
+        return more > 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
         ids = blocks.get_block_ids()
@@ -398,10 +437,12 @@ class CxlKVScheduler:
         for req_id in meta.preempted:
             self._coalesce.release(req_id, "preempted")
         sched = scheduler_output.num_scheduled_tokens
+        prefill = 0  # prompt tokens this step computes: the coalescing bound's rate (coalesce.py)
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
             if st is None:
                 continue
+            prefill += _prompt_tokens(st, new.num_computed_tokens, sched.get(new.req_id, 0))
             st.group_blocks = [list(b) for b in new.block_ids]
             # blocks in the pool: a coalesced wait's, an asynchronous load's
             st.saved_blocks = max(self._coalesce.loaded_floor(new.req_id), st.async_floor)
@@ -414,6 +455,7 @@ class CxlKVScheduler:
             st = self._reqs.get(req_id)
             if st is None:
                 continue
+            prefill += _prompt_tokens(st, cached.num_computed_tokens[i], sched.get(req_id, 0))
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
                 # Preempted and resumed: the KV of held saves is gone; recompute re-saves them.
@@ -423,6 +465,7 @@ class CxlKVScheduler:
                 for have_ids, more in zip(st.group_blocks, new_ids, strict=False):
                     have_ids.extend(more)
             self._plan(st, req_id, cached.num_computed_tokens[i] + sched.get(req_id, 0), meta)
+        self._coalesce.rate.step_planned(prefill)
         if not self._async_saves:  # this step's saves are published when it completes
             for req_id, st in self._reqs.items():  # held saves are not sent yet
                 sent = st.held[0].start_depth if st.held else st.saved_blocks
@@ -506,6 +549,7 @@ class CxlKVScheduler:
         # One call per completed step, in order: loads of steps <= completed are done. Failures
         # are matched by block id, so a late report is still attributed to its request.
         self._completed_steps += 1
+        self._coalesce.rate.step_done()
         invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
         self._coalesce.step_done(
             self._completed_steps,

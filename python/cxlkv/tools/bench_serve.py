@@ -5,6 +5,7 @@ configurations one after another in the same run, each on fresh servers:
   single   one server takes every request: the hit-rate ceiling of a cache-unaware router
   plain    N servers, vLLM's own prefix caching only
   cxlkv    N servers on one cxlkv pool (python/cxlkv/integrations/vllm.py)
+  nocoalesce  the same with coalescing of in-flight prefixes off (``"coalesce": false``)
   lmcache  N servers on one LMCache multiprocess server (LMCacheMPConnector), the leading peer;
            skipped with the reason when lmcache is not installed (scripts/setup-peers.sh)
 
@@ -42,8 +43,8 @@ from cxlkv.tools.serve_fleet import Fleet, Server, cpu_sets, wait_port, wait_rea
 
 __all__ = ["CONFIGS", "DATASETS", "run"]
 
-CONFIGS = ("single", "plain", "cxlkv", "lmcache")
-DATASETS = ("prefix_repetition", "multiturn")
+CONFIGS = ("single", "plain", "cxlkv", "nocoalesce", "lmcache")
+DATASETS = ("prefix_repetition", "multiturn", "multiturn_overlap")
 MODEL_LIMIT = {"tiny": 16384, "smollm2": 8192}
 
 
@@ -61,12 +62,15 @@ def resolve_model(model: str) -> tuple[str, str]:
 
 
 def _kv_config(config: str, pool: str, pool_gib: int, lmcache_port: int | None) -> dict | None:
-    if config == "cxlkv":
+    if config in ("cxlkv", "nocoalesce"):
+        extra: dict[str, Any] = {"pool_path": pool, "pool_size": f"{pool_gib}GiB"}
+        if config == "nocoalesce":
+            extra["coalesce"] = False
         return {
             "kv_connector": "CxlKVConnector",
             "kv_connector_module_path": "cxlkv.integrations.vllm",
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {"pool_path": pool, "pool_size": f"{pool_gib}GiB"},
+            "kv_connector_extra_config": extra,
         }
     if config == "lmcache":
         return {
@@ -230,7 +234,7 @@ def run(
     model_dir, served = resolve_model(model)
     users = max(1, num_prompts // turns)
     need = prefix_len + suffix_len + output_len + 64
-    if "multiturn" in datasets:
+    if "multiturn" in datasets or "multiturn_overlap" in datasets:
         need = max(need, prefix_len + turns * (turn_len + output_len) + 64)
     max_len = -(-need // 1024) * 1024
     limit = MODEL_LIMIT.get(model)
@@ -254,11 +258,10 @@ def run(
     def workload(dataset: str, c: int):
         # fresh prompts per dataset and concurrency (no reuse across levels), the same per config
         seed = 1000 * (1 + DATASETS.index(dataset)) + c
-        tag = f"{dataset[0]}c{c}"
-        if dataset == "multiturn":
-            return serve_workloads.multiturn(
-                tokenizer, users, turns, prefix_len, turn_len, output_len, seed, tag
-            )
+        tag = f"{''.join(w[0] for w in dataset.split('_'))}c{c}"
+        if dataset in ("multiturn", "multiturn_overlap"):
+            make = serve_workloads.multiturn if dataset == "multiturn" else serve_workloads.multiturn_overlap
+            return make(tokenizer, users, turns, prefix_len, turn_len, output_len, seed, tag)
         return serve_workloads.prefix_repetition(
             tokenizer, num_prompts, num_prefixes, prefix_len, suffix_len, output_len, seed, tag
         )
@@ -290,7 +293,17 @@ def run(
                 with Fleet(logdir) as fleet:
                     t0 = time.monotonic()
                     progress.update(total, description=f"{config}: starting {n} server(s)")
-                    servers = _start(fleet, config, n, model_dir, served, max_len, pool_gib, shares, union)
+                    try:
+                        servers = _start(
+                            fleet, config, n, model_dir, served, max_len, pool_gib, shares, union
+                        )
+                    except CommandError as e:  # the other configurations' rows still count
+                        skipped[config] = f"its servers did not start: {str(e)[:300]}"
+                        con.print(f"  [red]{config}: skipped, {skipped[config]}[/red]")
+                        finished += per_config
+                        progress.update(total, completed=finished)
+                        _cleanup_pool()
+                        continue
                     router = fleet.router([s.url for s in servers], mode)
                     wait_ready([router])
                     con.print(f"  {config}: {n} server(s) ready in {time.monotonic() - t0:.0f} s")
@@ -372,6 +385,15 @@ def print_result(con, summary: dict) -> None:
         f"  {summary['uptime']}; cores per server {' | '.join(summary['cores']['per_server'])}, "
         f"single on {summary['cores']['single']}"
     )
+    for r in summary["rows"]:
+        co = r.get("coalesce") or {}
+        if co.get("waits"):
+            con.print(
+                f"  {r['config']}: {r['dataset']} @ {r['concurrency']}: coalescing: {co['waits']:.0f} waits "
+                f"({co['wait_s']:.1f} s in all), {co['timeouts']:.0f} timed out, {co['writer_gone']:.0f} "
+                f"writer gone, {co['partial_loads']:.0f} partial loads, {co['saved_tokens']:,.0f} prefill "
+                f"tokens saved"
+            )
     for r in summary["rows"]:
         if r["external_hit_tokens"] or r["estimated_tier_tokens"]:
             con.print(

@@ -33,6 +33,15 @@ COUNTERS = {
     "local": "vllm:prefix_cache_hits_total",
     "external": "vllm:external_prefix_cache_hits_total",
 }
+# The cxlkv connector's coalescing counters (docs/METRICS.md): row key -> (series, causes or None).
+COALESCE = {
+    "waits": ("vllm:cxlkv_coalesce_waits_total", None),
+    "timeouts": ("vllm:cxlkv_coalesce_fallbacks_total", ("deadline", "stalled")),
+    "writer_gone": ("vllm:cxlkv_coalesce_fallbacks_total", ("writer_gone",)),
+    "partial_loads": ("vllm:cxlkv_coalesce_partial_loads_total", None),
+    "saved_tokens": ("vllm:cxlkv_coalesce_saved_tokens_total", None),
+    "wait_s": ("vllm:cxlkv_coalesce_wait_seconds_total", None),
+}
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -41,12 +50,15 @@ def scrape(url: str) -> dict[str, float]:
 
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
         text = r.read().decode()
-    out = dict.fromkeys(COUNTERS, 0.0)
+    out = dict.fromkeys([*COUNTERS, *(f"coalesce_{k}" for k in COALESCE)], 0.0)
     names = {v: k for k, v in COUNTERS.items()}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             if s.name in names:
                 out[names[s.name]] += s.value
+            for k, (series, causes) in COALESCE.items():
+                if s.name == series and (causes is None or s.labels.get("cause") in causes):
+                    out[f"coalesce_{k}"] += s.value
     return out
 
 
@@ -82,6 +94,7 @@ def _ms(xs: list[float]) -> dict[str, float]:
     return {
         "mean": 1000 * statistics.fmean(xs) if xs else 0.0,
         "median": 1000 * statistics.median(xs) if xs else 0.0,
+        "p90": 1000 * percentile(xs, 90),
         "p99": 1000 * percentile(xs, 99),
     }
 
@@ -90,7 +103,9 @@ def row(
     config: str, concurrency: int, per_request: list[dict], duration_s: float, before: list, after: list
 ) -> dict[str, Any]:
     ok = [r for r in per_request if r["success"]]
-    delta = {k: sum(a[k] - b[k] for a, b in zip(after, before, strict=True)) for k in COUNTERS}
+    delta = {
+        k: sum(a.get(k, 0.0) - b.get(k, 0.0) for a, b in zip(after, before, strict=True)) for k in after[0]
+    }
     prompt = delta["prompt"] or 1.0
     ttft = _ms([r["ttft_s"] for r in ok])
     itl = [x for r in ok for x in r["itl_s"]]
@@ -112,7 +127,9 @@ def row(
         "estimated_tier_tokens": sum(r["tier"] for r in ok),
         "mean_ttft_ms": ttft["mean"],
         "median_ttft_ms": ttft["median"],
+        "p90_ttft_ms": ttft["p90"],
         "p99_ttft_ms": ttft["p99"],
+        "coalesce": {k: delta.get(f"coalesce_{k}", 0.0) for k in COALESCE},
         "mean_itl_ms": 1000 * statistics.fmean(itl) if itl else 0.0,
         "requests_per_s": len(ok) / duration_s if duration_s else 0.0,
         "output_tokens_per_s": sum(r["output_tokens"] for r in ok) / duration_s if duration_s else 0.0,
@@ -131,7 +148,7 @@ def table(con, rows: list[dict], title: str) -> None:
         "config",
         "conc",
         "hit % loc+ext",
-        "TTFT ms mean/p50/p99",
+        "TTFT ms mean/p50/p90/p99",
         "ITL ms",
         "req/s",
         "tok/s",
@@ -155,7 +172,7 @@ def table(con, rows: list[dict], title: str) -> None:
             r["config"],
             str(r["concurrency"]),
             f"{100 * r['hit_rate']:.0f} {100 * r['local_hit_rate']:.0f}+{100 * r['external_hit_rate']:.0f}",
-            f"{r['mean_ttft_ms']:,.0f}/{r['median_ttft_ms']:,.0f}/{r['p99_ttft_ms']:,.0f}",
+            f"{r['mean_ttft_ms']:,.0f}/{r['median_ttft_ms']:,.0f}/{r.get('p90_ttft_ms', 0):,.0f}/{r['p99_ttft_ms']:,.0f}",
             f"{r['mean_itl_ms']:.1f}",
             f"{r['requests_per_s']:.2f}",
             f"{r['output_tokens_per_s']:.1f}",

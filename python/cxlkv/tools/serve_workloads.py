@@ -14,6 +14,11 @@ of the group starts with.
   random tokens: what is measured is the cost of the history, which is the same. T rounds, one
   per turn (turn t of every conversation, in parallel up to the concurrency), each request
   tagged ``cxlkv_route`` so the router sends turn t of conversation u to server (u + t) mod N.
+* ``multiturn_overlap``: the same conversations in ONE round, conversation by conversation (turn
+  0, 1, ... of conversation 0, then of 1, ...): with a concurrency above 1 turn t + 1 reaches its
+  server while turn t is still in flight on another, and shares all of turn t's prompt (what a
+  coalescing engine may wait for) but not the answer and question after it (what no in-flight
+  prompt covers). The coalescing convoy of issue 24 item 2 in a few requests.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Tagged", "multiturn", "prefix_repetition"]
+__all__ = ["Tagged", "multiturn", "multiturn_overlap", "prefix_repetition"]
 
 FIRST_SAFE_TOKEN = 100  # random token ids start above the special tokens of both models
 
@@ -91,3 +96,10 @@ def multiturn(
             rounds[t].append(Tagged(req, u, t, len(prompt)))
             history = prompt + tokens(output_len)  # the answer, as the next turn's history has it
     return rounds
+
+
+def multiturn_overlap(
+    tokenizer, users: int, turns: int, prefix_len: int, turn_len: int, output_len: int, seed: int, tag: str
+) -> list[list[Tagged]]:
+    rounds = multiturn(tokenizer, users, turns, prefix_len, turn_len, output_len, seed, tag)
+    return [sorted((t for rnd in rounds for t in rnd), key=lambda t: (t.group, t.turn))]
