@@ -43,9 +43,8 @@ TokenGeometry TokenGeometry::make(uint64_t layers, uint64_t tokens_per_block, ui
   return g;
 }
 
-uint64_t row_seed(uint64_t seq_hash, uint32_t stream, uint32_t layer, uint64_t position) {
-  return check_mix(seq_hash ^
-                   check_mix((uint64_t(stream) << 48) ^ (uint64_t(layer) << 32) ^ check_mix(position + 1)));
+uint64_t layer_seed(uint64_t seq_hash, uint32_t stream, uint32_t layer) {
+  return check_mix(seq_hash ^ check_mix((uint64_t(stream) << 48) ^ (uint64_t(layer) << 32) ^ kLayerSeedSalt));
 }
 
 void seal_block(char* block, const TokenGeometry& g, uint64_t seq_hash, uint32_t stream, uint64_t chunk,
@@ -55,11 +54,11 @@ void seal_block(char* block, const TokenGeometry& g, uint64_t seq_hash, uint32_t
   std::memset(block + g.payload_bytes(), 0, g.header_off() - g.payload_bytes());
   const uint64_t base_pos = chunk * g.tokens_per_block;
   for (uint32_t l = 0; l < g.layers; ++l) {
+    const uint64_t ls = layer_seed(seq_hash, stream, l);
     std::memset(block + g.row_off(l, valid_tokens), 0,
                 uint64_t(g.tokens_per_block - valid_tokens) * g.row_bytes);
     for (uint32_t t = 0; t < valid_tokens; ++t) {
-      uint64_t h =
-          row_check(block + g.row_off(l, t), g.row_bytes, row_seed(seq_hash, stream, l, base_pos + t));
+      uint64_t h = row_check(block + g.row_off(l, t), g.row_bytes, row_seed(ls, base_pos + t));
       std::memcpy(block + g.hash_off(l, t), &h, 8);
     }
   }
@@ -124,8 +123,10 @@ GatherResult gather_range(const Pool& pool, const SeqRows& s, uint32_t first_lay
   const uint64_t R = g.row_bytes;
   GatherResult r;
   constexpr size_t kBatch = 32;
-  uint64_t want[kBatch];  // the stored checks, read beside each row's copy
-  bool present[kBatch];   // false: the block's offset lies outside the arena
+  uint64_t want[kBatch];                                 // the stored checks, read beside each row's copy
+  bool present[kBatch];                                  // false: the block's offset lies outside the arena
+  uint32_t seed_layer = first_layer + uint32_t(lo / k);  // the layer whose seed `seed` is
+  uint64_t seed = layer_seed(s.seq_hash, s.stream, seed_layer);
   auto index_of = [&](size_t row) { return uint64_t(indices_per_layer ? indices[row] : indices[row % k]); };
   for (size_t b0 = lo; b0 < hi; b0 += kBatch) {
     const size_t n = std::min(kBatch, hi - b0);
@@ -146,7 +147,8 @@ GatherResult gather_range(const Pool& pool, const SeqRows& s, uint32_t first_lay
       const size_t row = b0 + i;
       const uint64_t pos = index_of(row);
       const uint32_t layer = first_layer + uint32_t(row / k);
-      if (!present[i] || row_check(out + row * R, R, row_seed(s.seq_hash, s.stream, layer, pos)) != want[i]) {
+      if (layer != seed_layer) seed_layer = layer, seed = layer_seed(s.seq_hash, s.stream, layer);
+      if (!present[i] || row_check(out + row * R, R, row_seed(seed, pos)) != want[i]) {
         r.status = GatherResult::kMiss, r.bad_pos = row, r.bad_index = int64_t(pos), r.bad_layer = layer;
         return r;
       }
