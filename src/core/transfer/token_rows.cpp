@@ -120,24 +120,35 @@ namespace {
 GatherResult gather_range(const Pool& pool, const SeqRows& s, uint32_t first_layer, const int64_t* indices,
                           size_t k, bool indices_per_layer, char* out, size_t lo, size_t hi) {
   const TokenGeometry& g = *s.g;
-  const uint64_t R = g.row_bytes;
+  const uint64_t R = g.row_bytes, block_bytes = g.block_bytes();
+  const uint32_t T = g.tokens_per_block;
+  // Index math without a division per row (a 64-bit divide costs as much as a quarter of a short
+  // row's check): tokens_per_block is a power of two in every layout we know (a shift), and the
+  // layer and rank of a row advance with it.
+  const bool t_pow2 = (T & (T - 1)) == 0;
+  const unsigned t_shift = unsigned(__builtin_ctz(T));
   GatherResult r;
   constexpr size_t kBatch = 32;
-  uint64_t want[kBatch];                                 // the stored checks, read beside each row's copy
-  bool present[kBatch];                                  // false: the block's offset lies outside the arena
-  uint32_t seed_layer = first_layer + uint32_t(lo / k);  // the layer whose seed `seed` is
+  uint64_t want[kBatch];  // the stored checks, read beside each row's copy
+  uint64_t pos[kBatch];   // the rows' positions
+  uint32_t lay[kBatch];   // and layers
+  bool present[kBatch];   // false: the block's offset lies outside the arena
+  uint32_t layer = first_layer + uint32_t(lo / k);
+  size_t rank = lo % k;         // the row's place among its layer's k
+  uint32_t seed_layer = layer;  // the layer whose seed `seed` is
   uint64_t seed = layer_seed(s.seq_hash, s.stream, seed_layer);
-  auto index_of = [&](size_t row) { return uint64_t(indices_per_layer ? indices[row] : indices[row % k]); };
   for (size_t b0 = lo; b0 < hi; b0 += kBatch) {
     const size_t n = std::min(kBatch, hi - b0);
-    for (size_t i = 0; i < n; ++i) {
+    for (size_t i = 0; i < n; ++i, ++rank) {
+      if (rank == k) rank = 0, ++layer;
       const size_t row = b0 + i;
-      const uint64_t pos = index_of(row);
-      const uint32_t t = uint32_t(pos % g.tokens_per_block);
-      const char* blk = pool.arena_bytes(s.offsets[pos / g.tokens_per_block], g.block_bytes());
+      const uint64_t p = uint64_t(indices_per_layer ? indices[row] : indices[rank]);
+      const uint64_t chunk = t_pow2 ? p >> t_shift : p / T;
+      const uint32_t t = uint32_t(t_pow2 ? p & (T - 1) : p % T);
+      pos[i] = p, lay[i] = layer;
+      const char* blk = pool.arena_bytes(s.offsets[chunk], block_bytes);
       present[i] = blk != nullptr;
       if (!blk) continue;
-      const uint32_t layer = first_layer + uint32_t(row / k);
       std::memcpy(out + row * R, blk + g.row_off(layer, t), R);
       std::memcpy(&want[i], blk + g.hash_off(layer, t), 8);
     }
@@ -145,11 +156,9 @@ GatherResult gather_range(const Pool& pool, const SeqRows& s, uint32_t first_lay
     // comparison fail, never make it pass for bytes other than those in out.
     for (size_t i = 0; i < n; ++i) {
       const size_t row = b0 + i;
-      const uint64_t pos = index_of(row);
-      const uint32_t layer = first_layer + uint32_t(row / k);
-      if (layer != seed_layer) seed_layer = layer, seed = layer_seed(s.seq_hash, s.stream, layer);
-      if (!present[i] || row_check(out + row * R, R, row_seed(seed, pos)) != want[i]) {
-        r.status = GatherResult::kMiss, r.bad_pos = row, r.bad_index = int64_t(pos), r.bad_layer = layer;
+      if (lay[i] != seed_layer) seed_layer = lay[i], seed = layer_seed(s.seq_hash, s.stream, seed_layer);
+      if (!present[i] || row_check(out + row * R, R, row_seed(seed, pos[i])) != want[i]) {
+        r.status = GatherResult::kMiss, r.bad_pos = row, r.bad_index = int64_t(pos[i]), r.bad_layer = lay[i];
         return r;
       }
     }
