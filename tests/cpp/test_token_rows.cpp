@@ -24,6 +24,27 @@ Key key_of(uint64_t id) {
   return k;
 }
 
+// One block of random rows sealed as chunk 0 (64 tokens) of sequence seq, put under key_of(7),
+// pinned and resolved: the fixture of the tests that corrupt or rewrite rows in place.
+struct OneBlock {
+  std::vector<char> bytes;
+  uint64_t offset = 0;
+  std::vector<PinRef> pins;
+};
+void put_one_block(Pool& pool, const NsHandle& ns, const TokenGeometry& g, uint64_t seq, std::mt19937_64& rng,
+                   OneBlock& out) {
+  out.bytes.resize(g.block_bytes());
+  for (auto& b : out.bytes) b = char(rng());
+  tokens::seal_block(out.bytes.data(), g, seq, 0, 0, 64);
+  const Key key = key_of(7);
+  Piece p{out.bytes.data(), g.block_bytes()};
+  ASSERT_TRUE(pool.put(ns, key, &p, 1, 0));
+  out.pins = pool.acquire(ns, &key, 1);
+  auto r = tokens::resolve_blocks(pool, ns, g, &key, 1, seq, 0, 0);
+  ASSERT_EQ(r.size(), 1u);
+  out.offset = r[0].offset;
+}
+
 TEST_F(TokenRows, SealResolveGatherExactThenCorruptionIsAMiss) {
   const auto g = TokenGeometry::make(3, 16, 656);
   auto pool = create(opts(32 * MiB, 1 * MiB));
@@ -143,17 +164,12 @@ TEST_F(TokenRows, RowsChangingMidGatherAreAMissNeverWrongRows) {
   auto ns = pool->open_namespace(layout("tokens-racy", g.block_bytes()));
   std::mt19937_64 rng(std::random_device{}());
   const uint64_t seq = rng();
-  std::vector<char> block(g.block_bytes());
-  for (auto& b : block) b = char(rng());
-  tokens::seal_block(block.data(), g, seq, 0, 0, 64);
-  const Key key = key_of(7);
-  Piece p{block.data(), g.block_bytes()};
-  ASSERT_TRUE(pool->put(ns, key, &p, 1, 0));
-  auto pins = pool->acquire(ns, &key, 1);
-  auto r = tokens::resolve_blocks(*pool, ns, g, &key, 1, seq, 0, 0);
-  ASSERT_EQ(r.size(), 1u);
-  tokens::SeqRows s{&g, seq, 0, 64, &r[0].offset, 1};
-  char* rows = const_cast<char*>(pool->arena_bytes(r[0].offset, g.payload_bytes()));
+  OneBlock one;
+  ASSERT_NO_FATAL_FAILURE(put_one_block(*pool, ns, g, seq, rng, one));
+  const std::vector<char>& block = one.bytes;
+  auto& pins = one.pins;
+  tokens::SeqRows s{&g, seq, 0, 64, &one.offset, 1};
+  char* rows = const_cast<char*>(pool->arena_bytes(one.offset, g.payload_bytes()));
   std::atomic<bool> stop{false};
   std::thread writer([&] {
     for (uint64_t n = 0; !stop.load(std::memory_order_relaxed); ++n)
@@ -259,22 +275,17 @@ TEST_F(TokenRows, FormatThreeAnyCorruptByteIsThatRowsMissOnly) {
     auto ns = pool->open_namespace(layout("tokens-f3-" + std::to_string(R), g.block_bytes()));
     std::mt19937_64 rng(std::random_device{}());
     const uint64_t seq = rng();
-    std::vector<char> block(g.block_bytes());
-    for (auto& b : block) b = char(rng());
-    tokens::seal_block(block.data(), g, seq, 0, 0, 64);
-    const Key key = key_of(7);
-    Piece p{block.data(), g.block_bytes()};
-    ASSERT_TRUE(pool->put(ns, key, &p, 1, 0));
-    auto pins = pool->acquire(ns, &key, 1);
-    auto r = tokens::resolve_blocks(*pool, ns, g, &key, 1, seq, 0, 0);
-    ASSERT_EQ(r.size(), 1u);
-    tokens::SeqRows s{&g, seq, 0, 64, &r[0].offset, 1};
+    OneBlock one;
+    ASSERT_NO_FATAL_FAILURE(put_one_block(*pool, ns, g, seq, rng, one));
+    std::vector<char>& block = one.bytes;
+    tokens::SeqRows s{&g, seq, 0, 64, &one.offset, 1};
+    const uint64_t offset = one.offset;
     std::vector<int64_t> every(64), others;
     std::iota(every.begin(), every.end(), 0);
     for (int64_t t = 0; t < 64; ++t)
       if (t != 20) others.push_back(t);
     std::vector<char> out(2 * 64 * R);  // two layers of (at most) 64 rows
-    char* row = const_cast<char*>(pool->arena_bytes(r[0].offset + g.row_off(1, 20), R));
+    char* row = const_cast<char*>(pool->arena_bytes(offset + g.row_off(1, 20), R));
     ASSERT_NE(row, nullptr);
     for (uint32_t b = 0; b < R; ++b) {
       const char flip = char(1 + rng() % 255);
@@ -294,7 +305,7 @@ TEST_F(TokenRows, FormatThreeAnyCorruptByteIsThatRowsMissOnly) {
     }
     ASSERT_EQ(tokens::gather_rows(*pool, s, 0, 2, every.data(), 64, false, out.data()).status,
               GatherResult::kOk);
-    pool->release(pins);
+    pool->release(one.pins);
     // the same rows under a version-2 header (its own hash right): foreign to a format-3 reader
     tokens::TokenBlockHeader h;
     std::memcpy(&h, block.data() + g.header_off(), sizeof h);
@@ -303,6 +314,7 @@ TEST_F(TokenRows, FormatThreeAnyCorruptByteIsThatRowsMissOnly) {
     h.header_hash = xxh3(&h, offsetof(tokens::TokenBlockHeader, header_hash));
     std::memcpy(block.data() + g.header_off(), &h, sizeof h);
     const Key old_key = key_of(8);
+    const Piece p{block.data(), g.block_bytes()};
     ASSERT_TRUE(pool->put(ns, old_key, &p, 1, 0));
     auto old_pins = pool->acquire(ns, &old_key, 1);
     EXPECT_TRUE(tokens::resolve_blocks(*pool, ns, g, &old_key, 1, seq, 0, 0).empty());

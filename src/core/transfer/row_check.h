@@ -19,9 +19,10 @@
 // 64-bit result but with a chance near 2^-64 of matching, and so does a random, stale or foreign
 // row (its seed differs too). A structured change that cancels in P and S both needs several
 // words changed with values tied to the keys (~2^-32 for such a pattern at random) before the fold.
-// Format 2 (XXH3's stripe step: xor, shift, multiply, shuffle, two adds per stripe on the same
-// two vector ports) cost about twice as much per row; the gather serialises the check after
-// the copies (token_rows.cpp), so the check's cost is what separates it from a memcpy.
+// Format 2 (XXH3's stripe step: xor, shift, multiply, shuffle, two adds per stripe) has twice the
+// vector operations, yet measured only 10-15% slower per 656-1,152-B row (BENCHMARKS.md, "Token
+// format 3"); the gather serialises the check after the copies (token_rows.cpp), so the check's
+// cost is what separates it from a memcpy.
 //
 // Kernels (picked once per process; every one returns the same value, tests/cpp/test_token_rows.cpp
 // compares them on every length 1..1,200 and random seeds):

@@ -108,15 +108,15 @@ namespace {
 // first_layer + r / k, its index indices[r] (per layer) or indices[r % k], its bytes at out + r * R.
 //
 // Two phases per batch of rows: copy the batch (and read each row's stored check), then check the
-// batch as delivered. Why (src/bench/gather_micro.cpp keeps the variants; BENCHMARKS.md, "Token-row
-// gather", has the figures): the copies alone run at a packed memcpy's speed (rows are independent
-// loads the CPU overlaps by itself); checking each row right after its copy serialised the two
-// (each row's misses waited behind the previous row's arithmetic: 0.3x of memcpy), and so did,
-// intermittently, a kernel that copies and checks a row in one pass (copy_row_check). A batch of 32
-// rows (21-37 KiB of 656-1,152-B rows) is still in L1 when it is checked, so the check phase reads
-// no line from L2 and the copy phase's misses overlap each other. The format-2 check (row_check.h)
-// costs 23-31 ns per 656-B row in L1 on the VM of BENCHMARKS.md, format 1's XXH3 32-40 ns (best of
-// 50, loaded).
+// batch as delivered. Why (src/bench/gather_micro.cpp measures the parts, its git history the older
+// variants; BENCHMARKS.md, "Token-row gather", has the figures): the copies alone run at a packed memcpy's
+// speed (rows are independent loads the CPU overlaps by itself); checking each row right after its copy
+// serialised the two (each row's misses waited behind the previous row's arithmetic: 0.3x of memcpy), and so
+// did, intermittently, a kernel that copies and checks a row in one pass (copy_row_check). A batch of 32 rows
+// (21-37 KiB of 656-1,152-B rows) is still in L1 when it is checked, so the check phase reads no line from L2
+// and the copy phase's misses overlap each other. So the check's cost adds to the copy's: the format-3 check
+// (row_check.h) costs ~18-20 ns per 656-B row in L1 on the VM of BENCHMARKS.md, format 2's 20-31 ns, format
+// 1's XXH3 32-40 ns; a copy from DRAM ~55-65 ns.
 GatherResult gather_range(const Pool& pool, const SeqRows& s, uint32_t first_layer, const int64_t* indices,
                           size_t k, bool indices_per_layer, char* out, size_t lo, size_t hi) {
   const TokenGeometry& g = *s.g;
