@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Builds and runs src/bench/gather_micro.cpp (where a token-row gather's time goes, issue 15)
+# Builds and runs src/bench/gather_micro.cpp (where a token-row gather's time goes, issues 15 and 24)
 # against the core built by scripts/dev-build.sh (build/dev). Arguments go to the program:
-# [row_bytes=656] [context=131072] [layers=4] [k=2048] [repeats=9].
+# [row_bytes=656] [context=131072] [layers=4] [k=2048] [repeats=9]; CXLKV_COPY_THREADS sets the threads.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cmake --build build/dev --target cxlkv_core >/dev/null

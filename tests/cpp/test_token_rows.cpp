@@ -2,6 +2,7 @@
 // range are refused before any copy, and a row whose bytes changed in the pool (or a block of
 // another sequence or chunk) never verifies.
 #include <atomic>
+#include <numeric>
 #include <random>
 #include <thread>
 
@@ -21,6 +22,27 @@ Key key_of(uint64_t id) {
   std::memcpy(k.data(), &id, 8);
   k[31] = 0x7d;
   return k;
+}
+
+// One block of random rows sealed as chunk 0 (64 tokens) of sequence seq, put under key_of(7),
+// pinned and resolved: the fixture of the tests that corrupt or rewrite rows in place.
+struct OneBlock {
+  std::vector<char> bytes;
+  uint64_t offset = 0;
+  std::vector<PinRef> pins;
+};
+void put_one_block(Pool& pool, const NsHandle& ns, const TokenGeometry& g, uint64_t seq, std::mt19937_64& rng,
+                   OneBlock& out) {
+  out.bytes.resize(g.block_bytes());
+  for (auto& b : out.bytes) b = char(rng());
+  tokens::seal_block(out.bytes.data(), g, seq, 0, 0, 64);
+  const Key key = key_of(7);
+  Piece p{out.bytes.data(), g.block_bytes()};
+  ASSERT_TRUE(pool.put(ns, key, &p, 1, 0));
+  out.pins = pool.acquire(ns, &key, 1);
+  auto r = tokens::resolve_blocks(pool, ns, g, &key, 1, seq, 0, 0);
+  ASSERT_EQ(r.size(), 1u);
+  out.offset = r[0].offset;
 }
 
 TEST_F(TokenRows, SealResolveGatherExactThenCorruptionIsAMiss) {
@@ -142,17 +164,12 @@ TEST_F(TokenRows, RowsChangingMidGatherAreAMissNeverWrongRows) {
   auto ns = pool->open_namespace(layout("tokens-racy", g.block_bytes()));
   std::mt19937_64 rng(std::random_device{}());
   const uint64_t seq = rng();
-  std::vector<char> block(g.block_bytes());
-  for (auto& b : block) b = char(rng());
-  tokens::seal_block(block.data(), g, seq, 0, 0, 64);
-  const Key key = key_of(7);
-  Piece p{block.data(), g.block_bytes()};
-  ASSERT_TRUE(pool->put(ns, key, &p, 1, 0));
-  auto pins = pool->acquire(ns, &key, 1);
-  auto r = tokens::resolve_blocks(*pool, ns, g, &key, 1, seq, 0, 0);
-  ASSERT_EQ(r.size(), 1u);
-  tokens::SeqRows s{&g, seq, 0, 64, &r[0].offset, 1};
-  char* rows = const_cast<char*>(pool->arena_bytes(r[0].offset, g.payload_bytes()));
+  OneBlock one;
+  ASSERT_NO_FATAL_FAILURE(put_one_block(*pool, ns, g, seq, rng, one));
+  const std::vector<char>& block = one.bytes;
+  auto& pins = one.pins;
+  tokens::SeqRows s{&g, seq, 0, 64, &one.offset, 1};
+  char* rows = const_cast<char*>(pool->arena_bytes(one.offset, g.payload_bytes()));
   std::atomic<bool> stop{false};
   std::thread writer([&] {
     for (uint64_t n = 0; !stop.load(std::memory_order_relaxed); ++n)
@@ -220,9 +237,90 @@ TEST(RowCheck, KernelsAgreeCopyExactlyAndEveryChangeIsSeen) {
       std::swap_ranges(swapped.begin(), swapped.begin() + 64, swapped.begin() + 64);
       EXPECT_NE(tokens::row_check(swapped.data(), n, seed), base);
     }
+    // what format 3 always sees (not by chance): any change within one 8-byte lane of one stripe
+    // (here two 16-bit words of it), a word swapped with its pair partner, a stripe moved by 16
+    for (int trial = 0; trial < 2000; ++trial) {
+      std::vector<char> changed(row);
+      const size_t lane = (rng() % (n / 8 ? n / 8 : 1)) * 8;
+      for (int w = 0; w < 2; ++w) {
+        const size_t at = lane + 2 * (rng() % 4) + rng() % 2;
+        if (at < n) changed[at] = char(changed[at] ^ char(1 + rng() % 255));
+      }
+      if (changed != row)
+        ASSERT_NE(tokens::row_check(changed.data(), n, seed), base) << n << " lane " << lane;
+    }
+    if (n >= 4) {
+      std::vector<char> pair(row);
+      std::swap_ranges(pair.begin(), pair.begin() + 2, pair.begin() + 2);
+      if (pair != row) EXPECT_NE(tokens::row_check(pair.data(), n, seed), base);
+    }
+    if (n >= 17 * 64) {
+      std::vector<char> moved(row);
+      std::swap_ranges(moved.begin(), moved.begin() + 64, moved.begin() + 16 * 64);
+      EXPECT_NE(tokens::row_check(moved.data(), n, seed), base);
+    }
     std::vector<char> longer(row);
     longer.push_back(0);  // the zero padding of the tail stripe must not make lengths equal
     EXPECT_NE(tokens::row_check(longer.data(), n + 1, seed), base);
+  }
+}
+
+// Token format 3 (row_check.h): one corrupt byte anywhere in a row, whatever its value, is a miss
+// of that row alone: the gather names it, and every other row of the block still gathers exactly.
+// A block sealed by another format version (its header says so) resolves to nothing: a miss.
+TEST_F(TokenRows, FormatThreeAnyCorruptByteIsThatRowsMissOnly) {
+  for (uint32_t R : {656u, 1152u}) {
+    const auto g = TokenGeometry::make(2, 64, R);
+    auto pool = create(opts(32 * MiB, 1 * MiB));
+    auto ns = pool->open_namespace(layout("tokens-f3-" + std::to_string(R), g.block_bytes()));
+    std::mt19937_64 rng(std::random_device{}());
+    const uint64_t seq = rng();
+    OneBlock one;
+    ASSERT_NO_FATAL_FAILURE(put_one_block(*pool, ns, g, seq, rng, one));
+    std::vector<char>& block = one.bytes;
+    tokens::SeqRows s{&g, seq, 0, 64, &one.offset, 1};
+    const uint64_t offset = one.offset;
+    std::vector<int64_t> every(64), others;
+    std::iota(every.begin(), every.end(), 0);
+    for (int64_t t = 0; t < 64; ++t)
+      if (t != 20) others.push_back(t);
+    std::vector<char> out(2 * 64 * R);  // two layers of (at most) 64 rows
+    char* row = const_cast<char*>(pool->arena_bytes(offset + g.row_off(1, 20), R));
+    ASSERT_NE(row, nullptr);
+    for (uint32_t b = 0; b < R; ++b) {
+      const char flip = char(1 + rng() % 255);
+      row[b] ^= flip;
+      auto res = tokens::gather_rows(*pool, s, 0, 2, every.data(), 64, false, out.data());
+      ASSERT_EQ(res.status, GatherResult::kMiss) << R << " byte " << b;
+      ASSERT_EQ(res.bad_layer, 1u);
+      ASSERT_EQ(res.bad_index, 20);
+      ASSERT_EQ(tokens::gather_rows(*pool, s, 0, 2, others.data(), others.size(), false, out.data()).status,
+                GatherResult::kOk)
+          << R << " byte " << b;
+      for (size_t i = 0; i < others.size(); i += 21)
+        ASSERT_EQ(std::memcmp(out.data() + (others.size() + i) * R,
+                              block.data() + g.row_off(1, uint32_t(others[i])), R),
+                  0);
+      row[b] ^= flip;
+    }
+    ASSERT_EQ(tokens::gather_rows(*pool, s, 0, 2, every.data(), 64, false, out.data()).status,
+              GatherResult::kOk);
+    pool->release(one.pins);
+    // the same rows under a version-2 header (its own hash right): foreign to a format-3 reader
+    tokens::TokenBlockHeader h;
+    std::memcpy(&h, block.data() + g.header_off(), sizeof h);
+    ASSERT_EQ(h.version, 3u);
+    h.version = 2;
+    h.header_hash = xxh3(&h, offsetof(tokens::TokenBlockHeader, header_hash));
+    std::memcpy(block.data() + g.header_off(), &h, sizeof h);
+    const Key old_key = key_of(8);
+    const Piece p{block.data(), g.block_bytes()};
+    ASSERT_TRUE(pool->put(ns, old_key, &p, 1, 0));
+    auto old_pins = pool->acquire(ns, &old_key, 1);
+    EXPECT_TRUE(tokens::resolve_blocks(*pool, ns, g, &old_key, 1, seq, 0, 0).empty());
+    pool->release(old_pins);
+    pool.reset();
+    ::unlink(path_.c_str());  // the next row size's pool takes the same path
   }
 }
 

@@ -1,20 +1,28 @@
-// The per-row check of token blocks (token_rows.h, format version 2), and a kernel that copies a
-// row and computes its check in one pass (measured against the gather's copy-then-check batches in
-// src/bench/gather_micro.cpp; the gather uses row_check over the delivered bytes).
+// The per-row check of token blocks (token_rows.h, format version 3), and a kernel that copies a
+// row and computes its check in one pass (src/bench/gather_micro.cpp measures both; the gather uses
+// row_check over the delivered bytes).
 //
-// check(row, n, seed) = check_mix(fold(acc) ^ seed ^ n * P), where acc is XXH3-64's stripe
-// accumulator (xxHash's published algorithm: eight 64-bit lanes, acc[i ^ 1] += d[i],
-// acc[i] += lo32(d[i] ^ key[i]) * hi32(same), a scramble after every 16 stripes; default secret)
-// run over the row's whole 64-byte stripes and then its last n % 64 bytes zero-padded to a stripe,
-// and fold() scrambles every lane once more with its own key and adds them. It is not XXH3's value
-// (format 1 checked XXH3-64 of the row): XXH3 hashes its last 64 bytes again as an overlapping
-// stripe and merges with four 128-bit products, which a one-pass copy+check kernel cannot do from
-// the registers it stores without realigning the tail; a zero-padded tail stripe and a
-// few-instruction finish can. check_mix() (a bijection) then spreads every bit
-// of the folded lanes and of the seed over the result. Strength: every byte of the row enters a
-// 32x32-bit product and a plain sum, each lane with its own key per stripe position, so a changed,
-// moved or foreign row matches with a probability near 2^-64 (it is an integrity check against
-// faults, stale and foreign bytes, not a MAC against an adversary that can write the pool).
+// check(row, n, seed) = check_mix(fold(P, S) ^ seed ^ n * K). The row is read as 64-byte stripes
+// (the last n % 64 bytes zero-padded to one) into two sets of eight 64-bit lanes:
+// * P, products: each 32-bit half of lane i gains w0 * k0 + w1 * k1 (mod 2^32) for its two signed
+//   16-bit words w0, w1 of the stripe, with keys k of the stripe's position mod 16 (512 distinct
+//   odd constants): one vpmaddwd and one vpaddd per stripe;
+// * S, sums: lane i gains the stripe's 64-bit word i (one vpaddq);
+// after every 16 stripes both sets are scrambled (XXH3's scramble, (x ^ x >> 47 ^ key) * PRIME32_1,
+// a bijection per lane) and fold() scrambles both once more with their own keys and adds the 16
+// lanes. check_mix() (a bijection) then spreads every bit of that and of the seed over the result.
+//
+// Strength (an integrity check against faults, stale and foreign bytes, not a MAC against an
+// adversary that can write the pool): a change within one 8-byte lane of one stripe always changes
+// S; a word swapped with its pair partner, or a stripe moved by 1-15 stripes, always changes P
+// (the keys differ and are odd, and |change x key| < 2^32); what changes the lanes reaches the
+// 64-bit result but with a chance near 2^-64 of matching, and so does a random, stale or foreign
+// row (its seed differs too). A structured change that cancels in P and S both needs several
+// words changed with values tied to the keys (~2^-32 for such a pattern at random) before the fold.
+// Format 2 (XXH3's stripe step: xor, shift, multiply, shuffle, two adds per stripe) has twice the
+// vector operations, yet measured only 10-15% slower per 656-1,152-B row (BENCHMARKS.md, "Token
+// format 3"); the gather serialises the check after the copies (token_rows.cpp), so the check's
+// cost is what separates it from a memcpy.
 //
 // Kernels (picked once per process; every one returns the same value, tests/cpp/test_token_rows.cpp
 // compares them on every length 1..1,200 and random seeds):

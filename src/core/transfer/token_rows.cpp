@@ -43,9 +43,8 @@ TokenGeometry TokenGeometry::make(uint64_t layers, uint64_t tokens_per_block, ui
   return g;
 }
 
-uint64_t row_seed(uint64_t seq_hash, uint32_t stream, uint32_t layer, uint64_t position) {
-  return check_mix(seq_hash ^
-                   check_mix((uint64_t(stream) << 48) ^ (uint64_t(layer) << 32) ^ check_mix(position + 1)));
+uint64_t layer_seed(uint64_t seq_hash, uint32_t stream, uint32_t layer) {
+  return check_mix(seq_hash ^ check_mix((uint64_t(stream) << 48) ^ (uint64_t(layer) << 32) ^ kLayerSeedSalt));
 }
 
 void seal_block(char* block, const TokenGeometry& g, uint64_t seq_hash, uint32_t stream, uint64_t chunk,
@@ -55,11 +54,11 @@ void seal_block(char* block, const TokenGeometry& g, uint64_t seq_hash, uint32_t
   std::memset(block + g.payload_bytes(), 0, g.header_off() - g.payload_bytes());
   const uint64_t base_pos = chunk * g.tokens_per_block;
   for (uint32_t l = 0; l < g.layers; ++l) {
+    const uint64_t ls = layer_seed(seq_hash, stream, l);
     std::memset(block + g.row_off(l, valid_tokens), 0,
                 uint64_t(g.tokens_per_block - valid_tokens) * g.row_bytes);
     for (uint32_t t = 0; t < valid_tokens; ++t) {
-      uint64_t h =
-          row_check(block + g.row_off(l, t), g.row_bytes, row_seed(seq_hash, stream, l, base_pos + t));
+      uint64_t h = row_check(block + g.row_off(l, t), g.row_bytes, row_seed(ls, base_pos + t));
       std::memcpy(block + g.hash_off(l, t), &h, 8);
     }
   }
@@ -109,34 +108,47 @@ namespace {
 // first_layer + r / k, its index indices[r] (per layer) or indices[r % k], its bytes at out + r * R.
 //
 // Two phases per batch of rows: copy the batch (and read each row's stored check), then check the
-// batch as delivered. Why (src/bench/gather_micro.cpp keeps the variants; BENCHMARKS.md, "Token-row
-// gather", has the figures): the copies alone run at a packed memcpy's speed (rows are independent
-// loads the CPU overlaps by itself); checking each row right after its copy serialised the two
-// (each row's misses waited behind the previous row's arithmetic: 0.3x of memcpy), and so did,
-// intermittently, a kernel that copies and checks a row in one pass (copy_row_check). A batch of 32
-// rows (21-37 KiB of 656-1,152-B rows) is still in L1 when it is checked, so the check phase reads
-// no line from L2 and the copy phase's misses overlap each other. The format-2 check (row_check.h)
-// costs 23-31 ns per 656-B row in L1 on the VM of BENCHMARKS.md, format 1's XXH3 32-40 ns (best of
-// 50, loaded).
+// batch as delivered. Why (src/bench/gather_micro.cpp measures the parts, its git history the older
+// variants; BENCHMARKS.md, "Token-row gather", has the figures): the copies alone run at a packed memcpy's
+// speed (rows are independent loads the CPU overlaps by itself); checking each row right after its copy
+// serialised the two (each row's misses waited behind the previous row's arithmetic: 0.3x of memcpy), and so
+// did, intermittently, a kernel that copies and checks a row in one pass (copy_row_check). A batch of 32 rows
+// (21-37 KiB of 656-1,152-B rows) is still in L1 when it is checked, so the check phase reads no line from L2
+// and the copy phase's misses overlap each other. So the check's cost adds to the copy's: the format-3 check
+// (row_check.h) costs ~18-20 ns per 656-B row in L1 on the VM of BENCHMARKS.md, format 2's 20-31 ns, format
+// 1's XXH3 32-40 ns; a copy from DRAM ~55-65 ns.
 GatherResult gather_range(const Pool& pool, const SeqRows& s, uint32_t first_layer, const int64_t* indices,
                           size_t k, bool indices_per_layer, char* out, size_t lo, size_t hi) {
   const TokenGeometry& g = *s.g;
-  const uint64_t R = g.row_bytes;
+  const uint64_t R = g.row_bytes, block_bytes = g.block_bytes();
+  const uint32_t T = g.tokens_per_block;
+  // Index math without a division per row (a 64-bit divide costs as much as a quarter of a short
+  // row's check): tokens_per_block is a power of two in every layout we know (a shift), and the
+  // layer and rank of a row advance with it.
+  const bool t_pow2 = (T & (T - 1)) == 0;
+  const unsigned t_shift = unsigned(__builtin_ctz(T));
   GatherResult r;
   constexpr size_t kBatch = 32;
   uint64_t want[kBatch];  // the stored checks, read beside each row's copy
+  uint64_t pos[kBatch];   // the rows' positions
+  uint32_t lay[kBatch];   // and layers
   bool present[kBatch];   // false: the block's offset lies outside the arena
-  auto index_of = [&](size_t row) { return uint64_t(indices_per_layer ? indices[row] : indices[row % k]); };
+  uint32_t layer = first_layer + uint32_t(lo / k);
+  size_t rank = lo % k;         // the row's place among its layer's k
+  uint32_t seed_layer = layer;  // the layer whose seed `seed` is
+  uint64_t seed = layer_seed(s.seq_hash, s.stream, seed_layer);
   for (size_t b0 = lo; b0 < hi; b0 += kBatch) {
     const size_t n = std::min(kBatch, hi - b0);
-    for (size_t i = 0; i < n; ++i) {
+    for (size_t i = 0; i < n; ++i, ++rank) {
+      if (rank == k) rank = 0, ++layer;
       const size_t row = b0 + i;
-      const uint64_t pos = index_of(row);
-      const uint32_t t = uint32_t(pos % g.tokens_per_block);
-      const char* blk = pool.arena_bytes(s.offsets[pos / g.tokens_per_block], g.block_bytes());
+      const uint64_t p = uint64_t(indices_per_layer ? indices[row] : indices[rank]);
+      const uint64_t chunk = t_pow2 ? p >> t_shift : p / T;
+      const uint32_t t = uint32_t(t_pow2 ? p & (T - 1) : p % T);
+      pos[i] = p, lay[i] = layer;
+      const char* blk = pool.arena_bytes(s.offsets[chunk], block_bytes);
       present[i] = blk != nullptr;
       if (!blk) continue;
-      const uint32_t layer = first_layer + uint32_t(row / k);
       std::memcpy(out + row * R, blk + g.row_off(layer, t), R);
       std::memcpy(&want[i], blk + g.hash_off(layer, t), 8);
     }
@@ -144,10 +156,9 @@ GatherResult gather_range(const Pool& pool, const SeqRows& s, uint32_t first_lay
     // comparison fail, never make it pass for bytes other than those in out.
     for (size_t i = 0; i < n; ++i) {
       const size_t row = b0 + i;
-      const uint64_t pos = index_of(row);
-      const uint32_t layer = first_layer + uint32_t(row / k);
-      if (!present[i] || row_check(out + row * R, R, row_seed(s.seq_hash, s.stream, layer, pos)) != want[i]) {
-        r.status = GatherResult::kMiss, r.bad_pos = row, r.bad_index = int64_t(pos), r.bad_layer = layer;
+      if (lay[i] != seed_layer) seed_layer = lay[i], seed = layer_seed(s.seq_hash, s.stream, seed_layer);
+      if (!present[i] || row_check(out + row * R, R, row_seed(seed, pos[i])) != want[i]) {
+        r.status = GatherResult::kMiss, r.bad_pos = row, r.bad_index = int64_t(pos[i]), r.bad_layer = lay[i];
         return r;
       }
     }

@@ -7,7 +7,7 @@
 //
 //   [0, payload)             rows: row (layer l, token t) at (l * T + t) * row_bytes
 //   [hashes_off, +L*T*8)     one check per row: a 64-bit hash of its bytes mixed with a seed of
-//                            (sequence, stream, layer, position) (row_check.h)
+//                            (sequence, stream, layer, position) (row_check.h, row_seed below)
 //   [header_off, +64)        TokenBlockHeader (below)
 //
 // Integrity at row granularity: a gather checks every row it delivered (the bytes that reached
@@ -30,9 +30,12 @@
 namespace cxlkv::tokens {
 
 constexpr uint64_t kTokenBlockMagic = 0x4b4f54564b4c5843ull;  // "CXLKVTOK" little-endian
-// 2: the row check of row_check.h (1: check_mix(XXH3-64 of the row ^ seed)). A block of another
-// version is foreign to resolve_blocks (a miss), and the version is part of every block's key.
-constexpr uint32_t kTokenBlockVersion = 2;
+// 3: the row check of row_check.h (products and sums, three vector operations per 64 bytes) with
+// the seeds below; 2: XXH3's stripe accumulator per row, four mixes per seed; 1: check_mix(XXH3-64
+// of the row ^ seed). A block of another version is foreign to resolve_blocks (a miss), and the
+// version is part of every block's key (token_store.py), so a reader never checks rows of one
+// version with another's check.
+constexpr uint32_t kTokenBlockVersion = 3;
 
 // Invariants: written once by the block's writer before put(); header_hash = XXH3-64 of the 56
 // bytes before it; 1 <= valid_tokens <= tokens_per_block; rows at positions >= valid_tokens are
@@ -66,9 +69,18 @@ struct TokenGeometry {
   }
 };
 
-// The seed of row (layer, position) of a sequence's stream.
-uint64_t row_seed(uint64_t seq_hash, uint32_t stream, uint32_t layer, uint64_t position);
-// The stored check of a row binds its bytes to its seed: row_check() (row_check.h says how).
+// The seed of the rows of one layer of a sequence's stream (two mixes, computed once per layer a
+// gather touches), and of row (layer, position): the layer's seed ^ (position + 1) * an odd constant,
+// one multiply per row. The check's final mix (row_check.h) takes it with the row's folded lanes, so
+// a row at another position, layer, stream or sequence never verifies with its own bytes (distinct
+// positions give distinct seeds of one layer: the multiply is a bijection), and with other bytes
+// with a probability near 2^-64.
+constexpr uint64_t kLayerSeedSalt = 0x6A09E667F3BCC909ull;  // sqrt(2)'s fraction (SHA-512's first word)
+constexpr uint64_t kPositionMul = 0xD6E8FEB86659FD93ull;    // odd
+uint64_t layer_seed(uint64_t seq_hash, uint32_t stream, uint32_t layer);
+inline uint64_t row_seed(uint64_t layer_seed, uint64_t position) {
+  return layer_seed ^ ((position + 1) * kPositionMul);
+}
 
 // Completes a block the caller filled with rows (positions >= valid zeroed here): row hashes and
 // header. `block` holds g.block_bytes() bytes.
