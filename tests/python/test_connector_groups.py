@@ -221,3 +221,194 @@ def test_a_failed_load_is_a_failed_request_never_block_ids(pool_path, model_dir)
     st = b.sched.connector_scheduler._reqs["c"]
     assert st.saved_blocks == 0 and not st.lease  # vLLM recomputes it from scratch: saved again
     a.close(), b.close()
+
+
+# -------------------------------------------------------------------------------------------------
+# a state group (SSM / linear attention: vllm_state_groups.py) beside a full-attention group
+class MambaSpec(SimpleNamespace):
+    pass
+
+
+CONV, SSM = (3, 8), (2, 4)  # one layer's conv state (bf16) and SSM state (fp32) per block
+STATE_BYTES = 3 * 8 * 2 + 2 * 4 * 4
+
+
+def mamba_spec(**kw):
+    fields = dict(
+        shapes=(CONV, SSM),
+        dtypes=(torch.bfloat16, torch.float32),
+        page_size_bytes=2 * BS * HEAD * 2,  # vLLM pads a state page to the KV page size
+        block_size=BS,
+        mamba_cache_mode="align",
+        num_speculative_blocks=0,
+        tp_replicated=False,
+        mamba_type=SimpleNamespace(name="MAMBA2"),
+    )
+    return MambaSpec(**{**fields, **kw})
+
+
+def ssm_configs(pool_path, model_dir, role=None, **spec_kw):
+    """vLLM's configs of the model; with ``role``, the connector's constructor arguments."""
+    vc, kc = fake_configs(pool_path, model_dir, window_checkpoint_blocks=CHECKPOINT)
+    full = kc.kv_cache_groups[0].kv_cache_spec
+    full.block_size = BS
+    kc.kv_cache_groups = [
+        SimpleNamespace(kv_cache_spec=mamba_spec(**spec_kw), layer_names=["m0"]),
+        SimpleNamespace(kv_cache_spec=full, layer_names=["f0", "f1"]),
+    ]
+    return (vc, kc) if role is None else (vc, role, kc)
+
+
+class SsmHybrid(Hybrid):
+    """A Mamba layer (conv + SSM state tensors, as vLLM's worker holds them) and two
+    full-attention layers."""
+
+    def __init__(self, pool_path, model_dir, **spec_kw):
+        vc, kc = ssm_configs(pool_path, model_dir, **spec_kw)
+        self.sched = conn.CxlKVConnector(vc, Role.SCHEDULER, kc)
+        self.worker = conn.CxlKVConnector(vc, Role.WORKER, kc)
+        self.kv = {
+            "m0": [
+                torch.zeros((NUM_BLOCKS, *CONV), dtype=torch.bfloat16),
+                torch.zeros((NUM_BLOCKS, *SSM), dtype=torch.float32),
+            ],
+            **{n: torch.zeros((NUM_BLOCKS, 2, BS, 1, HEAD), dtype=torch.bfloat16) for n in ("f0", "f1")},
+        }
+        self.worker.register_kv_caches(self.kv)
+
+    def block(self, group: int, bid: int) -> bytes:
+        if group == 0:
+            return b"".join(t[bid].contiguous().view(torch.uint8).numpy().tobytes() for t in self.kv["m0"])
+        return super().block(group, bid)
+
+    def write_state(self, bid: int, boundary: int) -> None:
+        """What vLLM's forward leaves in a state block: the state after ``boundary`` blocks."""
+        self.kv["m0"][0][bid].fill_(float(boundary))
+        self.kv["m0"][1][bid].fill_(float(1000 + boundary))
+
+
+MAMBA_IDS = list(range(1, 1 + N_BLOCKS + 1))
+
+
+def cached_output(rid, new_ids, computed, scheduled):
+    return SimpleNamespace(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[rid], new_block_ids=[new_ids], resumed_req_ids=set(), num_computed_tokens=[computed]
+        ),
+        num_scheduled_tokens={rid: scheduled},
+        total_num_scheduled_tokens=scheduled,
+    )
+
+
+def produce_ssm(pool_path, model_dir, toks) -> SsmHybrid:
+    """vLLM's align mode with a one-block prefill budget: each step computes one block and
+    leaves the state at its end boundary in that block's slot; the last step the prompt's
+    tail (mid-block: no boundary state)."""
+    a = SsmHybrid(pool_path, model_dir)
+    req = make_req("p", toks)
+    assert a.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    for j, bid in enumerate(FULL_IDS):
+        for n in ("f0", "f1"):
+            a.kv[n][bid].fill_(float(1 + j))
+    a.sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (MAMBA_IDS, FULL_IDS)), 0)
+    for k in range(N_BLOCKS + 1):
+        start, n = k * BS, min(BS, len(toks) - k * BS)
+        if start + n == (k + 1) * BS:
+            a.write_state(MAMBA_IDS[k], k + 1)
+        if k == 0:
+            out = new_req_output("p", ([MAMBA_IDS[0]], [FULL_IDS[0]]), 0, n)
+        else:
+            out = cached_output("p", ([MAMBA_IDS[k]], [FULL_IDS[k]]), start, n)
+        a.run(a.sched.build_connector_meta(out))
+        a.sched.update_connector_output(SimpleNamespace(invalid_block_ids=set()))
+    a.sched.request_finished_all_groups(req, (MAMBA_IDS, FULL_IDS))
+    return a
+
+
+def test_state_group_stores_the_states_at_anchor_boundaries_only(pool_path, model_dir):
+    toks = tokens(11, N_BLOCKS * BS + 1)
+    a = produce_ssm(pool_path, model_dir, toks)
+    names = a.sched.connector_scheduler.ctx.ns_names
+    assert stored(pool_path, names[1], toks) == list(range(N_BLOCKS))
+    # checkpoints 4 and 8, and the prompt's last boundary 10: the state blocks ending there
+    assert stored(pool_path, names[0], toks) == [3, 7, 9]
+    stats = a.worker.get_kv_connector_stats().data
+    assert stats["save_blocks_group0"] == 3 and stats["skip_blocks_group0"] == N_BLOCKS - 3
+    with cxlkv.Pool.open(pool_path) as pool:
+        info = next(n for n in pool.namespaces() if n["name"] == names[0])
+    assert info["block_bytes"] == STATE_BYTES and info["kind"] == "opaque"
+    a.close()
+
+
+def test_a_prefill_ending_mid_block_stores_no_state(pool_path, model_dir):
+    """One step over the whole prompt: the running state is mid-block, no boundary state."""
+    toks = tokens(12, N_BLOCKS * BS + 1)
+    a = SsmHybrid(pool_path, model_dir)
+    req = make_req("p", toks)
+    a.sched.get_num_new_matched_tokens(req, 0)
+    a.sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (MAMBA_IDS, FULL_IDS)), 0)
+    a.run(a.sched.build_connector_meta(new_req_output("p", (MAMBA_IDS, FULL_IDS), 0, len(toks))))
+    names = a.sched.connector_scheduler.ctx.ns_names
+    assert stored(pool_path, names[0], toks) == []
+    assert len(stored(pool_path, names[1], toks)) == N_BLOCKS
+    b = SsmHybrid(pool_path, model_dir)
+    assert b.sched.get_num_new_matched_tokens(make_req("c", toks), 0) == (0, False)  # no state: no hit
+    a.close(), b.close()
+
+
+def test_fresh_engine_loads_the_state_at_the_hit_into_its_block(pool_path, model_dir):
+    toks = tokens(13, N_BLOCKS * BS + 1)
+    a = produce_ssm(pool_path, model_dir, toks)
+    b = SsmHybrid(pool_path, model_dir)
+    req = make_req("c", toks)
+    assert b.sched.get_num_new_matched_tokens(req, 0) == (N_BLOCKS * BS, True)
+    ids = ([0] * (N_BLOCKS - 1) + [40], list(range(50, 61)))  # align mode: the hit's state block
+    b.sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ids), N_BLOCKS * BS)
+    meta = b.sched.build_connector_meta(idle_output())
+    assert sorted((op.group, op.start_depth, len(op.keys)) for op in meta.loads) == [(0, 9, 1), (1, 0, 10)]
+    results = b.run(meta)
+    assert results.finished_recving == {"c"} and not results.failed_recving
+    assert b.block(0, 40) == a.block(0, MAMBA_IDS[9])  # conv and SSM state of boundary 10
+    assert b.kv["m0"][1][40][0, 0].item() == 1010.0
+    for j in range(N_BLOCKS):
+        assert b.block(1, ids[1][j]) == a.block(1, FULL_IDS[j])
+    a.close(), b.close()
+
+
+def test_a_missing_state_moves_the_hit_to_the_next_stored_state(pool_path, model_dir):
+    toks = tokens(14, N_BLOCKS * BS + 1)
+    a = produce_ssm(pool_path, model_dir, toks)
+    b = SsmHybrid(pool_path, model_dir)
+    name = b.sched.connector_scheduler.ctx.ns_names[0]
+    assert b.sched._session.call("delete", lambda spaces: spaces[0].delete(block_keys(toks, BS, name)[9]))
+    # boundaries 9 and 10 have no state; 8 has
+    assert b.sched.get_num_new_matched_tokens(make_req("c", toks), 0) == (8 * BS, True)
+    a.close(), b.close()
+
+
+def test_state_layout_is_in_the_identity(pool_path, model_dir):
+    a = conn.CxlKVConnector(*ssm_configs(pool_path, model_dir, role=Role.SCHEDULER))
+    b = conn.CxlKVConnector(*ssm_configs(pool_path, model_dir, role=Role.SCHEDULER, shapes=(CONV, (2, 2))))
+    ca, cb = a.connector_scheduler.ctx, b.connector_scheduler.ctx
+    assert "state=3x8:bfloat16+2x4:float32 mixer=MAMBA2" in ca.identities[0].device_layout
+    assert ca.ns_names[0] != cb.ns_names[0] and ca.ns_names[1] == cb.ns_names[1]
+    a.shutdown(), b.shutdown()
+
+
+@pytest.mark.parametrize(
+    "tp, spec_kw, why",
+    [
+        (1, {"mamba_cache_mode": "none"}, "mamba_cache_mode is 'none' (prefix caching off)"),
+        (1, {"num_speculative_blocks": 1}, "speculative decoding"),
+        (2, {}, "tensor_parallel_size 2"),
+    ],
+)
+def test_state_groups_vllm_cannot_resume_from_are_refused_in_one_line(pool_path, model_dir, tp, spec_kw, why):
+    from cxlkv.integrations.vllm_groups import UnsupportedKVCacheGroup, group_layouts
+
+    _, kc = ssm_configs(pool_path, model_dir, **spec_kw)
+    with pytest.raises(UnsupportedKVCacheGroup) as e:
+        group_layouts(kc, BS, tp)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("cxlkv: KV cache group 0 of 2 (MambaSpec") and why in msg

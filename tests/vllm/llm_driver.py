@@ -4,7 +4,7 @@ prints one `RESULT <json>` line per round. Driven by tests/vllm/test_connector.p
     python llm_driver.py '<json spec>'
 
 spec: model ("tiny" | "tiny-swa" (sliding window on every other layer) | "tiny-nemotron-h" (an
-SSM hybrid, dummy weights) | "smollm2" | a model directory), load_format (vLLM's), served_model_name (optional), pool (path),
+SSM hybrid) | "smollm2" | a model directory), load_format (vLLM's), served_model_name (optional), pool (path),
 connector (bool), role ("kv_both" ...), on_pool_error ("fail": an unusable pool stops the engine
 instead of serving without the cache), max_num_batched_tokens (optional), prefix_caching (bool,
 default true), ids (bool: report prompt token ids), stats (bool: report preemptions and the
@@ -113,9 +113,8 @@ def main() -> None:
     model = models.tiny_llama() if name == "tiny" else models.smollm2() if name == "smollm2" else name
     if name == "tiny-swa":
         model = models.tiny_swa_llama()
-    if name == "tiny-nemotron-h":  # a config without weights
+    if name == "tiny-nemotron-h":  # an SSM hybrid (a Mamba-2 layer, an attention layer)
         model = models.tiny_nemotron_h()
-        spec.setdefault("load_format", "dummy")
     kw = dict(
         model=model,
         enforce_eager=True,

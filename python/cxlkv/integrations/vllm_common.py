@@ -75,7 +75,9 @@ class ConnectorContext:
         self.awaits_workers = not is_worker and vid.hashes_loaded_weights(extra)
         # One identity and namespace per KV cache group (vllm_groups.py); "identity" and "ns_name"
         # are the primary group's (the one that names requests' blocks in events and coalescing).
-        self.groups = vg.group_layouts(kv_cache_config, self.block_size)
+        self.groups = vg.group_layouts(
+            kv_cache_config, self.block_size, vllm_config.parallel_config.tensor_parallel_size
+        )
         self.primary = vg.primary_group(self.groups)
         self.checkpoint_blocks = int(extra.get("window_checkpoint_blocks", vg.DEFAULT_CHECKPOINT_BLOCKS))
         if self.checkpoint_blocks < 1:
@@ -151,7 +153,9 @@ class ConnectorContext:
 
     @property
     def multi(self) -> bool:
-        return len(self.groups) > 1
+        """Served group by group (vllm_groups.py): several groups, or a state group (its hit
+        is one block per boundary, not the whole prefix)."""
+        return len(self.groups) > 1 or any(g.reach == vg.STATE for g in self.groups)
 
     def adopt_weights(self, weights: str, weights_source: str) -> None:
         """The workers' weights field (vLLM's handshake) for every group's identity."""
@@ -166,7 +170,11 @@ class ConnectorContext:
         this rank's (heads.py)."""
         device = placement_device(self.extra.get("pool_device"), self.tp_rank, len(pool.info()["devices"]))
         spaces = [
-            HeadNamespace(pool.namespace(vid.pool_layout(i), name=n, device=device), h, self.head_dim)
+            HeadNamespace(
+                pool.namespace(vid.pool_layout(i), name=n, device=device),
+                h,
+                self.head_dim if h.split else None,
+            )
             for i, n, h in zip(self.identities, self.ns_names, self.group_heads, strict=True)
         ]
         return GroupNamespaces(spaces) if self.multi else spaces[0]

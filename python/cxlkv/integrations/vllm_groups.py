@@ -28,9 +28,12 @@ import dataclasses
 import hashlib
 from typing import Any
 
+from cxlkv.integrations import vllm_state_groups as vsg
+
 FULL = "full"
 SLIDING = "sliding_window"
 CHUNKED = "chunked_local"
+STATE = "state"  # an SSM / linear-attention state group (vllm_state_groups.py)
 
 # Blocks between two anchors of a bounded-reach group (sliding window, chunked local); the
 # kv_connector_extra_config key "window_checkpoint_blocks" changes it.
@@ -64,10 +67,14 @@ class GroupLayout:
 
     @property
     def block_bytes(self) -> int:
+        if self.reach == STATE:  # the states' bytes, not vLLM's page (padded to the KV page size)
+            return vsg.state_bytes(self.spec) * len(self.layer_names)
         return int(self.spec.page_size_bytes) * len(self.layer_names)
 
     def first_needed(self, hit: int) -> int:
         """The first block a prefix hit of ``hit`` blocks needs from this group."""
+        if self.reach == STATE:  # the state at the boundary: the block ending there
+            return max(0, hit - 1)
         if self.reach == SLIDING:
             return max(0, hit - _cdiv(self.window - 1, self.block_size))
         if self.reach == CHUNKED:
@@ -78,20 +85,25 @@ class GroupLayout:
         """The group's part of the identity (the device layout field): attention reach, window
         and which layers, by name digest."""
         names = hashlib.sha256("\n".join(self.layer_names).encode()).hexdigest()[:16]
-        return f"group {self.index}/{total} {self.reach} window={self.window} layers={names}"
+        text = f"group {self.index}/{total} {self.reach} window={self.window} layers={names}"
+        if self.reach == STATE:  # the state tensors' shapes and dtypes decide its bytes
+            text += f" {vsg.describe_state(self.spec)}"
+        return text
 
     def anchors_needing(self, block: int, checkpoint: int, prompt_anchor: int) -> bool:
         """Whether a later hit can use this group's ``block``: it lies in the reach of an anchor
         (every ``checkpoint`` blocks, and ``prompt_anchor``). FULL groups need every block."""
         if not self.bounded:
             return True
+        if self.reach == STATE:  # block j holds the state of boundary j + 1
+            return (block + 1) % checkpoint == 0 or block + 1 == prompt_anchor
         # first_needed grows with the hit: of the checkpoints past the block, the nearest reaches
         # back the furthest
         nearest = (block // checkpoint + 1) * checkpoint
         return any(a > block and self.first_needed(a) <= block for a in (nearest, prompt_anchor))
 
 
-def group_layouts(kv_cache_config: Any, block_size: int) -> list[GroupLayout]:
+def group_layouts(kv_cache_config: Any, block_size: int, tp_size: int = 1) -> list[GroupLayout]:
     """The engine's groups, or :class:`UnsupportedKVCacheGroup` for the first it cannot serve."""
     groups = list(kv_cache_config.kv_cache_groups)
     out = []
@@ -99,16 +111,19 @@ def group_layouts(kv_cache_config: Any, block_size: int) -> list[GroupLayout]:
         spec = g.kv_cache_spec
         kind = type(spec).__name__
         what = f"cxlkv: KV cache group {i} of {len(groups)} ({kind}, layers {list(g.layer_names)[:3]}...)"
-        if "Mamba" in kind or not hasattr(spec, "page_size_bytes"):
-            raise UnsupportedKVCacheGroup(
-                f"{what}: SSM / linear-attention state is not stored by cxlkv; serve this model "
-                "without the connector"
-            )
+        if not hasattr(spec, "page_size_bytes"):
+            raise UnsupportedKVCacheGroup(f"{what}: a KV cache spec without pages is not stored by cxlkv")
+        if vsg.is_state_spec(spec):
+            why = vsg.unservable(spec, tp_size)
+            if why:
+                raise UnsupportedKVCacheGroup(f"{what}: {why}")
         if int(getattr(spec, "block_size", block_size)) != block_size:
             raise UnsupportedKVCacheGroup(
                 f"{what}: block size {spec.block_size} differs from the cache's {block_size}"
             )
-        if "SlidingWindow" in kind:
+        if vsg.is_state_spec(spec):
+            reach, window = STATE, 0
+        elif "SlidingWindow" in kind:
             reach, window = SLIDING, int(spec.sliding_window)
         elif "ChunkedLocal" in kind:
             reach, window = CHUNKED, int(spec.attention_chunk_size)

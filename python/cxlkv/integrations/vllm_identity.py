@@ -21,6 +21,7 @@ import cxlkv
 from cxlkv.integrations import identity as ident
 from cxlkv.integrations import loaded_weights as lw
 from cxlkv.integrations import vllm_groups as vg
+from cxlkv.integrations import vllm_state_groups as vsg
 from cxlkv.integrations.heads import HeadPlan
 
 # Under the "vllm" logger, so that vLLM's logging configuration (level, format) applies.
@@ -189,7 +190,10 @@ def tp_rank_of(vllm_config: Any, is_worker: bool) -> int:
 
 
 def kind_of(spec: Any) -> str:
-    """A KV cache spec's entry kind: "mla" (one latent, replicated over ranks) or "dense"."""
+    """A KV cache spec's entry kind: "mla" (one latent, replicated over ranks), "opaque" (an SSM
+    state group's states: one entry per block, vllm_state_groups.py) or "dense"."""
+    if vsg.is_state_spec(spec):
+        return "opaque"
     return "mla" if "MLA" in type(spec).__name__ else "dense"
 
 
@@ -242,8 +246,8 @@ def describe(vllm_config: Any, kv_cache_config: Any, is_worker: bool, extra: dic
     """The identity of each KV cache group of this engine (vllm_groups.py), in vLLM's order. One
     group (uniform attention, or vLLM's hybrid manager off) keeps the identity it always had; in
     a hybrid model each group's attention reach, window and layers are in its device layout."""
-    groups = vg.group_layouts(kv_cache_config, vllm_config.cache_config.block_size)
     tp_size = vllm_config.parallel_config.tensor_parallel_size
+    groups = vg.group_layouts(kv_cache_config, vllm_config.cache_config.block_size, tp_size)
     tp_rank = tp_rank_of(vllm_config, is_worker)
     # The worker holds the loaded weights (vLLM builds it after load_model); the scheduler
     # never sees them and adopts rank 0's identity in set_xfer_handshake_metadata.

@@ -191,7 +191,7 @@ class CxlKVPromMetrics(KVConnectorPromMetrics):
             name="vllm:cxlkv_group_blocks",
             documentation=(
                 "A hybrid model's KV blocks per KV cache group, by outcome: stored; skipped (a "
-                "sliding-window block no later hit can use: never stored); loaded."
+                "sliding-window block or SSM state no later hit can use: never stored); loaded."
             ),
             labelnames=[*self._labelnames, "group", "outcome"],
         )

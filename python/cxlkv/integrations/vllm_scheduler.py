@@ -17,6 +17,8 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from cxlkv.integrations import identity as ident
+from cxlkv.integrations import vllm_groups as vg
+from cxlkv.integrations import vllm_state_groups as vsg
 from cxlkv.integrations.coalesce import CoalesceConfig, CoalesceScheduler
 from cxlkv.integrations.keys import ChainedKeys, MMSpan, root_key
 from cxlkv.integrations.transfer import BlockOp
@@ -449,7 +451,8 @@ class CxlKVScheduler:
             # (Re)scheduled from scratch (a preempted request may come back as new): the KV of
             # held saves lived in blocks it no longer owns.
             self._drop_held(st, "rescheduled as new")
-            self._plan(st, new.req_id, new.num_computed_tokens + sched.get(new.req_id, 0), meta)
+            n = sched.get(new.req_id, 0)
+            self._plan(st, new.req_id, new.num_computed_tokens + n, meta, n)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             st = self._reqs.get(req_id)
@@ -464,7 +467,8 @@ class CxlKVScheduler:
             elif new_ids:
                 for have_ids, more in zip(st.group_blocks, new_ids, strict=False):
                     have_ids.extend(more)
-            self._plan(st, req_id, cached.num_computed_tokens[i] + sched.get(req_id, 0), meta)
+            n = sched.get(req_id, 0)
+            self._plan(st, req_id, cached.num_computed_tokens[i] + n, meta, n)
         self._coalesce.rate.step_planned(prefill)
         if not self._async_saves:  # this step's saves are published when it completes
             for req_id, st in self._reqs.items():  # held saves are not sent yet
@@ -473,7 +477,7 @@ class CxlKVScheduler:
         meta.counters, self._counters = {k: v for k, v in self._counters.items() if v}, {}
         return meta
 
-    def _plan(self, st: _ReqState, req_id: str, computed_after_step: int, meta) -> None:
+    def _plan(self, st: _ReqState, req_id: str, computed_after_step: int, meta, scheduled: int = 0) -> None:
         # A load planned for this step is sent even when the pool has failed since: the worker
         # then reports its blocks as load errors, and vLLM recomputes them.
         if st.load is not None and any(op.block_ids for op in st.load):
@@ -499,7 +503,7 @@ class CxlKVScheduler:
             keys = st.keys.extend(tokens, upto_blocks=full)
             ops.append(BlockOp(req_id, keys[first:full], st.group_blocks[0][first:full], first))
         else:
-            ops = self._plan_groups(st, req_id, tokens, first, full)
+            ops = self._plan_groups(st, req_id, tokens, first, full, computed_after_step, scheduled)
         # KV computed while a load is unconfirmed may sit on top of blocks that never arrived.
         if st.inflight is not None:
             st.held.extend(ops)
@@ -507,11 +511,15 @@ class CxlKVScheduler:
             meta.saves.extend(ops)
             st.saving = True
 
-    def _plan_groups(self, st: _ReqState, req_id: str, tokens: list, first: int, full: int) -> list:
+    def _plan_groups(
+        self, st: _ReqState, req_id: str, tokens: list, first: int, full: int, end: int, scheduled: int
+    ) -> list:
         """A hybrid model's saves of blocks [first, full): every block of a full-attention group;
         of a bounded group (sliding window, chunked local) the blocks some anchor's hit needs
-        (vllm_groups.py), the others counted as skipped."""
+        (vllm_groups.py), of a state group the state this step left at an anchor boundary
+        (vllm_state_groups.py); the others counted as skipped."""
         prompt_anchor = (int(st.request.num_prompt_tokens) - 1) // self._block_size
+        produced = vsg.produced_block(end - scheduled, end, self._block_size)
         ops = []
         for g in self.ctx.groups:
             keys = st.group_keys[g.index].extend(tokens, upto_blocks=full)
@@ -521,6 +529,7 @@ class CxlKVScheduler:
                 keep = (
                     j is not None
                     and ids[j] != NULL_BLOCK  # freed out of the window already
+                    and (g.reach != vg.STATE or j == produced)  # a state only when produced
                     and g.anchors_needing(j, self.ctx.checkpoint_blocks, prompt_anchor)
                 )
                 if keep:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from cxlkv.integrations import vllm_groups as vg
+from cxlkv.integrations import vllm_state_groups as vsg
 from cxlkv.integrations.coalesce import CoalesceWorker
 from cxlkv.integrations.heads import HeadNamespace, PerHeadTransfer, head_dim_of
 from cxlkv.integrations.save_tracker import SaveTracker
@@ -41,6 +43,7 @@ class CxlKVWorker:
         self._async_saves = self.ctx.async_saves
         self._kv_arrays: list = []
         self._block_dim = 0
+        self._group_block_dims: list[int] = []  # per group (a state group's tensors: 0)
         self._load_errors: set[int] = set()
         self._failed_reqs: set[str] = set()
         self._transfer: Transfer | None = None
@@ -65,18 +68,27 @@ class CxlKVWorker:
 
     def register_kv_caches(self, kv_caches: dict) -> None:
         num_blocks = self._kv_cache_config.num_blocks
-        first = next(iter(kv_caches.values()))
+        # A state group's layer holds several tensors (conv, SSM state: vllm_state_groups.py)
+        state_layers = {n for g in self.ctx.groups if g.reach == vg.STATE for n in g.layer_names}
+        kv_layers = [v for n, v in kv_caches.items() if n not in state_layers]
+        first = kv_layers[0] if kv_layers else vsg.state_arrays(next(iter(kv_caches.values())))[0]
         # CUDA-style layouts put K/V first: [2, num_blocks, ...]; CPU ones lead with blocks.
         self._block_dim = 1 if first.shape[0] == 2 and first.ndim > 1 and first.shape[1] == num_blocks else 0
         # Each group's layers, in vLLM's order (a hybrid model's groups may share tensors: their
-        # block ids never collide, vLLM allocates them from one pool).
-        groups = [[kv_caches[n] for n in g.layer_names] for g in self.ctx.groups]
+        # block ids never collide, vLLM allocates them from one pool); a state layer's tensors
+        # in its order (vLLM's state tensors lead with blocks).
+        groups = [
+            [a for n in g.layer_names for a in vsg.state_arrays(kv_caches[n])]
+            if g.reach == vg.STATE
+            else [kv_caches[n] for n in g.layer_names]
+            for g in self.ctx.groups
+        ]
+        self._group_block_dims = [0 if g.reach == vg.STATE else self._block_dim for g in self.ctx.groups]
         if not self.ctx.multi:
             groups = [[kv_caches[n] for n in kv_caches]]
         for g, arrays in enumerate(groups):
-            per_block = sum(
-                a.element_size() * a[(slice(None),) * self._block_dim + (0,)].numel() for a in arrays
-            )
+            bd = self._group_block_dims[g]
+            per_block = sum(a.element_size() * a[(slice(None),) * bd + (0,)].numel() for a in arrays)
             want = self.ctx.group_block_bytes(g)
             if per_block != want:
                 raise ValueError(
@@ -92,7 +104,7 @@ class CxlKVWorker:
             spaces = self._session.ns  # None until the pool opens: open_namespace reads head_dim then
             spaces = spaces if isinstance(spaces, tuple) else [spaces]
             for ns in spaces:
-                if isinstance(ns, HeadNamespace):
+                if isinstance(ns, HeadNamespace) and ns.plan.split:
                     ns.head_dim = self.ctx.head_dim
         self._kv_arrays = [a.detach() for a in groups[self.ctx.primary]]
         if self.ctx.multi:
@@ -114,6 +126,7 @@ class CxlKVWorker:
         )
 
     def _build_transfer(self, on_cuda: bool, session: Any, arrays: list, group: int) -> Transfer:
+        block_dim = self._group_block_dims[group] if self.ctx.multi else self._block_dim
         # KV on a GPU: the CUDA data path (transfer_cuda.py: one fused Triton kernel per batch,
         # through the pool mapping registered with CUDA, else staged); on the CPU the core's copy
         # engine (ns.store / ns.load) on a save thread.
@@ -132,8 +145,8 @@ class CxlKVWorker:
                     heads,
                     CudaTransfer,
                 )
-            return CudaTransfer(session, arrays, self._block_dim, self.ctx.group_block_bytes(group))
-        return CpuTransfer(session, arrays, self._block_dim)
+            return CudaTransfer(session, arrays, block_dim, self.ctx.group_block_bytes(group))
+        return CpuTransfer(session, arrays, block_dim)
 
     def _transfer_for(self, op: BlockOp) -> Transfer | None:
         return self._group_transfers[op.group] if self._group_transfers else self._transfer

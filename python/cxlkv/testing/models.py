@@ -333,13 +333,18 @@ def tiny_swa_llama(path: PathLike | None = None) -> str:
 __all__ += ["TINY_SWA_LLAMA_NAME", "tiny_swa_llama"]
 
 
-# --------------------------------------------------------------------------- tiny Nemotron-H (config only)
+# --------------------------------------------------------------------------- tiny Nemotron-H
 
-TINY_NEMOTRON_H_NAME = "tiny-nemotron-h-config-v1"
+TINY_NEMOTRON_H_NAME = "tiny-nemotron-h-v2"
+# Weights scaled up from transformers' initialisation (std 0.02): the outputs then depend on the
+# context enough that a wrong SSM state shows in the greedy tokens and their logprobs.
+TINY_NEMOTRON_H_WEIGHT_SCALE = 4.0
 
 
 def _tiny_nemotron_h_build(out: Path) -> dict:
-    from transformers import NemotronHConfig
+    import torch
+    from safetensors.torch import save_file
+    from transformers import NemotronHConfig, NemotronHForCausalLM
 
     tok_dir = Path(tiny_llama())
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
@@ -357,17 +362,32 @@ def _tiny_nemotron_h_build(out: Path) -> dict:
         ssm_state_size=16,
         n_groups=1,
         max_position_embeddings=4096,
+        # without it vLLM cannot tell the runner and serves the model as a pooling model
+        architectures=["NemotronHForCausalLM"],
     )
     config.dtype = "bfloat16"
+    torch.manual_seed(0)
+    model = NemotronHForCausalLM(config)
+    tensors = {}
+    for name, t in model.state_dict().items():
+        t = t.detach().float()
+        if t.dim() >= 2:
+            t = t * TINY_NEMOTRON_H_WEIGHT_SCALE
+        tensors[name] = t.to(torch.bfloat16).contiguous()
     config.save_pretrained(str(out))
-    return {"recipe": "cxlkv tiny Nemotron-H config (no weights: load it with load_format='dummy')"}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return {
+        "recipe": "cxlkv tiny random Nemotron-H (transformers' init, seed 0, matrices x"
+        f"{TINY_NEMOTRON_H_WEIGHT_SCALE})",
+        "num_parameters": sum(t.numel() for t in tensors.values()),
+    }
 
 
 def tiny_nemotron_h(path: PathLike | None = None) -> str:
-    """Builds (once) and returns a directory with a tiny Nemotron-H config (one Mamba-2 layer, one
-    attention layer) and the tiny tokenizer, without weights: for vLLM with
-    ``load_format="dummy"``, to see what an SSM hybrid's KV cache groups do (the connector refuses
-    the Mamba state group at start-up)."""
+    """Builds (once) and returns the directory of a tiny random Nemotron-H (one Mamba-2 layer,
+    one attention layer; the tiny tokenizer): vLLM gives it two KV cache groups, the Mamba
+    state group (conv + SSM state per block, prefix caching in vLLM's "align" mode) and a
+    full-attention group."""
     return _build_once(
         Path(path) if path else model_cache_dir() / TINY_NEMOTRON_H_NAME, _tiny_nemotron_h_build
     )
