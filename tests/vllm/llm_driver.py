@@ -105,6 +105,14 @@ def _ranked(lp: dict) -> list:
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
+    in_process = spec.get("tp", 1) == 1 and not spec.get("multiprocess")
+    if in_process:
+        # vLLM's engine core and its one worker in this process, as vLLM runs one GPU (the "uni"
+        # executor): each engine of the suite then imports torch and vLLM once, not three times
+        # (about two thirds of a tiny engine's start on 2 cores). Specs with "multiprocess" (and
+        # every TP > 1 engine) keep the CPU platform's default: engine core and workers as
+        # processes, the connector's scheduler and worker sides apart.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
     from cxlkv.testing import models
@@ -127,6 +135,8 @@ def main() -> None:
     if spec.get("tp", 1) > 1:  # vLLM CPU: one OpenMP thread bound per rank ("0|1")
         kw["tensor_parallel_size"] = spec["tp"]
         kw["distributed_executor_backend"] = "mp"
+    elif in_process:
+        kw["distributed_executor_backend"] = "uni"
     if spec.get("served_model_name"):
         kw["served_model_name"] = spec["served_model_name"]
     if spec.get("prefix_caching") is False:

