@@ -347,13 +347,20 @@ void Pool::validate_and_attach(bool fresh, bool attach) {
   if (read_only_) return;
   if (!emu_.base) fault_trap::arm_from_env();  // tests only: CXLKV_TEST_FAULT (fault_trap.h)
   observer_ = !attach;
-  if (multihost) setup_arbiter(emu_.base ? emu_.host_slot : want_slot_, !attach);
+  // An observer takes no node slot, and on the multihost backend no row either, until it has
+  // something to write (become_writer, host_slot.cpp "Observers"): looking never costs a host
+  // its attach. Reclaiming dead nodes is writing: a row-less observer leaves it to `pool check`.
+  if (multihost && !attach) {
+    row_less_ = true;
+    row_less_arbiter_ = std::make_unique<RowLessArbiter>("pool " + path_);
+    coh_ = Coherence(Backend::multihost, emu_.model, row_less_arbiter_.get());
+    check_truncated();
+    return;
+  }
+  if (multihost) setup_arbiter(emu_.base ? emu_.host_slot : want_slot_, false);
   reap_dead_nodes();
-  // A multihost observer takes a node slot when one is free: its row is then visible to
-  // attachers of other hosts, and it beats, so its fence stays fresh while it watches a lease
-  // (`pool reap`, `pool check`). Elsewhere an observer needs neither.
-  if (attach || multihost) attach_node(!attach);
-  if (multihost) settle_host_slot(!attach);
+  if (attach) attach_node(false);
+  if (multihost) settle_host_slot(false);
   check_truncated();
 }
 
