@@ -294,11 +294,30 @@ def test_observers_take_no_row_and_no_node_slot(pool_path, pod):
     assert observers[0].ask("check") == {"ok": True, "errors": [], "node": 0, "slot": -1}
     # The CLI's observers too, while the table is full.
     for cmd in (["pool", "stats"], ["pool", "check"]):
-        r = subprocess.run([sys.executable, "-m", "cxlkv", *cmd, pool_path], capture_output=True, text=True,
-                           timeout=120, env=dict(os.environ, CXLKV_HOST_ID="heal-cli"))
+        r = subprocess.run(
+            [sys.executable, "-m", "cxlkv", *cmd, pool_path],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=dict(os.environ, CXLKV_HOST_ID="heal-cli"),
+        )
         assert r.returncode == 0, (cmd, r.stdout, r.stderr)
     with cxlkv.Pool.open(pool_path, read_only=True) as p:
         assert sorted(n["node"] for n in p.nodes()) == sorted(h.hello["node"] for h in hosts), p.nodes()
+    for h in hosts + observers:
+        h.stop()
+
+
+@pytest.mark.timeout(120)
+def test_observers_take_no_node_slot_on_a_single_host_pool(pool_path, pod):
+    """The same on the coherent backend: four observers on a 4-slot pool, four hosts still attach."""
+    with cxlkv.Pool.create(pool_path, 16 * MiB, chunk_size=1 * MiB, max_nodes=4):
+        pass
+    observers = [pod(pool_path, "heal-one", observer=True) for _ in range(4)]
+    assert all(o.hello == {"node": 0, "slot": -1} for o in observers), [o.hello for o in observers]
+    hosts = [pod(pool_path, "heal-one") for _ in range(4)]
+    assert all(h.hello["node"] > 0 for h in hosts), [h.hello for h in hosts]
+    assert hosts[1].ask("put c 2") == {"put": 2} and hosts[2].ask("verify c 2") == {"verified": 2, "wrong": 0}
     for h in hosts + observers:
         h.stop()
 

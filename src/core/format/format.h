@@ -44,9 +44,9 @@ constexpr uint16_t kFormatMajor = 2;  // 2: NamespaceEntry of 512 bytes (source,
 //    negotiated per node, not by the header: a single-file pool still records minor 2
 //    (pool_minor()), since every 2.2 build reads it correctly.
 // 4: multihost observers that write hold a node slot flagged kNodeObserver (NodeSlot.flags; since
-//    issue 23 an observer that only reads holds none, and no row: nothing in the format changed), and rows are
-//    probed (host_slot.cpp); LockLine.waits (from pad): a waiting holder's progress. Nothing an older build
-//    misreads (it sees an observer as any node); single-file pools still record minor 2.
+//    issue 23 one that only reads holds none and no row: nothing in the format changed), and rows
+//    are probed (host_slot.cpp); LockLine.waits (from pad): a waiting holder's progress. Nothing an
+//    older build misreads (it sees an observer as any node); single-file pools still record minor 2.
 // 5: bounded intents (issue 23): SharedWords.init.pad[kInitIntentCap] holds the creator's cap of
 //    block-less intents per node, NodeAreaFixed.intents (from pad0) the owner's count. Older
 //    builds ignore both (they enforce no cap); single-file pools still record minor 2.

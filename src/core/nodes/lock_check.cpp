@@ -140,7 +140,8 @@ void Pool::check_tier1_words(CheckReport& r) {
   std::vector<Word> found;
   for (uint32_t k = 0; k < kLockStripes; ++k)
     for (uint32_t j = 0; j < hdr_->lock_hosts; ++j)
-      if (uint64_t w = lock_view().read_tier1(k, j)) found.push_back({k, j, w, lock_view().read_ticket(k, j)});
+      if (uint64_t w = lock_view().read_tier1(k, j))
+        found.push_back({k, j, w, lock_view().read_ticket(k, j)});
   if (found.empty()) return;
   const uint64_t first_look = liveness::mono_ns();
   std::this_thread::sleep_for(std::chrono::milliseconds(50));  // a live holder's word moves at once

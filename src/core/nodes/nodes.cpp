@@ -195,7 +195,7 @@ std::vector<NodeInfo> Pool::nodes() {
 NodeInfo Pool::reap_node(uint32_t id, bool force, bool* reclaimed, uint64_t wait_ms) {
   if (id == 0 || id > hdr_->max_nodes)
     throw ArgumentError("node id must be in 1.." + std::to_string(hdr_->max_nodes));
-  become_writer();  // a row-less observer: reaping is writing
+  become_writer();                    // a row-less observer: reaping is writing
   if (id == node_id_ && observer_) {  // the node was gone when this observer took its slot
     *reclaimed = false;
     NodeInfo n;
