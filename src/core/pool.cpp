@@ -21,17 +21,6 @@ namespace cxlkv {
 
 using namespace format;
 
-uint64_t now_unix_ns() {
-  return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                      std::chrono::system_clock::now().time_since_epoch())
-                      .count());
-}
-uint64_t now_mono_us() {
-  return uint64_t(std::chrono::duration_cast<std::chrono::microseconds>(
-                      std::chrono::steady_clock::now().time_since_epoch())
-                      .count());
-}
-
 namespace {
 
 void fill_stamp(PoolHeader& h) {
@@ -194,7 +183,7 @@ std::unique_ptr<Pool> Pool::open(const std::string& path, const OpenOptions& opt
     p->map_ = Mapping::open_striped(split_device_list(path), opt.populate, opt.read_only,
                                     opt.allow_foreign_owner || opt.read_only, opt.allow_group);
   else
-    p->map_ = Mapping::open_existing(path, opt.populate, opt.read_only,
+    p->map_ = Mapping::open_existing(path, kSharedWordsOff + kMetaAlign, opt.populate, opt.read_only,
                                      opt.allow_foreign_owner || opt.read_only, opt.allow_group);
   p->validate_and_attach(false, opt.attach && !opt.read_only);
   return p;
