@@ -21,17 +21,6 @@ namespace cxlkv {
 
 using namespace format;
 
-uint64_t now_unix_ns() {
-  return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                      std::chrono::system_clock::now().time_since_epoch())
-                      .count());
-}
-uint64_t now_mono_us() {
-  return uint64_t(std::chrono::duration_cast<std::chrono::microseconds>(
-                      std::chrono::steady_clock::now().time_since_epoch())
-                      .count());
-}
-
 namespace {
 
 void fill_stamp(PoolHeader& h) {
@@ -194,7 +183,7 @@ std::unique_ptr<Pool> Pool::open(const std::string& path, const OpenOptions& opt
     p->map_ = Mapping::open_striped(split_device_list(path), opt.populate, opt.read_only,
                                     opt.allow_foreign_owner || opt.read_only, opt.allow_group);
   else
-    p->map_ = Mapping::open_existing(path, opt.populate, opt.read_only,
+    p->map_ = Mapping::open_existing(path, kSharedWordsOff + kMetaAlign, opt.populate, opt.read_only,
                                      opt.allow_foreign_owner || opt.read_only, opt.allow_group);
   p->validate_and_attach(false, opt.attach && !opt.read_only);
   return p;
@@ -347,13 +336,20 @@ void Pool::validate_and_attach(bool fresh, bool attach) {
   if (read_only_) return;
   if (!emu_.base) fault_trap::arm_from_env();  // tests only: CXLKV_TEST_FAULT (fault_trap.h)
   observer_ = !attach;
-  if (multihost) setup_arbiter(emu_.base ? emu_.host_slot : want_slot_, !attach);
+  // An observer takes no node slot, and on the multihost backend no row either, until it has
+  // something to write (become_writer, host_slot.cpp "Observers"): looking never costs a host
+  // its attach. Reclaiming dead nodes is writing: a row-less observer leaves it to `pool check`.
+  if (multihost && !attach) {
+    row_less_ = true;
+    row_less_arbiter_ = std::make_unique<RowLessArbiter>("pool " + path_);
+    coh_ = Coherence(Backend::multihost, emu_.model, row_less_arbiter_.get());
+    check_truncated();
+    return;
+  }
+  if (multihost) setup_arbiter(emu_.base ? emu_.host_slot : want_slot_, false);
   reap_dead_nodes();
-  // A multihost observer takes a node slot when one is free: its row is then visible to
-  // attachers of other hosts, and it beats, so its fence stays fresh while it watches a lease
-  // (`pool reap`, `pool check`). Elsewhere an observer needs neither.
-  if (attach || multihost) attach_node(!attach);
-  if (multihost) settle_host_slot(!attach);
+  if (attach) attach_node(false);
+  if (multihost) settle_host_slot(false);
   check_truncated();
 }
 

@@ -17,10 +17,12 @@
 #include "alloc_cursors.h"
 #include "arbiter.h"
 #include "checksum.h"
+#include "clock.h"
 #include "coherence.h"
 #include "errors.h"
 #include "evictor.h"
 #include "format.h"
+#include "geometry.h"
 #include "layout.h"
 #include "liveness.h"
 #include "mapping.h"
@@ -31,33 +33,6 @@
 #include "transfer.h"
 
 namespace cxlkv {
-
-struct CreateOptions {
-  uint64_t size = 0;
-  uint64_t chunk_bytes = 0;  // 0: derived from size
-  uint64_t index_slots = 0;  // 0: derived from size
-  uint32_t max_nodes = 64;
-  uint32_t pin_slots = 0;  // 0: derived from size, at most format::kDefaultPinSlots
-  uint32_t max_namespaces = 64;
-  Backend backend = Backend::coherent;
-  uint32_t lease_ms = format::kLeaseMsDefault;  // heartbeat lease for nodes of another kernel
-  uint32_t lock_hosts = 0;    // multihost: host slots of the lock area; 0: kLockHostsDefault
-  uint64_t stripe_bytes = 0;  // a pool over several devices: 0 = format::kStripeBytesDefault
-  // Block-less intents one node may hold at once, in thousandths of the index (format 2.5).
-  uint32_t intent_permille = format::kIntentPermilleDefault;
-  bool allow_foreign_owner = false;  // with exist_ok: see OpenOptions
-  bool allow_group = false;
-};
-
-// Fills the geometry fields of `h` (area offsets, node/pin/namespace/index/chunk counts, lock area
-// for multihost) for a pool of opt.size bytes; the zero options are derived from the size.
-// Throws ArgumentError when an option is out of range or the size cannot hold the metadata plus
-// one chunk. Pure: no I/O (geometry.cpp; table tests in tests/cpp/test_geometry.cpp).
-void plan_geometry(format::PoolHeader& h, const CreateOptions& opt);
-// The same for a pool striped over `devices` devices: the size is rounded down to a multiple of
-// the stripe, then planned as above, then the stripe table `t` (device sizes) is filled.
-void plan_striped_geometry(format::PoolHeader& h, format::StripeTable& t, const CreateOptions& opt,
-                           uint32_t devices, bool devdax);
 
 // Removes `<path>.init-<pid>-<rand>` files whose creator process is gone (pool.cpp): what a
 // creator killed mid-way left behind, for a single-file pool and for each device of a striped one.
@@ -75,8 +50,9 @@ struct OpenOptions {
   bool allow_foreign_owner = false;
   // Accept a pool whose group is one of ours (owner check by group instead of by user).
   bool allow_group = false;
-  // false: an observer (check, info, stats, reap, destroy): no node slot, so it works on a full
-  // node table; it may still reclaim dead nodes; it cannot open namespaces.
+  // false: an observer (check, info, stats, reap, destroy): it takes no node slot and, on the
+  // multihost backend, no host slot (row) until it has something to write (Pool::become_writer),
+  // so looking never costs a host its attach; it cannot open namespaces.
   bool attach = true;
   // multihost: this host's row in the lock area, 0..lock_hosts-1; -1: CXLKV_HOST_SLOT, else
   // host_id % lock_hosts. Every process of one host shares its row (the tier 1 of arbiter.h); two
@@ -218,7 +194,7 @@ class Pool {
  public:
   static std::unique_ptr<Pool> create(const std::string& path, const CreateOptions& opt, bool exist_ok);
   // attach=false: an observer (check, info, stats, reap) that takes no node slot, so it works on a
-  // full node table; it may still reclaim dead nodes. It cannot open namespaces.
+  // full node table and never fills one; it may still reclaim dead nodes. It cannot open namespaces.
   static std::unique_ptr<Pool> open(const std::string& path, bool populate = false, bool attach = true);
   static std::unique_ptr<Pool> open(const std::string& path, const OpenOptions& opt);
   // `path` may name several devices, comma-separated (a striped pool, striped_pool.cpp).
@@ -229,6 +205,9 @@ class Pool {
   // One heartbeat of an emulated host (the heartbeat thread does it for real attachments).
   bool heartbeat_tick();
   uint32_t host_slot() const { return host_slot_; }
+  // multihost: whether this attachment holds a row of the lock area (an observer holds none until
+  // it writes: become_writer).
+  bool holds_row() const { return bakery_ != nullptr; }
   const Bakery* bakery() const { return bakery_.get(); }
   // Node ids (1-based) whose slot is not FREE after reaping the dead ones, with their pids.
   std::vector<std::pair<uint32_t, uint32_t>> attached_nodes();
@@ -402,7 +381,7 @@ class Pool {
   // (a holder that can never release it). Returns the stale holder id, 0 if nothing was broken.
   uint64_t break_stale_ns_lock();
   // observer: take a node slot only if one is free now (never wait, never fail): a multihost
-  // observer publishes its row that way (host_slot.cpp) and beats like any node.
+  // observer that writes publishes its row that way (become_writer) and beats like any node.
   void attach_node(bool observer = false);
   void detach_node();
   NodeInfo judge(uint32_t idx, uint64_t word) { return node_table_.judge(idx, word, node_id_, node_word_); }
@@ -542,6 +521,18 @@ class Pool {
   bool probing_ = false;       // the row was probed, not configured: it may move (settle_host_slot)
   uint32_t participant1_ = 0;  // tier-1 participant byte + 1 this attachment holds (0: none)
   bool observer_ = false;      // opened with attach=false: no namespaces, whether or not it has a node
+  // multihost observer with no row yet: it reads only (row_less_arbiter_ refuses every arbitrated
+  // write) until become_writer() takes a row and a node slot (host_slot.cpp, "Observers").
+  bool row_less_ = false;
+  std::unique_ptr<Arbiter> row_less_arbiter_;
+  std::mutex writer_mu_;  // become_writer: one upgrade
+  void become_writer();
+  bool any_dead_node();
+  // `pool check`'s reader of the lock area: our Bakery, or for a row-less observer one that owns
+  // no row (its slot is lock_hosts) and is only read through (read_ticket, classify_tier1).
+  Bakery& lock_view();
+  std::unique_ptr<Bakery> lock_reader_;
+  bool own_row(uint32_t row) const { return bakery_ && row == host_slot_; }
   void release_dead_rows(uint32_t idx, uint64_t reclaiming_word);
   void check_lock_area(CheckReport& r);    // lock_check.cpp (r.repair: may reset orphaned rows)
   void check_tier1_words(CheckReport& r);  // lock_check.cpp: forged or stale tier-1 words
@@ -578,8 +569,5 @@ class Pool {
   std::shared_ptr<AdminResponder> responder_;
   std::mutex ping_mu_;
 };
-
-uint64_t now_unix_ns();
-uint64_t now_mono_us();
 
 }  // namespace cxlkv

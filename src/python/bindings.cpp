@@ -297,7 +297,7 @@ nb::dict info_dict(Pool& p) {
   d["read_only"] = p.read_only();
   d["lease_ms"] = h.lease_ms;
   d["lock_hosts"] = h.lock_hosts;  // multihost: rows of the lock area (0 otherwise)
-  d["host_slot"] = h.lock_hosts ? int64_t(p.host_slot()) : int64_t(-1);
+  d["host_slot"] = h.lock_hosts && p.holds_row() ? int64_t(p.host_slot()) : int64_t(-1);  // -1: none
   d["intent_cap"] = p.intent_cap();  // block-less intents one node may hold at once
   d["intents"] = p.intents_held();   // ... and how many this attachment holds now
   d["nt_copy_kernel"] = nt_copy_kernel_name();

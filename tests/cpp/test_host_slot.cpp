@@ -116,10 +116,16 @@ TEST_F(HostSlotTest, HandlesOfOneHostShareItsSlotAndOtherHostsAreRefused) {
     OpenOptions o;
     o.host_slot = int(a->host_slot());
     EXPECT_THROW(Pool::open(path_, o), HostSlotBusyError);
-    // An observer of that host (an admin command) is never refused for a collision it can
-    // avoid: it probes a free row instead of the configured one.
+    // An observer of that host (an admin command) is never refused: while it only reads it takes
+    // no row (and no node slot); once it must write it probes a free row instead of the
+    // configured one.
     o.attach = false;
     auto obs = Pool::open(path_, o);
+    EXPECT_FALSE(obs->holds_row());
+    EXPECT_EQ(obs->node_id(), 0u);
+    bool reclaimed = true;
+    obs->reap_node(3, false, &reclaimed, 0);  // a FREE slot: still a write
+    EXPECT_TRUE(obs->holds_row());
     EXPECT_NE(obs->host_slot(), a->host_slot());
     obs.reset();
     auto c = Pool::open(path_);  // its own default row is fine

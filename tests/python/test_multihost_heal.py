@@ -12,8 +12,10 @@ judge it by the heartbeat lease alone, as hosts of a CXL pod would).
   (kill -9 a host, reap it from another host's CLI, the survivor's data intact, ``pool check``
   clean), and a fresh ``pool check`` watches undecided nodes instead of calling the pool
   consistent;
-* observers (``pool check``/``stats``/``reap``) are visible to attachers: a host configured onto
-  an observer's row is refused, and hosts that leave ``CXLKV_HOST_SLOT`` unset probe a free row.
+* observers (``pool check``/``stats``, the exporter, ``top``) take nothing a host needs (issue 23
+  item 7): no row and no node slot while they only read, so four of them on a 4-slot pool never make
+  a host's attach fail (``NodeTableFullError``), nor a host configured onto any row
+  (``HostSlotBusyError``); hosts that leave ``CXLKV_HOST_SLOT`` unset probe a free row.
 
 Every wait has a timeout; no timing is asserted.
 """
@@ -70,6 +72,11 @@ HOST = textwrap.dedent("""
                                  for i, g in enumerate(got)),
                     wrong=sum(g is not None and not tu.verify_bytes(key(tag, i), g, 1024)
                               for i, g in enumerate(got)))
+            elif cmd == "stats":
+                say(stats=pool.stats()["puts"], node=pool.node_id, slot=pool.info()["host_slot"])
+            elif cmd == "check":
+                r = pool.check(wait=None)  # watch other hosts for a lease
+                say(ok=r["ok"], errors=r["errors"], node=pool.node_id, slot=pool.info()["host_slot"])
             elif cmd == "close":
                 pool.close(); say(closed=True)
             elif cmd == "exit":
@@ -268,32 +275,77 @@ def test_recovery_procedure_kill9_reap_from_another_hosts_cli(pool_path, pod):
     survivor.stop()
 
 
+@pytest.mark.timeout(240)
+def test_observers_take_no_row_and_no_node_slot(pool_path, pod):
+    """Issue 23 item 7: four observers stay open on a pool of 4 node slots and 4 rows; four hosts,
+    each configured onto a row, still attach (no NodeTableFullError, no HostSlotBusyError), and the
+    observers still read and check the full pool without taking anything."""
+    create(pool_path, 1000, lock_hosts=4, max_nodes=4)
+    observers = [pod(pool_path, f"heal-obs{i}", observer=True) for i in range(4)]
+    for o in observers:
+        assert o.hello == {"node": 0, "slot": -1}, o.hello  # no node slot, no row
+    hosts = [pod(pool_path, f"heal-h{i}", slot=i) for i in range(4)]
+    for i, h in enumerate(hosts):
+        assert "error" not in h.hello and h.hello["slot"] == i and h.hello["node"] > 0, h.hello
+    assert hosts[0].ask("put o 4") == {"put": 4}
+    assert hosts[3].ask("verify o 4") == {"verified": 4, "wrong": 0}
+    for o in observers:  # a full node table: observers still read, and check without a row
+        assert o.ask("stats") == {"stats": 4, "node": 0, "slot": -1}
+    assert observers[0].ask("check") == {"ok": True, "errors": [], "node": 0, "slot": -1}
+    # The CLI's observers too, while the table is full.
+    for cmd in (["pool", "stats"], ["pool", "check"]):
+        r = subprocess.run(
+            [sys.executable, "-m", "cxlkv", *cmd, pool_path],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=dict(os.environ, CXLKV_HOST_ID="heal-cli"),
+        )
+        assert r.returncode == 0, (cmd, r.stdout, r.stderr)
+    with cxlkv.Pool.open(pool_path, read_only=True) as p:
+        assert sorted(n["node"] for n in p.nodes()) == sorted(h.hello["node"] for h in hosts), p.nodes()
+    for h in hosts + observers:
+        h.stop()
+
+
+@pytest.mark.timeout(120)
+def test_observers_take_no_node_slot_on_a_single_host_pool(pool_path, pod):
+    """The same on the coherent backend: four observers on a 4-slot pool, four hosts still attach."""
+    with cxlkv.Pool.create(pool_path, 16 * MiB, chunk_size=1 * MiB, max_nodes=4):
+        pass
+    observers = [pod(pool_path, "heal-one", observer=True) for _ in range(4)]
+    assert all(o.hello == {"node": 0, "slot": -1} for o in observers), [o.hello for o in observers]
+    hosts = [pod(pool_path, "heal-one") for _ in range(4)]
+    assert all(h.hello["node"] > 0 for h in hosts), [h.hello for h in hosts]
+    assert hosts[1].ask("put c 2") == {"put": 2} and hosts[2].ask("verify c 2") == {"verified": 2, "wrong": 0}
+    for h in hosts + observers:
+        h.stop()
+
+
 @pytest.mark.timeout(180)
-def test_observers_hold_a_visible_row_and_probing_hosts_avoid_taken_rows(pool_path, pod):
+def test_an_observer_that_must_write_takes_a_visible_row(pool_path, pod):
+    """An observer that has something to write (here `pool reap`) becomes a writer: a probed row and a
+    node slot, published like any host's, so no other host can take its row unseen; closing it gives
+    both back and a host configured onto that row attaches."""
     create(pool_path, 1000, lock_hosts=2)
     a = pod(pool_path, "heal-a", slot=0)
-    # An observer with no slot configured probes the free row and publishes it (a node slot).
     obs = pod(pool_path, "heal-obs", observer=True)
-    assert obs.hello["slot"] == 1 and obs.hello["node"] > 0, obs.hello
-    with cxlkv.Pool.open(pool_path, read_only=True) as p:
-        seen = {n["node"]: n for n in p.nodes()}
-    assert seen[obs.hello["node"]]["observer"] is True and seen[obs.hello["node"]]["host_slot"] == 1
-    # A host configured onto the observer's row is refused (it used to be accepted: two coherence
-    # domains on one row); one that probes finds no free row, and says so.
-    c = pod(pool_path, "heal-c", slot=1)
-    assert c.hello.get("error") == "HostSlotBusyError", c.hello
-    d = pod(pool_path, "heal-d")
-    assert d.hello.get("error") == "HostSlotBusyError" and "every one of its 2" in d.hello["msg"], d.hello
-    # An admin whose configured row collides is not refused: it probes instead (here: nothing is
-    # free, so it shares nothing and fails only because no row is free at all).
-    obs.stop()
-    e = pod(pool_path, "heal-e", slot=0, observer=True)
-    assert e.hello.get("slot") == 1, e.hello
-    e.stop()
+    assert obs.hello == {"node": 0, "slot": -1}, obs.hello
+    c = pod(pool_path, "heal-c", slot=1)  # the observer took no row: the configured host attaches
+    assert c.hello["slot"] == 1 and c.hello["node"] > 0, c.hello
+    c.stop()
+    with cxlkv.Pool.open(pool_path, attach=False) as admin:  # reaping a FREE slot is still a write
+        admin.reap_node(2)
+        assert admin.info()["host_slot"] == 1 and admin.node_id > 0
+        with cxlkv.Pool.open(pool_path, read_only=True) as p:
+            seen = {n["node"]: n for n in p.nodes()}
+        assert seen[admin.node_id]["observer"] is True and seen[admin.node_id]["host_slot"] == 1, seen
+        d = pod(pool_path, "heal-d")  # a prober: no row is free while the writer holds one
+        assert d.hello.get("error") == "HostSlotBusyError" and "every one of its 2" in d.hello["msg"], d.hello
     c = pod(pool_path, "heal-c", slot=1)
     assert c.hello["slot"] == 1 and c.hello["node"] > 0, c.hello
-    a.stop()
-    c.stop()
+    for h in (a, c, obs):
+        h.stop()
 
 
 @pytest.mark.timeout(180)

@@ -34,12 +34,11 @@
 #include <cstdint>
 #include <cstring>
 
+#include "backend.h"
 #include "copy_kernels.h"
 #include "fault_trap.h"
 
 namespace cxlkv {
-
-enum class Backend : uint32_t { coherent = 1, flush = 2, multihost = 3 };
 
 // A model of a non-coherent cache (tests only; src/sim/emu_cache.h). `point` marks a coherence
 // call where the model may act (random eviction, pause, crash); false inside a claim's critical

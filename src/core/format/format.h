@@ -43,9 +43,10 @@ constexpr uint16_t kFormatMajor = 2;  // 2: NamespaceEntry of 512 bytes (source,
 //    and a 2.2 build refuses any second node on its row, so mixed builds never share one. This is
 //    negotiated per node, not by the header: a single-file pool still records minor 2
 //    (pool_minor()), since every 2.2 build reads it correctly.
-// 4: multihost observers hold a node slot flagged kNodeObserver (NodeSlot.flags), and rows are
-//    probed (host_slot.cpp); LockLine.waits (from pad): a waiting holder's progress. Nothing an older build
-//    misreads (it sees an observer as any node); single-file pools still record minor 2.
+// 4: multihost observers that write hold a node slot flagged kNodeObserver (NodeSlot.flags; since
+//    issue 23 one that only reads holds none and no row: nothing in the format changed), and rows
+//    are probed (host_slot.cpp); LockLine.waits (from pad): a waiting holder's progress. Nothing an
+//    older build misreads (it sees an observer as any node); single-file pools still record minor 2.
 // 5: bounded intents (issue 23): SharedWords.init.pad[kInitIntentCap] holds the creator's cap of
 //    block-less intents per node, NodeAreaFixed.intents (from pad0) the owner's count. Older
 //    builds ignore both (they enforce no cap); single-file pools still record minor 2.
@@ -257,9 +258,10 @@ inline uint32_t tier1_epoch(uint64_t w) { return uint32_t(w) & 0xFFFFFF; }
 //      the dead node's area while RECLAIMING), so observers and reaps at open are counted too.
 // NodeSlot.flags: this node takes its host slot's row through the shared tier 1 (format 2.3).
 constexpr uint64_t kNodeSharesHostSlot = 1;
-// NodeSlot.flags: an observer (`pool check`, `stats`, `reap`): it takes no namespaces, and holds a
-// node slot only so that its host's row is visible to attachers and its fence has a heartbeat
-// (format 2.4; display only for older builds, which treat it as any node).
+// NodeSlot.flags: an observer that writes (`pool reap`, `check` reclaiming or repairing): it takes no
+// namespaces, and holds a node slot only so that its host's row is visible to attachers and its
+// fence has a heartbeat (format 2.4; display only for older builds, which treat it as any node).
+// An observer that only reads holds no slot at all (host_slot.cpp, "Observers").
 constexpr uint64_t kNodeObserver = 2;
 enum NodeState : uint8_t { kNodeFree = 0, kNodeClaimed = 1, kNodeAlive = 2, kNodeReclaiming = 3 };
 constexpr uint32_t kLeaseMsDefault = 10000;

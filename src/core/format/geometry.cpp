@@ -5,9 +5,11 @@
 #include <algorithm>
 #include <string>
 
+#include "geometry.h"
+
 #include "errors.h"
 #include "format.h"
-#include "pool.h"
+#include "striping.h"
 
 namespace cxlkv {
 

@@ -7,7 +7,7 @@
 #include <string>
 #include <string_view>
 
-#include "coherence.h"
+#include "backend.h"
 
 namespace cxlkv {
 

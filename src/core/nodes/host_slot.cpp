@@ -13,9 +13,20 @@
 // the same instant, the one that checks later (after both published themselves) sees the other
 // and moves on. A configured row stays configuration: a prober that squats it makes the configured
 // host's attach fail (HostSlotBusyError) until the prober detaches, so a pod that configures rows
-// configures them for every process (admin shells included). An observer on a full node table has no node
-// slot: it takes a row with a live host-mate, else a row with no live node (nobody can attach while the table
-// is full).
+// configures them for every process (admin shells included).
+//
+// Observers (`pool check`, `stats`, the exporter, `top`: attach=false) take no row and no node slot
+// while they only read: reads need no lock, and an observer holding a row would make a host
+// configured onto it fail (HostSlotBusyError), one holding a node slot would fill the node table
+// (NodeTableFullError). A row cannot be held invisibly (another host could probe it: two coherence
+// domains on one tier-1 word), so a row-less observer makes no arbitrated write at all: its
+// Coherence has a RowLessArbiter that refuses them. When it must write (a dead node to reclaim,
+// `pool reap`, `check --repair`) it becomes a writer: a probed row and a node slot if one is free,
+// published like any attachment's, for the rest of its open. Reclaiming frees at least the slot it
+// takes; the row is visible, so a host configured onto it meanwhile is refused until the command
+// exits (the one window left: seconds, and only while a dead node is being cleaned up). An observer on
+// a full node table has no node slot: it takes a row with a live host-mate, else a row with no live
+// node (nobody can attach while the table is full).
 #include <cstdlib>
 #include <string>
 
@@ -169,6 +180,37 @@ uint32_t Pool::check_host_slot_unique() {
                             "leave it unset to let cxlkv pick a free one");
   }
   return 0;
+}
+
+// A row-less observer that must write: a row and, if one is free, a node slot (see the top).
+void Pool::become_writer() {
+  std::lock_guard<std::mutex> g(writer_mu_);
+  if (!row_less_) return;
+  coh_ = Coherence(Backend::multihost, emu_.model);
+  setup_arbiter(emu_.base ? emu_.host_slot : want_slot_, true);
+  row_less_ = false;
+  attach_node(true);
+  settle_host_slot(true);
+}
+
+Bakery& Pool::lock_view() {
+  if (bakery_) return *bakery_;
+  if (!lock_reader_) {
+    const PoolHeader& h = *hdr_;
+    Bakery::Config c;
+    c.base = region_.base();
+    c.hosts = h.lock_hosts;
+    c.slot = h.lock_hosts;  // no row of ours: every row is judged as another host's
+    c.max_nodes = h.max_nodes;
+    c.nodes = reinterpret_cast<NodeSlot*>(region_.base() + h.node_table_off);
+    c.lease_ns = uint64_t(h.lease_ms) * 1'000'000;
+    c.coh = Coherence(Backend::multihost, emu_.model);
+    c.pool_bytes = h.pool_bytes;
+    c.pool = "pool " + path_;
+    c.host_id = host_id_;
+    lock_reader_ = std::make_unique<Bakery>(std::move(c));
+  }
+  return *lock_reader_;
 }
 
 // Attached (or, for an observer, done trying): settles the row. A probing attachment that finds

@@ -49,7 +49,7 @@ void Pool::check_lock_area(CheckReport& r) {
   std::vector<Seen> seen;
   for (uint32_t k = 0; k < kLockStripes; ++k)
     for (uint32_t j = 0; j < hosts; ++j) {
-      LockLine t = bakery_->read_ticket(k, j);
+      LockLine t = lock_view().read_ticket(k, j);
       if (t.choosing || t.number) seen.push_back({k, j, t});  // a release leaves node/node_word
     }
   if (seen.empty()) return;
@@ -60,11 +60,11 @@ void Pool::check_lock_area(CheckReport& r) {
   RowUse use = row_use();
   std::vector<Seen> orphaned;  // --repair: reset once they stood still for a lease
   for (Seen& s : seen) {
-    if (!Bakery::same_line(bakery_->read_ticket(s.k, s.j), s.t)) continue;
-    const bool own = s.j == host_slot_;
+    if (!Bakery::same_line(lock_view().read_ticket(s.k, s.j), s.t)) continue;
+    const bool own = own_row(s.j);
     s.row_live = own ? node_id_ != 0 || use.mate[s.j] : use.mate[s.j] || use.other[s.j] != 0;
     const std::string what = describe(s.k, s.j, s.t);
-    if (s.t.node != 0 && bakery_->ticket_owner_attached(s.t, s.j)) {
+    if (s.t.node != 0 && lock_view().ticket_owner_attached(s.t, s.j)) {
       ++r.lock_tickets_stuck;
       r.warnings.push_back(what + " of live node " + std::to_string(s.t.node) +
                            " did not move while checked (a holder stalled inside the lock?)");
@@ -82,7 +82,7 @@ void Pool::check_lock_area(CheckReport& r) {
     // e.g. while attaching, keeps its ticket).
     bool reset = false;
     if (own) try {
-        reset = bakery_->reset_own_row(s.k);
+        reset = lock_view().reset_own_row(s.k);
       } catch (const FencedError&) {
       }
     if (reset) {
@@ -108,13 +108,13 @@ void Pool::check_lock_area(CheckReport& r) {
     const std::string what = describe(s.k, s.j, s.t);
     bool reset = false;
     if (!use.mate[s.j] && !use.other[s.j]) try {
-        reset = bakery_->reset_orphaned_row(s.k, s.j, s.t);
+        reset = lock_view().reset_orphaned_row(s.k, s.j, s.t);
       } catch (const FencedError&) {
       }
     if (reset) {
       ++r.lock_rows_reset;
       r.fixed(what + (s.foreign ? " (foreign)" : " (stale)") + " reset (no host owns the row)");
-    } else if (Bakery::same_line(bakery_->read_ticket(s.k, s.j), s.t)) {
+    } else if (Bakery::same_line(lock_view().read_ticket(s.k, s.j), s.t)) {
       report_ticket(r, s.t, what, s.foreign, true);
     }
   }
@@ -140,7 +140,8 @@ void Pool::check_tier1_words(CheckReport& r) {
   std::vector<Word> found;
   for (uint32_t k = 0; k < kLockStripes; ++k)
     for (uint32_t j = 0; j < hdr_->lock_hosts; ++j)
-      if (uint64_t w = bakery_->read_tier1(k, j)) found.push_back({k, j, w, bakery_->read_ticket(k, j)});
+      if (uint64_t w = lock_view().read_tier1(k, j))
+        found.push_back({k, j, w, lock_view().read_ticket(k, j)});
   if (found.empty()) return;
   const uint64_t first_look = liveness::mono_ns();
   std::this_thread::sleep_for(std::chrono::milliseconds(50));  // a live holder's word moves at once
@@ -165,10 +166,10 @@ void Pool::check_tier1_words(CheckReport& r) {
   const RowUse use = row_use();
   std::vector<Word> later;  // --repair: stale words, cleared once they stood still for a lease
   for (const Word& x : found) {
-    if (bakery_->read_tier1(x.k, x.j) != x.w) continue;  // moved: a live holder's
-    const Kind kind = bakery_->classify_tier1(x.w, x.j);
+    if (lock_view().read_tier1(x.k, x.j) != x.w) continue;  // moved: a live holder's
+    const Kind kind = lock_view().classify_tier1(x.w, x.j);
     const std::string what = describe_word(x, kind);
-    const bool own = x.j == host_slot_, row_live = own || use.mate[x.j] || use.other[x.j] != 0;
+    const bool own = own_row(x.j), row_live = own || use.mate[x.j] || use.other[x.j] != 0;
     if (kind == Kind::holder || kind == Kind::nodeless) {
       ++r.lock_words_held;
       r.warnings.push_back(what + ": it did not move while checked (a holder stalled inside the lock?)");
@@ -177,7 +178,7 @@ void Pool::check_tier1_words(CheckReport& r) {
     if (r.repair && kind == Kind::foreign && (own || !row_live)) {
       bool reset = false;
       try {
-        reset = bakery_->clear_orphaned_word(x.k, x.j, x.w, x.t);
+        reset = lock_view().clear_orphaned_word(x.k, x.j, x.w, x.t);
       } catch (const FencedError&) {
       }
       if (reset) {
@@ -206,17 +207,17 @@ void Pool::check_tier1_words(CheckReport& r) {
     std::this_thread::sleep_for(std::chrono::nanoseconds(first_look + lease_ns + 10'000'000 - now));
   const RowUse use2 = row_use();
   for (const Word& x : later) {
-    const Kind kind = bakery_->classify_tier1(x.w, x.j);
+    const Kind kind = lock_view().classify_tier1(x.w, x.j);
     const std::string what = describe_word(x, kind);
     bool reset = false;
-    if (kind == Kind::stale && (x.j == host_slot_ || (!use2.mate[x.j] && !use2.other[x.j]))) try {
-        reset = bakery_->clear_orphaned_word(x.k, x.j, x.w, x.t);
+    if (kind == Kind::stale && (own_row(x.j) || (!use2.mate[x.j] && !use2.other[x.j]))) try {
+        reset = lock_view().clear_orphaned_word(x.k, x.j, x.w, x.t);
       } catch (const FencedError&) {
       }
     if (reset) {
       ++r.lock_words_reset;
       r.fixed(what + ": cleared after a lease of standstill");
-    } else if (bakery_->read_tier1(x.k, x.j) == x.w) {
+    } else if (lock_view().read_tier1(x.k, x.j) == x.w) {
       ++r.lock_words_stale;
       r.warnings.push_back(what + ": still there after a lease; not cleared (its row has a live host now)");
     }

@@ -152,7 +152,18 @@ bool Pool::reclaim_judged(uint32_t idx, uint64_t w, const NodeInfo& n, bool forc
   return true;
 }
 
+// A node slot judged dead now (a row-less observer becomes a writer before it reclaims one).
+bool Pool::any_dead_node() {
+  std::lock_guard<std::mutex> g(reap_mu_);
+  for (uint32_t i = 0; i < hdr_->max_nodes; ++i) {
+    uint64_t w = coh_.read(&node_slot(i)->state);
+    if (node_state(w) != kNodeFree && judge(i, w).verdict == NodeInfo::kDead) return true;
+  }
+  return false;
+}
+
 uint64_t Pool::reap_pass(uint64_t* undecided) {
+  if (row_less_ && any_dead_node()) become_writer();
   if (bakery_) bakery_->sweep();  // tier-1 words of our row left by dead host-mates (arbiter.h)
   std::lock_guard<std::mutex> g(reap_mu_);
   uint64_t reaped = 0;
@@ -184,6 +195,7 @@ std::vector<NodeInfo> Pool::nodes() {
 NodeInfo Pool::reap_node(uint32_t id, bool force, bool* reclaimed, uint64_t wait_ms) {
   if (id == 0 || id > hdr_->max_nodes)
     throw ArgumentError("node id must be in 1.." + std::to_string(hdr_->max_nodes));
+  become_writer();                    // a row-less observer: reaping is writing
   if (id == node_id_ && observer_) {  // the node was gone when this observer took its slot
     *reclaimed = false;
     NodeInfo n;

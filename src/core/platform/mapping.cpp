@@ -17,7 +17,6 @@
 #include <vector>
 
 #include "errors.h"
-#include "format.h"
 #include "huge_pages.h"
 
 namespace cxlkv {
@@ -258,7 +257,7 @@ void mapping_detail::check_owner(const struct stat& st, const std::string& path,
                              ", which is not one of ours; refusing it" + hint);
 }
 
-Mapping Mapping::open_existing(const std::string& path, bool populate, bool read_only,
+Mapping Mapping::open_existing(const std::string& path, uint64_t min_bytes, bool populate, bool read_only,
                                bool allow_foreign_owner, bool allow_group) {
   Mapping m;
   Fd fd;
@@ -287,7 +286,7 @@ Mapping Mapping::open_existing(const std::string& path, bool populate, bool read
   } else {
     throw FormatError(path + " is neither a regular file nor a devdax device");
   }
-  if (size < format::kSharedWordsOff + 4096)
+  if (size < min_bytes)
     throw TruncatedError("pool " + path + " is truncated: " + std::to_string(size) +
                          " bytes, smaller than a pool header");
   // A sparse pool file (e.g. `cp --sparse`) faults its holes in at first touch, and a full tmpfs

@@ -39,8 +39,11 @@ class Mapping {
   // Owner policy (F11): the file must be owned by the effective uid or root (or, with allow_group,
   // by one of our groups) and not writable by others, unless allow_foreign_owner. Never follows a
   // symlink (O_NOFOLLOW). read_only: O_RDONLY and a private mapping (writes stay in this process).
-  static Mapping open_existing(const std::string& path, bool populate = false, bool read_only = false,
-                               bool allow_foreign_owner = true, bool allow_group = false);
+  // min_bytes: the smallest file or device that can hold what the caller maps (the pool format's
+  // header pages: the mapper knows nothing of pools); anything smaller is TruncatedError.
+  static Mapping open_existing(const std::string& path, uint64_t min_bytes, bool populate = false,
+                               bool read_only = false, bool allow_foreign_owner = true,
+                               bool allow_group = false);
   // Creates a new file of `size` bytes at `tmp_path`, mode 0600 (exclusive create). Its pages are
   // allocated and zeroed here (on tmpfs, zeroing otherwise happens at first touch, inside the
   // first store to each block: measured 4-30x slower stores on a fresh pool), as huge pages where

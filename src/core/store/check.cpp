@@ -32,6 +32,7 @@ void pause_before_reread() { std::this_thread::sleep_for(std::chrono::millisecon
 CheckReport Pool::check(bool repair, int64_t watch_ms) {
   CheckReport r;
   r.repair = repair;
+  if (repair) become_writer();  // a row-less observer (host_slot.cpp): repairing is writing
   watch_undecided_nodes(r, watch_ms);
   // Reclaims of this attachment since it opened the pool (the reap at open included) or since
   // its last check: an observer `pool check` reports what its own open reclaimed (F20).
@@ -41,7 +42,7 @@ CheckReport Pool::check(bool repair, int64_t watch_ms) {
   check_namespaces(r);
   check_index(r);
   check_pins(r);
-  if (bakery_) check_lock_area(r);  // the cross-host lock area (multihost): lock_check.cpp
+  if (bakery_ || row_less_) check_lock_area(r);  // the cross-host lock area (multihost): lock_check.cpp
   if (r.duplicate_keys)
     r.warnings.push_back(
         std::to_string(r.duplicate_keys) +

@@ -4,7 +4,7 @@
 
 #include <algorithm>
 
-#include "pool.h"  // now_mono_us
+#include "clock.h"
 
 namespace cxlkv {
 

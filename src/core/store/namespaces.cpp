@@ -63,6 +63,7 @@ uint64_t Pool::break_stale_ns_lock() {
   bool stale = holder > hdr_->max_nodes;
   if (!stale) stale = node_state(coh_.read(&node_slot(uint32_t(holder - 1))->state)) == kNodeFree;
   if (!stale) return 0;
+  become_writer();  // a row-less observer (host_slot.cpp): breaking it is writing
   uint64_t expected = holder;
   return coh_.claim(lock, expected, 0) ? holder : 0;
 }

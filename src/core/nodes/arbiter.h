@@ -38,6 +38,20 @@
 
 namespace cxlkv {
 
+// The arbiter of a multihost observer that holds no row (host_slot.cpp, "Observers"): it reads
+// only, so every arbitrated write is refused with ReadOnlyError instead of taking a lock it has
+// no row for (a write without the lock would be a CAS across coherence domains). No node: no fence.
+class RowLessArbiter final : public Arbiter {
+ public:
+  explicit RowLessArbiter(std::string pool) : pool_(std::move(pool)) {}
+  void lock(const void*) override;
+  void unlock(const void*) override {}
+  void check_fence() override {}
+
+ private:
+  std::string pool_;
+};
+
 class Bakery final : public Arbiter {
  public:
   struct Config {

@@ -14,6 +14,12 @@
 
 namespace cxlkv {
 
+void RowLessArbiter::lock(const void*) {
+  throw ReadOnlyError(pool_ +
+                      ": an observer without a host slot reads only; this write needs the cross-host "
+                      "lock (it takes a row once it must write: reap, check)");
+}
+
 using namespace format;
 
 namespace {
