@@ -263,6 +263,7 @@ def test_every_pool_command_and_the_demo_default_to_CXLKV_POOL(pool_path):
         ["pool", "create", "{missing}", "--size", "4XiB"],
         ["pool", "create", "{missing}", "--size", "1MiB", "--backend", "nonesuch"],
         ["bench", "index", "--procs", "0"],
+        ["bench", "tp", "--heads", "3"],  # TP=2 cannot split 3 KV heads: refused before a pool exists
         ["demo", "--seconds", "-1"],
         ["exporter", "{missing}", "--port", "0"],
     ],
@@ -613,6 +614,23 @@ def test_bench_sparse_smoke(scratch_pool_dir):
         assert len(x["hot_buffer"]) == 2 and all(0 <= h["hit_rate"] <= 1 for h in x["hot_buffer"])
     assert not os.listdir(scratch_pool_dir)
     assert "bytes ratio" in ok(cxlkv_cli("bench", "sparse", *tiny, "--formats", "bf16")).stdout
+
+
+def test_bench_tp_smoke(scratch_pool_dir):
+    """`bench tp` at a tiny geometry (a second at most): every load checked inside the run, the
+    ratios against the same-run whole-block baseline in the JSON and the table, its pool removed.
+    tests/python/test_heads.py covers what it measures."""
+    tiny = ["--layers", "2", "--heads", "4", "--head-size", "8", "--blocks", "8", "--iters", "1"]
+    tiny += ["--pool-dir", str(scratch_pool_dir)]
+    out = json_of(
+        ok(cxlkv_cli("bench", "tp", "--json", *tiny)),
+        {"bench", "ratio_tp2_from_tp1_vs_same_tp", "ratio_tp1_heads_vs_whole", "load"},
+    )
+    assert out["bench"] == "tp" and out["blocks"] == 8 and out["geometry"]["kv_heads"] == 4
+    assert out["ratio_tp2_from_tp1_vs_same_tp"] > 0 and out["tp2_rank_from_tp1_heads"]["GBps"] > 0
+    assert not os.listdir(scratch_pool_dir)
+    text = ok(cxlkv_cli("bench", "tp", *tiny)).stdout
+    assert "TP=2 rank from TP=1" in text and "ratio" in text
 
 
 def test_roi_smoke():

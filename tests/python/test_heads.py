@@ -187,7 +187,7 @@ def test_mla_latent_once_for_every_rank(make_pool):
 
 
 def test_bench_tp_runs():
-    """python -m cxlkv.tools.bench_tp (BENCHMARKS.md), on a tiny geometry: every load checked."""
+    """`cxlkv bench tp` (BENCHMARKS.md), on a tiny geometry: every load checked."""
     from cxlkv.tools import bench_tp
 
     r = bench_tp.run(layers=2, heads=4, hs=8, bs=16, blocks=8, iters=1, copy_threads=None)

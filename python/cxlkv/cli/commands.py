@@ -425,6 +425,27 @@ def cmd_bench_sparse(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+def cmd_bench_tp(args: argparse.Namespace) -> int:
+    """bench tp (issue 22): its code is tools/bench_tp.py."""
+    from cxlkv.tools import bench_tp
+
+    result = bench_tp.run(
+        layers=args.layers,
+        heads=args.heads,
+        hs=args.head_size,
+        bs=args.block,
+        blocks=args.blocks,
+        iters=args.iters,
+        copy_threads=args.copy_threads,
+        pool_dir=args.pool_dir,
+    )
+    if args.json:
+        print_json(result)
+    else:
+        bench_tp.print_result(make_console(), result)
+    return ExitCode.OK
+
+
 def cmd_bench_failover(args: argparse.Namespace) -> int:
     from cxlkv.tools import failover
 

@@ -1,4 +1,4 @@
-"""``cxlkv bench ...``: copy, index, rpc, failover, vllm, sparse, serve, pods."""
+"""``cxlkv bench ...``: copy, index, rpc, failover, vllm, sparse, tp, serve, pods."""
 
 from __future__ import annotations
 
@@ -226,6 +226,33 @@ def add_bench(sub: Any, default_pool: str) -> None:
     )
     bs.add_argument("--json", action="store_true", help="print one JSON object")
     bs.set_defaults(func=cmd_bench_sparse)
+    # bench tp (issue 22): loads across tensor-parallel sizes, per-head entries vs whole blocks
+    from .commands import cmd_bench_tp
+
+    bt = bsub.add_parser(
+        "tp",
+        help="a TP=2 rank loading its KV heads of blocks a TP=1 engine wrote, and a TP=1 load of "
+        "per-head entries, each vs the whole-block layout at the same TP size (same run, one pool)",
+    )
+    bt.add_argument("--layers", type=_pos_int, default=32, help="layers (default 32: Llama-3-8B)")
+    bt.add_argument(
+        "--heads", type=_pos_int, default=8, help="KV heads at TP=1 (default 8; TP=2 splits them)"
+    )
+    bt.add_argument("--head-size", type=_pos_int, default=128, help="head size (default 128)")
+    bt.add_argument("--block", type=_pos_int, default=16, help="tokens per block (default 16)")
+    bt.add_argument("--blocks", type=_pos_int, default=64, help="blocks per load call (default 64)")
+    bt.add_argument("--iters", type=_pos_int, default=7, help="timed loads per case, median (default 7)")
+    bt.add_argument(
+        "--copy-threads",
+        type=_pos_int,
+        default=None,
+        help="threads one load may use (default: the core's choice)",
+    )
+    bt.add_argument(
+        "--pool-dir", default="/dev/shm", help="where the temporary pool lives (default /dev/shm)"
+    )
+    bt.add_argument("--json", action="store_true", help="print one JSON object")
+    bt.set_defaults(func=cmd_bench_tp)
     # bench serve (issue 16): N vLLM servers behind a round-robin router, vLLM's own client
     bs = bsub.add_parser(
         "serve",

@@ -3,8 +3,10 @@ engine wrote (per-head entries, integrations/heads.py) against the whole-block l
 rank/size namespaces used before (one entry per block holding the rank's heads), and a TP=1 load
 of per-head entries against a TP=1 whole-block load; all in one run, one pool.
 
-    python -m cxlkv.tools.bench_tp [--layers 32] [--heads 8] [--head-size 128] [--block 16]
-                                   [--blocks 64] [--iters 7] [--copy-threads N] [--json]
+    cxlkv bench tp [--layers 32] [--heads 8] [--head-size 128] [--block 16] [--blocks 64]
+                   [--iters 7] [--copy-threads N] [--pool-dir /dev/shm] [--json]
+
+(``python -m cxlkv.tools.bench_tp`` takes the same arguments: it is that command.)
 
 The KV arrays have vLLM CPU's layout, ``[blocks, kv_heads, block_size, 2 * head_size]`` per layer
 (bf16), a rank's array holding its heads only. Each measurement is the median over ``--iters`` of
@@ -14,12 +16,12 @@ the bytes the rank receives.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
+import sys
 import time
 import uuid
+from typing import Any
 
 import numpy as np
 
@@ -42,14 +44,27 @@ def _median_s(fn, iters: int) -> float:
     return statistics.median(times)
 
 
-def run(layers: int, heads: int, hs: int, bs: int, blocks: int, iters: int, copy_threads: int | None) -> dict:
+def run(
+    layers: int,
+    heads: int,
+    hs: int,
+    bs: int,
+    blocks: int,
+    iters: int,
+    copy_threads: int | None,
+    pool_dir: str = "/dev/shm",
+) -> dict:
+    plan = HeadPlan(heads, 2, 0)  # first: heads TP=2 cannot split are refused before any pool exists
     per_head = layers * bs * 2 * hs * 2  # bytes of one head's entry (bf16)
     pool_bytes = max(256 << 20, 3 * per_head * heads * blocks + (64 << 20))
-    path = f"/dev/shm/cxlkv-bench-tp-{uuid.uuid4().hex}"
+    path = os.path.join(pool_dir, f"cxlkv-bench-tp-{uuid.uuid4().hex}")
     keys = [os.urandom(32) for _ in range(blocks)]
     ids = list(range(blocks))
     full = _arrays(layers, blocks, heads, bs, hs, 1)
-    out: dict = {"geometry": dict(layers=layers, kv_heads=heads, head_size=hs, block_size=bs, dtype="bf16")}
+    out: dict = {
+        "bench": "tp",
+        "geometry": dict(layers=layers, kv_heads=heads, head_size=hs, block_size=bs, dtype="bf16"),
+    }
     try:
         with cxlkv.Pool.create(path, pool_bytes, chunk_size="8MiB") as pool:
             if copy_threads:
@@ -72,7 +87,6 @@ def run(layers: int, heads: int, hs: int, bs: int, blocks: int, iters: int, copy
             # the old layout: one entry per block per TP layout, a rank's heads in it
             whole1 = pool.namespace(lay("tp1", heads, 0))
             assert whole1.store(keys, full, ids) == blocks
-            plan = HeadPlan(heads, 2, 0)
             mine = [np.ascontiguousarray(a[:, plan.local]) for a in full]
             whole2 = pool.namespace(lay("tp2r0", len(plan.local), 0))
             assert whole2.store(keys, mine, ids) == blocks
@@ -111,23 +125,43 @@ def run(layers: int, heads: int, hs: int, bs: int, blocks: int, iters: int, copy
     return out
 
 
+# The rows print_result shows: (label, the load measured, its same-run baseline, the ratio's key).
+_RATIOS = (
+    (
+        "TP=2 rank from TP=1 head entries",
+        "tp2_rank_from_tp1_heads",
+        "tp2_rank_whole_block",
+        "ratio_tp2_from_tp1_vs_same_tp",
+    ),
+    ("TP=1 from head entries", "tp1_from_heads", "tp1_whole_block", "ratio_tp1_heads_vs_whole"),
+)
+
+
+def print_result(con: Any, r: dict) -> None:
+    """Each load's GB/s beside its same-run baseline (the whole-block layout at the same TP size);
+    ratio > 1: faster than the baseline."""
+    from rich.table import Table
+
+    g = r["geometry"]
+    t = Table(
+        title=f"loads across TP sizes: {g['layers']} layers, {g['kv_heads']} KV heads of "
+        f"{g['head_size']}, {g['block_size']} tokens per block, {r['blocks']} blocks per load ({g['dtype']})"
+    )
+    t.add_column("load")
+    for col in ("GB/s", "baseline GB/s", "ratio"):
+        t.add_column(col, justify="right")
+    for label, name, base, ratio in _RATIOS:
+        t.add_row(label, f"{r[name]['GBps']:.2f}", f"{r[base]['GBps']:.2f}", f"{r[ratio]:.2f}x")
+    con.print(t)
+    con.print("[dim]baseline: whole-block layout, same TP size, same run (ratio > 1: faster)[/dim]")
+    con.print(f"[dim]load average {', '.join(f'{x:.1f}' for x in r['load'])}[/dim]")
+
+
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m cxlkv.tools.bench_tp", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--head-size", type=int, default=128)
-    ap.add_argument("--block", type=int, default=16)
-    ap.add_argument("--blocks", type=int, default=64)
-    ap.add_argument("--iters", type=int, default=7)
-    ap.add_argument("--copy-threads", type=int, default=None)
-    ap.add_argument("--json", action="store_true")
-    a = ap.parse_args(argv)
-    res = run(a.layers, a.heads, a.head_size, a.block, a.blocks, a.iters, a.copy_threads)
-    if a.json:
-        print(json.dumps(res))
-        return
-    for k, v in res.items():
-        print(f"{k}: {v}")
+    """``python -m cxlkv.tools.bench_tp ARGS`` runs ``python -m cxlkv bench tp ARGS``: one parser,
+    one output. A process, not an import: tools do not import the CLI (tests/python/test_layers.py)."""
+    args = sys.argv[1:] if argv is None else argv
+    os.execv(sys.executable, [sys.executable, "-m", "cxlkv", "bench", "tp", *args])
 
 
 if __name__ == "__main__":
