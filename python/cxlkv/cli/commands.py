@@ -267,11 +267,16 @@ def _bench_on_backends(args: argparse.Namespace, run, print_one, kwargs: dict[st
 
     if args.compare_backends:
         return _print_comparison(args, bench.compare_backends(run, **kwargs), print_one)
-    result = run(backend=args.backend, **kwargs)
+    return _print_result(args, run(backend=args.backend, **kwargs), print_one)
+
+
+def _print_result(args: argparse.Namespace, result: Any, print_one, con: Any = None) -> int:
+    """A benchmark's result: one JSON object with --json, else its table (``print_one``) on
+    ``con`` (default: stdout)."""
     if args.json:
         print_json(result)
     else:
-        print_one(make_console(), result)
+        print_one(con or make_console(), result)
     return ExitCode.OK
 
 
@@ -317,11 +322,7 @@ def cmd_bench_vllm(args: argparse.Namespace) -> int:
         plot=args.plot,
         console=con,
     )
-    if args.json:
-        print_json(summary)
-    else:
-        bench_vllm.print_result(con, summary)
-    return ExitCode.OK
+    return _print_result(args, summary, bench_vllm.print_result, con)
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
@@ -418,11 +419,7 @@ def cmd_bench_sparse(args: argparse.Namespace) -> int:
         quiet=args.json,
         copy_threads=args.copy_threads,
     )
-    if args.json:
-        print_json(result)
-    else:
-        bench_sparse.print_result(make_console(), result)
-    return ExitCode.OK
+    return _print_result(args, result, bench_sparse.print_result)
 
 
 def cmd_bench_tp(args: argparse.Namespace) -> int:
@@ -439,11 +436,7 @@ def cmd_bench_tp(args: argparse.Namespace) -> int:
         copy_threads=args.copy_threads,
         pool_dir=args.pool_dir,
     )
-    if args.json:
-        print_json(result)
-    else:
-        bench_tp.print_result(make_console(), result)
-    return ExitCode.OK
+    return _print_result(args, result, bench_tp.print_result)
 
 
 def cmd_bench_failover(args: argparse.Namespace) -> int:
@@ -452,11 +445,7 @@ def cmd_bench_failover(args: argparse.Namespace) -> int:
     result = failover.bench_failover(
         args.lease_ms, args.trials, pool_dir=args.pool_dir, seed=args.seed, quiet=args.json
     )
-    if args.json:
-        print_json(result)
-    else:
-        failover.print_result(make_console(), result)
-    return ExitCode.OK
+    return _print_result(args, result, failover.print_result)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
