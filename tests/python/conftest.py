@@ -52,6 +52,13 @@ def pool_path():
 
 
 @pytest.fixture
+def model_dir(tmp_path):
+    """A model directory of random bytes (``cxlkv_testutil.make_model``): what the connector's
+    identity reads, for tests that build connectors without loading a model."""
+    return tu.make_model(tmp_path / "model")
+
+
+@pytest.fixture
 def scratch_dir(tmp_path):
     return tmp_path
 

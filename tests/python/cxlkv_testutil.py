@@ -18,6 +18,7 @@ Payload rules (used by every test that shares a pool between processes):
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import struct
 import sys
@@ -318,3 +319,31 @@ def random_test_seed(what: str) -> int:
     seed = int(text, 0) if text else int.from_bytes(os.urandom(4), "little")
     print(f"{what}: seed {seed} (replay with {SEED_ENV}={seed})", flush=True)
     return seed
+
+
+# ------------------------------------------------------------------------------------------------
+# Model directories for the identity and connector tests (no vLLM needed to make them)
+def write_safetensors(path, tensors: dict) -> None:
+    """A minimal safetensors file (header JSON + raw bytes) of uint8 tensors."""
+    header, blobs, off = {}, [], 0
+    for name, data in tensors.items():
+        header[name] = {"dtype": "U8", "shape": [len(data)], "data_offsets": [off, off + len(data)]}
+        blobs.append(data)
+        off += len(data)
+    h = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+
+
+def make_model(d, seed=0, size=200_000) -> str:
+    """A model directory the connector's identity reads: config.json and a safetensors file of
+    random bytes (``seed`` picks them; not loadable weights)."""
+    os.makedirs(d, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    write_safetensors(
+        os.path.join(d, "model.safetensors"),
+        {"a.weight": rng.bytes(size), "b.weight": rng.bytes(size // 3), "norm": rng.bytes(64)},
+    )
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump({"architectures": ["Tiny"], "hidden_size": 8}, f)
+    return d

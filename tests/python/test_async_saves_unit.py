@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
 pytest.importorskip("torch")
 from cxlkv.integrations.transfer import CpuTransfer
-from test_connector_unit import BS, Engine, make_model, pool_blocks, tokens
+from test_connector_unit import BS, Engine, pool_blocks, tokens
 
 
 class GatedSession:
@@ -31,11 +31,6 @@ class GatedSession:
             assert self.gate.wait(60), "the test never opened the gate"
             self.stores += 1
         return self.real.call(what, fn, retry=retry)
-
-
-@pytest.fixture
-def model_dir(tmp_path):
-    return make_model(tmp_path / "model")
 
 
 def gated(engine: Engine) -> GatedSession:

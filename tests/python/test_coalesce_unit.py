@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 
 import numpy as np
@@ -200,6 +201,16 @@ def loader(path: str):
     return s, arrays, load
 
 
+def waiting(path: str, sched: CoalesceScheduler, idle: bool, clock=time.monotonic):
+    """A coalescing worker given ``sched``'s new waits (``idle``: its engine computes nothing
+    meanwhile), with its counters, and a loader's arrays and load function."""
+    counts = Counts()
+    w = CoalesceWorker(session(path), counts, LOG, clock=clock)
+    _, arrays, load = loader(path)
+    w.add(sched.take_waits(), idle=idle)
+    return w, counts, arrays, load
+
+
 def store(path: str, keys: list, value: int) -> None:
     s = session(path)
     arrays = kv()
@@ -225,10 +236,7 @@ def test_waiter_loads_blocks_once_the_writer_publishes_them(pool_path):
     wait = b.on_miss("rb", keys, 0, 1, 4, True, True)
     assert wait is not None and wait.already == 1
     b.allocated("rb", [8, 9, 10, 11], 4 * BS, BS)
-    counts = Counts()
-    w = CoalesceWorker(session(pool_path), counts, LOG)
-    _, arrays, load = loader(pool_path)
-    w.add(b.take_waits(), idle=True)
+    w, counts, arrays, load = waiting(pool_path, b, idle=True)
     for _ in range(5):
         assert w.poll(set(), load) == (set(), set())  # the writer still computes
     store(pool_path, keys, 7)  # its saves (block 0 was present: kept as it was)
@@ -246,10 +254,7 @@ def test_writer_done_with_fewer_blocks_and_deadline(pool_path):
     a.on_miss("ra", keys, 0, 0, 4, True, True)
     b.on_miss("rb", keys, 0, 0, 4, True, True)
     b.allocated("rb", [0, 1, 2, 3], 4 * BS, BS)
-    counts = Counts()
-    w = CoalesceWorker(session(pool_path), counts, LOG)
-    _, _, load = loader(pool_path)
-    w.add(b.take_waits(), idle=True)
+    w, counts, _, load = waiting(pool_path, b, idle=True)
     store(pool_path, keys[:2], 3)  # the writer's prompt was shorter: two blocks
     a.finished("ra", saves_in_flight=False)
     assert poll_until_done(w, load) == ({"rb"}, {2, 3})
@@ -313,10 +318,7 @@ def test_writer_killed_waiter_recomputes(pool_path):
         b = scheduler(pool_path)
         assert b.on_miss("rb", keys, 0, 0, 3, True, True) is not None  # the child holds it
         b.allocated("rb", [1, 2, 3], 3 * BS, BS)
-        counts = Counts()
-        w = CoalesceWorker(session(pool_path), counts, LOG)
-        _, _, load = loader(pool_path)
-        w.add(b.take_waits(), idle=True)
+        w, counts, _, load = waiting(pool_path, b, idle=True)
         assert w.poll(set(), load) == (set(), set())
         os.kill(p.pid, signal.SIGKILL)
         p.wait(30)
@@ -380,10 +382,7 @@ def test_wait_loads_the_covered_part_and_counts_it(pool_path):
     a.on_miss("t1", turn1, 0, 0, 3, True, True)
     b.on_miss("t2", turn2, 0, 0, 5, True, True)
     b.allocated("t2", [5, 6, 7, 8, 9], 3 * BS, BS)
-    counts = Counts()
-    w = CoalesceWorker(session(pool_path), counts, LOG)
-    _, _, load = loader(pool_path)
-    w.add(b.take_waits(), idle=False)
+    w, counts, _, load = waiting(pool_path, b, idle=False)
     assert w.poll(set(), load) == (set(), set())
     store(pool_path, turn1, 4)
     assert w.poll(set(), load) == ({"t2"}, set())  # the step after they landed
@@ -436,10 +435,8 @@ def test_wait_bound_from_the_prefill_rate(pool_path):
     wait = b.on_miss("r", keys, 0, 0, 4, True, True)
     assert wait is not None and wait.wait_s == pytest.approx(2.0)
     b.allocated("r", [0, 1, 2, 3], 4 * BS, BS)
-    clock, counts = Clock(), Counts()
-    w = CoalesceWorker(session(pool_path), counts, LOG, clock=clock)
-    _, _, load = loader(pool_path)
-    w.add(b.take_waits(), idle=False)
+    clock = Clock()
+    w, counts, _, load = waiting(pool_path, b, idle=False, clock=clock)
     for _ in range(3):
         clock.t += 0.5
         store(pool_path, keys[: 1 + _], 2)  # progress: no stall
@@ -471,10 +468,8 @@ def test_stalled_writer_releases_its_waiter(pool_path):
     wait = b.on_miss("r", keys, 0, 0, 8, True, True)
     assert wait is not None and wait.wait_s == pytest.approx(8.0) and wait.stall_s == pytest.approx(2.0)
     b.allocated("r", list(range(8)), 8 * BS, BS)
-    clock, counts = Clock(), Counts()
-    w = CoalesceWorker(session(pool_path), counts, LOG, clock=clock)
-    _, _, load = loader(pool_path)
-    w.add(b.take_waits(), idle=False)
+    clock = Clock()
+    w, counts, _, load = waiting(pool_path, b, idle=False, clock=clock)
     clock.t += 1.5
     store(pool_path, keys[:2], 1)
     assert w.poll(set(), load) == (set(), set())  # progress at 1.5 s
@@ -493,10 +488,7 @@ def test_writer_short_or_preempted_releases_its_waiter_within_a_step(pool_path, 
     a.on_miss("w", keys, 0, 0, 4, True, True)
     b.on_miss("r", keys, 0, 0, 4, True, True)
     b.allocated("r", [4, 5, 6, 7], 4 * BS, BS)
-    counts = Counts()
-    w = CoalesceWorker(session(pool_path), counts, LOG)
-    _, _, load = loader(pool_path)
-    w.add(b.take_waits(), idle=False)
+    w, counts, _, load = waiting(pool_path, b, idle=False)
     assert w.poll(set(), load) == (set(), set())
     if how == "short":  # it saved 1 block, then finished (its saves of the rest failed)
         store(pool_path, keys[:1], 9)

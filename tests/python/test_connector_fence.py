@@ -15,12 +15,7 @@ import cxlkv
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
 pytest.importorskip("torch")
 from cxlkv.integrations import pool_session
-from test_connector_unit import BS, Engine, make_model, published, tokens
-
-
-@pytest.fixture
-def model_dir(tmp_path):
-    return make_model(tmp_path / "model")
+from test_connector_unit import BS, Engine, published, tokens
 
 
 def fence(pool_path: str, *sessions) -> list[int]:

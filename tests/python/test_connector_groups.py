@@ -7,8 +7,6 @@ failed load is reported as a failed request (vLLM's failed_recving), never as bl
 
 from __future__ import annotations
 
-import os
-import uuid
 from types import SimpleNamespace
 
 import pytest
@@ -19,7 +17,7 @@ import cxlkv  # noqa: E402
 from cxlkv.integrations import vllm as conn  # noqa: E402
 from cxlkv.integrations.keys import block_keys  # noqa: E402
 from cxlkv.integrations.vllm_common import GroupNamespaces  # noqa: E402
-from test_connector_unit import BS, HEAD, NUM_BLOCKS, Role, fake_configs, make_model, make_req, tokens  # noqa: E402
+from test_connector_unit import BS, HEAD, NUM_BLOCKS, Role, fake_configs, make_req, tokens  # noqa: E402
 
 CHECKPOINT = 4  # window_checkpoint_blocks
 WINDOW = 2 * BS + 1  # tokens: a hit needs the 2 blocks before it
@@ -78,6 +76,12 @@ class Hybrid:
         names = ("s0", "s1") if group == 0 else ("f0", "f1")
         return b"".join(self.kv[n][bid].contiguous().view(torch.uint8).numpy().tobytes() for n in names)
 
+    def delete(self, toks, depth: int, group: int = 0) -> None:
+        """Deletes group ``group``'s block at ``depth`` of ``toks``' chain from the pool."""
+        name = self.sched.connector_scheduler.ctx.ns_names[group]
+        key = block_keys(toks, BS, name)[depth]
+        assert self.sched._session.call("delete", lambda spaces: spaces[group].delete(key))
+
     def close(self):
         self.worker.shutdown()
         self.sched.shutdown()
@@ -103,19 +107,6 @@ def idle_output():
         num_scheduled_tokens={},
         total_num_scheduled_tokens=0,
     )
-
-
-@pytest.fixture
-def pool_path():
-    path = f"/dev/shm/cxlkv-groups-{uuid.uuid4().hex}"
-    yield path
-    if os.path.exists(path):
-        os.unlink(path)
-
-
-@pytest.fixture
-def model_dir(tmp_path):
-    return make_model(tmp_path / "model")
 
 
 N_BLOCKS = 10
@@ -186,8 +177,7 @@ def test_a_missing_window_block_moves_the_hit_to_a_boundary_both_groups_serve(po
     toks = tokens(9, N_BLOCKS * BS + 1)
     a = produce(pool_path, model_dir, toks)
     b = Hybrid(pool_path, model_dir)
-    sw = b.sched.connector_scheduler.ctx.ns_names[0]
-    assert b.sched._session.call("delete", lambda spaces: spaces[0].delete(block_keys(toks, BS, sw)[9]))
+    b.delete(toks, 9)  # window block 9
     # boundary 10 needs window blocks 8, 9; boundary 9 needs 7, 8: both there
     assert b.sched.get_num_new_matched_tokens(make_req("c", toks), 0) == (9 * BS, True)
     a.close(), b.close()
@@ -380,8 +370,7 @@ def test_a_missing_state_moves_the_hit_to_the_next_stored_state(pool_path, model
     toks = tokens(14, N_BLOCKS * BS + 1)
     a = produce_ssm(pool_path, model_dir, toks)
     b = SsmHybrid(pool_path, model_dir)
-    name = b.sched.connector_scheduler.ctx.ns_names[0]
-    assert b.sched._session.call("delete", lambda spaces: spaces[0].delete(block_keys(toks, BS, name)[9]))
+    b.delete(toks, 9)  # the state at boundary 10
     # boundaries 9 and 10 have no state; 8 has
     assert b.sched.get_num_new_matched_tokens(make_req("c", toks), 0) == (8 * BS, True)
     a.close(), b.close()

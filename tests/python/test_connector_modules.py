@@ -6,8 +6,6 @@ name. The state machine across both sides is test_connector_unit.py."""
 
 from __future__ import annotations
 
-import os
-import uuid
 from types import SimpleNamespace
 
 import pytest
@@ -20,20 +18,7 @@ from cxlkv.integrations import vllm_metrics  # noqa: E402
 from cxlkv.integrations.vllm_common import ConnectorContext  # noqa: E402
 from cxlkv.integrations.vllm_scheduler import CxlKVScheduler  # noqa: E402
 from cxlkv.integrations.vllm_worker import CxlKVWorker  # noqa: E402
-from test_connector_unit import BS, HEAD, LAYERS, NUM_BLOCKS, Role, fake_configs, make_model  # noqa: E402
-
-
-@pytest.fixture
-def pool_path():
-    path = f"/dev/shm/cxlkv-mod-{uuid.uuid4().hex}"
-    yield path
-    if os.path.exists(path):
-        os.unlink(path)
-
-
-@pytest.fixture
-def model_dir(tmp_path):
-    return make_model(tmp_path / "model")
+from test_connector_unit import BS, HEAD, LAYERS, NUM_BLOCKS, Role, fake_configs  # noqa: E402
 
 
 def test_facade_builds_one_side_per_role_and_routes_to_it(pool_path, model_dir):

@@ -12,7 +12,6 @@ import hashlib
 import json
 import os
 import struct
-import uuid
 from types import SimpleNamespace
 
 import numpy as np
@@ -20,6 +19,7 @@ import pytest
 
 import cxlkv
 from cxlkv.integrations import identity as ident
+from cxlkv_testutil import make_model
 
 BS = 4  # tokens per block
 NUM_BLOCKS = 64
@@ -29,30 +29,6 @@ HEAD = 8  # one KV head of 8 bf16 values: 2 * 4 * 8 * 2 = 128 bytes per layer an
 
 # -------------------------------------------------------------------------------------------------
 # identity (no vLLM)
-def write_safetensors(path, tensors: dict) -> None:
-    """A minimal safetensors file (header JSON + raw bytes) of uint8 tensors."""
-    header, blobs, off = {}, [], 0
-    for name, data in tensors.items():
-        header[name] = {"dtype": "U8", "shape": [len(data)], "data_offsets": [off, off + len(data)]}
-        blobs.append(data)
-        off += len(data)
-    h = json.dumps(header).encode()
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
-
-
-def make_model(d, seed=0, size=200_000) -> str:
-    os.makedirs(d, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    write_safetensors(
-        os.path.join(d, "model.safetensors"),
-        {"a.weight": rng.bytes(size), "b.weight": rng.bytes(size // 3), "norm": rng.bytes(64)},
-    )
-    with open(os.path.join(d, "config.json"), "w") as f:
-        json.dump({"architectures": ["Tiny"], "hidden_size": 8}, f)
-    return d
-
-
 def published(pool_path: str, model_dir: str, req_id: str, toks: list) -> Engine:
     """An engine that has computed and saved the prompt `toks` (request `req_id`, finished)."""
     e = Engine(pool_path, model_dir)
@@ -381,19 +357,6 @@ class Engine:
     def close(self) -> None:
         self.worker.shutdown()
         self.sched.shutdown()
-
-
-@pytest.fixture
-def pool_path():
-    path = f"/dev/shm/cxlkv-unit-{uuid.uuid4().hex}"
-    yield path
-    if os.path.exists(path):
-        os.unlink(path)
-
-
-@pytest.fixture
-def model_dir(tmp_path):
-    return make_model(tmp_path / "model")
 
 
 def tokens(seed: int, n: int) -> list:

@@ -32,14 +32,9 @@ zmq = pytest.importorskip("zmq")
 
 from cxlkv.integrations import token_records as tr  # noqa: E402
 from cxlkv.integrations.keys import block_keys  # noqa: E402
-from test_connector_unit import BS, Engine, make_model, tokens  # noqa: E402
+from test_connector_unit import BS, Engine, tokens  # noqa: E402
 
 DECODER = msgspec.msgpack.Decoder(kv_events.KVEventBatch)
-
-
-@pytest.fixture
-def model_dir(tmp_path):
-    return make_model(tmp_path / "model")
 
 
 def run_request(e: Engine, rid: str, toks: list) -> None:

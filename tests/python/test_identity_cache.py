@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import struct
 import tempfile
 from pathlib import Path
 
@@ -16,19 +15,10 @@ import pytest
 
 from cxlkv.integrations import identity as ident
 from cxlkv.integrations import identity_cache as icache
+from cxlkv_testutil import write_safetensors
 
 OTHER_UID = 54321  # a user that owns nothing here
 NOBODY = 65534
-
-
-def write_safetensors(path: Path, tensors: dict) -> None:
-    header, blobs, off = {}, [], 0
-    for name, data in tensors.items():
-        header[name] = {"dtype": "U8", "shape": [len(data)], "data_offsets": [off, off + len(data)]}
-        blobs.append(data)
-        off += len(data)
-    h = json.dumps(header).encode()
-    path.write_bytes(struct.pack("<Q", len(h)) + h + b"".join(blobs))
 
 
 def make_model(d: Path, seed: int, size: int = 200_000) -> Path:

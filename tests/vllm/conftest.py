@@ -77,12 +77,17 @@ def tiny_model():
     return models.tiny_llama()
 
 
+def unique_pool(name: str):
+    """For a fixture to ``yield from``: a unique, not yet existing pool path under /dev/shm,
+    removed when the fixture ends."""
+    path = f"/dev/shm/cxlkv-vllm-{name}-{uuid.uuid4().hex}"
+    yield path
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 @pytest.fixture
 def pool_path():
-    path = f"/dev/shm/cxlkv-vllm-test-{uuid.uuid4().hex}"
-    yield path
-    for p in (path,):
-        try:
-            os.unlink(p)
-        except FileNotFoundError:
-            pass
+    yield from unique_pool("test")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import BLOCK, parted_at_tie, run_engine, words
+from conftest import BLOCK, parted_at_tie, run_engine, unique_pool, words
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -27,14 +27,8 @@ def plain(prompts, salt=None):
 
 
 @pytest.fixture(scope="module")
-def shared_pool(tmp_path_factory):
-    import os
-    import uuid
-
-    path = f"/dev/shm/cxlkv-vllm-shared-{uuid.uuid4().hex}"
-    yield path
-    if os.path.exists(path):
-        os.unlink(path)
+def shared_pool():
+    yield from unique_pool("shared")
 
 
 @pytest.fixture(scope="module")

@@ -10,12 +10,9 @@ the pool was corrupted). Then an SSM hybrid (the tiny Nemotron-H, two more engin
 
 from __future__ import annotations
 
-import os
-import uuid
-
 import pytest
 
-from conftest import BLOCK, run_engine, words
+from conftest import BLOCK, run_engine, unique_pool, words
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -30,10 +27,7 @@ def plain(prompts):
 
 @pytest.fixture(scope="module")
 def pool():
-    path = f"/dev/shm/cxlkv-vllm-hybrid-{uuid.uuid4().hex}"
-    yield path
-    if os.path.exists(path):
-        os.unlink(path)
+    yield from unique_pool("hybrid")
 
 
 @pytest.fixture(scope="module")
@@ -116,10 +110,7 @@ def salted(prompts, salt):
 
 @pytest.fixture(scope="module")
 def ssm_pool():
-    path = f"/dev/shm/cxlkv-vllm-ssm-{uuid.uuid4().hex}"
-    yield path
-    if os.path.exists(path):
-        os.unlink(path)
+    yield from unique_pool("ssm")
 
 
 @pytest.fixture(scope="module")
