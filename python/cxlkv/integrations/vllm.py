@@ -115,8 +115,9 @@ class CxlKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     ``SupportsHMA``: vLLM keeps its hybrid KV cache manager on with this connector; each KV
     cache group (full attention, sliding window, chunked local attention, MLA) is stored in its
-    own namespace (vllm_groups.py); SSM / linear-attention state groups are refused at start-up
-    (``vllm_groups.UnsupportedKVCacheGroup``)."""
+    own namespace (vllm_groups.py), and so is each SSM / linear-attention state group
+    (vllm_state_groups.py: vLLM's "align" mode, TP=1); a group it cannot serve is refused at
+    start-up (``vllm_groups.UnsupportedKVCacheGroup``)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)

@@ -18,9 +18,9 @@ every ``checkpoint`` blocks of the sequence (hits inside long shared prefixes) a
 boundary of the prompt (the same prompt again: the deepest hit there is). A hit at any other
 boundary is served from the deepest anchor below it; blocks outside every anchor's window are
 counted as skipped, never stored. State groups of SSM / linear-attention layers (Mamba, Gated
-DeltaNet) are refused at start-up (:class:`UnsupportedKVCacheGroup`): their state is one
-running value per block boundary whose resumption rules (vLLM's ``mamba_cache_mode``) the
-connector does not implement."""
+DeltaNet) hold one state per block boundary: a hit at ``h`` needs the state of ``h`` alone, and
+only anchors are stored (vllm_state_groups.py, which also says what is refused at start-up with
+:class:`UnsupportedKVCacheGroup`)."""
 
 from __future__ import annotations
 
