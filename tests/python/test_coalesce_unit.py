@@ -12,7 +12,6 @@ import subprocess
 import sys
 import textwrap
 import time
-import uuid
 
 import numpy as np
 import pytest
@@ -46,12 +45,10 @@ def layout() -> cxlkv.KVLayout:
 
 
 @pytest.fixture
-def pool_path():
-    path = f"/dev/shm/cxlkv-coalesce-{uuid.uuid4().hex}"
-    cxlkv.Pool.create(path, "64MiB").close()
-    yield path
-    if os.path.exists(path):
-        os.unlink(path)
+def pool_path(pool_path):
+    """conftest's pool path (removed after the test), with a 64 MiB pool created there."""
+    cxlkv.Pool.create(pool_path, "64MiB").close()
+    return pool_path
 
 
 class Counts(dict):
