@@ -58,7 +58,10 @@ adopted by the scheduler side through vLLM's handshake; "sampled": the sampled f
 SGLang's HiCache backend shares, docs/IDENTITY.md "Across engines"; false: this engine's own),
 ``file_check_interval_s`` (default 0.001), ``async_saves`` (true, the default: no step waits
 for a save; false: each step waits for its own), ``on_pool_error`` ("degrade": a pool that cannot be
-opened means serving without the cache, the default; "fail": refuse to start), ``coalesce``
+opened means serving without the cache, the default; "fail": refuse to start),
+``load_failure_policy`` ("recompute", the default the connector sets, or vLLM's "fail"),
+``kv_events`` (BlockStored/BlockRemoved through vLLM's KV-event publisher; default: whether vLLM
+publishes KV events), ``coalesce``
 (default true), ``coalesce_wait_s`` (default 30, the cap of one wait) and
 ``coalesce_prefill_tokens_per_s`` (the prefill rate assumed before one is measured): a new prefix
 requested from several engines at once is computed by one of them while the others wait for the
