@@ -697,3 +697,17 @@ def test_an_entry_shorter_than_the_block_is_a_miss_for_load(make_pool):
     assert ns.load([full, short], arrays, [0, 1]) == 1
     assert ns.load([short, full], arrays, [1, 0]) == 0
     assert bytes(dst[:BB]) == tu.padded_payload(full, BB)
+
+
+def test_get_whole_refuses_an_entry_shorter_than_the_buffer(make_pool):
+    """ns.get(key, out) fills out's front with a shorter entry (the generic API: out >= stored
+    length). The LMCache and SGLang tensor paths hand it one whole block: with whole=True a short
+    entry is a miss there, never a block whose tail is stale memory."""
+    pool = make_pool()
+    ns = pool.namespace(small_layout())
+    short, full = tu.make_key("short", 3), tu.make_key("short", 4)
+    assert ns.put(short, b"\x01" * 10) and ns.put(full, tu.padded_payload(full, BB))
+    out = bytearray(BB)
+    assert ns.get(short, out) is True  # the generic API, unchanged
+    assert ns.get(short, out, whole=True) is False
+    assert ns.get(full, out, whole=True) is True and bytes(out) == tu.padded_payload(full, BB)
