@@ -291,8 +291,9 @@ class Pool {
   // (stored now or already READY; a key only in flight by another writer is not counted).
   size_t store(const NsHandle& ns, const Key* keys, size_t n, const std::vector<Fragment>& frags,
                const int64_t* block_ids, uint32_t start_depth = 0);
-  // Scatters blocks back; returns the number of leading keys loaded (a miss or checksum failure
-  // stops the count; later keys may still have been written).
+  // Scatters blocks back; returns the number of leading keys loaded (a miss, a checksum failure
+  // or an entry shorter than ns.block_bytes stops the count; later keys may still have been
+  // written, and so may the front of the block that stopped it).
   size_t load(const NsHandle& ns, const Key* keys, size_t n, const std::vector<Fragment>& frags,
               const int64_t* block_ids);
   static void set_copy_threads(unsigned n);

@@ -835,15 +835,18 @@ NB_MODULE(_core, m) {
           "key"_a, "data"_a, "depth"_a = 0)
       .def(
           "get",
-          [](PyNamespace& n, nb::handle key, nb::handle out) {
+          [](PyNamespace& n, nb::handle key, nb::handle out, bool whole) {
             Key k = to_key(key);
             Buffer b(out, true);
             OpGuard g(*n.owner);
             Piece p{b.data(), b.size()};
             nb::gil_scoped_release nogil;
-            return g.p->get(n.h, k, &p, 1, nullptr);
+            // whole: the caller's buffer is one block; an entry shorter than it (a put of fewer
+            // bytes) would fill only its front, so it is a miss.
+            uint64_t len = 0;
+            return g.p->get(n.h, k, &p, 1, &len) && (!whole || len == b.size());
           },
-          "key"_a, "out"_a)
+          "key"_a, "out"_a, "whole"_a = false)
       .def(
           "get_bytes",
           [](PyNamespace& n, nb::handle key) -> nb::object {

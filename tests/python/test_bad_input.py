@@ -680,3 +680,34 @@ def test_payload_corruption_is_a_miss(pool_path):
         assert after["checksum_failures"] - before["checksum_failures"] >= 1
         other = tu.make_key("bad", 8)
         assert ns.get_bytes(other) == tu.key_payload(other, BB)
+
+
+def test_an_entry_shorter_than_the_block_is_a_miss_for_load(make_pool):
+    """A put of fewer bytes than the namespace's blocks (any writer of the namespace may make one)
+    is a valid entry for get_bytes, but ns.load used to copy it into the front of the block, leave
+    the rest as it was and count the block as loaded: wrong KV (or SSM state) with a hit. Now it
+    stops the load there, as a miss does."""
+    pool = make_pool()
+    ns = pool.namespace(small_layout())
+    full, short = tu.make_key("short", 1), tu.make_key("short", 2)
+    assert ns.put(full, tu.padded_payload(full, BB)) and ns.put(short, b"\x01" * 10)
+    assert ns.get_bytes(short) == b"\x01" * 10  # the generic API keeps its length
+    dst = bytearray(2 * BB)
+    arrays = [memoryview(dst).cast("B", (2, BB))]
+    assert ns.load([full, short], arrays, [0, 1]) == 1
+    assert ns.load([short, full], arrays, [1, 0]) == 0
+    assert bytes(dst[:BB]) == tu.padded_payload(full, BB)
+
+
+def test_get_whole_refuses_an_entry_shorter_than_the_buffer(make_pool):
+    """ns.get(key, out) fills out's front with a shorter entry (the generic API: out >= stored
+    length). The LMCache and SGLang tensor paths hand it one whole block: with whole=True a short
+    entry is a miss there, never a block whose tail is stale memory."""
+    pool = make_pool()
+    ns = pool.namespace(small_layout())
+    short, full = tu.make_key("short", 3), tu.make_key("short", 4)
+    assert ns.put(short, b"\x01" * 10) and ns.put(full, tu.padded_payload(full, BB))
+    out = bytearray(BB)
+    assert ns.get(short, out) is True  # the generic API, unchanged
+    assert ns.get(short, out, whole=True) is False
+    assert ns.get(full, out, whole=True) is True and bytes(out) == tu.padded_payload(full, BB)

@@ -30,6 +30,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -320,6 +321,29 @@ def test_observers_take_no_node_slot_on_a_single_host_pool(pool_path, pod):
     assert hosts[1].ask("put c 2") == {"put": 2} and hosts[2].ask("verify c 2") == {"verified": 2, "wrong": 0}
     for h in hosts + observers:
         h.stop()
+
+
+@pytest.mark.timeout(120)
+def test_an_observer_looking_while_a_node_crosses_its_lease_gets_no_error(pool_path):
+    """A row-less observer's reap pass asks first whether any node is dead (then it becomes a
+    writer), then reaps: a node of another kernel whose lease ran out between the two was claimed
+    through the row-less arbiter, so a mere look (`pool check`, stats, the exporter) failed with
+    ReadOnlyError, about one try in seven. Now that node waits for the next pass, which takes a row
+    and reclaims it. Each try: a fresh never-beating node of another kernel, a fresh observer
+    that reaps in a tight loop across the node's lease (50 ms)."""
+    info = create(pool_path, 50, max_nodes=4)
+    for attempt in range(30):
+        forged = (1 << 56) | (0xABCDE << 24) | (attempt + 1)  # CLAIMED, another kernel's domain
+        with open(pool_path, "r+b") as f:
+            f.seek(info["node_table_off"] + 1 * NODE_SLOT_BYTES)
+            f.write(struct.pack("<Q", forged))
+        with cxlkv.Pool.open(pool_path, attach=False) as obs:
+            assert obs.info()["host_slot"] == -1
+            reaped, deadline = 0, time.monotonic() + 30
+            while not reaped and time.monotonic() < deadline:
+                reaped += obs.reap_dead_nodes()  # no ReadOnlyError
+            assert reaped == 1 and obs.info()["host_slot"] >= 0, (attempt, reaped)
+        assert node_word(pool_path, info, 2) >> 56 == 0  # FREE again
 
 
 @pytest.mark.timeout(180)

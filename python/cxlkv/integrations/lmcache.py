@@ -215,7 +215,7 @@ class CxlKVL2Connector:
             elif op == "get":
                 view = memoryview(views[i]).cast("B")  # type: ignore[index]
                 ns = self._namespace(pool, prefix, view.nbytes, create=False)
-                out.append(ns is not None and bool(ns.get(key.pool_key(), view)))
+                out.append(ns is not None and bool(ns.get(key.pool_key(), view, whole=True)))
             else:
                 out.append(self._any_namespace(pool, prefix, op, key.pool_key()))
         return out

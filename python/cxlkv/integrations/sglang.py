@@ -320,7 +320,7 @@ class CxlKVHiCacheStorage(HiCacheStorage):
             raise ValueError("cxlkv HiCache storage: get needs a target_location tensor")
         self._tensor_interface("get")
         out = target_location.view(-1).view(torch.uint8).numpy()
-        ok = self._call("sglang get", lambda ns: ns.get(pool_key(key), out))
+        ok = self._call("sglang get", lambda ns: ns.get(pool_key(key), out, whole=True))
         return target_location if ok else None
 
     def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list:

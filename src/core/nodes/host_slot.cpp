@@ -186,8 +186,17 @@ uint32_t Pool::check_host_slot_unique() {
 void Pool::become_writer() {
   std::lock_guard<std::mutex> g(writer_mu_);
   if (!row_less_) return;
-  coh_ = Coherence(Backend::multihost, emu_.model);
-  setup_arbiter(emu_.base ? emu_.host_slot : want_slot_, true);
+  try {
+    setup_arbiter(emu_.base ? emu_.host_slot : want_slot_, true);
+  } catch (...) {
+    // No row to be had (every one used by another host): still an observer that reads only, its
+    // arbitrated writes refused as before, never made without the cross-host lock.
+    if (participant1_) liveness::unlock(lock_, participant_offset(participant1_ - 1));
+    participant1_ = 0;
+    bakery_.reset();
+    coh_ = Coherence(Backend::multihost, emu_.model, row_less_arbiter_.get());
+    throw;
+  }
   row_less_ = false;
   attach_node(true);
   settle_host_slot(true);

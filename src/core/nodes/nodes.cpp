@@ -174,6 +174,13 @@ uint64_t Pool::reap_pass(uint64_t* undecided) {
     if (node_state(w) == kNodeFree) continue;
     NodeInfo n = judge(i, w);
     if (n.verdict == NodeInfo::kUndecided && undecided) ++*undecided;
+    // Still row-less: any_dead_node judged none dead a moment ago, and this one crossed its lease
+    // since (or its word changed). Its claim would be refused (ReadOnlyError out of a mere look:
+    // `pool check`, stats, the exporter), so it waits for the next pass, which becomes a writer.
+    if (row_less_ && n.verdict == NodeInfo::kDead) {
+      if (undecided) ++*undecided;
+      continue;
+    }
     if (reclaim_judged(i, w, n, false)) ++reaped;
   }
   reaped_unreported_.fetch_add(reaped, std::memory_order_relaxed);

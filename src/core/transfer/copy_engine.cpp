@@ -177,7 +177,10 @@ size_t Pool::load(const NsHandle& ns, const Key* keys, size_t n, const std::vect
   check_fragments(ns, frags);
   return run_batch(n, ns.block_bytes, [&](size_t i) {
     auto p = pieces_for(frags, block_ids[i]);
-    return get(ns, keys[i], p.data(), p.size(), nullptr);
+    // An entry shorter than the namespace's blocks (a put of fewer bytes: a stray or foreign
+    // writer) would fill only the front of the block and leave the rest as it was: a miss.
+    uint64_t len = 0;
+    return get(ns, keys[i], p.data(), p.size(), &len) && len == ns.block_bytes;
   });
 }
 
