@@ -24,14 +24,11 @@ pytest.importorskip(
     exc_type=ImportError,
 )
 import torch
-from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
-from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
-from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+from cxlkv.testing import sglang_host
 
 LAYERS, HEADS, HEAD_DIM, PAGE, DEVICE_TOKENS = 2, 2, 8, 4, 64
-LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
+LAYOUTS = sglang_host.HOST_LAYOUTS
 
 
 def _fake_model(path, seed: int) -> str:
@@ -47,64 +44,22 @@ def _fake_model(path, seed: int) -> str:
     return str(path)
 
 
-def _host_pool(layout: str, heads: int = HEADS) -> MHATokenToKVPoolHost:
-    """SGLang's MHA host pool over CPU device buffers (pin_memory off: no CUDA)."""
-    k = tuple(torch.zeros(DEVICE_TOKENS, heads, HEAD_DIM, dtype=torch.bfloat16) for _ in range(LAYERS))
-    v = tuple(torch.zeros(DEVICE_TOKENS, heads, HEAD_DIM, dtype=torch.bfloat16) for _ in range(LAYERS))
-
-    def ptrs(ts):
-        return torch.tensor([t.data_ptr() for t in ts], dtype=torch.uint64)
-
-    info = MHABufferInfo(
-        buffers=KVBuffers(k=k, v=v, k_data_ptrs=ptrs(k), v_data_ptrs=ptrs(v), layout=KVBufferLayout.NHD),
-        page_size=PAGE,
-        head_num=heads,
-        head_dim=HEAD_DIM,
-        v_head_dim=HEAD_DIM,
-        dtype=torch.bfloat16,
-        device=torch.device("cpu"),
+def _host_pool(layout: str, heads: int = HEADS):
+    return sglang_host.host_pool(
+        layout, layers=LAYERS, heads=heads, head_dim=HEAD_DIM, page=PAGE, tokens=DEVICE_TOKENS, ratio=2.0
     )
-    # SGLang refuses a host pool when the machine's free memory minus its reserve is short: this
-    # one is a few KiB, so book it against a budget of its own (a loaded CI host is not short).
-    with host_memory_budget_scope(64 << 20):
-        return MHATokenToKVPoolHost(
-            info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
-            device_capacity_tokens=DEVICE_TOKENS, start_layer=0, end_layer=LAYERS,
-        )  # fmt: skip
 
 
 def _backend(pool_path: str, model: str | None, host, tp_rank: int = 0, tp_size: int = 1):
-    """What SGLang's cache controller does with ``--hicache-storage-backend dynamic``."""
-    extra = {
-        "backend_name": "cxlkv",
-        "module_path": "cxlkv.integrations.sglang",
-        "class_name": "CxlKVHiCacheStorage",
-        "interface_v1": 1,
-        "pool_path": pool_path,
-    }
-    if model is not None:
-        extra["model_path"] = model
-    config = HiCacheStorageConfig(
-        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-        is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=host.layout == "page_first",
-        model_name="served-alias", extra_config=extra,
-    )  # fmt: skip
-    storage = StorageBackendFactory.create_backend("dynamic", config, host)
-    assert isinstance(storage, HiCacheStorage)
-    storage.register_mem_pool_host(host)
-    return storage
+    return sglang_host.hicache_backend(pool_path, host, model=model, tp_rank=tp_rank, tp_size=tp_size)
 
 
-def _page_bytes(host, page: int) -> bytes:
-    """Page ``page``'s bytes as SGLang's own zero-copy metadata lists them."""
-    import ctypes
-
-    ptrs, sizes = host.get_page_buffer_meta(torch.arange(page * PAGE, (page + 1) * PAGE))
-    return b"".join(ctypes.string_at(p, n) for p, n in zip(ptrs, sizes, strict=True))
+_page_bytes = sglang_host.page_bytes
+_logical = sglang_host.logical_view
 
 
 def _indices(pages: list[int]) -> torch.Tensor:
-    return torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in pages])
+    return sglang_host.page_indices(pages, PAGE)
 
 
 @pytest.fixture
@@ -185,20 +140,6 @@ def vid_layout(identity):
         heads_per_entry=identity.heads_per_entry, block_bytes=identity.block_bytes,
         source=identity.source(),
     )  # fmt: skip
-
-
-def _logical(host) -> torch.Tensor:
-    """The host buffer as [k/v, layer, token, head, dim], from the dims SGLang documents for each
-    layout (MHATokenToKVPoolHost.init_kv_buffer): independent of cxlkv's views."""
-    buf, heads = host.kv_buffer, host.head_num
-    if host.layout == "layer_first":  # [2, layer, token, head, dim]
-        return buf
-    if host.layout == "page_first":  # [2, token, layer, head, dim]
-        return buf.permute(0, 2, 1, 3, 4)
-    if host.layout == "page_first_direct":  # [2, page, layer, token, head, dim]
-        return buf.permute(0, 2, 1, 3, 4, 5).reshape(2, LAYERS, -1, heads, HEAD_DIM)
-    assert host.layout == "page_head"  # [2, page, head, token, layer, dim]
-    return buf.permute(0, 4, 1, 3, 2, 5).reshape(2, LAYERS, -1, heads, HEAD_DIM)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

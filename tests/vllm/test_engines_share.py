@@ -28,73 +28,23 @@ pytest.importorskip(
     exc_type=ImportError,
 )
 import torch
-from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
-from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_hash_str
 
 from conftest import BLOCK, words
+from cxlkv.testing import sglang_host
 from engine_proc import EngineProc
 
 pytestmark = pytest.mark.timeout(900)
 
-LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
+LAYOUTS = sglang_host.HOST_LAYOUTS
 PAGES = 8  # host pool pages (of BLOCK tokens: SGLang's page size is vLLM's block size)
 
 
-def _host_pool(layout: str, cfg: dict) -> MHATokenToKVPoolHost:
-    layers, heads, dim = cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["head_dim"]
-    tokens = PAGES * BLOCK
-    k = tuple(torch.zeros(tokens, heads, dim, dtype=torch.bfloat16) for _ in range(layers))
-    v = tuple(torch.zeros(tokens, heads, dim, dtype=torch.bfloat16) for _ in range(layers))
-
-    def ptrs(ts):
-        return torch.tensor([t.data_ptr() for t in ts], dtype=torch.uint64)
-
-    info = MHABufferInfo(
-        buffers=KVBuffers(k=k, v=v, k_data_ptrs=ptrs(k), v_data_ptrs=ptrs(v), layout=KVBufferLayout.NHD),
-        page_size=BLOCK, head_num=heads, head_dim=dim, v_head_dim=dim, dtype=torch.bfloat16,
-        device=torch.device("cpu"),
+def _host_pool(layout: str, cfg: dict):
+    return sglang_host.host_pool(
+        layout, layers=cfg["num_hidden_layers"], heads=cfg["num_key_value_heads"], head_dim=cfg["head_dim"],
+        page=BLOCK, tokens=PAGES * BLOCK,
     )  # fmt: skip
-    with host_memory_budget_scope(1 << 30):  # a few MiB; SGLang's free-memory check is for servers
-        return MHATokenToKVPoolHost(
-            info, 1.0, 0, BLOCK, layout, pin_memory=False, device="cpu",
-            device_capacity_tokens=tokens, start_layer=0, end_layer=layers,
-        )  # fmt: skip
-
-
-def _backend(pool: str, model: str, host):
-    extra = {
-        "backend_name": "cxlkv", "module_path": "cxlkv.integrations.sglang",
-        "class_name": "CxlKVHiCacheStorage", "interface_v1": 1, "pool_path": pool, "model_path": model,
-    }  # fmt: skip
-    config = HiCacheStorageConfig(
-        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-        is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=host.layout == "page_first",
-        model_name="served-alias", extra_config=extra,
-    )  # fmt: skip
-    storage = StorageBackendFactory.create_backend("dynamic", config, host)
-    storage.register_mem_pool_host(host)
-    return storage
-
-
-def _logical(host, cfg: dict) -> torch.Tensor:
-    """[k/v, layer, token, head, dim] from SGLang's documented dims of each layout."""
-    buf, layers, heads, dim = (
-        host.kv_buffer,
-        cfg["num_hidden_layers"],
-        cfg["num_key_value_heads"],
-        cfg["head_dim"],
-    )
-    if host.layout == "layer_first":
-        return buf
-    if host.layout == "page_first":
-        return buf.permute(0, 2, 1, 3, 4)
-    if host.layout == "page_first_direct":  # [2, page, layer, token, head, dim]
-        return buf.permute(0, 2, 1, 3, 4, 5).reshape(2, layers, -1, heads, dim)
-    return buf.permute(0, 4, 1, 3, 2, 5).reshape(2, layers, -1, heads, dim)  # page_head
 
 
 def _indices(n: int) -> torch.Tensor:
@@ -142,7 +92,7 @@ def test_vllm_and_sglang_share_a_prefix_both_ways(tmp_path, tiny_model):
         loaded = {}
         for layout in LAYOUTS:
             host = _host_pool(layout, cfg)
-            sg = _backend(pool, tiny_model, host)
+            sg = sglang_host.hicache_backend(pool, host, model=tiny_model)
             backends.append(sg)
             assert sg.shared and sg.identity.namespace_name() == d["name"], (
                 d["source"],
@@ -150,7 +100,7 @@ def test_vllm_and_sglang_share_a_prefix_both_ways(tmp_path, tiny_model):
             )
             assert sg.batch_exists(hashes) == n
             assert sg.batch_get_v1(hashes, _indices(n)) == [True] * n
-            kv = _logical(host, cfg)
+            kv = sglang_host.logical_view(host)
             for (i, h), raw in written.items():
                 mine = kv[:, :, i * BLOCK : (i + 1) * BLOCK, h].permute(1, 0, 2, 3).contiguous()
                 assert mine.view(-1).view(torch.uint8).numpy().tobytes() == raw, (layout, i, h)
