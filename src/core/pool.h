@@ -204,6 +204,9 @@ class Pool {
   static std::unique_ptr<Pool> open_emulated(const EmulatedHost& host, bool attach = true);
   // One heartbeat of an emulated host (the heartbeat thread does it for real attachments).
   bool heartbeat_tick();
+  // One pass of an emulated host's row healing (Bakery::heal_own_row, which the heartbeat thread
+  // runs after each beat for real attachments): the stripes reset; 0 without a row or a node.
+  uint32_t heal_lock_row();
   uint32_t host_slot() const { return host_slot_; }
   // multihost: whether this attachment holds a row of the lock area (an observer holds none until
   // it writes: become_writer).

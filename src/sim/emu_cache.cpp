@@ -2,7 +2,10 @@
 #include "emu_cache.h"
 
 #include <execinfo.h>
+
 #include <chrono>
+#include <condition_variable>
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <thread>
@@ -80,9 +83,64 @@ bool Memory::excluded(uint64_t line) const {
   return in >= offsetof(NodeAreaFixed, counters) && in < sizeof(NodeAreaFixed);
 }
 
+// The host's second thread: runs `fn` once per step() while the stepping thread waits, so the
+// two never run at once (the mutex hands the private cache over, with happens-before).
+struct EmuCache::Chores {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool go = false, quit = false;
+  std::function<void()> fn;
+  std::thread thread{[this] { loop(); }};  // last: the fields above exist before it starts
+
+  void loop() {
+    std::unique_lock<std::mutex> g(mu);
+    for (;;) {
+      cv.wait(g, [&] { return go || quit; });
+      if (quit) return;
+      if (fn) fn();  // the stepping thread waits for `go` to fall, under this mutex
+      go = false;
+      cv.notify_all();
+    }
+  }
+  void step() {
+    std::unique_lock<std::mutex> g(mu);
+    go = true;
+    cv.notify_all();
+    cv.wait(g, [&] { return !go; });
+  }
+  ~Chores() {
+    {
+      std::lock_guard<std::mutex> g(mu);
+      quit = true;
+    }
+    cv.notify_all();
+    thread.join();
+  }
+};
+
 EmuCache::EmuCache(Memory& m, int host, uint64_t seed, const EmuConfig& cfg)
     : m_(m), host_(host), cfg_(cfg), priv_(m.size()), clean_(m.size()), rng_(seed) {
   reboot();
+}
+
+EmuCache::~EmuCache() = default;
+
+void EmuCache::set_chores(std::function<void()> fn, uint64_t interval_ns) {
+  if (!fn && !chores_) return;
+  if (!chores_) chores_ = std::make_unique<Chores>();
+  std::lock_guard<std::mutex> g(chores_->mu);
+  chores_->fn = std::move(fn);
+  chores_interval_ns_ = interval_ns;
+}
+
+void EmuCache::run_chores() {
+  in_tick_ = true;  // the chores' own coherence points neither beat nor step again
+  struct Reset {
+    bool& b;
+    ~Reset() { b = false; }
+  } reset{in_tick_};
+  ++chore_runs_;
+  chores_->step();
 }
 
 void EmuCache::reboot() {
@@ -90,6 +148,7 @@ void EmuCache::reboot() {
   fault_armed_.clear();
   force_crash_.store(false, std::memory_order_relaxed);
   ticker_ = nullptr;
+  set_chores(nullptr, 0);
   pause_ms_ = 0;
   for (uint64_t l = 0; l < priv_.size() / 64; ++l) fetch_line(l);
 }
@@ -205,6 +264,16 @@ void EmuCache::at_point(const void* p, size_t n) {
       ticker_();
     }
   }
+  // After the beat, as a heartbeat thread does: the chores (row healing), on the host's chores
+  // thread while this one waits here, whatever it holds (a stripe, tier 1, its ticket).
+  if (chores_ && chores_interval_ns_ && !in_tick_) {
+    uint64_t now = uint64_t(std::chrono::steady_clock::now().time_since_epoch().count());
+    if (now - last_chores_ns_ > chores_interval_ns_) {
+      last_chores_ns_ = now;
+      run_chores();
+      if (crashed_) throw HostCrashed{};  // the host crashed inside its chores
+    }
+  }
 }
 
 void EmuCache::writeback(const void* p, size_t n, bool point) {
@@ -256,12 +325,25 @@ void EmuCache::streamed(const void* p, size_t n) {
   at_point(p, n);
 }
 
-void EmuCache::lock_entered(uint32_t k) {
+void EmuCache::lock_entered(uint32_t k, const void* own_line) {
   int prev = m_.holder[k].exchange(host_);
   if (prev != -1) {
     m_.counters.lock_overlap.fetch_add(1, std::memory_order_relaxed);
     m_.report("lock overlap: hosts " + std::to_string(prev) + " and " + std::to_string(host_) +
               " in stripe " + std::to_string(k));
+  }
+  // The bakery's promise to the other hosts: while we are inside, memory shows our ticket (they
+  // read our row there). A ticket number of 0 lets any of them in beside us.
+  const uint64_t l = line_of(own_line);
+  uint64_t number;
+  {
+    std::lock_guard<std::mutex> g(m_.line_mu(l));
+    number = load_word(m_.bytes() + l * 64 + offsetof(LockLine, number));
+  }
+  if (number == 0) {
+    m_.counters.lost_ticket.fetch_add(1, std::memory_order_relaxed);
+    m_.report("lost ticket: host " + std::to_string(host_) + " inside stripe " + std::to_string(k) +
+              " while memory shows its row empty");
   }
   std::uniform_real_distribution<double> u(0, 1);
   if (u(rng_) < cfg_.p_cs_yield) std::this_thread::yield();  // widen the section: overlaps show

@@ -17,10 +17,19 @@
 //                     metadata lines only (payload lines: see Memory::payload)
 //   invalidate_dirty  the host dropped a line holding its own unpublished stores
 //   lock_overlap      two hosts inside a critical section of one lock stripe at once
+//   lost_ticket       a host inside a critical section whose ticket memory does not hold (its
+//                     row reads empty to the other hosts: healing, or a writer, cleared it)
 // Lines that are lossy by design are excluded: access hints (many writers) and per-node counters.
 //
 // Test switches (negative controls): flushes become no-ops; invalidations are skipped; the lock's
-// ticket write-backs are dropped.
+// ticket write-backs are dropped; row healing resets the row of a stripe the host holds.
+//
+// A host's heartbeat chores (row healing, Bakery::heal_own_row) run on a second thread of the
+// host, as a real attachment's heartbeat thread runs them beside its workers, but stepped: at a
+// coherence point of the host's thread (set_chores), which waits meanwhile. So the chores meet the
+// host's stripes held (its thread parked inside lock(), tier 1 and ticket taken) and judge them as
+// a heartbeat thread must, by the process-local mutex another thread holds, never by re-entering
+// it, and the private cache needs no locking (one thread of the host runs at a time).
 // Debugging: CXLKV_SIM_TRACE=1 prints a backtrace to stderr at every lost update or dirty drop
 // (addr2line/c++filt turn it into the pool code path that did it).
 #pragma once
@@ -28,6 +37,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <random>
 #include <string>
@@ -42,10 +52,11 @@ struct Switches {
   bool no_flush = false;       // --break flush
   bool no_invalidate = false;  // --break invalidate
   bool no_lock_flush = false;  // --break lock
+  bool heal_holders = false;   // --break heal
 };
 
 struct Counters {
-  std::atomic<uint64_t> lost_update{0}, invalidate_dirty{0}, lock_overlap{0};
+  std::atomic<uint64_t> lost_update{0}, invalidate_dirty{0}, lock_overlap{0}, lost_ticket{0};
   std::atomic<uint64_t> evictions{0}, writebacks{0}, pause_deferred{0};
 };
 
@@ -93,7 +104,8 @@ class EmuCache final : public CacheModel {
   void invalidate(const void* p, size_t n, bool point) override;
   void streamed(const void* p, size_t n) override;
   bool drop_lock_writeback() const override { return cfg_.sw.no_lock_flush; }
-  void lock_entered(uint32_t k) override;
+  bool heal_ignores_holders() const override { return cfg_.sw.heal_holders; }
+  void lock_entered(uint32_t k, const void* own_line) override;
   void lock_left(uint32_t k) override;
   void fault_point(const char* name) override;
   // Crash at the next pass through the named fault point (instead of a random coherence call).
@@ -109,6 +121,12 @@ class EmuCache final : public CacheModel {
   void set_ticker(std::function<void()> fn, uint64_t interval_ns) {
     ticker_ = std::move(fn), tick_interval_ns_ = interval_ns;
   }
+  // The host's heartbeat chores (row healing): run on the host's chores thread at a coherence
+  // point at most every interval_ns, while this host's thread waits (see the top). Set and cleared
+  // from the host's thread; fn must not throw (a crash inside it shows at the host's next call).
+  void set_chores(std::function<void()> fn, uint64_t interval_ns);
+  uint64_t chore_runs() const { return chore_runs_; }
+  ~EmuCache();
   void arm_pause(uint64_t ms) { pause_ms_ = ms; }
   bool crashed() const { return crashed_; }
   uint64_t pauses() const { return pauses_; }
@@ -140,6 +158,11 @@ class EmuCache final : public CacheModel {
   std::function<void()> ticker_;
   uint64_t tick_interval_ns_ = 0, last_tick_ns_ = 0;
   bool in_tick_ = false;
+  // The chores thread and its hand-over (one of the host's two threads runs at a time).
+  struct Chores;
+  std::unique_ptr<Chores> chores_;
+  uint64_t chores_interval_ns_ = 0, last_chores_ns_ = 0, chore_runs_ = 0;
+  void run_chores();
   uint64_t pause_ms_ = 0, pauses_ = 0, fault_crashes_ = 0;
 };
 

@@ -1,5 +1,5 @@
 // cxlkv-sim: the non-coherence emulator from the command line (`cxlkv sim` runs it).
-//   cxlkv-sim [--hosts N] [--seconds S] [--seed K] [--break flush|invalidate|lock] [--lease-ms MS]
+//   cxlkv-sim [--hosts N] [--seconds S] [--seed K] [--break flush|invalidate|lock|heal] [--lease-ms MS]
 //             [--no-crashes] [--no-pauses]
 //   cxlkv-sim --bench OPS     cost of the multihost discipline vs coherent (bench_mh.h)
 // Prints one JSON object; exit status 0 (the caller judges `violations`), 2 on bad arguments.

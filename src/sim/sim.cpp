@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <random>
@@ -79,7 +80,7 @@ struct Shared {
   std::atomic<bool> stop{false};
   std::atomic<uint64_t> ops{0}, verified{0}, misses{0}, crashes{0}, fenced{0}, attaches{0}, other{0},
       skips{0};
-  std::atomic<uint64_t> wrong_payload{0}, stale_read{0};
+  std::atomic<uint64_t> wrong_payload{0}, stale_read{0}, healed{0}, observer_writes{0};
   std::mutex notes_mu;
   std::vector<std::string> notes;
   std::vector<std::unique_ptr<EmuCache>> caches;
@@ -105,6 +106,18 @@ Layout aux_layout(uint32_t i) {
   return l;
 }
 
+// The emulated host's heartbeat chore, as a real attachment's heartbeat thread runs it after each
+// beat: heal its own lock row (run on the host's chores thread, EmuCache::set_chores). A crash
+// or fence inside it shows at the host's next coherence call.
+std::function<void()> heal_chore(Shared& S, Pool* p) {
+  return [&S, p] {
+    try {
+      S.healed += p->heal_lock_row();
+    } catch (...) {
+    }
+  };
+}
+
 void host_loop(Shared& S, int h);
 void host_main(Shared& S, int h) {
   host_loop(S, h);
@@ -116,13 +129,47 @@ void host_loop(Shared& S, int h) {
   std::mt19937_64 rng(mix(S.o.seed * 1000003 + uint64_t(h)));
   std::uniform_real_distribution<double> u(0, 1);
   std::unique_ptr<Pool> pool;
+  // The host's observer (`pool check`/`reap` of an admin on this host): opened without a node
+  // slot or a row (RowLessArbiter), it reaps the dead; its first reclaim makes it a writer
+  // (become_writer) on the host's row beside `pool`: a host-mate sharing the row's tier-1 words.
+  std::unique_ptr<Pool> obs;
+  bool obs_writer = false;
   NsHandle ns, aux[3];
   bool have_aux[3] = {};
   const uint64_t lease_ns = uint64_t(S.o.lease_ms) * 1'000'000;
   uint64_t last_beat = 0, last_reap = 0;
   auto now_ns = [] { return uint64_t(Clock::now().time_since_epoch().count()); };
-  auto drop_pool = [&] {
+  // Both attachments of the host beat and heal, as each one's heartbeat thread would.
+  auto rearm = [&] {
+    Pool* p = pool.get();
+    Pool* q = obs.get();
+    cache.set_ticker(
+        [p, q] {
+          if (p) p->heartbeat_tick();
+          if (q) q->heartbeat_tick();
+        },
+        lease_ns / 8);
+    auto heal_p = p ? heal_chore(S, p) : nullptr, heal_q = q ? heal_chore(S, q) : nullptr;
+    cache.set_chores(
+        [heal_p, heal_q] {
+          if (heal_p) heal_p();
+          if (heal_q) heal_q();
+        },
+        lease_ns / 8);
+  };
+  auto drop_obs = [&] {
+    if (!obs) return;
     cache.set_ticker(nullptr, 0);
+    cache.set_chores(nullptr, 0);
+    obs->abandon();
+    obs.reset();
+    obs_writer = false;
+    if (pool) rearm();
+  };
+  auto drop_pool = [&] {
+    drop_obs();  // a crash takes the whole host
+    cache.set_ticker(nullptr, 0);
+    cache.set_chores(nullptr, 0);
     if (pool) {
       if (pool->bakery()) S.skips += pool->bakery()->skipped();
       pool->abandon();
@@ -142,17 +189,38 @@ void host_loop(Shared& S, int h) {
         eh.host_slot = h;
         cache.set_ticker(nullptr, 0);
         pool = Pool::open_emulated(eh);
-        cache.set_ticker([p = pool.get()] { p->heartbeat_tick(); }, lease_ns / 8);
+        rearm();
         ++S.attaches;
         ns = pool->open_namespace(main_layout());
         last_beat = now_ns();
       }
+      if (!obs) {
+        EmulatedHost eh;
+        eh.base = cache.base();
+        eh.size = S.mem->size();
+        eh.model = &cache;
+        eh.host_id = mix(0xC0FFEE + uint64_t(h)) | 1;
+        eh.host_slot = h;
+        obs = Pool::open_emulated(eh, /*attach=*/false);
+        rearm();
+      }
       uint64_t t = now_ns();
       if (t - last_beat > lease_ns / 8) {
         pool->heartbeat_tick();
+        obs->heartbeat_tick();
         last_beat = t;
       }
       if (t - last_reap > lease_ns / 2) {
+        try {
+          obs->reap_dead_nodes();  // first: the observer reclaims what it watched die
+          if (!obs_writer && obs->holds_row()) {
+            obs_writer = true;
+            ++S.observer_writes;
+            rearm();
+          }
+        } catch (const FencedError&) {  // the observer's own node (a writer) was judged dead
+          drop_obs();
+        }
         pool->reap_dead_nodes();
         last_reap = t;
       }
@@ -284,8 +352,20 @@ void host_loop(Shared& S, int h) {
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
   }
+  if (obs) {
+    cache.set_ticker(nullptr, 0);
+    cache.set_chores(nullptr, 0);
+    try {
+      obs->close();
+    } catch (const HostCrashed&) {
+    } catch (const std::exception& e) {
+      S.note(std::string("close of host ") + std::to_string(h) + "'s observer: " + e.what());
+    }
+    obs.reset();
+  }
   if (pool) {
     cache.set_ticker(nullptr, 0);
+    cache.set_chores(nullptr, 0);
     if (pool->bakery()) S.skips += pool->bakery()->skipped();
     try {
       pool->close();
@@ -359,6 +439,8 @@ std::string SimResult::to_json(const SimOptions& o) const {
     << ", \"fault_crashes\": " << fault_crashes << ", \"pauses\": " << pauses << ", \"fenced\": " << fenced
     << ", \"attaches\": " << attaches << ", \"lock_skips\": " << lock_skips
     << ", \"evictions\": " << evictions << ", \"pause_deferred\": " << pause_deferred
+    << ", \"heal_passes\": " << heal_passes << ", \"healed\": " << healed
+    << ", \"observer_writes\": " << observer_writes
     << ", \"check_incomplete\": " << (check_incomplete ? "true" : "false")
     << ", \"other_errors\": " << other_errors << ", \"violation_kinds\": {";
   bool first = true;
@@ -407,10 +489,11 @@ SimResult run_sim(const SimOptions& o) {
   S.cfg.sw.no_flush = o.brk == "flush";
   S.cfg.sw.no_invalidate = o.brk == "invalidate";
   S.cfg.sw.no_lock_flush = o.brk == "lock";
+  S.cfg.sw.heal_holders = o.brk == "heal";
   if (o.backend != "multihost" && o.backend != "flush")
     throw ArgumentError("backend must be multihost or flush");
-  if (!o.brk.empty() && o.brk != "flush" && o.brk != "invalidate" && o.brk != "lock")
-    throw ArgumentError("break must be one of flush, invalidate, lock");
+  if (!o.brk.empty() && o.brk != "flush" && o.brk != "invalidate" && o.brk != "lock" && o.brk != "heal")
+    throw ArgumentError("break must be one of flush, invalidate, lock, heal");
   format::PoolHeader hdr{};
   S.mem = std::make_unique<Memory>(make_image(o, &hdr), hdr);
   for (int h = 0; h < o.hosts; ++h)
@@ -456,7 +539,8 @@ SimResult run_sim(const SimOptions& o) {
 
   SimResult r;
   const uint64_t seen = S.mem->counters.lost_update + S.mem->counters.invalidate_dirty +
-                        S.mem->counters.lock_overlap + S.wrong_payload + S.stale_read;
+                        S.mem->counters.lock_overlap + S.mem->counters.lost_ticket + S.wrong_payload +
+                        S.stale_read;
   // The final checker: another host attaches once every dead node is dead by lease, reclaims
   // them, and runs `pool check` (accounting, double allocation, stuck entries) under emulation.
   // A negative control that is caught already skips it (it only adds seconds of lease waits).
@@ -478,12 +562,14 @@ SimResult run_sim(const SimOptions& o) {
       try {
         p = Pool::open_emulated(eh);
         cache.set_ticker([q = p.get()] { q->heartbeat_tick(); }, uint64_t(o.lease_ms) * 1'000'000 / 8);
+        cache.set_chores(heal_chore(S, p.get()), uint64_t(o.lease_ms) * 1'000'000 / 8);
         const auto until = Clock::now() + std::chrono::milliseconds(o.lease_ms * 2 + 100);
         // A retry after a fence (or a stop that overran) may not fit in --seconds any more: then
         // the check is reported incomplete rather than run early (crashed hosts not yet dead by
         // lease would look like stuck entries) or run past the bound.
         if (until + std::chrono::duration<double>(kCheckSeconds) > deadline) {
           cache.set_ticker(nullptr, 0);
+          cache.set_chores(nullptr, 0);
           p->abandon();
           r.check_incomplete = true;
           S.note("final check incomplete: --seconds left too little time for its lease wait");
@@ -499,10 +585,12 @@ SimResult run_sim(const SimOptions& o) {
         r.kinds["check_errors"] = cr.errors.size();
         for (size_t i = 0; i < cr.errors.size() && i < 4; ++i) S.note("check: " + cr.errors[i]);
         cache.set_ticker(nullptr, 0);
+        cache.set_chores(nullptr, 0);
         p->close();
         break;
       } catch (const FencedError& e) {
         cache.set_ticker(nullptr, 0);
+        cache.set_chores(nullptr, 0);
         if (p) p->abandon();
         if (attempt < 4) continue;
         r.check_incomplete = true;
@@ -510,6 +598,7 @@ SimResult run_sim(const SimOptions& o) {
         break;
       } catch (const std::exception& e) {
         cache.set_ticker(nullptr, 0);
+        cache.set_chores(nullptr, 0);
         if (p) p->abandon();
         // Under a --break switch the pool may be beyond checking: that is a violation too.
         r.kinds["check_errors"] += 1;
@@ -532,6 +621,10 @@ SimResult run_sim(const SimOptions& o) {
   r.kinds["lost_update"] = S.mem->counters.lost_update;
   r.kinds["invalidate_dirty"] = S.mem->counters.invalidate_dirty;
   r.kinds["lock_overlap"] = S.mem->counters.lock_overlap;
+  r.kinds["lost_ticket"] = S.mem->counters.lost_ticket;
+  r.healed = S.healed;
+  r.observer_writes = S.observer_writes;
+  for (auto& c : S.caches) r.heal_passes += c->chore_runs();
   r.kinds["wrong_payload"] = S.wrong_payload;
   r.kinds["stale_read"] = S.stale_read;
   r.notes = S.mem->reports;

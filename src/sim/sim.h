@@ -16,7 +16,8 @@ struct SimOptions {
   // (reserved_seconds). A run whose lease leaves no workload is refused (ArgumentError).
   double seconds = 4.0;
   uint64_t seed = 1;
-  std::string brk;  // "", "flush", "invalidate", "lock"
+  // "", "flush", "invalidate", "lock", "heal" (row healing resets a held stripe's ticket)
+  std::string brk;
   // multihost, or flush: the one-host discipline (claim = CAS on the host's own cache), which the
   // emulator shows is not enough across hosts
   std::string backend = "multihost";
@@ -34,6 +35,10 @@ struct SimResult {
   uint64_t ops = 0, verified_reads = 0, crashes = 0, pauses = 0, fenced = 0, attaches = 0;
   uint64_t fault_crashes = 0;  // crashes at the named fault point
   uint64_t misses = 0, other_errors = 0, lock_skips = 0, evictions = 0, pause_deferred = 0;
+  // Row healing (the hosts' heartbeat chore): passes run, and stripes of a row it reset.
+  uint64_t heal_passes = 0, healed = 0;
+  // Row-less observers (one per host, reaping) that became writers on their host's row.
+  uint64_t observer_writes = 0;
   // The final check could not run: its host was starved past half a lease (fenced) every time.
   // Safe (a fence, not a violation), but the run then proved less: reported, never hidden.
   bool check_incomplete = false;

@@ -5,8 +5,13 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <chrono>
+#include <cstdio>
 #include <cstring>
+#include <thread>
+#include <vector>
 
+#include "emu_cache.h"
 #include "pool.h"
 #include "sim.h"
 #include "test_util.h"
@@ -55,17 +60,19 @@ int caught_in(const std::string& brk, const std::string& backend = "multihost", 
 }  // namespace
 
 TEST(Emulator, CorrectProtocolHasNoViolations) {
-  uint64_t crashes = 0, pauses = 0, verified = 0;
+  uint64_t crashes = 0, pauses = 0, verified = 0, heal_passes = 0;
   for (uint64_t seed : {1, 2, 3}) {
     auto r = run(3, 1.5, seed, "");
     EXPECT_EQ(r.violations(), 0u) << "seed " << seed << ": " << r.to_json(sim::SimOptions{});
     EXPECT_EQ(r.other_errors, 0u);
-    crashes += r.crashes, pauses += r.pauses, verified += r.verified_reads;
+    crashes += r.crashes, pauses += r.pauses, verified += r.verified_reads, heal_passes += r.heal_passes;
   }
-  // The faults really happened and reads were really checked.
+  // The faults really happened, reads were really checked, and the hosts healed their rows beside
+  // their claims (each host's chores thread, stepped at its coherence points).
   EXPECT_GT(crashes, 0u);
   EXPECT_GT(pauses, 0u);
   EXPECT_GT(verified, 1000u);
+  EXPECT_GT(heal_passes, 10u);
 }
 
 // --seconds bounds the whole run: a lease whose waits cannot fit is refused up front (it used to
@@ -95,6 +102,10 @@ TEST(Emulator, MoreHostsHaveNoViolations) {
 TEST(Emulator, FlushesAsNoOpsAreCaught) { EXPECT_GE(caught_in("flush"), 2); }
 TEST(Emulator, SkippedInvalidationsAreCaught) { EXPECT_GE(caught_in("invalidate"), 2); }
 TEST(Emulator, DroppedLockFlushIsCaught) { EXPECT_GE(caught_in("lock"), 2); }
+// Row healing that treats the ticket of a stripe its own attachment holds as nobody's (it ignores
+// the process-local mutex another thread of the host holds) clears a live holder's row: only the
+// healing rule stands between that and two hosts inside one stripe.
+TEST(Emulator, HealingThatClearsAHoldersRowIsCaught) { EXPECT_GE(caught_in("heal"), 2); }
 // The single-host `flush` backend (claim = CAS, correct only inside one coherence domain) is not
 // multi-host safe: its CAS acts on the host's own cache.
 // Its races need contention inside a few microseconds: more hosts, longer runs.
@@ -165,4 +176,84 @@ TEST_F(Multihost, RealMemoryPutGetAndSlots) {
   EXPECT_TRUE(b->remove(nb, k));
   EXPECT_FALSE(a->contains(na, k));
   EXPECT_TRUE(a->check().ok);
+}
+
+// An emulated host heals its own row as a real attachment's heartbeat thread does: a stray ticket
+// written into its row in memory (node-less, so peers would honour it for a lease) is reset by the
+// host's chores thread, stepped at the host's own coherence points, and a peer then claims that
+// stripe at once. Without healing the peer would wait out the lease of standstill.
+TEST_F(Multihost, EmulatedHostHealsAStrayTicketInItsRow) {
+  CreateOptions c;
+  c.size = 4ull << 20;
+  c.backend = Backend::multihost;
+  c.lock_hosts = 4;
+  c.lease_ms = 2000;
+  ::setenv("CXLKV_HOST_SLOT", "3", 1);
+  format::PoolHeader hdr{};
+  {
+    auto p = create(c);
+    hdr = p->header();
+    p->close();
+  }
+  ::unsetenv("CXLKV_HOST_SLOT");
+  std::vector<char> img(c.size);
+  {
+    FILE* f = std::fopen(path_.c_str(), "rb");
+    ASSERT_NE(f, nullptr);
+    ASSERT_EQ(std::fread(img.data(), 1, img.size(), f), img.size());
+    std::fclose(f);
+  }
+  sim::Memory mem(std::move(img), hdr);
+  sim::EmuConfig cfg;
+  cfg.p_evict = 0;
+  cfg.p_yield = 0;
+  sim::EmuCache ca(mem, 0, 1, cfg), cb(mem, 1, 2, cfg);
+  auto open = [&](sim::EmuCache& cache, int slot) {
+    EmulatedHost eh;
+    eh.base = cache.base();
+    eh.size = mem.size();
+    eh.model = &cache;
+    eh.host_id = 0x1000 + uint64_t(slot) * 2 + 1;
+    eh.host_slot = slot;
+    return Pool::open_emulated(eh);
+  };
+  auto a = open(ca, 0);
+  auto b = open(cb, 1);
+  // The stray write: a node-less ticket in row 0 of every stripe, straight into memory.
+  for (uint32_t k = 0; k < format::kLockStripes; ++k) {
+    auto* l = reinterpret_cast<format::LockLine*>(mem.bytes() + format::kLockAreaOff) + (k * 4 + 0);
+    l->choosing = 0, l->number = 7, l->node = 0, l->node_word = 0, l->waits += 1;
+  }
+  uint64_t healed = 0;
+  ca.set_chores([&] { healed += a->heal_lock_row(); }, 1'000'000);
+  // Host A's beats are its coherence points (no claim of its own, which would overwrite its row
+  // too): they step its chores.
+  for (int i = 0; i < 200 && healed < format::kLockStripes; ++i) {
+    a->heartbeat_tick();
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  ca.set_chores(nullptr, 0);
+  EXPECT_GT(ca.chore_runs(), 0u);
+  EXPECT_GE(healed, uint64_t(format::kLockStripes));
+  for (uint32_t k = 0; k < format::kLockStripes; ++k) {
+    auto* l = reinterpret_cast<format::LockLine*>(mem.bytes() + format::kLockAreaOff) + (k * 4 + 0);
+    EXPECT_EQ(l->number, 0u) << "stripe " << k;
+  }
+  // Host B's claims (a namespace and a put take several stripes) pass at once: far under the
+  // lease of standstill a node-less stray ticket would cost them.
+  const auto t0 = std::chrono::steady_clock::now();
+  auto nb = b->open_namespace(layout("heal", 4096));
+  std::vector<char> data(4096, 'h');
+  Piece src{data.data(), data.size()};
+  Key key{};
+  key[1] = 1;
+  EXPECT_TRUE(b->put(nb, key, &src, 1, 0));
+  const auto waited = std::chrono::steady_clock::now() - t0;
+  EXPECT_LT(waited, std::chrono::milliseconds(1000))
+      << std::chrono::duration_cast<std::chrono::milliseconds>(waited).count() << " ms";
+  EXPECT_EQ(mem.counters.lost_update.load() + mem.counters.invalidate_dirty.load() +
+                mem.counters.lost_ticket.load(),
+            0u);
+  b->close();
+  a->close();
 }

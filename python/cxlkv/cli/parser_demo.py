@@ -67,8 +67,9 @@ def add_demo(sub: Any, default_pool: str) -> None:
         dest="brk",
         choices=BREAKS,
         default=None,
-        help="negative control: flushes as no-ops, invalidations skipped, or the lock's ticket "
-        "write-backs dropped; the run must then find violations (exit 1 if it does not)",
+        help="negative control: flushes as no-ops, invalidations skipped, the lock's ticket "
+        "write-backs dropped, or row healing that resets a held stripe's ticket; the run must then "
+        "find violations (exit 1 if it does not)",
     )
     sm.add_argument(
         "--backend",

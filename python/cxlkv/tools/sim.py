@@ -2,8 +2,9 @@
 
 The C++ emulator (``src/sim``, installed beside the extension module as ``cxlkv-sim``) runs N
 simulated hosts, each a real :class:`Pool` over its own non-coherent cache of one shared region,
-with random evictions, host crashes and pauses past the lease, and counts every violation (lost
-update, dirty line dropped, lock overlap, wrong or stale payload accepted, ``pool check`` errors).
+with random evictions, host crashes and pauses past the lease, and row healing on each host's
+chores thread, and counts every violation (lost update, dirty line dropped, lock overlap, a
+holder's ticket lost from memory, wrong or stale payload accepted, ``pool check`` errors).
 
 Exit status: 0 when the run says what it should (no violation without ``--break``; at least one
 with ``--break``, i.e. the negative control was caught), 1 otherwise, 2 on bad input.
@@ -19,7 +20,7 @@ from typing import Any
 
 from cxlkv.errors import CommandError
 
-BREAKS = ("flush", "invalidate", "lock")
+BREAKS = ("flush", "invalidate", "lock", "heal")
 FAULTS = ("insert.claimed", "insert.copied", "evict.claimed", "alloc.claimed", "alloc.carving", "lock.held")
 
 

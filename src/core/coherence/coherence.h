@@ -51,8 +51,12 @@ class CacheModel {
   virtual void streamed(const void* p, size_t n) = 0;                // non-temporal stores + sfence
   // The cross-host lock's own ticket write-backs (a test switch drops them: a negative control).
   virtual bool drop_lock_writeback() const { return false; }
-  // Oracle of the lock: called on entering and leaving a critical section of stripe k.
-  virtual void lock_entered(uint32_t) {}
+  // Row healing that resets a ticket under a stripe a thread of ours holds (a test switch: the
+  // negative control of the rule that healing never clears a live holder's row).
+  virtual bool heal_ignores_holders() const { return false; }
+  // Oracle of the lock: called on entering and leaving a critical section of stripe k; own_line is
+  // the holder's lock line of that stripe, whose ticket memory must hold while it is inside.
+  virtual void lock_entered(uint32_t, const void* /*own_line*/) {}
   virtual void lock_left(uint32_t) {}
   // A named fault point of a protocol (insert, evict, alloc, lock): a test crashes the host there.
   virtual void fault_point(const char*) {}

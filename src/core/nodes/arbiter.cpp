@@ -220,7 +220,16 @@ uint32_t Bakery::heal_own_row() {
   const uint64_t mine = mine_.load(std::memory_order_relaxed);
   for (uint32_t k = 0; k < kLockStripes; ++k) {
     std::unique_lock<std::timed_mutex> g(local_[k], std::try_to_lock);
-    if (!g.owns_lock()) continue;  // a thread of ours uses the stripe
+    if (!g.owns_lock()) {  // a thread of ours uses the stripe: its row is a live holder's
+      if (CacheModel* m = c_.coh.model(); m && m->heal_ignores_holders()) {  // negative control
+        LockLine* me = line(k, c_.slot);
+        me->choosing = 0, me->number = 0;
+        bump(me);
+        write_back(me);
+        ++n;
+      }
+      continue;
+    }
     const uint64_t v = std::atomic_ref<uint64_t>(tier1(k)).load(std::memory_order_acquire);
     if (v != 0) {
       // A word whose process is gone, or that names no host-mate of this row (a stray write):
@@ -241,10 +250,15 @@ uint32_t Bakery::heal_own_row() {
       }
       continue;
     }
-    if (!tier1_cas(k, 0, mine)) continue;  // a host-mate took it just now
     LockLine* me = line(k, c_.slot);
-    c_.coh.invalidate(me, sizeof *me);  // another host may have written it (the row is untrusted)
-    if (me->choosing || me->number) {   // node/node_word stay after a release: not a ticket
+    // Another host may have written the row in memory (it is untrusted): read memory's copy,
+    // before our CAS stores into the line. The line may be dirty (a host-mate's release whose
+    // write-back has not run yet), so as clflush does: write back, then drop; a drop alone would
+    // lose those stores (the emulator caught it: a dirty lock line dropped by healing).
+    c_.coh.flush(me, sizeof *me);
+    c_.coh.invalidate(me, sizeof *me);
+    if (!tier1_cas(k, 0, mine)) continue;  // a host-mate took it just now
+    if (me->choosing || me->number) {      // node/node_word stay after a release: not a ticket
       ++n;
       release_row(k);  // writes the reset ticket back with the free word
     } else {
@@ -636,7 +650,7 @@ void Bakery::lock(const void* addr) {
     nodeless.release();  // held until unlock(k): one stripe at a time without a node
     nodeless_held_[k] = true;
   }
-  if (CacheModel* m = c_.coh.model()) m->lock_entered(k);
+  if (CacheModel* m = c_.coh.model()) m->lock_entered(k, line(k, c_.slot));
 }
 
 void Bakery::unlock(const void* addr) {

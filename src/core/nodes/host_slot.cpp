@@ -202,6 +202,12 @@ void Pool::become_writer() {
   settle_host_slot(true);
 }
 
+uint32_t Pool::heal_lock_row() {
+  // As the heartbeat thread: only for an attachment that beats (a node), never once fenced.
+  if (!bakery_ || !node_id_ || fenced_.load(std::memory_order_acquire)) return 0;
+  return bakery_->heal_own_row();
+}
+
 Bakery& Pool::lock_view() {
   if (bakery_) return *bakery_;
   if (!lock_reader_) {
