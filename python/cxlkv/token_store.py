@@ -111,8 +111,9 @@ class TokenStore:
         geo = _core.token_block_layout(self.num_layers, self.tokens_per_block, self.row_bytes)
         self.block_bytes: int = geo["block_bytes"]
         self._payload = geo["payload_bytes"]
+        self._row_stride = geo["row_stride"]  # a row's slot: its bytes, a zero pad, its check
         self._max_chunks = -(-max_tokens_per_seq // self.tokens_per_block)
-        # The token format is part of the identity: block_bytes (rows + row hashes + header) and a
+        # The token format is part of the identity: block_bytes (row slots + header) and a
         # name of its own, so a block namespace of the same layout never shares these blocks.
         self.ns_layout = dataclasses.replace(layout, block_bytes=self.block_bytes)
         self.ns_name = f"{layout.default_name()}#tokens/v{TOKEN_FORMAT_VERSION}/s{stream}"
@@ -185,8 +186,8 @@ class TokenStore:
             c, t0 = divmod(tail.n_tokens, T)
             take = min(T - t0, n - done)
             block = tail.block if tail.block is not None else np.zeros(self.block_bytes, np.uint8)
-            payload = block[: self._payload].reshape(self.num_layers, T, self.row_bytes)
-            payload[:, t0 : t0 + take] = data[:, done : done + take]
+            slots = block[: self._payload].reshape(self.num_layers, T, self._row_stride)
+            slots[:, t0 : t0 + take, : self.row_bytes] = data[:, done : done + take]
             valid = t0 + take
             _core.token_seal(
                 block, self.num_layers, T, self.row_bytes, self._seq_hash(seq), self.stream, c, valid

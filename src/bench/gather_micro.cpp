@@ -121,7 +121,8 @@ int main(int argc, char** argv) {
       const uint32_t layer = uint32_t(r / k);
       const uint64_t pos = uint64_t(idx[r]);
       const char* blk = pool->arena_bytes(offs[pos / T], bb);
-      f(r, layer, pos, blk + g.row_off(layer, uint32_t(pos % T)), blk + g.hash_off(layer, uint32_t(pos % T)));
+      f(r, layer, pos, blk + g.row_off(layer, uint32_t(pos % T)),
+        blk + g.check_off(layer, uint32_t(pos % T)));
     }
   };
   SeqRows s{&g, kSeq, 0, nb * T, offs.data(), offs.size()};

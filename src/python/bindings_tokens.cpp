@@ -43,14 +43,15 @@ void bind_tokens(nb::module_& m, NsAccessFn access) {
       [](uint64_t layers, uint64_t tokens_per_block, uint64_t row_bytes) {
         auto g = tokens::TokenGeometry::make(layers, tokens_per_block, row_bytes);
         nb::dict d;
-        d["payload_bytes"] = g.payload_bytes(), d["hashes_off"] = g.hashes_off();
+        d["payload_bytes"] = g.payload_bytes(), d["row_stride"] = g.row_stride();
         d["header_off"] = g.header_off(), d["block_bytes"] = g.block_bytes();
         d["version"] = tokens::kTokenBlockVersion;
         d["row_check_kernel"] = tokens::row_check_kernel_name();  // the gather's copy+check on this CPU
         return d;
       },
       "layers"_a, "tokens_per_block"_a, "row_bytes"_a,
-      "Byte layout of a token block (token_rows.h): payload, row hashes, header, total.");
+      "Byte layout of a token block (token_rows.h): payload (row slots: row, pad, check), slot stride, "
+      "header, total.");
 
   m.def(
       "token_seal",
@@ -64,7 +65,8 @@ void bind_tokens(nb::module_& m, NsAccessFn access) {
         tokens::seal_block(static_cast<char*>(block.data()), g, seq_hash, stream, chunk, valid_tokens);
       },
       "block"_a, "layers"_a, "tokens_per_block"_a, "row_bytes"_a, "seq_hash"_a, "stream"_a, "chunk"_a,
-      "valid_tokens"_a, "Row hashes and header of a block whose rows the caller wrote (token_rows.h).");
+      "valid_tokens"_a,
+      "Row checks, pads and header of a block whose rows the caller wrote in their slots (token_rows.h).");
 
   m.def(
       "token_resolve",

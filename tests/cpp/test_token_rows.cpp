@@ -174,7 +174,8 @@ TEST_F(TokenRows, RowsChangingMidGatherAreAMissNeverWrongRows) {
   std::thread writer([&] {
     for (uint64_t n = 0; !stop.load(std::memory_order_relaxed); ++n)
       for (uint32_t t = 0; t < 64; ++t)
-        __atomic_fetch_xor(rows + t * 656 + (n / 2) % 656, char(1), __ATOMIC_RELAXED);  // odd passes undo
+        __atomic_fetch_xor(rows + g.row_off(0, t) + (n / 2) % 656, char(1),
+                           __ATOMIC_RELAXED);  // odd passes undo
   });
   std::vector<int64_t> idx(200);
   for (auto& i : idx) i = int64_t(rng() % 64);
@@ -265,14 +266,17 @@ TEST(RowCheck, KernelsAgreeCopyExactlyAndEveryChangeIsSeen) {
   }
 }
 
-// Token format 3 (row_check.h): one corrupt byte anywhere in a row, whatever its value, is a miss
-// of that row alone: the gather names it, and every other row of the block still gathers exactly.
-// A block sealed by another format version (its header says so) resolves to nothing: a miss.
-TEST_F(TokenRows, FormatThreeAnyCorruptByteIsThatRowsMissOnly) {
-  for (uint32_t R : {656u, 1152u}) {
+// Token format 4 (token_rows.h: each row's check in the row's own slot, after the row and a zero
+// pad): one corrupt byte anywhere in a row's slot, whatever its value, is a miss of that row alone
+// when it is a row or check byte (the gather names it, and every other row of the block still
+// gathers exactly), and changes nothing delivered when it is a pad byte. A block sealed by another
+// format version (its header says so) resolves to nothing: a miss.
+TEST_F(TokenRows, FormatFourAnyCorruptByteIsThatRowsMissOnly) {
+  for (uint32_t R : {656u, 1152u, 132u}) {
     const auto g = TokenGeometry::make(2, 64, R);
+    ASSERT_EQ(g.row_stride(), (R + 7) / 8 * 8 + 8);
     auto pool = create(opts(32 * MiB, 1 * MiB));
-    auto ns = pool->open_namespace(layout("tokens-f3-" + std::to_string(R), g.block_bytes()));
+    auto ns = pool->open_namespace(layout("tokens-f4-" + std::to_string(R), g.block_bytes()));
     std::mt19937_64 rng(std::random_device{}());
     const uint64_t seq = rng();
     OneBlock one;
@@ -285,12 +289,18 @@ TEST_F(TokenRows, FormatThreeAnyCorruptByteIsThatRowsMissOnly) {
     for (int64_t t = 0; t < 64; ++t)
       if (t != 20) others.push_back(t);
     std::vector<char> out(2 * 64 * R);  // two layers of (at most) 64 rows
-    char* row = const_cast<char*>(pool->arena_bytes(offset + g.row_off(1, 20), R));
-    ASSERT_NE(row, nullptr);
-    for (uint32_t b = 0; b < R; ++b) {
+    char* slot = const_cast<char*>(pool->arena_bytes(offset + g.row_off(1, 20), g.row_stride()));
+    ASSERT_NE(slot, nullptr);
+    for (uint32_t b = 0; b < g.row_stride(); ++b) {
       const char flip = char(1 + rng() % 255);
-      row[b] ^= flip;
+      slot[b] ^= flip;
       auto res = tokens::gather_rows(*pool, s, 0, 2, every.data(), 64, false, out.data());
+      if (b >= R && b < g.check_at()) {  // a pad byte: never read, the row still verifies exactly
+        ASSERT_EQ(res.status, GatherResult::kOk) << R << " pad byte " << b;
+        ASSERT_EQ(std::memcmp(out.data() + (64 + 20) * R, block.data() + g.row_off(1, 20), R), 0);
+        slot[b] ^= flip;
+        continue;
+      }
       ASSERT_EQ(res.status, GatherResult::kMiss) << R << " byte " << b;
       ASSERT_EQ(res.bad_layer, 1u);
       ASSERT_EQ(res.bad_index, 20);
@@ -301,16 +311,16 @@ TEST_F(TokenRows, FormatThreeAnyCorruptByteIsThatRowsMissOnly) {
         ASSERT_EQ(std::memcmp(out.data() + (others.size() + i) * R,
                               block.data() + g.row_off(1, uint32_t(others[i])), R),
                   0);
-      row[b] ^= flip;
+      slot[b] ^= flip;
     }
     ASSERT_EQ(tokens::gather_rows(*pool, s, 0, 2, every.data(), 64, false, out.data()).status,
               GatherResult::kOk);
     pool->release(one.pins);
-    // the same rows under a version-2 header (its own hash right): foreign to a format-3 reader
+    // the same bytes under a version-3 header (its own hash right): foreign to a format-4 reader
     tokens::TokenBlockHeader h;
     std::memcpy(&h, block.data() + g.header_off(), sizeof h);
-    ASSERT_EQ(h.version, 3u);
-    h.version = 2;
+    ASSERT_EQ(h.version, 4u);
+    h.version = 3;
     h.header_hash = xxh3(&h, offsetof(tokens::TokenBlockHeader, header_hash));
     std::memcpy(block.data() + g.header_off(), &h, sizeof h);
     const Key old_key = key_of(8);
@@ -324,14 +334,41 @@ TEST_F(TokenRows, FormatThreeAnyCorruptByteIsThatRowsMissOnly) {
   }
 }
 
+// seal_block's output depends only on the rows it was given: whatever the pads, checks and rows past
+// valid_tokens held before, they come out zero (a resumed partial chunk is re-sealed and compared
+// byte for byte: token_store.py), and each check sits at check_off.
+TEST(TokenSeal, PadsAndUnusedSlotsAreZeroAndChecksSitBesideTheirRows) {
+  const auto g = TokenGeometry::make(2, 8, 132);
+  std::mt19937_64 rng(std::random_device{}());
+  std::vector<char> a(g.block_bytes()), b(g.block_bytes());
+  for (auto& x : a) x = char(rng());
+  for (auto& x : b) x = char(rng());
+  for (uint32_t l = 0; l < 2; ++l)
+    for (uint32_t t = 0; t < 5; ++t) std::memcpy(b.data() + g.row_off(l, t), a.data() + g.row_off(l, t), 132);
+  tokens::seal_block(a.data(), g, 99, 0, 3, 5);
+  tokens::seal_block(b.data(), g, 99, 0, 3, 5);
+  ASSERT_EQ(a, b);
+  for (uint32_t l = 0; l < 2; ++l)
+    for (uint32_t t = 0; t < 8; ++t) {
+      const char* slot = a.data() + g.row_off(l, t);
+      for (uint64_t x = (t < 5 ? 132 : 0); x < g.check_at(); ++x) ASSERT_EQ(slot[x], 0) << l << " " << t;
+      uint64_t c;
+      std::memcpy(&c, a.data() + g.check_off(l, t), 8);
+      const uint64_t want =
+          t < 5 ? tokens::row_check(slot, 132, tokens::row_seed(tokens::layer_seed(99, 0, l), 3 * 8 + t)) : 0;
+      ASSERT_EQ(c, want) << l << " " << t;
+    }
+}
+
 TEST_F(TokenRows, GeometryRefusesNonsense) {
   EXPECT_THROW(TokenGeometry::make(0, 16, 656), ArgumentError);
   EXPECT_THROW(TokenGeometry::make(61, 0, 656), ArgumentError);
   EXPECT_THROW(TokenGeometry::make(61, 64, 0), ArgumentError);
   const auto g = TokenGeometry::make(61, 64, 1152);
-  EXPECT_EQ(g.payload_bytes(), 61u * 64 * 1152);
+  EXPECT_EQ(g.payload_bytes(), 61u * 64 * (1152 + 8));
   EXPECT_EQ(g.block_bytes() % 64, 0u);
-  EXPECT_GE(g.hashes_off(), g.payload_bytes());
+  EXPECT_GE(g.header_off(), g.payload_bytes());
+  EXPECT_EQ(g.check_off(1, 2) - g.row_off(1, 2), 1152u);
 }
 
 }  // namespace

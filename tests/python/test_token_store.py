@@ -233,7 +233,8 @@ def test_overwritten_or_corrupt_rows_are_a_miss(make_pool, pool_path):
     ts.gather(b"c", 1, [20], out)
     # corrupt one byte of row (layer 1, token 20) in the pool file, under the reader's pins
     where = ts._ns.locate(ts.block_key(b"c", 1, 16))
-    off = where["offset"] + (1 * 16 + 4) * 656 + 100
+    stride = cxlkv._core.token_block_layout(3, 16, 656)["row_stride"]  # a row's slot: row, check
+    off = where["offset"] + (1 * 16 + 4) * stride + 100
     with open(pool_path, "r+b") as f:
         f.seek(off)
         byte = f.read(1)
@@ -289,7 +290,8 @@ def test_a_gather_split_over_threads_is_exact_and_reports_the_first_bad_row(
     def corrupt(layer: int, token: int) -> None:
         c, t = divmod(token, 16)
         where = ts._ns.locate(ts.block_key(b"big", c, 16))
-        off = where["offset"] + (layer * 16 + t) * 656 + 7
+        stride = cxlkv._core.token_block_layout(3, 16, 656)["row_stride"]
+        off = where["offset"] + (layer * 16 + t) * stride + 7
         with open(pool_path, "r+b") as f:
             f.seek(off)
             byte = f.read(1)

@@ -1,4 +1,4 @@
-// The per-row check of token blocks (token_rows.h, format version 3), and a kernel that copies a
+// The per-row check of token blocks (token_rows.h, format versions 3 and 4), and a kernel that copies a
 // row and computes its check in one pass (src/bench/gather_micro.cpp measures both; the gather uses
 // row_check over the delivered bytes).
 //

@@ -52,14 +52,18 @@ void seal_block(char* block, const TokenGeometry& g, uint64_t seq_hash, uint32_t
   if (valid_tokens == 0 || valid_tokens > g.tokens_per_block)
     throw ArgumentError("valid_tokens must be 1.." + std::to_string(g.tokens_per_block));
   std::memset(block + g.payload_bytes(), 0, g.header_off() - g.payload_bytes());
-  const uint64_t base_pos = chunk * g.tokens_per_block;
+  const uint64_t base_pos = chunk * g.tokens_per_block, R = g.row_bytes, S = g.row_stride();
   for (uint32_t l = 0; l < g.layers; ++l) {
     const uint64_t ls = layer_seed(seq_hash, stream, l);
-    std::memset(block + g.row_off(l, valid_tokens), 0,
-                uint64_t(g.tokens_per_block - valid_tokens) * g.row_bytes);
-    for (uint32_t t = 0; t < valid_tokens; ++t) {
-      uint64_t h = row_check(block + g.row_off(l, t), g.row_bytes, row_seed(ls, base_pos + t));
-      std::memcpy(block + g.hash_off(l, t), &h, 8);
+    for (uint32_t t = 0; t < g.tokens_per_block; ++t) {
+      char* slot = block + g.row_off(l, t);
+      if (t >= valid_tokens) {
+        std::memset(slot, 0, S);
+        continue;
+      }
+      std::memset(slot + R, 0, S - R);  // the pad, then the check
+      const uint64_t h = row_check(slot, R, row_seed(ls, base_pos + t));
+      std::memcpy(slot + g.check_at(), &h, 8);
     }
   }
   TokenBlockHeader hdr{kTokenBlockMagic,
@@ -120,7 +124,7 @@ namespace {
 GatherResult gather_range(const Pool& pool, const SeqRows& s, uint32_t first_layer, const int64_t* indices,
                           size_t k, bool indices_per_layer, char* out, size_t lo, size_t hi) {
   const TokenGeometry& g = *s.g;
-  const uint64_t R = g.row_bytes, block_bytes = g.block_bytes();
+  const uint64_t R = g.row_bytes, S = g.row_stride(), check_at = g.check_at(), block_bytes = g.block_bytes();
   const uint32_t T = g.tokens_per_block;
   // Index math without a division per row (a 64-bit divide costs as much as a quarter of a short
   // row's check): tokens_per_block is a power of two in every layout we know (a shift), and the
@@ -129,7 +133,7 @@ GatherResult gather_range(const Pool& pool, const SeqRows& s, uint32_t first_lay
   const unsigned t_shift = unsigned(__builtin_ctz(T));
   GatherResult r;
   constexpr size_t kBatch = 32;
-  uint64_t want[kBatch];  // the stored checks, read beside each row's copy
+  uint64_t want[kBatch];  // the stored checks, read with each row's copy (from the row's own slot)
   uint64_t pos[kBatch];   // the rows' positions
   uint32_t lay[kBatch];   // and layers
   bool present[kBatch];   // false: the block's offset lies outside the arena
@@ -149,8 +153,9 @@ GatherResult gather_range(const Pool& pool, const SeqRows& s, uint32_t first_lay
       const char* blk = pool.arena_bytes(s.offsets[chunk], block_bytes);
       present[i] = blk != nullptr;
       if (!blk) continue;
-      std::memcpy(out + row * R, blk + g.row_off(layer, t), R);
-      std::memcpy(&want[i], blk + g.hash_off(layer, t), 8);
+      const char* slot = blk + (uint64_t(layer) * T + t) * S;  // g.row_off(layer, t)
+      std::memcpy(out + row * R, slot, R);
+      std::memcpy(&want[i], slot + check_at, 8);
     }
     // Check the bytes as delivered (never re-read the pool): a concurrent writer can only make the
     // comparison fail, never make it pass for bytes other than those in out.
