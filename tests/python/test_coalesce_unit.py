@@ -24,6 +24,8 @@ from cxlkv.integrations.coalesce import (
     CoalesceWorker,
     PrefillRate,
     WaitOp,
+    WriterClock,
+    clock_key,
     intent_key,
 )
 from cxlkv.integrations.pool_session import PoolSession
@@ -120,17 +122,29 @@ def test_config_defaults_and_errors():
             CoalesceConfig.from_extra(bad)
 
 
-def scheduler(path: str, counts: Counts | None = None, **cfg) -> CoalesceScheduler:
+def scheduler(path: str, counts: Counts | None = None, wall=time.time, **cfg) -> CoalesceScheduler:
     cfg.setdefault("prefill_tps", 1.0)  # a slow engine: the bound is wait_s unless a test sets it
     return CoalesceScheduler(
-        CoalesceConfig(**cfg, fixed_rate=True), session(path), Counts() if counts is None else counts, LOG, BS
+        CoalesceConfig(**cfg, fixed_rate=True),
+        session(path),
+        Counts() if counts is None else counts,
+        LOG,
+        BS,
+        wall=wall,
     )
+
+
+def writer(path: str, counts: Counts | None = None, **cfg) -> CoalesceScheduler:
+    """An engine far faster than `scheduler`'s: its blocks are expected long before a waiter could
+    compute them, so a waiter waits (the tests of what a wait does)."""
+    cfg.setdefault("prefill_tps", 1e6)
+    return scheduler(path, counts, **cfg)
 
 
 def test_first_engine_writes_second_waits(pool_path):
     keys = chain(1, 6)
     a_counts, b_counts = Counts(), Counts()
-    a, b = scheduler(pool_path, a_counts), scheduler(pool_path, b_counts)
+    a, b = writer(pool_path, a_counts), scheduler(pool_path, b_counts)
     assert a.on_miss("ra", keys, 0, 0, 6, True, True) is None and a.holds("ra")
     assert a.on_miss("ra", keys, 0, 0, 6, True, True) is None and a.holds("ra")  # looked up again
     assert a.on_miss("ra2", keys, 0, 0, 6, True, True) is None and not a.holds("ra2")  # same engine
@@ -227,7 +241,7 @@ def poll_until_done(worker: CoalesceWorker, load, bound: int = 2000) -> tuple[se
 
 def test_waiter_loads_blocks_once_the_writer_publishes_them(pool_path):
     keys = chain(11, 4)
-    a, b = scheduler(pool_path), scheduler(pool_path)
+    a, b = writer(pool_path), scheduler(pool_path)
     store(pool_path, keys[:1], 5)  # block 0 was in the pool already
     a.on_miss("ra", keys, 0, 1, 4, True, True)
     wait = b.on_miss("rb", keys, 0, 1, 4, True, True)
@@ -247,7 +261,7 @@ def test_waiter_loads_blocks_once_the_writer_publishes_them(pool_path):
 
 def test_writer_done_with_fewer_blocks_and_deadline(pool_path):
     keys = chain(12, 4)
-    a, b = scheduler(pool_path), scheduler(pool_path, wait_s=0.3)
+    a, b = writer(pool_path), scheduler(pool_path, wait_s=0.3)
     a.on_miss("ra", keys, 0, 0, 4, True, True)
     b.on_miss("rb", keys, 0, 0, 4, True, True)
     b.allocated("rb", [0, 1, 2, 3], 4 * BS, BS)
@@ -349,7 +363,7 @@ def test_next_turn_waits_only_for_the_blocks_the_turn_in_flight_covers(pool_path
     turn1 = chain(31, 4)
     turn2 = turn1 + [hashlib.sha256(b"turn2/%d" % i).digest() for i in range(2)]
     counts = Counts()
-    a, b, c = scheduler(pool_path), scheduler(pool_path, counts), scheduler(pool_path)
+    a, b, c = writer(pool_path), scheduler(pool_path, counts), scheduler(pool_path)
     assert a.on_miss("t1", turn1, 0, 0, 4, True, True) is None and a.held_blocks("t1") == (0, 4)
     wait = b.on_miss("t2", turn2, 0, 0, 6, True, True)
     assert wait is not None and wait.op.keys == turn1 and wait.uncovered == 2
@@ -375,7 +389,7 @@ def test_next_turn_waits_only_for_the_blocks_the_turn_in_flight_covers(pool_path
 def test_wait_loads_the_covered_part_and_counts_it(pool_path):
     turn1 = chain(32, 3)
     turn2 = turn1 + chain(33, 2)
-    a, b = scheduler(pool_path), scheduler(pool_path)
+    a, b = writer(pool_path), scheduler(pool_path)
     a.on_miss("t1", turn1, 0, 0, 3, True, True)
     b.on_miss("t2", turn2, 0, 0, 5, True, True)
     b.allocated("t2", [5, 6, 7, 8, 9], 3 * BS, BS)
@@ -422,7 +436,7 @@ def test_wait_bound_from_the_prefill_rate(pool_path):
     """The bound is the time this engine would take to compute the blocks waited for: a writer
     slower than that loses its waiter at the bound (deadline), which loads what landed."""
     keys = chain(34, 4)
-    a = scheduler(pool_path)
+    a = writer(pool_path)
     b = scheduler(pool_path, prefill_tps=float(BS * 4) / 2.0, wait_s=30.0)  # 4 blocks: 2 s
     assert b.bounds(4 * BS) == (pytest.approx(2.0), pytest.approx(4.0))
     assert b.bounds(10**9)[0] == 30.0  # capped by coalesce_wait_s
@@ -452,7 +466,7 @@ def test_stalled_writer_releases_its_waiter(pool_path):
     """A writer that holds its intents and makes no progress (e.g. queued behind other work) is
     given up after STALL_FACTOR x one chunk's estimated compute, long before the bound."""
     keys = chain(35, 8)
-    a = scheduler(pool_path)
+    a = writer(pool_path)
     b = CoalesceScheduler(
         CoalesceConfig(prefill_tps=BS, fixed_rate=True),
         session(pool_path),
@@ -481,7 +495,7 @@ def test_stalled_writer_releases_its_waiter(pool_path):
 @pytest.mark.parametrize("how", ["short", "preempted"])
 def test_writer_short_or_preempted_releases_its_waiter_within_a_step(pool_path, how):
     keys = chain(36, 4)
-    a, b = scheduler(pool_path), scheduler(pool_path)
+    a, b = writer(pool_path), scheduler(pool_path)
     a.on_miss("w", keys, 0, 0, 4, True, True)
     b.on_miss("r", keys, 0, 0, 4, True, True)
     b.allocated("r", [4, 5, 6, 7], 4 * BS, BS)
@@ -496,3 +510,79 @@ def test_writer_short_or_preempted_releases_its_waiter_within_a_step(pool_path, 
     assert done == {"r"} and errors == ({5, 6, 7} if how == "short" else {4, 5, 6, 7})
     assert counts["coalesce_fallback_writer_gone"] == 1
     a.close()
+
+
+def test_simultaneous_starts_compute_staggered_arrivals_wait(pool_path):
+    """Wait only when waiting is clearly shorter than computing now (issue 24 item 2): two engines
+    of the same speed that begin one new prefix at the same moment both compute it (the rule
+    before waited, and lost: a tie costs the polls and the load); one that arrives when the writer
+    is nearly done, or with a long prefill backlog of its own, waits."""
+    wall = Clock()
+    wall.t = 1_000_000.0
+    tps = 4.0 * BS  # 4 blocks a second in both engines
+    counts = Counts()
+    a = scheduler(pool_path, wall=wall, prefill_tps=tps)
+    b = scheduler(pool_path, counts, wall=wall, prefill_tps=tps)
+    keys = chain(41, 8)  # 2 s to compute in either engine
+    assert a.on_miss("w", keys, 0, 0, 8, True, True) is None and a.holds("w")
+    assert b.on_miss("r", keys, 0, 0, 8, True, True) is None  # same moment, same speed: compute
+    assert counts == {"coalesce_declined": 1}
+    # A longer backlog here than the writer's: computing would take 2 + 4 s, the writer 2 s.
+    assert b.on_miss("r2", keys, 0, 0, 8, True, True, backlog=16 * BS) is not None
+    # Staggered: the writer began 1.8 s ago; 0.2 s (+ the settle) left against 2 s here.
+    keys2 = chain(42, 8)
+    a.on_miss("w2", keys2, 0, 0, 8, True, True)
+    wall.t += 1.8
+    wait = b.on_miss("r3", keys2, 0, 0, 8, True, True)
+    assert wait is not None and wait.wait_s == pytest.approx(2.0)
+    # A writer whose engine has a long backlog publishes it: a waiter without one computes.
+    keys3 = chain(43, 8)
+    a.on_miss("w3", keys3, 0, 0, 8, True, True, backlog=32 * BS)
+    wall.t += 1.0
+    assert b.on_miss("r4", keys3, 0, 0, 8, True, True, backlog=8 * BS) is None
+    assert counts["coalesce_declined"] == 2
+    a.close()
+    b.close()
+
+
+def test_writer_clock_is_validated_and_released(pool_path):
+    """The writer's clock record comes from the pool (untrusted): anything malformed, from the
+    future or a dead writer's leftover long past its expected end counts as no clock (the writer
+    is assumed to have just begun). The record goes with the writer's intents."""
+    now = 1_000_000.0
+    good = WriterClock(now - 1.0, 100.0, 200)
+    assert WriterClock.decode(good.encode(), now) == good and good.remaining(now) == pytest.approx(1.0)
+    for raw in (
+        None,
+        b"",
+        good.encode()[:-1],
+        good.encode() + b"\0",
+        b"x" * len(good.encode()),
+        WriterClock(now, float("nan"), 1).encode(),
+        WriterClock(now, 0.0, 1).encode(),
+        WriterClock(now, -5.0, 1).encode(),
+        WriterClock(float("inf"), 1.0, 1).encode(),
+        WriterClock(now + 60, 1.0, 1).encode(),  # begins a minute from now
+        WriterClock(now, 1.0, 1 << 30).encode(),
+    ):
+        assert WriterClock.decode(raw, now) is None
+    wall = Clock()
+    wall.t = now
+    keys = chain(44, 4)
+    a = scheduler(pool_path, wall=wall, prefill_tps=1e6)
+    a.on_miss("w", keys, 0, 0, 4, True, True)
+    s = session(pool_path)
+    ck = clock_key(intent_key(keys[0]))
+    rec = WriterClock.decode(s.ns.get_bytes(ck), now)
+    assert rec is not None and rec.start == now and rec.work == 4 * BS and rec.tps == 1e6
+    b = scheduler(pool_path, wall=wall, prefill_tps=1.0)
+    assert b.on_miss("r", keys, 0, 0, 4, True, True) is not None  # a fast writer: wait
+    # A leftover of a writer that began an hour ago: no clock, assumed to begin now at b's rate.
+    s.ns.delete(ck)
+    assert s.ns.put(ck, WriterClock(now - 3600, 1e6, 16).encode())
+    b2 = scheduler(pool_path, wall=wall, prefill_tps=1.0)
+    assert b2.on_miss("r", keys, 0, 0, 4, True, True) is None
+    a.release("w", "done")
+    assert not s.ns.contains(ck)
+    for x in (a, b, b2, s):
+        x.close()

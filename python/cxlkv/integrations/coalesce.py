@@ -45,6 +45,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import math
+import struct
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -52,6 +54,24 @@ from typing import Any
 from cxlkv.integrations.transfer import BlockOp
 
 INTENT_SUFFIX = b"cxlkv-intent"
+CLOCK_SUFFIX = b"cxlkv-intent-clock"
+# A writer's clock record (the value under clock_key of its first intent): magic, the wall-clock
+# second it began, its engine's prefill rate (tokens/s), and the prompt tokens its engine computes
+# before its last intended block is done (its own plus its engine's prefill backlog then).
+CLOCK_MAGIC = b"cxlkvck1"
+CLOCK_RECORD = struct.Struct("<8sddI")
+MAX_CLOCK_WORK = 1 << 26  # tokens: far beyond any prompt plus backlog; more is a bad record
+CLOCK_SKEW_S = 5.0  # a record that begins this far in this host's future is not believed
+# A record this long past its writer's expected end is a leftover (its writer could not replace
+# it), not the clock of the live writer that holds the intent now: no clock.
+CLOCK_STALE_S = 300.0
+# Waiting must be clearly shorter than computing: the writer's expected remaining time (plus the
+# settle below) times this margin must be under this engine's own time to compute the blocks now.
+# A tie is a loss (the wait's polls and the load cost time, and the estimate is uncertain).
+WAIT_MARGIN = 1.5
+# Between a writer's last prefill step and its waiter's load: the save is published, the waiter's
+# next step polls and loads. Added to the writer's expected remaining time.
+SETTLE_S = 0.25
 DEFAULT_WAIT_S = 30.0
 # Prefill tokens per second assumed before this engine has measured its own: a slow CPU engine's
 # (SmolLM2-135M on two cores shared by several servers under load does a few hundred), so the first
@@ -70,6 +90,7 @@ FALLBACK_CAUSES = ("writer_gone", "stalled", "deadline", "pool_unavailable")
 STAT_KEYS = (
     "coalesce_intents",
     "coalesce_waits",
+    "coalesce_declined",
     "coalesced_blocks",
     "coalesce_saved_tokens",
     *(f"coalesce_fallback_{cause}" for cause in FALLBACK_CAUSES),
@@ -87,6 +108,56 @@ def intent_key(chain_key: bytes) -> bytes:
     if len(chain_key) != 32:
         raise ValueError(f"cxlkv: a chain key has 32 bytes, not {len(chain_key)}")
     return hashlib.sha256(bytes(chain_key) + INTENT_SUFFIX).digest()
+
+
+def clock_key(intent: bytes) -> bytes:
+    """Where the writer holding `intent` (its first) publishes when it began and how fast its
+    engine goes: sha256(intent | b"cxlkv-intent-clock"), never a block's or an intent's key."""
+    return hashlib.sha256(bytes(intent) + CLOCK_SUFFIX).digest()
+
+
+@dataclasses.dataclass(frozen=True)
+class WriterClock:
+    """A writer's published start, rate and work (validated: the pool is untrusted input)."""
+
+    start: float  # wall-clock seconds (time.time())
+    tps: float
+    work: int  # prompt tokens its engine computes before its last intended block is done
+
+    def encode(self) -> bytes:
+        return CLOCK_RECORD.pack(CLOCK_MAGIC, self.start, self.tps, self.work)
+
+    @classmethod
+    def decode(cls, raw: Any, now: float) -> WriterClock | None:
+        """None for anything that is not a believable record written before `now`."""
+        if raw is None or len(raw) != CLOCK_RECORD.size:
+            return None
+        magic, start, tps, work = CLOCK_RECORD.unpack(bytes(raw))
+        if magic != CLOCK_MAGIC or not (math.isfinite(start) and math.isfinite(tps)):
+            return None
+        if not (0 < tps <= 1e9 and 0 <= work <= MAX_CLOCK_WORK and start <= now + CLOCK_SKEW_S):
+            return None
+        return cls(start, tps, work)
+
+    def remaining(self, now: float) -> float:
+        """Seconds until its last intended block should be computed (0 once overdue)."""
+        return max(0.0, self.start + self.work / self.tps - now)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """Why a request that misses where another engine computes the next blocks waits or not."""
+
+    wait: bool
+    own_s: float  # this engine computing the covered blocks now (with its prefill backlog)
+    writer_s: float  # the writer's expected remaining time, plus SETTLE_S
+    known: bool  # the writer published its clock (else: assumed to have just begun, no backlog)
+
+
+def decide(own_s: float, writer_s: float, known: bool) -> Decision:
+    """Wait only when waiting is clearly shorter than computing now: two engines that begin the
+    same prefix at the same moment with the same backlog compute it both (a tie is a loss)."""
+    return Decision(writer_s * WAIT_MARGIN < own_s, own_s, writer_s, known)
 
 
 def _seconds(value: Any, name: str, low: float, high: float) -> float:
@@ -165,6 +236,7 @@ class _Intents:
     reservation: Any
     start: int  # the first block it holds an intent for
     end_blocks: int  # the request's prompt blocks: released once its saves cover them
+    clock: bytes | None = None  # the key of its published clock record (deleted on release)
     release_after_step: int | None = None
 
 
@@ -180,8 +252,10 @@ class CoalesceScheduler:
         block_size: int,
         chunk_tokens: int = 2048,
         rate: PrefillRate | None = None,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self.cfg = cfg
+        self._wall = wall
         self.rate = rate or PrefillRate(cfg.prefill_tps, cfg.fixed_rate)
         self._block_size = block_size
         self._chunk = max(1, chunk_tokens)  # one step's prompt tokens at most (the stall unit)
@@ -234,21 +308,81 @@ class CoalesceScheduler:
         covered = 0  # the leading blocks another engine's intents cover
         while covered < len(wanted) and states[covered] == "in_flight" and wanted[covered] not in local:
             covered += 1
+        may_wait = bool(covered) and can_load and have <= hit and req_id not in self._waited
+        decision = self._decide(req_id, wanted[:covered], hit, backlog) if may_wait else None
         mine = [k for k, s in zip(wanted, states, strict=True) if s == "reserved"]
         if mine and can_save:
             first = hit + states.index("reserved")
-            self._intents[req_id] = _Intents(mine, res, first, max_blocks)
+            # It begins computing its blocks now, or once its wait for the covered ones ends.
+            begins = self._wall() + (decision.writer_s if decision is not None and decision.wait else 0.0)
+            work = (max_blocks - first) * self._block_size + backlog
+            clock = self._publish_clock(mine[0], WriterClock(begins, self.rate.tps, work))
+            self._intents[req_id] = _Intents(mine, res, first, max_blocks, clock)
             self._count("coalesce_intents")
         elif res is not None:
             res.abort()  # nothing to hold (or it never publishes blocks: nobody should wait for it)
-        if not covered or not can_load or have > hit or req_id in self._waited:
+        if decision is None:
             return None  # nobody else computes its next block, more here locally, or waited already
+        if not decision.wait:
+            self._count("coalesce_declined")
+            return None
         end = hit + covered
         wait_s, stall_s = self.bounds(covered * self._block_size, backlog)
         op = BlockOp(req_id, list(keys[have:end]), [], start_depth=have)
         wait = WaitOp(op, wait_s, stall_s, already=hit - have, uncovered=max_blocks - end)
         self._pending[req_id] = wait
         return wait
+
+    def _decide(self, req_id: str, covered: list, hit: int, backlog: int) -> Decision:
+        """Wait for the `covered` intents' blocks, or compute them now? The writer's expected
+        remaining time is the latest of the clocks its writers published along the run (a run
+        whose first writer published none: assumed to have just begun, at this engine's rate)."""
+        now = self._wall()
+        tokens = len(covered) * self._block_size
+        own_s = self.rate.seconds_for(tokens + backlog)
+        clocks = [self._read_clock(k, now) for k in covered]
+        known = clocks[0] is not None
+        writer_s = max((c.remaining(now) for c in clocks if c is not None), default=0.0)
+        if not known:
+            writer_s = max(writer_s, self.rate.seconds_for(tokens))
+        d = decide(own_s, writer_s + SETTLE_S, known)
+        self._log.info(
+            "cxlkv: %s: blocks %d-%d are being computed by another engine, expected in %.2f s (%s); "
+            "computing them here would take %.2f s (%d tokens of backlog at %.0f tokens/s): %s",
+            req_id,
+            hit,
+            hit + len(covered) - 1,
+            d.writer_s,
+            "its clock" if known else "no clock: assumed just begun",
+            d.own_s,
+            backlog,
+            self.rate.tps,
+            "wait" if d.wait else "compute",
+        )
+        return d
+
+    def _read_clock(self, intent: bytes, now: float) -> WriterClock | None:
+        ck = clock_key(intent)
+        # Only a writer's first intent has one: look before reading (a read copies a whole block).
+        raw = self._session.call(
+            "coalesce", lambda ns: ns.get_bytes(ck) if ns.contains(ck) else None, retry=False
+        )
+        c = WriterClock.decode(raw, now)
+        if c is None or c.start + c.work / c.tps + CLOCK_STALE_S < now:
+            return None  # none, bad, or a dead writer's leftover (long past its expected end)
+        return c
+
+    def _publish_clock(self, intent: bytes, clock: WriterClock) -> bytes | None:
+        """Put the writer's clock under its first intent's clock key (a dead writer's leftover is
+        replaced: whoever holds the intent owns the record). None when it could not be put."""
+        ck = clock_key(intent)
+        data = clock.encode()
+
+        def put(ns: Any) -> bool:
+            ns.delete(ck)
+            return bool(ns.put(ck, data))
+
+        return ck if self._session.call("coalesce", put) else None
 
     def lookup_started(self, req_id: str) -> None:
         """vLLM looks the request up again (it was not scheduled last time): a wait planned then
@@ -326,6 +460,9 @@ class CoalesceScheduler:
         m = self._intents.pop(req_id, None)
         if m is not None:
             self._session.call("coalesce", lambda _ns: m.reservation.abort())
+            if m.clock is not None:
+                ck = m.clock
+                self._session.call("coalesce", lambda ns: ns.delete(ck))
             self._log.debug("cxlkv: %s: %d intents released (%s)", req_id, len(m.keys), why)
 
     def finished(self, req_id: str, saves_in_flight: bool) -> None:

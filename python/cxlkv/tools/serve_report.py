@@ -36,6 +36,7 @@ COUNTERS = {
 # The cxlkv connector's coalescing counters (docs/METRICS.md): row key -> (series, causes or None).
 COALESCE = {
     "waits": ("vllm:cxlkv_coalesce_waits_total", None),
+    "declined": ("vllm:cxlkv_coalesce_declined_total", None),
     "timeouts": ("vllm:cxlkv_coalesce_fallbacks_total", ("deadline", "stalled")),
     "writer_gone": ("vllm:cxlkv_coalesce_fallbacks_total", ("writer_gone",)),
     "partial_loads": ("vllm:cxlkv_coalesce_partial_loads_total", None),
