@@ -586,3 +586,28 @@ def test_writer_clock_is_validated_and_released(pool_path):
     assert not s.ns.contains(ck)
     for x in (a, b, b2, s):
         x.close()
+
+
+def test_writer_clock_through_a_per_head_namespace(pool_path):
+    """Engines see the pool through heads.HeadNamespace (one entry per KV head of a block): a
+    clock record is one plain entry, read and written under its own key, not as a block's heads."""
+    from cxlkv.integrations.heads import HeadNamespace, HeadPlan
+
+    def engine(tps: float) -> CoalesceScheduler:
+        s = PoolSession(
+            pool_path,
+            LOG,
+            lambda create: cxlkv.Pool.open(pool_path),
+            lambda pool: HeadNamespace(pool.namespace(layout(), name="coalesce-test"), HeadPlan(2)),
+        )
+        return CoalesceScheduler(CoalesceConfig(prefill_tps=tps, fixed_rate=True), s, Counts(), LOG, BS)
+
+    keys = chain(45, 4)
+    a, b = engine(1e6), engine(1.0)
+    a.on_miss("w", keys, 0, 0, 4, True, True)
+    assert b.on_miss("r", keys, 0, 0, 4, True, True) is not None  # a's clock read: a fast writer
+    a.release("w", "done")
+    s = session(pool_path)
+    assert not s.ns.contains(clock_key(intent_key(keys[0])))
+    for x in (a, b, s):
+        x.close()

@@ -365,7 +365,7 @@ class CoalesceScheduler:
         ck = clock_key(intent)
         # Only a writer's first intent has one: look before reading (a read copies a whole block).
         raw = self._session.call(
-            "coalesce", lambda ns: ns.get_bytes(ck) if ns.contains(ck) else None, retry=False
+            "coalesce", lambda ns: _plain(ns).get_bytes(ck) if _plain(ns).contains(ck) else None, retry=False
         )
         c = WriterClock.decode(raw, now)
         if c is None or c.start + c.work / c.tps + CLOCK_STALE_S < now:
@@ -379,8 +379,8 @@ class CoalesceScheduler:
         data = clock.encode()
 
         def put(ns: Any) -> bool:
-            ns.delete(ck)
-            return bool(ns.put(ck, data))
+            _plain(ns).delete(ck)
+            return bool(_plain(ns).put(ck, data))
 
         return ck if self._session.call("coalesce", put) else None
 
@@ -462,7 +462,7 @@ class CoalesceScheduler:
             self._session.call("coalesce", lambda _ns: m.reservation.abort())
             if m.clock is not None:
                 ck = m.clock
-                self._session.call("coalesce", lambda ns: ns.delete(ck))
+                self._session.call("coalesce", lambda ns: _plain(ns).delete(ck))
             self._log.debug("cxlkv: %s: %d intents released (%s)", req_id, len(m.keys), why)
 
     def finished(self, req_id: str, saves_in_flight: bool) -> None:
@@ -609,6 +609,12 @@ class CoalesceWorker:
 
     def close(self) -> None:
         self._waits.clear()
+
+
+def _plain(ns: Any) -> Any:
+    """The namespace's own key API: a clock record is one entry under its key, not a block of
+    per-head entries (heads.HeadNamespace would ask for every head's key)."""
+    return getattr(ns, "raw", ns)
 
 
 def _probe(ns: Any, intent: bytes, depth: int) -> str:
