@@ -611,3 +611,49 @@ def test_writer_clock_through_a_per_head_namespace(pool_path):
     assert not s.ns.contains(clock_key(intent_key(keys[0])))
     for x in (a, b, s):
         x.close()
+
+
+def test_tensor_parallel_ranks_wait_for_every_head_and_the_shortest_load_counts(pool_path):
+    """TP > 1 (issue 22: coalescing was off): each rank polls a wait with its own session, whose
+    lookups ask for every KV head's entry (heads.HeadNamespace), so no rank loads a block before
+    every rank's entry of it is READY. A rank that gives up reports its failed blocks in the step
+    it does; vLLM reports the request once every rank has: the scheduler keeps the shortest load
+    of any step (blocks it has, not to be saved again)."""
+    from cxlkv.integrations.heads import HeadNamespace, HeadPlan, head_key
+
+    def rank_session(r: int) -> PoolSession:
+        return PoolSession(
+            pool_path,
+            LOG,
+            lambda create: cxlkv.Pool.open(pool_path),
+            lambda pool: HeadNamespace(pool.namespace(layout(), name="coalesce-test"), HeadPlan(2, 2, r)),
+        )
+
+    keys = chain(46, 4)
+    a, b = writer(pool_path), scheduler(pool_path)
+    a.on_miss("w", keys, 0, 0, 4, True, True)
+    assert b.on_miss("r", keys, 0, 0, 4, True, True) is not None
+    b.allocated("r", [10, 11, 12, 13], 4 * BS, BS)
+    waits = b.take_waits()
+    ranks = [rank_session(r) for r in (0, 1)]
+    workers = [CoalesceWorker(s, Counts(), LOG) for s in ranks]
+    for w in workers:
+        w.add(waits, idle=False)
+
+    def load_heads(r: int):  # the leading blocks whose entry of rank r's head is present
+        return lambda op: ranks[r].ns.raw.match_prefix([head_key(k, r) for k in op.keys])
+
+    store(pool_path, keys, 3)  # head 0's entries (rank 0 saved); head 1's not yet
+    for r, w in enumerate(workers):
+        assert w.poll(set(), load_heads(r)) == (set(), set())
+    store(pool_path, [head_key(k, 1) for k in keys], 3)  # rank 1 saved
+    for r, w in enumerate(workers):
+        assert w.poll(set(), load_heads(r)) == ({"r"}, set())
+    # Rank 0 loaded 2 blocks (step 1), rank 1 all 4 (step 2): the request has 2.
+    b.step_done(1, {12, 13}, set(), ())
+    b.step_done(2, set(), {"r"}, ())
+    assert b.loaded_floor("r") == 2
+    a.close()
+    b.close()
+    for s in ranks:
+        s.close()

@@ -267,6 +267,7 @@ class CoalesceScheduler:
         self._ready: list[WaitOp] = []  # blocks allocated: sent with the next metadata
         self._waiting: dict[str, WaitOp] = {}  # sent to the worker, outcome pending
         self._floors: dict[str, int] = {}  # finished waits: leading blocks now in vLLM's cache
+        self._bad: dict[str, int] = {}  # waits in progress: the first block a rank failed to load
         # Requests that waited once: a wait that gave up is not repeated, so one request's delay
         # is bounded by one wait.
         self._waited: set[str] = set()
@@ -444,13 +445,18 @@ class CoalesceScheduler:
                 self.release(req_id, "its prompt blocks are saved")
         for req_id in finished_sending:  # asynchronous saves: every copy of the request is done
             self.release(req_id, "its saves are done")
-        for req_id in finished_recving:
-            wait = self._waiting.pop(req_id, None)
-            if wait is None:
-                continue
+        # With tensor parallelism each rank ends a wait on its own and reports its failed blocks
+        # in the step it ends it: vLLM unions them per step and reports the request once every
+        # rank has. What the request has is the shortest of the ranks' loads, from any step.
+        for req_id, wait in self._waiting.items():
             ids = wait.op.block_ids
             bad = next((i for i, b in enumerate(ids) if b in invalid_block_ids), len(ids))
-            self._floors[req_id] = wait.op.start_depth + bad
+            self._bad[req_id] = min(bad, self._bad.get(req_id, len(ids)))
+        for req_id in finished_recving:
+            wait = self._waiting.pop(req_id, None)
+            bad = self._bad.pop(req_id, 0)
+            if wait is not None:
+                self._floors[req_id] = wait.op.start_depth + bad
 
     def loaded_floor(self, req_id: str) -> int:
         """Blocks a request scheduled after its wait already has (not to be saved again)."""
@@ -468,6 +474,7 @@ class CoalesceScheduler:
     def finished(self, req_id: str, saves_in_flight: bool) -> None:
         self._pending.pop(req_id, None)
         self._waiting.pop(req_id, None)
+        self._bad.pop(req_id, None)
         self._floors.pop(req_id, None)
         self._waited.discard(req_id)
         if not saves_in_flight:  # else released with finished_sending

@@ -87,9 +87,8 @@ class CxlKVScheduler:
         self._groups = [self.ctx.group_session(g.index) for g in self.ctx.groups]
         self._primary = self._groups[self.ctx.primary]
         cfg = CoalesceConfig.from_extra(self.ctx.extra)
-        if cfg.enabled and self.ctx.heads.tp_size > 1:
-            logger.info("cxlkv: coalescing of new prefixes is off with tensor parallelism (coalesce.py)")
-            cfg = dataclasses.replace(cfg, enabled=False)
+        # Tensor parallelism: on (coalesce.py: a wait's blocks count as present once every head's
+        # entry is, and vLLM truncates the request at the first block any rank failed to load).
         if cfg.enabled and self.ctx.multi:
             logger.info("cxlkv: coalescing of new prefixes is off with several KV cache groups (coalesce.py)")
             cfg = dataclasses.replace(cfg, enabled=False)
