@@ -1,9 +1,10 @@
 """Compute a new prefix once across vLLM instances (issue 16 item 5; issue 24 item 2: never convoy).
 
-When two engines get the same NEW prompt at the same moment, both would compute it. The pool
-knows which chains are being written, so an engine that misses takes an *intent* for every block
-it will compute, and any other engine that misses there waits for exactly those blocks (vLLM's
-asynchronous KV load), loads what is already READY, and computes the rest at once.
+An engine that gets a NEW prompt another engine is already computing would compute it again. The
+pool knows which chains are being written, so an engine that misses takes an *intent* for every
+block it will compute, and another engine that misses there waits for exactly those blocks
+(vLLM's asynchronous KV load) when that is clearly shorter than computing them, loads what is
+already READY, and computes the rest at once.
 
 * An intent is an index entry in WRITING state with no block, taken with
   ``Namespace.reserve(..., blocks=False)`` on the key :func:`intent_key` derives from the chain key
@@ -19,6 +20,18 @@ asynchronous KV load), loads what is already READY, and computes the rest at onc
   it is computed at once, and the intents it got there are its own (others may wait for it). A
   next turn that shares all but the last blocks of a turn still in flight thus waits only for the
   blocks that turn covers, never for blocks no intent covers.
+* Whether to wait: only when waiting is clearly shorter than computing the blocks now
+  (:func:`decide`). A writer publishes its clock beside its first intent (:class:`WriterClock`
+  under :func:`clock_key`: when it began, its engine's prefill rate, the prompt tokens its engine
+  computes before its last intended block is done, backlog included; deleted with its intents).
+  A request that finds the leading blocks in flight compares the writer's expected remaining time
+  (the latest of the clocks along the run; a run whose writer published none: assumed to have
+  just begun, at this engine's rate) plus ``SETTLE_S`` (save, poll, load), times ``WAIT_MARGIN``,
+  with its own time to compute them now (their tokens plus this engine's prefill backlog, at its
+  rate). Two engines of one speed that begin a new prefix at the same moment both compute it (a
+  tie is a loss: the wait's polls and load cost time, and a late writer costs the whole wait); a
+  request that arrives when the writer is well on, or whose engine has a long backlog, waits.
+  Counted: ``coalesce_declined`` (computed instead).
 * Bounds: a wait lasts at most the estimated time to compute what it waits for in this engine
   (the blocks waited for plus the prompt tokens of other requests this engine still has to
   compute, which would share its steps), from this engine's measured prefill rate
@@ -32,9 +45,13 @@ asynchronous KV load), loads what is already READY, and computes the rest at onc
   "recompute", which the connector sets).
 
 Everything the worker needs travels in the connector metadata (:class:`WaitOp`): no state is
-shared between the scheduler and the worker, so any executor works. Tensor parallelism and
-hybrid models (several KV cache groups) stay off (see docs/ARCHITECTURE.md §9: a wait loads one
-group, and TP ranks would each decide a wait's outcome on their own, untested).
+shared between the scheduler and the worker, so any executor works. Tensor parallelism: every
+rank polls a wait with its own session, whose lookups ask for every KV head's entry
+(heads.HeadNamespace), so a block counts as present once every rank's entry of it is READY; each
+rank loads its heads and reports its failed blocks; vLLM unions the ranks' failures per step and
+reports the request once every rank has, and truncates it at the first failed block: the request
+has the shortest of the ranks' loads (the scheduler keeps that as its floor). Hybrid models
+(several KV cache groups) stay off: docs/ARCHITECTURE.md §9, "Coalescing new prefixes".
 
 Extra config: ``coalesce`` (default true), ``coalesce_wait_s`` (default 30: the cap of any one
 wait) and ``coalesce_prefill_tokens_per_s`` (the estimate before a measurement; set it to fix it).
