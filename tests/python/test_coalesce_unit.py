@@ -657,3 +657,26 @@ def test_tensor_parallel_ranks_wait_for_every_head_and_the_shortest_load_counts(
     b.close()
     for s in ranks:
         s.close()
+
+
+def test_bench_serve_reads_each_requests_coalescing_timeline(tmp_path):
+    """bench serve's per-request records carry the coalescing lines of the servers' logs (the
+    decision, the wait and its outcome), by the bench's request id."""
+    from cxlkv.tools.serve_report import coalesce_events
+
+    log = tmp_path / "cxlkv-0.log"
+    log.write_text(
+        "(EngineCore pid=1) INFO 11-28 01:09:31 [coalesce.py:350] cxlkv: cmpl-prc4-2-0-833f3505: blocks "
+        "0-15 are being computed by another engine, expected in 1.00 s (its clock); computing them "
+        "here would take 8.19 s (0 tokens of backlog at 250 tokens/s): wait\n"
+        "(APIServer pid=2) INFO 11-28 01:09:31 [loggers.py:1] Engine 000: Avg prompt throughput\n"
+        "(Worker pid=3) INFO 11-28 01:09:33 [coalesce.py:465] cxlkv: cmpl-prc4-2-0-833f3505: 16 blocks "
+        "computed by another engine loaded after 2.10 s\n"
+        "(EngineCore pid=1) INFO 11-28 01:09:40 [coalesce.py:350] cxlkv: cmpl-moc4-u0-t1-0-9da249e4: "
+        "blocks 0-16 ...: compute\n"
+    )
+    ev = coalesce_events([str(log), str(tmp_path / "missing.log")])
+    assert set(ev) == {"prc4-2", "moc4-u0-t1"}
+    assert ev["prc4-2"][0].startswith("01:09:31 blocks 0-15") and ev["prc4-2"][0].endswith(": wait")
+    assert ev["prc4-2"][1] == "01:09:33 16 blocks computed by another engine loaded after 2.10 s"
+    assert ev["moc4-u0-t1"] == ["01:09:40 blocks 0-16 ...: compute"]

@@ -465,8 +465,8 @@ class CoalesceScheduler:
         # With tensor parallelism each rank ends a wait on its own and reports its failed blocks
         # in the step it ends it: vLLM unions them per step and reports the request once every
         # rank has. What the request has is the shortest of the ranks' loads, from any step.
-        for req_id, wait in self._waiting.items():
-            ids = wait.op.block_ids
+        for req_id, pending in self._waiting.items():
+            ids = pending.op.block_ids
             bad = next((i for i, b in enumerate(ids) if b in invalid_block_ids), len(ids))
             self._bad[req_id] = min(bad, self._bad.get(req_id, len(ids)))
         for req_id in finished_recving:

@@ -333,8 +333,13 @@ def run(
                         r = serve_report.row(config, c, classified, duration, before, after)
                         r.update(dataset=dataset_, instances=n, model=served, load_avg_1m=os.getloadavg()[0])
                         rows.append(r)
+                        events = serve_report.coalesce_events([s.log for s in servers])
                         per_request[f"{config}/{dataset_}@{c}"] = [
-                            {k: v for k, v in q.items() if k != "itl_s"} for q in classified
+                            {
+                                **{k: v for k, v in q.items() if k != "itl_s"},
+                                "coalesce_events": events.get(q["request_id"], []),
+                            }
+                            for q in classified
                         ]
                         finished += len(tagged)
                         progress.update(total, completed=finished)
