@@ -541,6 +541,15 @@ def test_simultaneous_starts_compute_staggered_arrivals_wait(pool_path):
     wall.t += 1.0
     assert b.on_miss("r4", keys3, 0, 0, 8, True, True, backlog=8 * BS) is None
     assert counts["coalesce_declined"] == 2
+    # A run that begins inside the writer's (its first 3 blocks saved meanwhile) ends at its last
+    # block, where the clock is: 0.5 s left (+ the settle) against 1.25 s for 5 blocks here.
+    keys4 = chain(47, 8)
+    wall.t += 100
+    a.on_miss("w4", keys4, 0, 0, 8, True, True)
+    wall.t += 1.5
+    store(pool_path, keys4[:3], 1)
+    wait = b.on_miss("r5", keys4, 0, 3, 8, True, True)
+    assert wait is not None and wait.op.keys == keys4[:8] and wait.already == 3
     a.close()
     b.close()
 
@@ -572,18 +581,20 @@ def test_writer_clock_is_validated_and_released(pool_path):
     a = scheduler(pool_path, wall=wall, prefill_tps=1e6)
     a.on_miss("w", keys, 0, 0, 4, True, True)
     s = session(pool_path)
-    ck = clock_key(intent_key(keys[0]))
+    assert s.ns.get_bytes(clock_key(intent_key(keys[0]))) == s.ns.get_bytes(clock_key(intent_key(keys[-1])))
+    ck = clock_key(intent_key(keys[0]))  # beside its first intent and its last
     rec = WriterClock.decode(s.ns.get_bytes(ck), now)
     assert rec is not None and rec.start == now and rec.work == 4 * BS and rec.tps == 1e6
     b = scheduler(pool_path, wall=wall, prefill_tps=1.0)
     assert b.on_miss("r", keys, 0, 0, 4, True, True) is not None  # a fast writer: wait
     # A leftover of a writer that began an hour ago: no clock, assumed to begin now at b's rate.
-    s.ns.delete(ck)
-    assert s.ns.put(ck, WriterClock(now - 3600, 1e6, 16).encode())
+    for k in (keys[0], keys[-1]):
+        s.ns.delete(clock_key(intent_key(k)))
+        assert s.ns.put(clock_key(intent_key(k)), WriterClock(now - 3600, 1e6, 16).encode())
     b2 = scheduler(pool_path, wall=wall, prefill_tps=1.0)
     assert b2.on_miss("r", keys, 0, 0, 4, True, True) is None
     a.release("w", "done")
-    assert not s.ns.contains(ck)
+    assert not s.ns.contains(ck) and not s.ns.contains(clock_key(intent_key(keys[-1])))
     for x in (a, b, b2, s):
         x.close()
 
@@ -608,7 +619,7 @@ def test_writer_clock_through_a_per_head_namespace(pool_path):
     assert b.on_miss("r", keys, 0, 0, 4, True, True) is not None  # a's clock read: a fast writer
     a.release("w", "done")
     s = session(pool_path)
-    assert not s.ns.contains(clock_key(intent_key(keys[0])))
+    assert not any(s.ns.contains(clock_key(intent_key(k))) for k in keys)
     for x in (a, b, s):
         x.close()
 

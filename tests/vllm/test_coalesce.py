@@ -106,13 +106,13 @@ def test_new_prefix_computed_once_across_engines_and_a_killed_writer(tiny_model,
         res_a = a.results()
         b.wait_for("WAITING 1")
         # Phase 2: C computes prompt 2 and holds its intents (an intent takes no pool block, so
-        # the evidence is C's own counter; its clock record is one entry), its saves pending ...
+        # the evidence is C's own counter; its clock records are two entries), its saves pending ...
         base = used_blocks(pool_path)
         open(go_c, "w").close()
         c_round = json.loads(c.expect("RESULT ")[7:])
         assert c_round["cxlkv"]["vllm:cxlkv_coalesce_intents"] == 1, c_round["cxlkv"]
         c.wait_for("WAITING 1")
-        assert c.p.poll() is None and used_blocks(pool_path) == base + 1  # nothing of prompt 2 saved
+        assert c.p.poll() is None and used_blocks(pool_path) == base + 2  # nothing of prompt 2 saved
         # ... B misses there and waits for C; C is killed while B waits.
         open(go_b, "w").close()
         b.wait_for("being computed by another engine; waiting")

@@ -21,7 +21,7 @@ already READY, and computes the rest at once.
   next turn that shares all but the last blocks of a turn still in flight thus waits only for the
   blocks that turn covers, never for blocks no intent covers.
 * Whether to wait: only when waiting is clearly shorter than computing the blocks now
-  (:func:`decide`). A writer publishes its clock beside its first intent (:class:`WriterClock`
+  (:func:`decide`). A writer publishes its clock beside its first and last intents (:class:`WriterClock`
   under :func:`clock_key`: when it began, its engine's prefill rate, the prompt tokens its engine
   computes before its last intended block is done, backlog included; deleted with its intents).
   A request that finds the leading blocks in flight compares the writer's expected remaining time
@@ -72,7 +72,9 @@ from cxlkv.integrations.transfer import BlockOp
 
 INTENT_SUFFIX = b"cxlkv-intent"
 CLOCK_SUFFIX = b"cxlkv-intent-clock"
-# A writer's clock record (the value under clock_key of its first intent): magic, the wall-clock
+# A writer's clock record (the value under clock_key of its first and of its last intent: a
+# waiter's run of blocks in flight begins at the first when it shares the writer's prefix, and
+# ends at the last when it waits for the writer's whole prompt, wherever it begins): magic, the wall-clock
 # second it began, its engine's prefill rate (tokens/s), and the prompt tokens its engine computes
 # before its last intended block is done (its own plus its engine's prefill backlog then).
 CLOCK_MAGIC = b"cxlkvck1"
@@ -85,7 +87,7 @@ CLOCK_STALE_S = 300.0
 # Waiting must be clearly shorter than computing: the writer's expected remaining time (plus the
 # settle below) times this margin must be under this engine's own time to compute the blocks now.
 # A tie is a loss (the wait's polls and the load cost time, and the estimate is uncertain).
-WAIT_MARGIN = 1.5
+WAIT_MARGIN = 1.25
 # Between a writer's last prefill step and its waiter's load: the save is published, the waiter's
 # next step polls and loads. Added to the writer's expected remaining time.
 SETTLE_S = 0.25
@@ -253,7 +255,7 @@ class _Intents:
     reservation: Any
     start: int  # the first block it holds an intent for
     end_blocks: int  # the request's prompt blocks: released once its saves cover them
-    clock: bytes | None = None  # the key of its published clock record (deleted on release)
+    clocks: list = dataclasses.field(default_factory=list)  # intents its clock is beside (deleted on release)
     release_after_step: int | None = None
 
 
@@ -334,8 +336,9 @@ class CoalesceScheduler:
             # It begins computing its blocks now, or once its wait for the covered ones ends.
             begins = self._wall() + (decision.writer_s if decision is not None and decision.wait else 0.0)
             work = (max_blocks - first) * self._block_size + backlog
-            clock = self._publish_clock(mine[0], WriterClock(begins, self.rate.tps, work))
-            self._intents[req_id] = _Intents(mine, res, first, max_blocks, clock)
+            clock = WriterClock(begins, self.rate.tps, work)
+            published = [ck for ck in {mine[0], mine[-1]} if self._publish_clock(ck, clock)]
+            self._intents[req_id] = _Intents(mine, res, first, max_blocks, published)
             self._count("coalesce_intents")
         elif res is not None:
             res.abort()  # nothing to hold (or it never publishes blocks: nobody should wait for it)
@@ -354,12 +357,13 @@ class CoalesceScheduler:
     def _decide(self, req_id: str, covered: list, hit: int, backlog: int) -> Decision:
         """Wait for the `covered` intents' blocks, or compute them now? The writer's expected
         remaining time is the latest of the clocks its writers published along the run (a run
-        whose first writer published none: assumed to have just begun, at this engine's rate)."""
+        with none, e.g. one that ends before its writer's last block: assumed to have just begun,
+        at this engine's rate)."""
         now = self._wall()
         tokens = len(covered) * self._block_size
         own_s = self.rate.seconds_for(tokens + backlog)
         clocks = [self._read_clock(k, now) for k in covered]
-        known = clocks[0] is not None
+        known = any(c is not None for c in clocks)
         writer_s = max((c.remaining(now) for c in clocks if c is not None), default=0.0)
         if not known:
             writer_s = max(writer_s, self.rate.seconds_for(tokens))
@@ -381,7 +385,8 @@ class CoalesceScheduler:
 
     def _read_clock(self, intent: bytes, now: float) -> WriterClock | None:
         ck = clock_key(intent)
-        # Only a writer's first intent has one: look before reading (a read copies a whole block).
+        # Only a writer's first and last intents have one: look before reading (a read copies a
+        # whole block).
         raw = self._session.call(
             "coalesce", lambda ns: _plain(ns).get_bytes(ck) if _plain(ns).contains(ck) else None, retry=False
         )
@@ -390,9 +395,9 @@ class CoalesceScheduler:
             return None  # none, bad, or a dead writer's leftover (long past its expected end)
         return c
 
-    def _publish_clock(self, intent: bytes, clock: WriterClock) -> bytes | None:
-        """Put the writer's clock under its first intent's clock key (a dead writer's leftover is
-        replaced: whoever holds the intent owns the record). None when it could not be put."""
+    def _publish_clock(self, intent: bytes, clock: WriterClock) -> bool:
+        """Put the writer's clock under `intent`'s clock key (a dead writer's leftover is
+        replaced: whoever holds the intent owns the record). False when it could not be put."""
         ck = clock_key(intent)
         data = clock.encode()
 
@@ -400,7 +405,7 @@ class CoalesceScheduler:
             _plain(ns).delete(ck)
             return bool(_plain(ns).put(ck, data))
 
-        return ck if self._session.call("coalesce", put) else None
+        return bool(self._session.call("coalesce", put))
 
     def lookup_started(self, req_id: str) -> None:
         """vLLM looks the request up again (it was not scheduled last time): a wait planned then
@@ -483,9 +488,9 @@ class CoalesceScheduler:
         m = self._intents.pop(req_id, None)
         if m is not None:
             self._session.call("coalesce", lambda _ns: m.reservation.abort())
-            if m.clock is not None:
-                ck = m.clock
-                self._session.call("coalesce", lambda ns: _plain(ns).delete(ck))
+            for intent in m.clocks:
+                ck = clock_key(intent)
+                self._session.call("coalesce", lambda ns, ck=ck: _plain(ns).delete(ck))
             self._log.debug("cxlkv: %s: %d intents released (%s)", req_id, len(m.keys), why)
 
     def finished(self, req_id: str, saves_in_flight: bool) -> None:
