@@ -673,7 +673,7 @@ def test_tensor_parallel_ranks_wait_for_every_head_and_the_shortest_load_counts(
 def test_bench_serve_reads_each_requests_coalescing_timeline(tmp_path):
     """bench serve's per-request records carry the coalescing lines of the servers' logs (the
     decision, the wait and its outcome), by the bench's request id."""
-    from cxlkv.tools.serve_report import coalesce_events
+    from cxlkv.tools.serve_report import coalesce_events, timeline
 
     log = tmp_path / "cxlkv-0.log"
     log.write_text(
@@ -691,3 +691,5 @@ def test_bench_serve_reads_each_requests_coalescing_timeline(tmp_path):
     assert ev["prc4-2"][0].startswith("01:09:31 blocks 0-15") and ev["prc4-2"][0].endswith(": wait")
     assert ev["prc4-2"][1] == "01:09:33 16 blocks computed by another engine loaded after 2.10 s"
     assert ev["moc4-u0-t1"] == ["01:09:40 blocks 0-16 ...: compute"]
+    rows = [{"request_id": "prc4-2", "backend": 1, "ttft_s": 2.5}, {"request_id": "prc4-3", "ttft_s": 1.0}]
+    assert timeline(rows, ev) == [{"request": "prc4-2", "backend": 1, "ttft_ms": 2500, "events": ev["prc4-2"]}]

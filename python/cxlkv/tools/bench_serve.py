@@ -341,6 +341,7 @@ def run(
                             }
                             for q in classified
                         ]
+                        r["coalesce_timeline"] = serve_report.timeline(classified, events)
                         finished += len(tagged)
                         progress.update(total, completed=finished)
                         if r["failed"]:

@@ -117,6 +117,20 @@ def coalesce_events(logs: list[str]) -> dict[str, list[str]]:
     return out
 
 
+def timeline(per_request: list[dict], events: dict[str, list[str]]) -> list[dict]:
+    """The requests that met coalescing, in order: id, server, TTFT and their timeline."""
+    return [
+        {
+            "request": q["request_id"],
+            "backend": q.get("backend"),
+            "ttft_ms": round(1000 * q["ttft_s"]) if q.get("ttft_s") is not None else None,
+            "events": events[q["request_id"]],
+        }
+        for q in per_request
+        if events.get(q["request_id"])
+    ]
+
+
 def _ms(xs: list[float]) -> dict[str, float]:
     return {
         "mean": 1000 * statistics.fmean(xs) if xs else 0.0,
