@@ -692,4 +692,6 @@ def test_bench_serve_reads_each_requests_coalescing_timeline(tmp_path):
     assert ev["prc4-2"][1] == "01:09:33 16 blocks computed by another engine loaded after 2.10 s"
     assert ev["moc4-u0-t1"] == ["01:09:40 blocks 0-16 ...: compute"]
     rows = [{"request_id": "prc4-2", "backend": 1, "ttft_s": 2.5}, {"request_id": "prc4-3", "ttft_s": 1.0}]
-    assert timeline(rows, ev) == [{"request": "prc4-2", "backend": 1, "ttft_ms": 2500, "events": ev["prc4-2"]}]
+    assert timeline(rows, ev) == [
+        {"request": "prc4-2", "backend": 1, "ttft_ms": 2500, "events": ev["prc4-2"]}
+    ]
