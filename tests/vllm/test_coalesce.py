@@ -13,6 +13,7 @@ marker for seconds, as a long prefill on a loaded CPU does, whatever the machine
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -72,7 +73,7 @@ ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 def test_new_prefix_computed_once_across_engines_and_a_killed_writer(tiny_model, pool_path, tmp_path):
     """Three engines start together (one start-up cost). Phase 1: A computes prompt 1 (its saves
-    take >= 8 s), B gets it once A has answered. Phase 2: C (whose saves never finish) computes
+    take >= 8 s), B gets it once A holds its intents. Phase 2: C (whose saves never finish) computes
     prompt 2 and holds its intents, B waits for it, C is killed with kill -9, B recovers. (Two
     engines of one speed that begin a prefix at the same moment both compute it: that decision
     is test_coalesce_unit.py's.)"""
@@ -100,9 +101,15 @@ def test_new_prefix_computed_once_across_engines_and_a_killed_writer(tiny_model,
     try:
         for e in engines:
             e.wait_for("WAITING 0")
-        open(go1, "w").close()  # phase 1: A computes prompt 1; its saves are delayed ...
-        a.expect("RESULT ")
-        open(go1b, "w").close()  # ... B gets it while A still holds its intents
+        # Phase 1: A takes prompt 1's intents (its two clock records are the first entries in the
+        # pool; its saves come >= 8 s after its prefill) ...
+        empty = used_blocks(pool_path)
+        open(go1, "w").close()
+        deadline = time.monotonic() + 120
+        while used_blocks(pool_path) < empty + 2:
+            assert time.monotonic() < deadline and a.p.poll() is None, a.tail()
+            time.sleep(0.02)
+        open(go1b, "w").close()  # ... B gets it while A computes or saves it
         res_a = a.results()
         b.wait_for("WAITING 1")
         # Phase 2: C computes prompt 2 and holds its intents (an intent takes no pool block, so
