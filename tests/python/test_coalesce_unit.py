@@ -26,6 +26,7 @@ from cxlkv.integrations.coalesce import (
     WaitOp,
     WriterClock,
     clock_key,
+    compute_place,
     intent_key,
 )
 from cxlkv.integrations.pool_session import PoolSession
@@ -122,7 +123,9 @@ def test_config_defaults_and_errors():
             CoalesceConfig.from_extra(bad)
 
 
-def scheduler(path: str, counts: Counts | None = None, wall=time.time, **cfg) -> CoalesceScheduler:
+def scheduler(
+    path: str, counts: Counts | None = None, wall=time.time, place=(0, 0), **cfg
+) -> CoalesceScheduler:
     cfg.setdefault("prefill_tps", 1.0)  # a slow engine: the bound is wait_s unless a test sets it
     return CoalesceScheduler(
         CoalesceConfig(**cfg, fixed_rate=True),
@@ -131,6 +134,7 @@ def scheduler(path: str, counts: Counts | None = None, wall=time.time, **cfg) ->
         LOG,
         BS,
         wall=wall,
+        place=place,
     )
 
 
@@ -695,3 +699,36 @@ def test_bench_serve_reads_each_requests_coalescing_timeline(tmp_path):
     assert timeline(rows, ev) == [
         {"request": "prc4-2", "backend": 1, "ttft_ms": 2500, "events": ev["prc4-2"]}
     ]
+
+
+def test_engines_on_shared_cores_wait_on_a_tie(pool_path, monkeypatch):
+    """Two engines of one speed that begin a prefix together: with cores of their own both
+    compute it, but when the writer computes on this engine's CPUs (same host, overlapping cores:
+    its clock says where), computing too would halve both, so the second waits."""
+    wall = Clock()
+    wall.t = 2_000_000.0
+    tps = 4.0 * BS
+
+    def engine(place):
+        return scheduler(pool_path, wall=wall, prefill_tps=tps, place=place)
+
+    for i, (writer_place, waiter_place, waits) in enumerate(
+        [
+            ((7, 0b01), (7, 0b11), True),  # core 0 is both engines'
+            ((7, 0b01), (7, 0b10), False),  # a core each
+            ((7, 0b01), (8, 0b01), False),  # another host
+            ((0, 0), (0, 0), False),  # not known (a GPU engine)
+        ]
+    ):
+        a, b = engine(writer_place), engine(waiter_place)
+        keys = chain(50 + i, 8)
+        a.on_miss("w", keys, 0, 0, 8, True, True)
+        assert (b.on_miss("r", keys, 0, 0, 8, True, True) is not None) == waits, (writer_place, waiter_place)
+        a.close()
+        b.close()
+    assert compute_place("cuda") == (0, 0)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-2|67")
+    host, cpus = compute_place("cpu")
+    assert host != 0 and cpus == 0b1111  # CPU 67 folds onto bit 3
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    assert compute_place("cpu")[1] == sum(1 << (c % 64) for c in os.sched_getaffinity(0))

@@ -28,9 +28,11 @@ already READY, and computes the rest at once.
   (the latest of the clocks along the run; a run whose writer published none: assumed to have
   just begun, at this engine's rate) plus ``SETTLE_S`` (save, poll, load), times ``WAIT_MARGIN``,
   with its own time to compute them now (their tokens plus this engine's prefill backlog, at its
-  rate). Two engines of one speed that begin a new prefix at the same moment both compute it (a
-  tie is a loss: the wait's polls and load cost time, and a late writer costs the whole wait); a
-  request that arrives when the writer is well on, or whose engine has a long backlog, waits.
+  rate; doubled when the writer computes on this engine's CPUs: :func:`compute_place`). Two
+  engines of one speed on cores of their own that begin a new prefix at the same moment both
+  compute it (a tie is a loss: the wait's polls and load cost time, and a late writer costs the
+  whole wait); a request that arrives when the writer is well on, whose engine has a long
+  backlog, or that shares the writer's cores, waits.
   Counted: ``coalesce_declined`` (computed instead).
 * Bounds: a wait lasts at most the estimated time to compute what it waits for in this engine
   (the blocks waited for plus the prompt tokens of other requests this engine still has to
@@ -63,6 +65,8 @@ import collections
 import dataclasses
 import hashlib
 import math
+import os
+import socket
 import struct
 import time
 from collections.abc import Callable, Iterable
@@ -76,9 +80,11 @@ CLOCK_SUFFIX = b"cxlkv-intent-clock"
 # waiter's run of blocks in flight begins at the first when it shares the writer's prefix, and
 # ends at the last when it waits for the writer's whole prompt, wherever it begins): magic, the wall-clock
 # second it began, its engine's prefill rate (tokens/s), and the prompt tokens its engine computes
-# before its last intended block is done (its own plus its engine's prefill backlog then).
-CLOCK_MAGIC = b"cxlkvck1"
-CLOCK_RECORD = struct.Struct("<8sddI")
+# before its last intended block is done (its own plus its engine's prefill backlog then), and
+# where it computes (a hash of its host's name and the CPUs its engine computes on, folded to 64
+# bits; 0: not known, e.g. a GPU engine): two engines that share CPUs slow each other down.
+CLOCK_MAGIC = b"cxlkvck2"
+CLOCK_RECORD = struct.Struct("<8sddIQQ")
 MAX_CLOCK_WORK = 1 << 26  # tokens: far beyond any prompt plus backlog; more is a bad record
 CLOCK_SKEW_S = 5.0  # a record that begins this far in this host's future is not believed
 # A record this long past its writer's expected end is a leftover (its writer could not replace
@@ -88,6 +94,9 @@ CLOCK_STALE_S = 300.0
 # settle below) times this margin must be under this engine's own time to compute the blocks now.
 # A tie is a loss (the wait's polls and the load cost time, and the estimate is uncertain).
 WAIT_MARGIN = 1.25
+# A writer that computes on this engine's CPUs (same host, overlapping cores): computing the blocks
+# here too would share those cores with it, about this many times slower for both, so a tie waits.
+SHARED_FACTOR = 2.0
 # Between a writer's last prefill step and its waiter's load: the save is published, the waiter's
 # next step polls and loads. Added to the writer's expected remaining time.
 SETTLE_S = 0.25
@@ -142,21 +151,28 @@ class WriterClock:
     start: float  # wall-clock seconds (time.time())
     tps: float
     work: int  # prompt tokens its engine computes before its last intended block is done
+    host: int = 0  # where it computes (compute_place()); 0: not known
+    cpus: int = 0
 
     def encode(self) -> bytes:
-        return CLOCK_RECORD.pack(CLOCK_MAGIC, self.start, self.tps, self.work)
+        return CLOCK_RECORD.pack(CLOCK_MAGIC, self.start, self.tps, self.work, self.host, self.cpus)
+
+    def shares(self, place: tuple[int, int]) -> bool:
+        """Does it compute on the CPUs of an engine at `place` (compute_place())?"""
+        host, cpus = place
+        return bool(self.host and host == self.host and self.cpus & cpus)
 
     @classmethod
     def decode(cls, raw: Any, now: float) -> WriterClock | None:
         """None for anything that is not a believable record written before `now`."""
         if raw is None or len(raw) != CLOCK_RECORD.size:
             return None
-        magic, start, tps, work = CLOCK_RECORD.unpack(bytes(raw))
+        magic, start, tps, work, host, cpus = CLOCK_RECORD.unpack(bytes(raw))
         if magic != CLOCK_MAGIC or not (math.isfinite(start) and math.isfinite(tps)):
             return None
         if not (0 < tps <= 1e9 and 0 <= work <= MAX_CLOCK_WORK and start <= now + CLOCK_SKEW_S):
             return None
-        return cls(start, tps, work)
+        return cls(start, tps, work, host, cpus)
 
     def remaining(self, now: float) -> float:
         """Seconds until its last intended block should be computed (0 once overdue)."""
@@ -171,12 +187,42 @@ class Decision:
     own_s: float  # this engine computing the covered blocks now (with its prefill backlog)
     writer_s: float  # the writer's expected remaining time, plus SETTLE_S
     known: bool  # the writer published its clock (else: assumed to have just begun, no backlog)
+    shared: bool = False  # the writer computes on this engine's CPUs
 
 
-def decide(own_s: float, writer_s: float, known: bool) -> Decision:
-    """Wait only when waiting is clearly shorter than computing now: two engines that begin the
-    same prefix at the same moment with the same backlog compute it both (a tie is a loss)."""
-    return Decision(writer_s * WAIT_MARGIN < own_s, own_s, writer_s, known)
+def decide(own_s: float, writer_s: float, known: bool, shared: bool = False) -> Decision:
+    """Wait only when waiting is clearly shorter than computing now: two engines of their own
+    cores that begin the same prefix at the same moment with the same backlog compute it both (a
+    tie is a loss); two that share cores would each compute at about half speed, so there the
+    one that comes second waits."""
+    cost = own_s * (SHARED_FACTOR if shared else 1.0)
+    return Decision(writer_s * WAIT_MARGIN < cost, own_s, writer_s, known, shared)
+
+
+def _cpu_mask(spec: str) -> int:
+    """CPU numbers like "0-3,8|9" (VLLM_CPU_OMP_THREADS_BIND) folded to a 64-bit mask; 0 if none."""
+    mask = 0
+    for part in spec.replace("|", ",").split(","):
+        lo, _, hi = part.strip().partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            return 0  # "auto", "all", "nobind" or something unexpected: not known
+        for cpu in range(int(lo), int(hi or lo) + 1):
+            mask |= 1 << (cpu % 64)
+    return mask
+
+
+def compute_place(device_type: str) -> tuple[int, int]:
+    """(host, cpus) of an engine computing on `device_type`, for its writer clocks: a CPU engine
+    computes on the cores VLLM_CPU_OMP_THREADS_BIND names (else this process's affinity); other
+    devices: (0, 0), not known (nothing is assumed shared)."""
+    if device_type != "cpu":
+        return 0, 0
+    host = int.from_bytes(hashlib.sha256(socket.gethostname().encode()).digest()[:8], "little") or 1
+    spec = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
+    cpus = _cpu_mask(spec) if spec else 0
+    if not cpus and hasattr(os, "sched_getaffinity"):
+        cpus = _cpu_mask(",".join(str(c) for c in sorted(os.sched_getaffinity(0))))
+    return host, cpus
 
 
 def _seconds(value: Any, name: str, low: float, high: float) -> float:
@@ -272,9 +318,11 @@ class CoalesceScheduler:
         chunk_tokens: int = 2048,
         rate: PrefillRate | None = None,
         wall: Callable[[], float] = time.time,
+        place: tuple[int, int] = (0, 0),
     ) -> None:
         self.cfg = cfg
         self._wall = wall
+        self._place = place  # compute_place() of this engine
         self.rate = rate or PrefillRate(cfg.prefill_tps, cfg.fixed_rate)
         self._block_size = block_size
         self._chunk = max(1, chunk_tokens)  # one step's prompt tokens at most (the stall unit)
@@ -336,7 +384,7 @@ class CoalesceScheduler:
             # It begins computing its blocks now, or once its wait for the covered ones ends.
             begins = self._wall() + (decision.writer_s if decision is not None and decision.wait else 0.0)
             work = (max_blocks - first) * self._block_size + backlog
-            clock = WriterClock(begins, self.rate.tps, work)
+            clock = WriterClock(begins, self.rate.tps, work, *self._place)
             published = [ck for ck in {mine[0], mine[-1]} if self._publish_clock(ck, clock)]
             self._intents[req_id] = _Intents(mine, res, first, max_blocks, published)
             self._count("coalesce_intents")
@@ -367,10 +415,11 @@ class CoalesceScheduler:
         writer_s = max((c.remaining(now) for c in clocks if c is not None), default=0.0)
         if not known:
             writer_s = max(writer_s, self.rate.seconds_for(tokens))
-        d = decide(own_s, writer_s + SETTLE_S, known)
+        shared = any(c is not None and c.shares(self._place) for c in clocks)
+        d = decide(own_s, writer_s + SETTLE_S, known, shared)
         self._log.info(
             "cxlkv: %s: blocks %d-%d are being computed by another engine, expected in %.2f s (%s); "
-            "computing them here would take %.2f s (%d tokens of backlog at %.0f tokens/s): %s",
+            "computing them here would take %.2f s (%d tokens of backlog at %.0f tokens/s%s): %s",
             req_id,
             hit,
             hit + len(covered) - 1,
@@ -379,6 +428,7 @@ class CoalesceScheduler:
             d.own_s,
             backlog,
             self.rate.tps,
+            ", on the writer's cores" if shared else "",
             "wait" if d.wait else "compute",
         )
         return d

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from cxlkv.integrations import identity as ident
 from cxlkv.integrations import vllm_groups as vg
 from cxlkv.integrations import vllm_state_groups as vsg
-from cxlkv.integrations.coalesce import CoalesceConfig, CoalesceScheduler
+from cxlkv.integrations.coalesce import CoalesceConfig, CoalesceScheduler, compute_place
 from cxlkv.integrations.keys import ChainedKeys, MMSpan, root_key
 from cxlkv.integrations.transfer import BlockOp
 from cxlkv.integrations.vllm_common import ConnectorContext, CxlKVConnectorMetadata, logger
@@ -100,6 +100,7 @@ class CxlKVScheduler:
             logger,
             block_size=self._block_size,
             chunk_tokens=int(getattr(sched_cfg, "max_num_batched_tokens", 0) or 2048),
+            place=compute_place(str(getattr(getattr(vllm_config, "device_config", None), "device_type", ""))),
         )
         self.ctx.log_started("SCHEDULER")
 
