@@ -732,3 +732,25 @@ def test_engines_on_shared_cores_wait_on_a_tie(pool_path, monkeypatch):
     assert host != 0 and cpus == 0b1111  # CPU 67 folds onto bit 3
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")
     assert compute_place("cpu")[1] == sum(1 << (c % 64) for c in os.sched_getaffinity(0))
+
+
+def test_writer_clock_work_and_lateness(pool_path):
+    """A writer that declined to wait computes its whole miss, and says so; a writer late by L is
+    expected to need about L more (it was slower than its clock said), not nothing."""
+    c = WriterClock(100.0, 10.0, 50)  # expected to end at 105
+    assert c.remaining(101.0) == pytest.approx(4.0)
+    assert c.remaining(107.0) == pytest.approx(2.0)  # 2 s late: about 2 s more
+    assert c.remaining(200.0) == pytest.approx(5.0)  # at most its whole work's time again
+    wall = Clock()
+    wall.t = 3_000_000.0
+    a = scheduler(pool_path, wall=wall, prefill_tps=4.0 * BS)
+    b = scheduler(pool_path, wall=wall, prefill_tps=4.0 * BS)
+    turn1 = chain(60, 4)
+    turn2 = turn1 + chain(61, 2)
+    a.on_miss("t1", turn1, 0, 0, 4, True, True)
+    assert b.on_miss("t2", turn2, 0, 0, 6, True, True) is None  # a tie: computes all 6 blocks
+    s = session(pool_path)
+    rec = WriterClock.decode(s.ns.get_bytes(clock_key(intent_key(turn2[-1]))), wall.t)
+    assert rec is not None and rec.work == 6 * BS  # not only its own 2 intents' blocks
+    for x in (a, b, s):
+        x.close()

@@ -175,8 +175,11 @@ class WriterClock:
         return cls(start, tps, work, host, cpus)
 
     def remaining(self, now: float) -> float:
-        """Seconds until its last intended block should be computed (0 once overdue)."""
-        return max(0.0, self.start + self.work / self.tps - now)
+        """Seconds until its last intended block should be computed. A writer already late by L
+        (slower than its clock said) is expected to need about L more, at most its whole work's
+        time again."""
+        end = self.start + self.work / self.tps
+        return end - now if now <= end else min(now - end, self.work / self.tps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -381,9 +384,11 @@ class CoalesceScheduler:
         mine = [k for k, s in zip(wanted, states, strict=True) if s == "reserved"]
         if mine and can_save:
             first = hit + states.index("reserved")
-            # It begins computing its blocks now, or once its wait for the covered ones ends.
-            begins = self._wall() + (decision.writer_s if decision is not None and decision.wait else 0.0)
-            work = (max_blocks - first) * self._block_size + backlog
+            # It computes [hit, end of prompt) now, or [first, end) once its wait for the covered
+            # blocks ends.
+            waits = decision is not None and decision.wait
+            begins = self._wall() + (decision.writer_s if decision is not None and waits else 0.0)
+            work = (max_blocks - (first if waits else hit)) * self._block_size + backlog
             clock = WriterClock(begins, self.rate.tps, work, *self._place)
             published = [ck for ck in {mine[0], mine[-1]} if self._publish_clock(ck, clock)]
             self._intents[req_id] = _Intents(mine, res, first, max_blocks, published)
