@@ -132,8 +132,8 @@ def test_new_prefix_computed_once_across_engines_and_a_killed_writer(tiny_model,
     # Phase 1: B waited; the prompt's blocks were computed once (by A, stored by it) and loaded
     # by B; both answers are plain vLLM's.
     writer, waiter = res_a[0]["cxlkv"], res_b[0]["cxlkv"]
-    assert waiter.get("vllm:cxlkv_coalesce_waits", 0) == 1 and "vllm:cxlkv_coalesce_waits" not in writer
-    assert "vllm:cxlkv_coalesce_declined" not in waiter
+    assert waiter.get("vllm:cxlkv_coalesce_waits", 0) == 1 and writer.get("vllm:cxlkv_coalesce_waits", 0) == 0
+    assert waiter.get("vllm:cxlkv_coalesce_declined", 0) == 0
     blocks = (res_a[0]["outputs"][0]["len"] - 1) // BLOCK
     assert writer["vllm:cxlkv_coalesce_intents"] == 1
     # The writer's stored count may lag its round (async saves report a store in a later step, and
