@@ -24,6 +24,9 @@ from cxlkv.integrations.coalesce import (
     CoalesceWorker,
     PrefillRate,
     WaitOp,
+    WriterClock,
+    clock_key,
+    compute_place,
     intent_key,
 )
 from cxlkv.integrations.pool_session import PoolSession
@@ -120,17 +123,32 @@ def test_config_defaults_and_errors():
             CoalesceConfig.from_extra(bad)
 
 
-def scheduler(path: str, counts: Counts | None = None, **cfg) -> CoalesceScheduler:
+def scheduler(
+    path: str, counts: Counts | None = None, wall=time.time, place=(0, 0), **cfg
+) -> CoalesceScheduler:
     cfg.setdefault("prefill_tps", 1.0)  # a slow engine: the bound is wait_s unless a test sets it
     return CoalesceScheduler(
-        CoalesceConfig(**cfg, fixed_rate=True), session(path), Counts() if counts is None else counts, LOG, BS
+        CoalesceConfig(**cfg, fixed_rate=True),
+        session(path),
+        Counts() if counts is None else counts,
+        LOG,
+        BS,
+        wall=wall,
+        place=place,
     )
+
+
+def writer(path: str, counts: Counts | None = None, **cfg) -> CoalesceScheduler:
+    """An engine far faster than `scheduler`'s: its blocks are expected long before a waiter could
+    compute them, so a waiter waits (the tests of what a wait does)."""
+    cfg.setdefault("prefill_tps", 1e6)
+    return scheduler(path, counts, **cfg)
 
 
 def test_first_engine_writes_second_waits(pool_path):
     keys = chain(1, 6)
     a_counts, b_counts = Counts(), Counts()
-    a, b = scheduler(pool_path, a_counts), scheduler(pool_path, b_counts)
+    a, b = writer(pool_path, a_counts), scheduler(pool_path, b_counts)
     assert a.on_miss("ra", keys, 0, 0, 6, True, True) is None and a.holds("ra")
     assert a.on_miss("ra", keys, 0, 0, 6, True, True) is None and a.holds("ra")  # looked up again
     assert a.on_miss("ra2", keys, 0, 0, 6, True, True) is None and not a.holds("ra2")  # same engine
@@ -227,7 +245,7 @@ def poll_until_done(worker: CoalesceWorker, load, bound: int = 2000) -> tuple[se
 
 def test_waiter_loads_blocks_once_the_writer_publishes_them(pool_path):
     keys = chain(11, 4)
-    a, b = scheduler(pool_path), scheduler(pool_path)
+    a, b = writer(pool_path), scheduler(pool_path)
     store(pool_path, keys[:1], 5)  # block 0 was in the pool already
     a.on_miss("ra", keys, 0, 1, 4, True, True)
     wait = b.on_miss("rb", keys, 0, 1, 4, True, True)
@@ -247,7 +265,7 @@ def test_waiter_loads_blocks_once_the_writer_publishes_them(pool_path):
 
 def test_writer_done_with_fewer_blocks_and_deadline(pool_path):
     keys = chain(12, 4)
-    a, b = scheduler(pool_path), scheduler(pool_path, wait_s=0.3)
+    a, b = writer(pool_path), scheduler(pool_path, wait_s=0.3)
     a.on_miss("ra", keys, 0, 0, 4, True, True)
     b.on_miss("rb", keys, 0, 0, 4, True, True)
     b.allocated("rb", [0, 1, 2, 3], 4 * BS, BS)
@@ -349,7 +367,7 @@ def test_next_turn_waits_only_for_the_blocks_the_turn_in_flight_covers(pool_path
     turn1 = chain(31, 4)
     turn2 = turn1 + [hashlib.sha256(b"turn2/%d" % i).digest() for i in range(2)]
     counts = Counts()
-    a, b, c = scheduler(pool_path), scheduler(pool_path, counts), scheduler(pool_path)
+    a, b, c = writer(pool_path), scheduler(pool_path, counts), scheduler(pool_path)
     assert a.on_miss("t1", turn1, 0, 0, 4, True, True) is None and a.held_blocks("t1") == (0, 4)
     wait = b.on_miss("t2", turn2, 0, 0, 6, True, True)
     assert wait is not None and wait.op.keys == turn1 and wait.uncovered == 2
@@ -375,7 +393,7 @@ def test_next_turn_waits_only_for_the_blocks_the_turn_in_flight_covers(pool_path
 def test_wait_loads_the_covered_part_and_counts_it(pool_path):
     turn1 = chain(32, 3)
     turn2 = turn1 + chain(33, 2)
-    a, b = scheduler(pool_path), scheduler(pool_path)
+    a, b = writer(pool_path), scheduler(pool_path)
     a.on_miss("t1", turn1, 0, 0, 3, True, True)
     b.on_miss("t2", turn2, 0, 0, 5, True, True)
     b.allocated("t2", [5, 6, 7, 8, 9], 3 * BS, BS)
@@ -422,7 +440,7 @@ def test_wait_bound_from_the_prefill_rate(pool_path):
     """The bound is the time this engine would take to compute the blocks waited for: a writer
     slower than that loses its waiter at the bound (deadline), which loads what landed."""
     keys = chain(34, 4)
-    a = scheduler(pool_path)
+    a = writer(pool_path)
     b = scheduler(pool_path, prefill_tps=float(BS * 4) / 2.0, wait_s=30.0)  # 4 blocks: 2 s
     assert b.bounds(4 * BS) == (pytest.approx(2.0), pytest.approx(4.0))
     assert b.bounds(10**9)[0] == 30.0  # capped by coalesce_wait_s
@@ -452,7 +470,7 @@ def test_stalled_writer_releases_its_waiter(pool_path):
     """A writer that holds its intents and makes no progress (e.g. queued behind other work) is
     given up after STALL_FACTOR x one chunk's estimated compute, long before the bound."""
     keys = chain(35, 8)
-    a = scheduler(pool_path)
+    a = writer(pool_path)
     b = CoalesceScheduler(
         CoalesceConfig(prefill_tps=BS, fixed_rate=True),
         session(pool_path),
@@ -481,7 +499,7 @@ def test_stalled_writer_releases_its_waiter(pool_path):
 @pytest.mark.parametrize("how", ["short", "preempted"])
 def test_writer_short_or_preempted_releases_its_waiter_within_a_step(pool_path, how):
     keys = chain(36, 4)
-    a, b = scheduler(pool_path), scheduler(pool_path)
+    a, b = writer(pool_path), scheduler(pool_path)
     a.on_miss("w", keys, 0, 0, 4, True, True)
     b.on_miss("r", keys, 0, 0, 4, True, True)
     b.allocated("r", [4, 5, 6, 7], 4 * BS, BS)
@@ -496,3 +514,243 @@ def test_writer_short_or_preempted_releases_its_waiter_within_a_step(pool_path, 
     assert done == {"r"} and errors == ({5, 6, 7} if how == "short" else {4, 5, 6, 7})
     assert counts["coalesce_fallback_writer_gone"] == 1
     a.close()
+
+
+def test_simultaneous_starts_compute_staggered_arrivals_wait(pool_path):
+    """Wait only when waiting is clearly shorter than computing now (issue 24 item 2): two engines
+    of the same speed that begin one new prefix at the same moment both compute it (the rule
+    before waited, and lost: a tie costs the polls and the load); one that arrives when the writer
+    is nearly done, or with a long prefill backlog of its own, waits."""
+    wall = Clock()
+    wall.t = 1_000_000.0
+    tps = 4.0 * BS  # 4 blocks a second in both engines
+    counts = Counts()
+    a = scheduler(pool_path, wall=wall, prefill_tps=tps)
+    b = scheduler(pool_path, counts, wall=wall, prefill_tps=tps)
+    keys = chain(41, 8)  # 2 s to compute in either engine
+    assert a.on_miss("w", keys, 0, 0, 8, True, True) is None and a.holds("w")
+    assert b.on_miss("r", keys, 0, 0, 8, True, True) is None  # same moment, same speed: compute
+    assert counts == {"coalesce_declined": 1}
+    # A longer backlog here than the writer's: computing would take 2 + 4 s, the writer 2 s.
+    assert b.on_miss("r2", keys, 0, 0, 8, True, True, backlog=16 * BS) is not None
+    # Staggered: the writer began 1.8 s ago; 0.2 s (+ the settle) left against 2 s here.
+    keys2 = chain(42, 8)
+    a.on_miss("w2", keys2, 0, 0, 8, True, True)
+    wall.t += 1.8
+    wait = b.on_miss("r3", keys2, 0, 0, 8, True, True)
+    assert wait is not None and wait.wait_s == pytest.approx(2.0)
+    # A writer whose engine has a long backlog publishes it: a waiter without one computes.
+    keys3 = chain(43, 8)
+    a.on_miss("w3", keys3, 0, 0, 8, True, True, backlog=32 * BS)
+    wall.t += 1.0
+    assert b.on_miss("r4", keys3, 0, 0, 8, True, True, backlog=8 * BS) is None
+    assert counts["coalesce_declined"] == 2
+    # A run that begins inside the writer's (its first 3 blocks saved meanwhile) ends at its last
+    # block, where the clock is: 0.5 s left (+ the settle) against 1.25 s for 5 blocks here.
+    keys4 = chain(47, 8)
+    wall.t += 100
+    a.on_miss("w4", keys4, 0, 0, 8, True, True)
+    wall.t += 1.5
+    store(pool_path, keys4[:3], 1)
+    wait = b.on_miss("r5", keys4, 0, 3, 8, True, True)
+    assert wait is not None and wait.op.keys == keys4[:8] and wait.already == 3
+    a.close()
+    b.close()
+
+
+def test_writer_clock_is_validated_and_released(pool_path):
+    """The writer's clock record comes from the pool (untrusted): anything malformed, from the
+    future or a dead writer's leftover long past its expected end counts as no clock (the writer
+    is assumed to have just begun). The record goes with the writer's intents."""
+    now = 1_000_000.0
+    good = WriterClock(now - 1.0, 100.0, 200)
+    assert WriterClock.decode(good.encode(), now) == good and good.remaining(now) == pytest.approx(1.0)
+    for raw in (
+        None,
+        b"",
+        good.encode()[:-1],
+        good.encode() + b"\0",
+        b"x" * len(good.encode()),
+        WriterClock(now, float("nan"), 1).encode(),
+        WriterClock(now, 0.0, 1).encode(),
+        WriterClock(now, -5.0, 1).encode(),
+        WriterClock(float("inf"), 1.0, 1).encode(),
+        WriterClock(now + 60, 1.0, 1).encode(),  # begins a minute from now
+        WriterClock(now, 1.0, 1 << 30).encode(),
+    ):
+        assert WriterClock.decode(raw, now) is None
+    wall = Clock()
+    wall.t = now
+    keys = chain(44, 4)
+    a = scheduler(pool_path, wall=wall, prefill_tps=1e6)
+    a.on_miss("w", keys, 0, 0, 4, True, True)
+    s = session(pool_path)
+    assert s.ns.get_bytes(clock_key(intent_key(keys[0]))) == s.ns.get_bytes(clock_key(intent_key(keys[-1])))
+    ck = clock_key(intent_key(keys[0]))  # beside its first intent and its last
+    rec = WriterClock.decode(s.ns.get_bytes(ck), now)
+    assert rec is not None and rec.start == now and rec.work == 4 * BS and rec.tps == 1e6
+    b = scheduler(pool_path, wall=wall, prefill_tps=1.0)
+    assert b.on_miss("r", keys, 0, 0, 4, True, True) is not None  # a fast writer: wait
+    # A leftover of a writer that began an hour ago: no clock, assumed to begin now at b's rate.
+    for k in (keys[0], keys[-1]):
+        s.ns.delete(clock_key(intent_key(k)))
+        assert s.ns.put(clock_key(intent_key(k)), WriterClock(now - 3600, 1e6, 16).encode())
+    b2 = scheduler(pool_path, wall=wall, prefill_tps=1.0)
+    assert b2.on_miss("r", keys, 0, 0, 4, True, True) is None
+    a.release("w", "done")
+    assert not s.ns.contains(ck) and not s.ns.contains(clock_key(intent_key(keys[-1])))
+    for x in (a, b, b2, s):
+        x.close()
+
+
+def test_writer_clock_through_a_per_head_namespace(pool_path):
+    """Engines see the pool through heads.HeadNamespace (one entry per KV head of a block): a
+    clock record is one plain entry, read and written under its own key, not as a block's heads."""
+    from cxlkv.integrations.heads import HeadNamespace, HeadPlan
+
+    def engine(tps: float) -> CoalesceScheduler:
+        s = PoolSession(
+            pool_path,
+            LOG,
+            lambda create: cxlkv.Pool.open(pool_path),
+            lambda pool: HeadNamespace(pool.namespace(layout(), name="coalesce-test"), HeadPlan(2)),
+        )
+        return CoalesceScheduler(CoalesceConfig(prefill_tps=tps, fixed_rate=True), s, Counts(), LOG, BS)
+
+    keys = chain(45, 4)
+    a, b = engine(1e6), engine(1.0)
+    a.on_miss("w", keys, 0, 0, 4, True, True)
+    assert b.on_miss("r", keys, 0, 0, 4, True, True) is not None  # a's clock read: a fast writer
+    a.release("w", "done")
+    s = session(pool_path)
+    assert not any(s.ns.contains(clock_key(intent_key(k))) for k in keys)
+    for x in (a, b, s):
+        x.close()
+
+
+def test_tensor_parallel_ranks_wait_for_every_head_and_the_shortest_load_counts(pool_path):
+    """TP > 1 (issue 22: coalescing was off): each rank polls a wait with its own session, whose
+    lookups ask for every KV head's entry (heads.HeadNamespace), so no rank loads a block before
+    every rank's entry of it is READY. A rank that gives up reports its failed blocks in the step
+    it does; vLLM reports the request once every rank has: the scheduler keeps the shortest load
+    of any step (blocks it has, not to be saved again)."""
+    from cxlkv.integrations.heads import HeadNamespace, HeadPlan, head_key
+
+    def rank_session(r: int) -> PoolSession:
+        return PoolSession(
+            pool_path,
+            LOG,
+            lambda create: cxlkv.Pool.open(pool_path),
+            lambda pool: HeadNamespace(pool.namespace(layout(), name="coalesce-test"), HeadPlan(2, 2, r)),
+        )
+
+    keys = chain(46, 4)
+    a, b = writer(pool_path), scheduler(pool_path)
+    a.on_miss("w", keys, 0, 0, 4, True, True)
+    assert b.on_miss("r", keys, 0, 0, 4, True, True) is not None
+    b.allocated("r", [10, 11, 12, 13], 4 * BS, BS)
+    waits = b.take_waits()
+    ranks = [rank_session(r) for r in (0, 1)]
+    workers = [CoalesceWorker(s, Counts(), LOG) for s in ranks]
+    for w in workers:
+        w.add(waits, idle=False)
+
+    def load_heads(r: int):  # the leading blocks whose entry of rank r's head is present
+        return lambda op: ranks[r].ns.raw.match_prefix([head_key(k, r) for k in op.keys])
+
+    store(pool_path, keys, 3)  # head 0's entries (rank 0 saved); head 1's not yet
+    for r, w in enumerate(workers):
+        assert w.poll(set(), load_heads(r)) == (set(), set())
+    store(pool_path, [head_key(k, 1) for k in keys], 3)  # rank 1 saved
+    for r, w in enumerate(workers):
+        assert w.poll(set(), load_heads(r)) == ({"r"}, set())
+    # Rank 0 loaded 2 blocks (step 1), rank 1 all 4 (step 2): the request has 2.
+    b.step_done(1, {12, 13}, set(), ())
+    b.step_done(2, set(), {"r"}, ())
+    assert b.loaded_floor("r") == 2
+    a.close()
+    b.close()
+    for s in ranks:
+        s.close()
+
+
+def test_bench_serve_reads_each_requests_coalescing_timeline(tmp_path):
+    """bench serve's per-request records carry the coalescing lines of the servers' logs (the
+    decision, the wait and its outcome), by the bench's request id."""
+    from cxlkv.tools.serve_report import coalesce_events, timeline
+
+    log = tmp_path / "cxlkv-0.log"
+    log.write_text(
+        "(EngineCore pid=1) INFO 11-28 01:09:31 [coalesce.py:350] cxlkv: cmpl-prc4-2-0-833f3505: blocks "
+        "0-15 are being computed by another engine, expected in 1.00 s (its clock); computing them "
+        "here would take 8.19 s (0 tokens of backlog at 250 tokens/s): wait\n"
+        "(APIServer pid=2) INFO 11-28 01:09:31 [loggers.py:1] Engine 000: Avg prompt throughput\n"
+        "(Worker pid=3) INFO 11-28 01:09:33 [coalesce.py:465] cxlkv: cmpl-prc4-2-0-833f3505: 16 blocks "
+        "computed by another engine loaded after 2.10 s\n"
+        "(EngineCore pid=1) INFO 11-28 01:09:40 [coalesce.py:350] cxlkv: cmpl-moc4-u0-t1-0-9da249e4: "
+        "blocks 0-16 ...: compute\n"
+    )
+    ev = coalesce_events([str(log), str(tmp_path / "missing.log")])
+    assert set(ev) == {"prc4-2", "moc4-u0-t1"}
+    assert ev["prc4-2"][0].startswith("01:09:31 blocks 0-15") and ev["prc4-2"][0].endswith(": wait")
+    assert ev["prc4-2"][1] == "01:09:33 16 blocks computed by another engine loaded after 2.10 s"
+    assert ev["moc4-u0-t1"] == ["01:09:40 blocks 0-16 ...: compute"]
+    rows = [{"request_id": "prc4-2", "backend": 1, "ttft_s": 2.5}, {"request_id": "prc4-3", "ttft_s": 1.0}]
+    assert timeline(rows, ev) == [
+        {"request": "prc4-2", "backend": 1, "ttft_ms": 2500, "events": ev["prc4-2"]}
+    ]
+
+
+def test_engines_on_shared_cores_wait_on_a_tie(pool_path, monkeypatch):
+    """Two engines of one speed that begin a prefix together: with cores of their own both
+    compute it, but when the writer computes on this engine's CPUs (same host, overlapping cores:
+    its clock says where), computing too would halve both, so the second waits."""
+    wall = Clock()
+    wall.t = 2_000_000.0
+    tps = 4.0 * BS
+
+    def engine(place):
+        return scheduler(pool_path, wall=wall, prefill_tps=tps, place=place)
+
+    for i, (writer_place, waiter_place, waits) in enumerate(
+        [
+            ((7, 0b01), (7, 0b11), True),  # core 0 is both engines'
+            ((7, 0b01), (7, 0b10), False),  # a core each
+            ((7, 0b01), (8, 0b01), False),  # another host
+            ((0, 0), (0, 0), False),  # not known (a GPU engine)
+        ]
+    ):
+        a, b = engine(writer_place), engine(waiter_place)
+        keys = chain(50 + i, 8)
+        a.on_miss("w", keys, 0, 0, 8, True, True)
+        assert (b.on_miss("r", keys, 0, 0, 8, True, True) is not None) == waits, (writer_place, waiter_place)
+        a.close()
+        b.close()
+    assert compute_place("cuda") == (0, 0)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-2|67")
+    host, cpus = compute_place("cpu")
+    assert host != 0 and cpus == 0b1111  # CPU 67 folds onto bit 3
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    assert compute_place("cpu")[1] == sum(1 << (c % 64) for c in os.sched_getaffinity(0))
+
+
+def test_writer_clock_work_and_lateness(pool_path):
+    """A writer that declined to wait computes its whole miss, and says so; a writer late by L is
+    expected to need about L more (it was slower than its clock said), not nothing."""
+    c = WriterClock(100.0, 10.0, 50)  # expected to end at 105
+    assert c.remaining(101.0) == pytest.approx(4.0)
+    assert c.remaining(107.0) == pytest.approx(2.0)  # 2 s late: about 2 s more
+    assert c.remaining(200.0) == pytest.approx(5.0)  # at most its whole work's time again
+    wall = Clock()
+    wall.t = 3_000_000.0
+    a = scheduler(pool_path, wall=wall, prefill_tps=4.0 * BS)
+    b = scheduler(pool_path, wall=wall, prefill_tps=4.0 * BS)
+    turn1 = chain(60, 4)
+    turn2 = turn1 + chain(61, 2)
+    a.on_miss("t1", turn1, 0, 0, 4, True, True)
+    assert b.on_miss("t2", turn2, 0, 0, 6, True, True) is None  # a tie: computes all 6 blocks
+    s = session(pool_path)
+    rec = WriterClock.decode(s.ns.get_bytes(clock_key(intent_key(turn2[-1]))), wall.t)
+    assert rec is not None and rec.work == 6 * BS  # not only its own 2 intents' blocks
+    for x in (a, b, s):
+        x.close()

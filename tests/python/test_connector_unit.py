@@ -734,6 +734,9 @@ def test_coalesce_next_turn_waits_only_for_the_turn_in_flight(pool_path, model_d
     rate = a.sched.scheduler._coalesce.rate
     assert not rate.measured
     req = make_req("t2", turn2)
+    # B's own prefill is far slower than A's (published with A's intents): waiting is clearly
+    # shorter. (At the same speed, both starting now, B would compute: test_coalesce_unit.py.)
+    b.sched.scheduler._coalesce.rate.tps = 1.0
     assert b.sched.get_num_new_matched_tokens(req, 0) == (10 * BS, True)
     assert b.sched.scheduler._coalesce.held_blocks("t2") == (10, 13)
     a.step({"t1": len(turn1)})

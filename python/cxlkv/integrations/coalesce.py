@@ -1,9 +1,10 @@
 """Compute a new prefix once across vLLM instances (issue 16 item 5; issue 24 item 2: never convoy).
 
-When two engines get the same NEW prompt at the same moment, both would compute it. The pool
-knows which chains are being written, so an engine that misses takes an *intent* for every block
-it will compute, and any other engine that misses there waits for exactly those blocks (vLLM's
-asynchronous KV load), loads what is already READY, and computes the rest at once.
+An engine that gets a NEW prompt another engine is already computing would compute it again. The
+pool knows which chains are being written, so an engine that misses takes an *intent* for every
+block it will compute, and another engine that misses there waits for exactly those blocks
+(vLLM's asynchronous KV load) when that is clearly shorter than computing them, loads what is
+already READY, and computes the rest at once.
 
 * An intent is an index entry in WRITING state with no block, taken with
   ``Namespace.reserve(..., blocks=False)`` on the key :func:`intent_key` derives from the chain key
@@ -19,6 +20,20 @@ asynchronous KV load), loads what is already READY, and computes the rest at onc
   it is computed at once, and the intents it got there are its own (others may wait for it). A
   next turn that shares all but the last blocks of a turn still in flight thus waits only for the
   blocks that turn covers, never for blocks no intent covers.
+* Whether to wait: only when waiting is clearly shorter than computing the blocks now
+  (:func:`decide`). A writer publishes its clock beside its first and last intents (:class:`WriterClock`
+  under :func:`clock_key`: when it began, its engine's prefill rate, the prompt tokens its engine
+  computes before its last intended block is done, backlog included; deleted with its intents).
+  A request that finds the leading blocks in flight compares the writer's expected remaining time
+  (the latest of the clocks along the run; a run whose writer published none: assumed to have
+  just begun, at this engine's rate) plus ``SETTLE_S`` (save, poll, load), times ``WAIT_MARGIN``,
+  with its own time to compute them now (their tokens plus this engine's prefill backlog, at its
+  rate; doubled when the writer computes on this engine's CPUs: :func:`compute_place`). Two
+  engines of one speed on cores of their own that begin a new prefix at the same moment both
+  compute it (a tie is a loss: the wait's polls and load cost time, and a late writer costs the
+  whole wait); a request that arrives when the writer is well on, whose engine has a long
+  backlog, or that shares the writer's cores, waits.
+  Counted: ``coalesce_declined`` (computed instead).
 * Bounds: a wait lasts at most the estimated time to compute what it waits for in this engine
   (the blocks waited for plus the prompt tokens of other requests this engine still has to
   compute, which would share its steps), from this engine's measured prefill rate
@@ -32,9 +47,13 @@ asynchronous KV load), loads what is already READY, and computes the rest at onc
   "recompute", which the connector sets).
 
 Everything the worker needs travels in the connector metadata (:class:`WaitOp`): no state is
-shared between the scheduler and the worker, so any executor works. Tensor parallelism and
-hybrid models (several KV cache groups) stay off (see docs/ARCHITECTURE.md §9: a wait loads one
-group, and TP ranks would each decide a wait's outcome on their own, untested).
+shared between the scheduler and the worker, so any executor works. Tensor parallelism: every
+rank polls a wait with its own session, whose lookups ask for every KV head's entry
+(heads.HeadNamespace), so a block counts as present once every rank's entry of it is READY; each
+rank loads its heads and reports its failed blocks; vLLM unions the ranks' failures per step and
+reports the request once every rank has, and truncates it at the first failed block: the request
+has the shortest of the ranks' loads (the scheduler keeps that as its floor). Hybrid models
+(several KV cache groups) stay off: docs/ARCHITECTURE.md §9, "Coalescing new prefixes".
 
 Extra config: ``coalesce`` (default true), ``coalesce_wait_s`` (default 30: the cap of any one
 wait) and ``coalesce_prefill_tokens_per_s`` (the estimate before a measurement; set it to fix it).
@@ -45,6 +64,10 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import math
+import os
+import socket
+import struct
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -52,6 +75,31 @@ from typing import Any
 from cxlkv.integrations.transfer import BlockOp
 
 INTENT_SUFFIX = b"cxlkv-intent"
+CLOCK_SUFFIX = b"cxlkv-intent-clock"
+# A writer's clock record (the value under clock_key of its first and of its last intent: a
+# waiter's run of blocks in flight begins at the first when it shares the writer's prefix, and
+# ends at the last when it waits for the writer's whole prompt, wherever it begins): magic, the wall-clock
+# second it began, its engine's prefill rate (tokens/s), and the prompt tokens its engine computes
+# before its last intended block is done (its own plus its engine's prefill backlog then), and
+# where it computes (a hash of its host's name and the CPUs its engine computes on, folded to 64
+# bits; 0: not known, e.g. a GPU engine): two engines that share CPUs slow each other down.
+CLOCK_MAGIC = b"cxlkvck2"
+CLOCK_RECORD = struct.Struct("<8sddIQQ")
+MAX_CLOCK_WORK = 1 << 26  # tokens: far beyond any prompt plus backlog; more is a bad record
+CLOCK_SKEW_S = 5.0  # a record that begins this far in this host's future is not believed
+# A record this long past its writer's expected end is a leftover (its writer could not replace
+# it), not the clock of the live writer that holds the intent now: no clock.
+CLOCK_STALE_S = 300.0
+# Waiting must be clearly shorter than computing: the writer's expected remaining time (plus the
+# settle below) times this margin must be under this engine's own time to compute the blocks now.
+# A tie is a loss (the wait's polls and the load cost time, and the estimate is uncertain).
+WAIT_MARGIN = 1.25
+# A writer that computes on this engine's CPUs (same host, overlapping cores): computing the blocks
+# here too would share those cores with it, about this many times slower for both, so a tie waits.
+SHARED_FACTOR = 2.0
+# Between a writer's last prefill step and its waiter's load: the save is published, the waiter's
+# next step polls and loads. Added to the writer's expected remaining time.
+SETTLE_S = 0.25
 DEFAULT_WAIT_S = 30.0
 # Prefill tokens per second assumed before this engine has measured its own: a slow CPU engine's
 # (SmolLM2-135M on two cores shared by several servers under load does a few hundred), so the first
@@ -70,6 +118,7 @@ FALLBACK_CAUSES = ("writer_gone", "stalled", "deadline", "pool_unavailable")
 STAT_KEYS = (
     "coalesce_intents",
     "coalesce_waits",
+    "coalesce_declined",
     "coalesced_blocks",
     "coalesce_saved_tokens",
     *(f"coalesce_fallback_{cause}" for cause in FALLBACK_CAUSES),
@@ -87,6 +136,96 @@ def intent_key(chain_key: bytes) -> bytes:
     if len(chain_key) != 32:
         raise ValueError(f"cxlkv: a chain key has 32 bytes, not {len(chain_key)}")
     return hashlib.sha256(bytes(chain_key) + INTENT_SUFFIX).digest()
+
+
+def clock_key(intent: bytes) -> bytes:
+    """Where the writer holding `intent` (its first) publishes when it began and how fast its
+    engine goes: sha256(intent | b"cxlkv-intent-clock"), never a block's or an intent's key."""
+    return hashlib.sha256(bytes(intent) + CLOCK_SUFFIX).digest()
+
+
+@dataclasses.dataclass(frozen=True)
+class WriterClock:
+    """A writer's published start, rate and work (validated: the pool is untrusted input)."""
+
+    start: float  # wall-clock seconds (time.time())
+    tps: float
+    work: int  # prompt tokens its engine computes before its last intended block is done
+    host: int = 0  # where it computes (compute_place()); 0: not known
+    cpus: int = 0
+
+    def encode(self) -> bytes:
+        return CLOCK_RECORD.pack(CLOCK_MAGIC, self.start, self.tps, self.work, self.host, self.cpus)
+
+    def shares(self, place: tuple[int, int]) -> bool:
+        """Does it compute on the CPUs of an engine at `place` (compute_place())?"""
+        host, cpus = place
+        return bool(self.host and host == self.host and self.cpus & cpus)
+
+    @classmethod
+    def decode(cls, raw: Any, now: float) -> WriterClock | None:
+        """None for anything that is not a believable record written before `now`."""
+        if raw is None or len(raw) != CLOCK_RECORD.size:
+            return None
+        magic, start, tps, work, host, cpus = CLOCK_RECORD.unpack(bytes(raw))
+        if magic != CLOCK_MAGIC or not (math.isfinite(start) and math.isfinite(tps)):
+            return None
+        if not (0 < tps <= 1e9 and 0 <= work <= MAX_CLOCK_WORK and start <= now + CLOCK_SKEW_S):
+            return None
+        return cls(start, tps, work, host, cpus)
+
+    def remaining(self, now: float) -> float:
+        """Seconds until its last intended block should be computed. A writer already late by L
+        (slower than its clock said) is expected to need about L more, at most its whole work's
+        time again."""
+        end = self.start + self.work / self.tps
+        return end - now if now <= end else min(now - end, self.work / self.tps)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """Why a request that misses where another engine computes the next blocks waits or not."""
+
+    wait: bool
+    own_s: float  # this engine computing the covered blocks now (with its prefill backlog)
+    writer_s: float  # the writer's expected remaining time, plus SETTLE_S
+    known: bool  # the writer published its clock (else: assumed to have just begun, no backlog)
+    shared: bool = False  # the writer computes on this engine's CPUs
+
+
+def decide(own_s: float, writer_s: float, known: bool, shared: bool = False) -> Decision:
+    """Wait only when waiting is clearly shorter than computing now: two engines of their own
+    cores that begin the same prefix at the same moment with the same backlog compute it both (a
+    tie is a loss); two that share cores would each compute at about half speed, so there the
+    one that comes second waits."""
+    cost = own_s * (SHARED_FACTOR if shared else 1.0)
+    return Decision(writer_s * WAIT_MARGIN < cost, own_s, writer_s, known, shared)
+
+
+def _cpu_mask(spec: str) -> int:
+    """CPU numbers like "0-3,8|9" (VLLM_CPU_OMP_THREADS_BIND) folded to a 64-bit mask; 0 if none."""
+    mask = 0
+    for part in spec.replace("|", ",").split(","):
+        lo, _, hi = part.strip().partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            return 0  # "auto", "all", "nobind" or something unexpected: not known
+        for cpu in range(int(lo), int(hi or lo) + 1):
+            mask |= 1 << (cpu % 64)
+    return mask
+
+
+def compute_place(device_type: str) -> tuple[int, int]:
+    """(host, cpus) of an engine computing on `device_type`, for its writer clocks: a CPU engine
+    computes on the cores VLLM_CPU_OMP_THREADS_BIND names (else this process's affinity); other
+    devices: (0, 0), not known (nothing is assumed shared)."""
+    if device_type != "cpu":
+        return 0, 0
+    host = int.from_bytes(hashlib.sha256(socket.gethostname().encode()).digest()[:8], "little") or 1
+    spec = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
+    cpus = _cpu_mask(spec) if spec else 0
+    if not cpus and hasattr(os, "sched_getaffinity"):
+        cpus = _cpu_mask(",".join(str(c) for c in sorted(os.sched_getaffinity(0))))
+    return host, cpus
 
 
 def _seconds(value: Any, name: str, low: float, high: float) -> float:
@@ -165,6 +304,7 @@ class _Intents:
     reservation: Any
     start: int  # the first block it holds an intent for
     end_blocks: int  # the request's prompt blocks: released once its saves cover them
+    clocks: list = dataclasses.field(default_factory=list)  # intents its clock is beside (deleted on release)
     release_after_step: int | None = None
 
 
@@ -180,8 +320,12 @@ class CoalesceScheduler:
         block_size: int,
         chunk_tokens: int = 2048,
         rate: PrefillRate | None = None,
+        wall: Callable[[], float] = time.time,
+        place: tuple[int, int] = (0, 0),
     ) -> None:
         self.cfg = cfg
+        self._wall = wall
+        self._place = place  # compute_place() of this engine
         self.rate = rate or PrefillRate(cfg.prefill_tps, cfg.fixed_rate)
         self._block_size = block_size
         self._chunk = max(1, chunk_tokens)  # one step's prompt tokens at most (the stall unit)
@@ -193,6 +337,7 @@ class CoalesceScheduler:
         self._ready: list[WaitOp] = []  # blocks allocated: sent with the next metadata
         self._waiting: dict[str, WaitOp] = {}  # sent to the worker, outcome pending
         self._floors: dict[str, int] = {}  # finished waits: leading blocks now in vLLM's cache
+        self._bad: dict[str, int] = {}  # waits in progress: the first block a rank failed to load
         # Requests that waited once: a wait that gave up is not repeated, so one request's delay
         # is bounded by one wait.
         self._waited: set[str] = set()
@@ -234,21 +379,88 @@ class CoalesceScheduler:
         covered = 0  # the leading blocks another engine's intents cover
         while covered < len(wanted) and states[covered] == "in_flight" and wanted[covered] not in local:
             covered += 1
+        may_wait = bool(covered) and can_load and have <= hit and req_id not in self._waited
+        decision = self._decide(req_id, wanted[:covered], hit, backlog) if may_wait else None
         mine = [k for k, s in zip(wanted, states, strict=True) if s == "reserved"]
         if mine and can_save:
             first = hit + states.index("reserved")
-            self._intents[req_id] = _Intents(mine, res, first, max_blocks)
+            # It computes [hit, end of prompt) now, or [first, end) once its wait for the covered
+            # blocks ends.
+            waits = decision is not None and decision.wait
+            begins = self._wall() + (decision.writer_s if decision is not None and waits else 0.0)
+            work = (max_blocks - (first if waits else hit)) * self._block_size + backlog
+            clock = WriterClock(begins, self.rate.tps, work, *self._place)
+            published = [ck for ck in {mine[0], mine[-1]} if self._publish_clock(ck, clock)]
+            self._intents[req_id] = _Intents(mine, res, first, max_blocks, published)
             self._count("coalesce_intents")
         elif res is not None:
             res.abort()  # nothing to hold (or it never publishes blocks: nobody should wait for it)
-        if not covered or not can_load or have > hit or req_id in self._waited:
+        if decision is None:
             return None  # nobody else computes its next block, more here locally, or waited already
+        if not decision.wait:
+            self._count("coalesce_declined")
+            return None
         end = hit + covered
         wait_s, stall_s = self.bounds(covered * self._block_size, backlog)
         op = BlockOp(req_id, list(keys[have:end]), [], start_depth=have)
         wait = WaitOp(op, wait_s, stall_s, already=hit - have, uncovered=max_blocks - end)
         self._pending[req_id] = wait
         return wait
+
+    def _decide(self, req_id: str, covered: list, hit: int, backlog: int) -> Decision:
+        """Wait for the `covered` intents' blocks, or compute them now? The writer's expected
+        remaining time is the latest of the clocks its writers published along the run (a run
+        with none, e.g. one that ends before its writer's last block: assumed to have just begun,
+        at this engine's rate)."""
+        now = self._wall()
+        tokens = len(covered) * self._block_size
+        own_s = self.rate.seconds_for(tokens + backlog)
+        clocks = [self._read_clock(k, now) for k in covered]
+        known = any(c is not None for c in clocks)
+        writer_s = max((c.remaining(now) for c in clocks if c is not None), default=0.0)
+        if not known:
+            writer_s = max(writer_s, self.rate.seconds_for(tokens))
+        shared = any(c is not None and c.shares(self._place) for c in clocks)
+        d = decide(own_s, writer_s + SETTLE_S, known, shared)
+        self._log.info(
+            "cxlkv: %s: blocks %d-%d are being computed by another engine, expected in %.2f s (%s); "
+            "computing them here would take %.2f s (%d tokens of backlog at %.0f tokens/s%s): %s",
+            req_id,
+            hit,
+            hit + len(covered) - 1,
+            d.writer_s,
+            "its clock" if known else "no clock: assumed just begun",
+            d.own_s,
+            backlog,
+            self.rate.tps,
+            ", on the writer's cores" if shared else "",
+            "wait" if d.wait else "compute",
+        )
+        return d
+
+    def _read_clock(self, intent: bytes, now: float) -> WriterClock | None:
+        ck = clock_key(intent)
+        # Only a writer's first and last intents have one: look before reading (a read copies a
+        # whole block).
+        raw = self._session.call(
+            "coalesce", lambda ns: _plain(ns).get_bytes(ck) if _plain(ns).contains(ck) else None, retry=False
+        )
+        c = WriterClock.decode(raw, now)
+        if c is None or c.start + c.work / c.tps + CLOCK_STALE_S < now:
+            return None  # none, bad, or a dead writer's leftover (long past its expected end)
+        return c
+
+    def _publish_clock(self, intent: bytes, clock: WriterClock) -> bool:
+        """Put the writer's clock under `intent`'s clock key (a dead writer's leftover is
+        replaced: whoever holds the intent owns the record). False when it could not be put."""
+        ck = clock_key(intent)
+        data = clock.encode()
+
+        def put(ns: Any) -> bool:
+            _plain(ns).delete(ck)
+            return bool(_plain(ns).put(ck, data))
+
+        return bool(self._session.call("coalesce", put))
 
     def lookup_started(self, req_id: str) -> None:
         """vLLM looks the request up again (it was not scheduled last time): a wait planned then
@@ -310,13 +522,18 @@ class CoalesceScheduler:
                 self.release(req_id, "its prompt blocks are saved")
         for req_id in finished_sending:  # asynchronous saves: every copy of the request is done
             self.release(req_id, "its saves are done")
+        # With tensor parallelism each rank ends a wait on its own and reports its failed blocks
+        # in the step it ends it: vLLM unions them per step and reports the request once every
+        # rank has. What the request has is the shortest of the ranks' loads, from any step.
+        for req_id, pending in self._waiting.items():
+            ids = pending.op.block_ids
+            bad = next((i for i, b in enumerate(ids) if b in invalid_block_ids), len(ids))
+            self._bad[req_id] = min(bad, self._bad.get(req_id, len(ids)))
         for req_id in finished_recving:
             wait = self._waiting.pop(req_id, None)
-            if wait is None:
-                continue
-            ids = wait.op.block_ids
-            bad = next((i for i, b in enumerate(ids) if b in invalid_block_ids), len(ids))
-            self._floors[req_id] = wait.op.start_depth + bad
+            bad = self._bad.pop(req_id, 0)
+            if wait is not None:
+                self._floors[req_id] = wait.op.start_depth + bad
 
     def loaded_floor(self, req_id: str) -> int:
         """Blocks a request scheduled after its wait already has (not to be saved again)."""
@@ -326,11 +543,15 @@ class CoalesceScheduler:
         m = self._intents.pop(req_id, None)
         if m is not None:
             self._session.call("coalesce", lambda _ns: m.reservation.abort())
+            for intent in m.clocks:
+                ck = clock_key(intent)
+                self._session.call("coalesce", lambda ns, ck=ck: _plain(ns).delete(ck))
             self._log.debug("cxlkv: %s: %d intents released (%s)", req_id, len(m.keys), why)
 
     def finished(self, req_id: str, saves_in_flight: bool) -> None:
         self._pending.pop(req_id, None)
         self._waiting.pop(req_id, None)
+        self._bad.pop(req_id, None)
         self._floors.pop(req_id, None)
         self._waited.discard(req_id)
         if not saves_in_flight:  # else released with finished_sending
@@ -472,6 +693,12 @@ class CoalesceWorker:
 
     def close(self) -> None:
         self._waits.clear()
+
+
+def _plain(ns: Any) -> Any:
+    """The namespace's own key API: a clock record is one entry under its key, not a block of
+    per-head entries (heads.HeadNamespace would ask for every head's key)."""
+    return getattr(ns, "raw", ns)
 
 
 def _probe(ns: Any, intent: bytes, depth: int) -> str:

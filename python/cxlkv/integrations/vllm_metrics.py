@@ -69,6 +69,10 @@ COUNTERS = {
         "coalesce_waits",
         "Requests that waited for prompt blocks another engine was computing (coalescing).",
     ),
+    "cxlkv_coalesce_declined": (
+        "coalesce_declined",
+        "Requests that computed prompt blocks another engine was computing: waiting was not clearly shorter.",
+    ),
     "cxlkv_coalesced_blocks": (
         "coalesced_blocks",
         "KV blocks a waiting request loaded once another engine had computed them.",

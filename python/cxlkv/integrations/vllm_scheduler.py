@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from cxlkv.integrations import identity as ident
 from cxlkv.integrations import vllm_groups as vg
 from cxlkv.integrations import vllm_state_groups as vsg
-from cxlkv.integrations.coalesce import CoalesceConfig, CoalesceScheduler
+from cxlkv.integrations.coalesce import CoalesceConfig, CoalesceScheduler, compute_place
 from cxlkv.integrations.keys import ChainedKeys, MMSpan, root_key
 from cxlkv.integrations.transfer import BlockOp
 from cxlkv.integrations.vllm_common import ConnectorContext, CxlKVConnectorMetadata, logger
@@ -87,9 +87,8 @@ class CxlKVScheduler:
         self._groups = [self.ctx.group_session(g.index) for g in self.ctx.groups]
         self._primary = self._groups[self.ctx.primary]
         cfg = CoalesceConfig.from_extra(self.ctx.extra)
-        if cfg.enabled and self.ctx.heads.tp_size > 1:
-            logger.info("cxlkv: coalescing of new prefixes is off with tensor parallelism (coalesce.py)")
-            cfg = dataclasses.replace(cfg, enabled=False)
+        # Tensor parallelism: on (coalesce.py: a wait's blocks count as present once every head's
+        # entry is, and vLLM truncates the request at the first block any rank failed to load).
         if cfg.enabled and self.ctx.multi:
             logger.info("cxlkv: coalescing of new prefixes is off with several KV cache groups (coalesce.py)")
             cfg = dataclasses.replace(cfg, enabled=False)
@@ -101,6 +100,7 @@ class CxlKVScheduler:
             logger,
             block_size=self._block_size,
             chunk_tokens=int(getattr(sched_cfg, "max_num_batched_tokens", 0) or 2048),
+            place=compute_place(str(getattr(getattr(vllm_config, "device_config", None), "device_type", ""))),
         )
         self.ctx.log_started("SCHEDULER")
 

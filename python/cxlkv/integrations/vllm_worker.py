@@ -56,7 +56,11 @@ class CxlKVWorker:
         self._recved: set[str] = set()
         self._failed_recving: set[str] = set()
         self._saves = SaveTracker()
-        self._coalesce_worker = CoalesceWorker(self._session, self._count_stat, logger)
+        # Every TP rank polls and loads its own heads of a wait; rank 0 counts (vLLM sums the
+        # ranks' stats, and a wait is one request's, whatever the ranks).
+        self._coalesce_worker = CoalesceWorker(
+            self._session, self._count_stat if self.ctx.tp_rank == 0 else _no_count, logger
+        )
         self.ctx.log_started("WORKER")
 
     def _count_stat(self, key: str, n: int = 1) -> None:
@@ -301,3 +305,7 @@ class CxlKVWorker:
         for transfer in self._group_transfers or ([self._transfer] if self._transfer is not None else []):
             transfer.close()  # lets the queued saves finish (bounded)
         self._session.close()
+
+
+def _no_count(key: str, n: float = 1) -> None:
+    """A TP rank other than 0: its coalescing outcome is counted by rank 0."""

@@ -79,7 +79,9 @@ def _kv_config(config: str, pool: str, pool_gib: int, lmcache_port: int | None) 
             "kv_connector_extra_config": {
                 "lmcache.mp.host": "tcp://127.0.0.1",
                 "lmcache.mp.port": lmcache_port,
-                "lmcache.mp.mq_timeout": 60,
+                # LMCache's own default (300 s): its engines give up reaching the MP server after
+                # this long, and on a loaded machine a server's start took more than 60 s.
+                "lmcache.mp.mq_timeout": 300,
             },
         }
     return None
@@ -331,9 +333,15 @@ def run(
                         r = serve_report.row(config, c, classified, duration, before, after)
                         r.update(dataset=dataset_, instances=n, model=served, load_avg_1m=os.getloadavg()[0])
                         rows.append(r)
+                        events = serve_report.coalesce_events([s.log for s in servers])
                         per_request[f"{config}/{dataset_}@{c}"] = [
-                            {k: v for k, v in q.items() if k != "itl_s"} for q in classified
+                            {
+                                **{k: v for k, v in q.items() if k != "itl_s"},
+                                "coalesce_events": events.get(q["request_id"], []),
+                            }
+                            for q in classified
                         ]
+                        r["coalesce_timeline"] = serve_report.timeline(classified, events)
                         finished += len(tagged)
                         progress.update(total, completed=finished)
                         if r["failed"]:
@@ -387,9 +395,10 @@ def print_result(con, summary: dict) -> None:
     )
     for r in summary["rows"]:
         co = r.get("coalesce") or {}
-        if co.get("waits"):
+        if co.get("waits") or co.get("declined"):
             con.print(
                 f"  {r['config']}: {r['dataset']} @ {r['concurrency']}: coalescing: {co['waits']:.0f} waits "
+                f"({co.get('declined', 0):.0f} computed instead: not clearly shorter) "
                 f"({co['wait_s']:.1f} s in all), {co['timeouts']:.0f} timed out, {co['writer_gone']:.0f} "
                 f"writer gone, {co['partial_loads']:.0f} partial loads, {co['saved_tokens']:,.0f} prefill "
                 f"tokens saved"

@@ -19,6 +19,7 @@ where vLLM evicted a local prefix the estimate assumed, or a load was partial).
 
 from __future__ import annotations
 
+import re
 import statistics
 import urllib.request
 from typing import Any
@@ -36,6 +37,7 @@ COUNTERS = {
 # The cxlkv connector's coalescing counters (docs/METRICS.md): row key -> (series, causes or None).
 COALESCE = {
     "waits": ("vllm:cxlkv_coalesce_waits_total", None),
+    "declined": ("vllm:cxlkv_coalesce_declined_total", None),
     "timeouts": ("vllm:cxlkv_coalesce_fallbacks_total", ("deadline", "stalled")),
     "writer_gone": ("vllm:cxlkv_coalesce_fallbacks_total", ("writer_gone",)),
     "partial_loads": ("vllm:cxlkv_coalesce_partial_loads_total", None),
@@ -72,6 +74,7 @@ def classify(
     done = []  # (group, backend, prefill end, reusable) of requests whose prefill finished
     for t, o in zip(tagged, outputs, strict=True):
         rec = records.get(t.request.request_id, {})
+        o["request_id"] = t.request.request_id
         o["backend"] = rec.get("backend")
         o["cached"] = int(rec.get("cached_tokens") or 0)
         o["prompt"] = int(rec.get("prompt_tokens") or t.request.prompt_len)
@@ -88,6 +91,44 @@ def classify(
         cls = "recompute" if parts["recompute"] > o["cached"] else "tier" if parts["tier"] else "local"
         rows.append({**o, **parts, "class": cls})
     return rows
+
+
+# A coalescing line of a server's log (coalesce.py logs each decision, wait and outcome at INFO):
+# its time, the bench's request id (vLLM names it cmpl-<id>-<n>-<hex>) and what happened.
+_COALESCE_LINE = re.compile(
+    r"(\d\d:\d\d:\d\d) \[coalesce\.py:\d+\] cxlkv: (?:cmpl-)?(\S+?)-\d+-[0-9a-f]{8}: (.*)$"
+)
+
+
+def coalesce_events(logs: list[str]) -> dict[str, list[str]]:
+    """Per request id: its coalescing timeline from the servers' logs ("HH:MM:SS what"): whether
+    it waited or computed and why (the writer's expected time vs its own), how long a wait took,
+    how it ended and what it loaded. Unreadable logs give nothing."""
+    out: dict[str, list[str]] = {}
+    for path in logs:
+        try:
+            with open(path, errors="replace") as f:
+                for line in f:
+                    m = _COALESCE_LINE.search(line)
+                    if m:
+                        out.setdefault(m.group(2), []).append(f"{m.group(1)} {m.group(3).strip()}")
+        except OSError:
+            continue
+    return out
+
+
+def timeline(per_request: list[dict], events: dict[str, list[str]]) -> list[dict]:
+    """The requests that met coalescing, in order: id, server, TTFT and their timeline."""
+    return [
+        {
+            "request": q["request_id"],
+            "backend": q.get("backend"),
+            "ttft_ms": round(1000 * q["ttft_s"]) if q.get("ttft_s") is not None else None,
+            "events": events[q["request_id"]],
+        }
+        for q in per_request
+        if events.get(q["request_id"])
+    ]
 
 
 def _ms(xs: list[float]) -> dict[str, float]:
