@@ -460,7 +460,10 @@ def _tiny_jamba_build(out: Path) -> dict:
         num_experts=4,
         num_experts_per_tok=2,
         mamba_d_state=16,
-        mamba_d_conv=4,
+        # not Jamba's 4: on CPUs with AVX-512 BF16 vLLM CPU 0.32 prepacks a width-4 bf16 conv
+        # weight to 2-D, which its Mamba-1 mixer cannot view back ("IndexError: Dimension out of
+        # range" in mamba_mixer.py, with or without cxlkv); width 3 keeps vLLM's plain torch path
+        mamba_d_conv=3,
         mamba_expand=2,
         mamba_dt_rank=8,
         architectures=["JambaForCausalLM"],
