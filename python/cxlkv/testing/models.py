@@ -341,9 +341,12 @@ TINY_NEMOTRON_H_NAME = "tiny-nemotron-h-v2"
 TINY_NEMOTRON_H_WEIGHT_SCALE = 4.0
 
 
-def _save_tiny_hybrid(out: Path, config, model_cls, scale: float, recipe: str) -> dict:
+def _save_tiny_hybrid(
+    out: Path, config, model_cls, scale: float, recipe: str, rename: dict[str, str] | None = None
+) -> dict:
     """Random weights of ``model_cls(config)`` (transformers' init, seed 0, every matrix times
-    ``scale``) in bf16 safetensors, with the tiny tokenizer: a tiny hybrid that vLLM loads."""
+    ``scale``) in bf16 safetensors, with the tiny tokenizer: a tiny hybrid that vLLM loads.
+    ``rename``: name suffixes of this transformers' state dict -> the published checkpoints'."""
     import torch
     from safetensors.torch import save_file
 
@@ -358,6 +361,8 @@ def _save_tiny_hybrid(out: Path, config, model_cls, scale: float, recipe: str) -
         t = t.detach().float()
         if t.dim() >= 2:
             t = t * scale
+        for new, old in (rename or {}).items():
+            name = name[: -len(new)] + old if name.endswith(new) else name
         tensors[name] = t.to(torch.bfloat16).contiguous()
     config.save_pretrained(str(out))
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -460,10 +465,7 @@ def _tiny_jamba_build(out: Path) -> dict:
         num_experts=4,
         num_experts_per_tok=2,
         mamba_d_state=16,
-        # not Jamba's 4: on CPUs with AVX-512 BF16 vLLM CPU 0.32 prepacks a width-4 bf16 conv
-        # weight to 2-D, which its Mamba-1 mixer cannot view back ("IndexError: Dimension out of
-        # range" in mamba_mixer.py, with or without cxlkv); width 3 keeps vLLM's plain torch path
-        mamba_d_conv=3,
+        mamba_d_conv=4,
         mamba_expand=2,
         mamba_dt_rank=8,
         architectures=["JambaForCausalLM"],
@@ -492,8 +494,19 @@ def _tiny_granite4_build(out: Path) -> dict:
         position_embedding_type="rope",
         architectures=["GraniteMoeHybridForCausalLM"],
     )
+    # transformers 5 fuses the experts; IBM's checkpoints (and vLLM's loader) name them as below
+    rename = {
+        "block_sparse_moe.experts.gate_up_proj": "block_sparse_moe.input_linear.weight",
+        "block_sparse_moe.experts.down_proj": "block_sparse_moe.output_linear.weight",
+        "block_sparse_moe.router.weight": "block_sparse_moe.router.layer.weight",
+    }
     return _save_tiny_hybrid(
-        out, config, GraniteMoeHybridForCausalLM, TINY_NEMOTRON_H_WEIGHT_SCALE, "cxlkv tiny random Granite 4"
+        out,
+        config,
+        GraniteMoeHybridForCausalLM,
+        TINY_NEMOTRON_H_WEIGHT_SCALE,
+        "cxlkv tiny random Granite 4",
+        rename,
     )
 
 
@@ -506,7 +519,8 @@ def tiny_qwen3_next(path: PathLike | None = None) -> str:
 
 
 def tiny_jamba(path: PathLike | None = None) -> str:
-    """A tiny random Jamba (a Mamba-1 layer, an attention layer with a MoE MLP)."""
+    """A tiny random Jamba (a Mamba-1 layer, an attention layer with a MoE MLP). vLLM CPU 0.32
+    does not run it (no Mamba-1 kernel: README "Hybrid models"); kept for engines that do."""
     return _build_once(Path(path) if path else model_cache_dir() / TINY_JAMBA_NAME, _tiny_jamba_build)
 
 
