@@ -169,8 +169,10 @@ def test_ssm_hybrid_corrupt_state_is_recompute_never_wrong_tokens(ssm_consumer):
 # from the pool alone: the same prompts warm, then again after every pool entry was corrupted (each
 # load fails its checksum: recomputed). vLLM's default chunking (unlike Mamba-2's, its GDN path
 # runs whole prompts; align mode ends a chunk at the prompt's last block boundary, where a state is
-# stored).
-GDN_SPEC = {"model": "tiny-qwen3-next", "stats": True}
+# stored). Saves wait in their step: vLLM frees a finished request's blocks at once, so that its
+# prefix cache can be reset between rounds (with async saves it holds them until a later step has
+# reported their copies done, a step an idle engine may never take).
+GDN_SPEC = {"model": "tiny-qwen3-next", "stats": True, "async_saves": False}
 
 
 @pytest.fixture(scope="module")
