@@ -346,11 +346,18 @@ TINY_NEMOTRON_H_WEIGHT_SCALE = 4.0
 
 
 def _save_tiny_hybrid(
-    out: Path, config, model_cls, scale: float, recipe: str, rename: dict[str, str] | None = None
+    out: Path,
+    config,
+    model_cls,
+    scale: float,
+    recipe: str,
+    rename: dict[str, str] | None = None,
+    fill: dict[str, float] | None = None,
 ) -> dict:
     """Random weights of ``model_cls(config)`` (transformers' init, seed 0, every matrix times
     ``scale``) in bf16 safetensors, with the tiny tokenizer: a tiny hybrid that vLLM loads.
-    ``rename``: name suffixes of this transformers' state dict -> the published checkpoints'."""
+    ``rename``: name suffixes of this transformers' state dict -> the published checkpoints'.
+    ``fill``: name suffix -> a constant for every element of those tensors."""
     import torch
     from safetensors.torch import save_file
 
@@ -365,6 +372,8 @@ def _save_tiny_hybrid(
         t = t.detach().float()
         if t.dim() >= 2:
             t = t * scale
+        for suffix, value in (fill or {}).items():
+            t = torch.full_like(t, value) if name.endswith(suffix) else t
         for new, old in (rename or {}).items():
             name = name[: -len(new)] + old if name.endswith(new) else name
         tensors[name] = t.to(torch.bfloat16).contiguous()
@@ -451,8 +460,17 @@ def _tiny_qwen3_next_build(out: Path) -> dict:
         decoder_sparse_step=1,
         architectures=["Qwen3NextForCausalLM"],
     )
+    # A slowly decaying Gated DeltaNet state (decay exp(-e^A_log * softplus(.)) per token): with
+    # transformers' A_log (~2.7) the state forgets the prefix within a few tokens and a wrong one
+    # would hardly show; at -6 a zeroed state at token 512 moves the next token's logits by ~3.5
+    # and changes its argmax (measured with transformers on the prompts of tests/vllm/test_hybrid.py)
     return _save_tiny_hybrid(
-        out, config, Qwen3NextForCausalLM, TINY_NEMOTRON_H_WEIGHT_SCALE, "cxlkv tiny random Qwen3-Next"
+        out,
+        config,
+        Qwen3NextForCausalLM,
+        TINY_NEMOTRON_H_WEIGHT_SCALE,
+        "cxlkv tiny random Qwen3-Next, A_log -6",
+        fill={"linear_attn.A_log": -6.0},
     )
 
 
