@@ -380,8 +380,36 @@ def test_state_layout_is_in_the_identity(pool_path, model_dir):
     a = conn.CxlKVConnector(*ssm_configs(pool_path, model_dir, role=Role.SCHEDULER))
     b = conn.CxlKVConnector(*ssm_configs(pool_path, model_dir, role=Role.SCHEDULER, shapes=(CONV, (2, 2))))
     ca, cb = a.connector_scheduler.ctx, b.connector_scheduler.ctx
-    assert "state=3x8:bfloat16+2x4:float32 mixer=MAMBA2" in ca.identities[0].device_layout
+    assert "state=3x8:bfloat16+2x4:float32 mixer=MAMBA2 conv=SD" in ca.identities[0].device_layout
     assert ca.ns_names[0] != cb.ns_names[0] and ca.ns_names[1] == cb.ns_names[1]
+    a.shutdown(), b.shutdown()
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        {"mamba_type": SimpleNamespace(name="GDN_ATTN")},  # Gated DeltaNet (Qwen3-Next): same bytes
+        {"mamba_type": SimpleNamespace(name="MAMBA1")},  # Mamba-1 (Jamba)
+        {"dtypes": (torch.bfloat16, torch.bfloat16)},  # vLLM CPU keeps GDN's SSM state in fp32
+        {"conv_layout": "DS"},  # VLLM_SSM_CONV_STATE_LAYOUT: same shapes here, another order
+    ],
+)
+def test_a_state_of_another_mixer_dtype_or_conv_order_is_another_namespace(
+    pool_path, model_dir, monkeypatch, other
+):
+    """States of the same size whose bytes mean something else (another mixer's kernels, another
+    dtype, the conv state transposed) never share a namespace; the full-attention group does."""
+    from cxlkv.integrations import vllm_state_groups as vsg
+
+    a = conn.CxlKVConnector(*ssm_configs(pool_path, model_dir, role=Role.SCHEDULER))
+    layout = other.pop("conv_layout", None)
+    if layout:  # the process's vLLM setting (an environment variable vLLM reads once)
+        monkeypatch.setattr(vsg, "conv_state_layout", lambda: layout)
+    b = conn.CxlKVConnector(*ssm_configs(pool_path, model_dir, role=Role.SCHEDULER, **other))
+    ca, cb = a.connector_scheduler.ctx, b.connector_scheduler.ctx
+    assert ca.ns_names[0] != cb.ns_names[0] and ca.ns_names[1] == cb.ns_names[1]
+    if layout:
+        assert "conv=DS" in cb.identities[0].device_layout
     a.shutdown(), b.shutdown()
 
 

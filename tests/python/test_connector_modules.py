@@ -154,3 +154,37 @@ def test_state_groups_are_refused_in_one_line_naming_the_group():
     assert "\n" not in str(e.value)
     with pytest.raises(vg.UnsupportedKVCacheGroup, match="block size 64"):
         vg.group_layouts(kv_config(SimpleNamespace(page_size_bytes=64, block_size=64)), 128)
+
+
+@pytest.mark.parametrize(
+    "mixer, shapes, dtypes",
+    [  # one TP=1 layer of each tiny hybrid (python/cxlkv/testing/models.py): the shapes vLLM derives
+        ("MAMBA2", ((3, 288), (4, 64, 16)), (torch.bfloat16, torch.bfloat16)),  # Nemotron-H, Granite 4
+        ("MAMBA1", ((2, 256), (256, 16)), (torch.bfloat16, torch.bfloat16)),  # Jamba
+        ("GDN_ATTN", ((3, 384), (1, 128, 128)), (torch.bfloat16, torch.float32)),  # Qwen3-Next
+    ],
+)
+def test_real_state_specs_describe_their_layout_and_count_their_bytes(mixer, shapes, dtypes):
+    """vLLM's own MambaSpec for each mixer cxlkv serves: its bytes are the states' (not the padded
+    page) and its identity names shapes, dtypes, mixer and conv orientation."""
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import MambaSpec as VllmMambaSpec
+
+    spec = VllmMambaSpec(
+        block_size=128,
+        shapes=shapes,
+        dtypes=dtypes,
+        page_size_padded=1 << 20,
+        mamba_type=MambaAttentionBackendEnum[mixer],
+        mamba_cache_mode="align",
+    )
+    full = SimpleNamespace(page_size_bytes=1 << 20, block_size=128)
+    state, _ = vg.group_layouts(kv_config(spec, full), 128, conv_layout="SD")
+    assert state.reach == vg.STATE and state.block_bytes == 2 * spec.state_content_size_bytes
+    parts = "+".join(
+        "x".join(map(str, s)) + ":" + str(d).removeprefix("torch.")
+        for s, d in zip(shapes, dtypes, strict=True)
+    )
+    assert f"state={parts} mixer={mixer} conv=SD" in state.describe(2)
+    with pytest.raises(vg.UnsupportedKVCacheGroup, match="tensor_parallel_size 2"):
+        vg.group_layouts(kv_config(spec, full), 128, tp_size=2, conv_layout="SD")

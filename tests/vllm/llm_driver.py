@@ -4,7 +4,7 @@ prints one `RESULT <json>` line per round. Driven by tests/vllm/test_connector.p
     python llm_driver.py '<json spec>'
 
 spec: model ("tiny" | "tiny-swa" (sliding window on every other layer) | "tiny-nemotron-h" (an
-SSM hybrid) | "smollm2" | a model directory), load_format (vLLM's), served_model_name (optional), pool (path),
+SSM hybrid) | "tiny-qwen3-next" | "tiny-jamba" | "tiny-granite4" (more SSM hybrids) | "smollm2" | a model directory), load_format (vLLM's), served_model_name (optional), pool (path),
 connector (bool), role ("kv_both" ...), on_pool_error ("fail": an unusable pool stops the engine
 instead of serving without the cache), max_num_batched_tokens (optional), prefix_caching (bool,
 default true), ids (bool: report prompt token ids), stats (bool: report preemptions and the
@@ -13,7 +13,7 @@ VLLM_CPU_OMP_THREADS_BIND in the environment), extra_config (more kv_connector_e
 max_tokens, top_logprobs (k > 1: report each position's top k as "top"), async_saves (bool;
 default: $CXLKV_TEST_ASYNC_SAVES, else the connector's), rounds: [{"prompts": [{"prompt":
 str, "cache_salt": str?}], "before": "corrupt_pool" | "corrupt_depth:D" | "unlink_pool" |
-"truncate_pool" | "replace_pool" | null, "wait_for": path?, "abort": {"after_steps": N,
+"truncate_pool" | "replace_pool" | null, "reset_prefix_cache": bool?, "wait_for": path?, "abort": {"after_steps": N,
 "requests": [index, ...]}?}]. A round with "wait_for" prints
 `WAITING <round>` and starts once that file exists (the test stops and resumes the engine there).
 """
@@ -123,6 +123,13 @@ def main() -> None:
         model = models.tiny_swa_llama()
     if name == "tiny-nemotron-h":  # an SSM hybrid (a Mamba-2 layer, an attention layer)
         model = models.tiny_nemotron_h()
+    more_hybrids = {  # more SSM / linear-attention hybrids
+        "tiny-qwen3-next": models.tiny_qwen3_next,
+        "tiny-jamba": models.tiny_jamba,
+        "tiny-granite4": models.tiny_granite4,
+    }
+    if name in more_hybrids:
+        model = more_hybrids[name]()
     kw = dict(
         model=model,
         enforce_eager=True,
@@ -178,6 +185,8 @@ def main() -> None:
                     sys.exit(f"llm_driver: {rnd['wait_for']} never appeared")
                 time.sleep(0.05)
         before = rnd.get("before") or ""
+        if rnd.get("reset_prefix_cache"):  # vLLM's own cache emptied: a hit then comes from the pool
+            assert llm.reset_prefix_cache(), "vLLM refused to reset its prefix cache"
         if before == "corrupt_pool":
             extra["corrupted"] = corrupt_pool(spec["pool"])
         elif before.startswith("corrupt_depth:"):

@@ -6,7 +6,8 @@ Three engines, one process each, reused across the cases: a reference without th
 prefill instance (kv_producer) on a cold pool, and a fresh instance on the warm pool (kv_both, as
 the decode side of prefill/decode through the pool and as a shared prefix cache; vLLM's own prefix
 cache off, so that each of its rounds loads from the pool; its second round after every block in
-the pool was corrupted). Then an SSM hybrid (the tiny Nemotron-H, two more engines: see below)."""
+the pool was corrupted). Then an SSM hybrid (the tiny Nemotron-H, two more engines: see below)
+and a Gated DeltaNet hybrid (the tiny Qwen3-Next, one engine)."""
 
 from __future__ import annotations
 
@@ -155,6 +156,52 @@ def test_ssm_hybrid_fresh_engine_resumes_from_the_pools_state_token_identical(ss
 
 def test_ssm_hybrid_corrupt_state_is_recompute_never_wrong_tokens(ssm_consumer):
     cold, faulty = ssm_consumer[0], ssm_consumer[2]
+    assert faulty["corrupted"] > 0
+    for c, f in zip(cold["outputs"], faulty["outputs"], strict=True):
+        assert f["tokens"] == c["tokens"] and f["logprobs"] == c["logprobs"]
+    assert faulty["cxlkv"].get("vllm:cxlkv_load_failed_blocks{cause=missing_or_corrupt}", 0) > 0
+
+
+# ------------------------------------------------------------------------------------------------
+# A Gated DeltaNet hybrid: the tiny random Qwen3-Next (a Gated DeltaNet layer, a gated-attention
+# layer, sparse MoE MLPs; vLLM CPU's own GDN kernels, an fp32 SSM state). One engine: a cold round
+# that stores, then vLLM's own prefix cache emptied before each later round, so that its hits come
+# from the pool alone: the same prompts warm, then again after every pool entry was corrupted (each
+# load fails its checksum: recomputed). vLLM's default chunking (unlike Mamba-2's, its GDN path
+# runs whole prompts; align mode ends a chunk at the prompt's last block boundary, where a state is
+# stored). Saves wait in their step: vLLM frees a finished request's blocks at once, so that its
+# prefix cache can be reset between rounds (with async saves it holds them until a later step has
+# reported their copies done, a step an idle engine may never take).
+GDN_SPEC = {"model": "tiny-qwen3-next", "stats": True, "async_saves": False}
+
+
+@pytest.fixture(scope="module")
+def gdn_rounds():
+    log: list = []
+    rounds = [
+        {"prompts": plain(SSM_PROMPTS)},
+        {"prompts": plain(SSM_PROMPTS), "reset_prefix_cache": True},
+        {"prompts": plain(SSM_PROMPTS), "reset_prefix_cache": True, "before": "corrupt_pool"},
+    ]
+    pool = next(gen := unique_pool("gdn"))
+    try:
+        return run_engine({**GDN_SPEC, "pool": pool, "rounds": rounds}, log=log), log[0]
+    finally:
+        next(gen, None)  # removes the pool file
+
+
+def test_gated_deltanet_hybrid_resumes_from_the_pools_state_token_identical(gdn_rounds):
+    (cold, warm, _), log = gdn_rounds
+    assert cold["hybrid"] is True and "KV layers registered in 2 group(s)" in log
+    for c, w in zip(cold["outputs"], warm["outputs"], strict=True):
+        assert c["cached"] == 0
+        assert w["cached"] == (w["len"] - 1) // BLOCK * BLOCK >= 2 * BLOCK
+        assert w["tokens"] == c["tokens"] and w["logprobs"] == c["logprobs"]
+    assert warm["cxlkv"]["vllm:cxlkv_group_blocks{group=0,outcome=loaded}"] >= len(SSM_PROMPTS)
+
+
+def test_gated_deltanet_hybrid_corrupt_state_is_recompute_never_wrong_tokens(gdn_rounds):
+    (cold, _, faulty), _ = gdn_rounds
     assert faulty["corrupted"] > 0
     for c, f in zip(cold["outputs"], faulty["outputs"], strict=True):
         assert f["tokens"] == c["tokens"] and f["logprobs"] == c["logprobs"]

@@ -60,6 +60,7 @@ class GroupLayout:
     block_size: int
     spec: Any
     layer_names: tuple[str, ...]
+    conv_layout: str = ""  # a STATE group's conv state orientation (vllm_state_groups.py)
 
     @property
     def bounded(self) -> bool:
@@ -87,7 +88,7 @@ class GroupLayout:
         names = hashlib.sha256("\n".join(self.layer_names).encode()).hexdigest()[:16]
         text = f"group {self.index}/{total} {self.reach} window={self.window} layers={names}"
         if self.reach == STATE:  # the state tensors' shapes and dtypes decide its bytes
-            text += f" {vsg.describe_state(self.spec)}"
+            text += f" {vsg.describe_state(self.spec, self.conv_layout)}"
         return text
 
     def anchors_needing(self, block: int, checkpoint: int, prompt_anchor: int) -> bool:
@@ -103,8 +104,11 @@ class GroupLayout:
         return any(a > block and self.first_needed(a) <= block for a in (nearest, prompt_anchor))
 
 
-def group_layouts(kv_cache_config: Any, block_size: int, tp_size: int = 1) -> list[GroupLayout]:
-    """The engine's groups, or :class:`UnsupportedKVCacheGroup` for the first it cannot serve."""
+def group_layouts(
+    kv_cache_config: Any, block_size: int, tp_size: int = 1, conv_layout: str | None = None
+) -> list[GroupLayout]:
+    """The engine's groups, or :class:`UnsupportedKVCacheGroup` for the first it cannot serve.
+    ``conv_layout``: vLLM's conv state orientation (default: this process's vLLM setting)."""
     groups = list(kv_cache_config.kv_cache_groups)
     out = []
     for i, g in enumerate(groups):
@@ -121,15 +125,17 @@ def group_layouts(kv_cache_config: Any, block_size: int, tp_size: int = 1) -> li
             raise UnsupportedKVCacheGroup(
                 f"{what}: block size {spec.block_size} differs from the cache's {block_size}"
             )
+        layout = ""
         if vsg.is_state_spec(spec):
             reach, window = STATE, 0
+            layout = conv_layout or vsg.conv_state_layout()
         elif "SlidingWindow" in kind:
             reach, window = SLIDING, int(spec.sliding_window)
         elif "ChunkedLocal" in kind:
             reach, window = CHUNKED, int(spec.attention_chunk_size)
         else:  # full attention, MLA and any attention that reads the whole prefix: every block
             reach, window = FULL, 0
-        out.append(GroupLayout(i, reach, window, block_size, spec, tuple(g.layer_names)))
+        out.append(GroupLayout(i, reach, window, block_size, spec, tuple(g.layer_names), layout))
     return out
 
 

