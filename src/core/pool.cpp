@@ -403,9 +403,17 @@ Mapping Pool::take_mapping_on_close() {
   }
   lock_ = liveness::LockFile{};
   heartbeat_ = 0;
-  responder_.reset();  // a forked child's copy: its thread is not in this process (never joined)
+  admin_.forget();  // a forked child's copy: its thread is not in this process (never joined)
   region_.reset();
   return std::move(map_);
+}
+
+std::vector<DeviceUse> Pool::device_usage() {
+  ensure_usable();
+  std::vector<std::string> paths;
+  for (uint32_t d = 0; d < stripes().devices; ++d)
+    paths.push_back(map_.striped() ? map_.devices()[d].path : path_);
+  return allocator_.device_usage(paths);
 }
 
 void Pool::count(Counter c, uint64_t v) {

@@ -14,22 +14,25 @@
 #include <unordered_map>
 #include <vector>
 
-#include "alloc_cursors.h"
+#include "allocator.h"
 #include "arbiter.h"
 #include "checksum.h"
 #include "clock.h"
 #include "coherence.h"
+#include "copy_threads.h"
 #include "errors.h"
 #include "evictor.h"
 #include "format.h"
 #include "geometry.h"
+#include "index_scan.h"
 #include "layout.h"
 #include "liveness.h"
 #include "mapping.h"
 #include "node_table.h"
 #include "pin_slots.h"
 #include "region.h"
-#include "rpc.h"
+#include "rpc_admin.h"
+#include "store_types.h"
 #include "transfer.h"
 
 namespace cxlkv {
@@ -75,73 +78,6 @@ struct DestroyOptions {
   bool remove_invalid = false;   // also remove a file that is not a (complete) pool: 0 bytes, bad magic
 };
 
-struct NsHandle {
-  uint32_t id = 0;  // 1-based namespace id (index in the table + 1)
-  uint64_t block_bytes = 0;
-  format::ChunkGeometry geo{};
-  std::string name;
-  int device = -1;  // placement (placement.cpp): -1 = any device, else blocks only on that device
-};
-
-// One device of the pool as `pool info` shows it (placement.cpp): its path, the pool bytes it
-// holds, and the bytes of carved blocks (capacity) and of used blocks that lie on it.
-struct DeviceUse {
-  std::string path;
-  uint64_t pool_bytes = 0, device_bytes = 0, capacity_bytes = 0, used_bytes = 0;
-};
-
-// One namespace's share of the arena (placement.cpp, `cxlkv exporter`, `pool info`): chunks
-// carved for it, their blocks, and the blocks holding data (a descriptor != 0).
-struct NamespaceUse {
-  uint32_t id = 0;
-  uint64_t chunks = 0, capacity_blocks = 0, used_blocks = 0;
-};
-
-using Key = std::array<uint8_t, 32>;
-
-// `pool ping NODE` (rpc_admin.cpp): the outcome and the responder's identity as it reported it.
-struct PingResult {
-  enum Outcome { kAnswered, kNotAttached, kTimeout, kBadReply } outcome = kTimeout;
-  uint64_t rtt_ns = 0;
-  uint32_t node = 0, epoch = 0;
-  uint64_t pid = 0, host_id = 0;
-  std::string detail;  // one line for the non-answered outcomes
-};
-struct AdminResponder;  // rpc_admin.cpp
-
-// What put() did: stored now; already present (READY); being stored right now by a live writer
-// (not readable yet: not counted as stored); failed (no block could be allocated or evicted).
-enum class PutResult { stored, present, in_flight, failed };
-
-// A contiguous piece of a block's payload in caller memory (gather source / scatter target).
-struct Piece {
-  char* ptr;
-  uint64_t bytes;
-};
-
-// One strided fragment family: for block id b, bytes at base + b * block_stride.
-struct Fragment {
-  uintptr_t base;
-  int64_t block_stride;
-  uint64_t bytes;
-};
-
-// One READY index entry as `Pool::scan_index` saw it (a consistent snapshot): which block of
-// which namespace lives in `slot`, in which incarnation (`gen` changes on every reuse of the slot).
-struct IndexRecord {
-  uint64_t slot;
-  uint32_t gen;
-  uint32_t ns_id;  // checked: 1..max_namespaces
-  uint16_t depth;  // the writer's chain depth (a hint)
-  uint8_t key[32];
-};
-
-struct PinRef {
-  uint64_t slot;
-  uint32_t gen;
-  uint32_t pin_index;
-};
-
 // What Pool::check found, and with `repair` what it fixed. Each section of check() (check.cpp)
 // reads `repair` here and adds to the rest.
 struct CheckReport {
@@ -176,21 +112,7 @@ struct CheckReport {
   }
 };
 
-// Stamps every access hint written by this thread while alive with one time (ms; 0 = now), so
-// that the keys of one batch rank by chain depth alone (see Pool::touch).
-class AccessStamp {
- public:
-  explicit AccessStamp(uint64_t ms = 0);
-  ~AccessStamp();
-  AccessStamp(const AccessStamp&) = delete;
-  AccessStamp& operator=(const AccessStamp&) = delete;
-  static uint64_t current();
-
- private:
-  uint64_t prev_;
-};
-
-class Pool {
+class Pool : private Allocator::Peers {
  public:
   static std::unique_ptr<Pool> create(const std::string& path, const CreateOptions& opt, bool exist_ok);
   // attach=false: an observer (check, info, stats, reap) that takes no node slot, so it works on a
@@ -249,19 +171,24 @@ class Pool {
   // --- namespaces (namespaces.cpp) ----------------------------------------------------------
   NsHandle open_namespace(const Layout& layout);
   // --- device interleaving (placement.cpp, striped_pool.cpp) --------------------------------
-  const StripeGeometry& stripes() const { return stripes_; }
+  const StripeGeometry& stripes() const { return allocator_.stripes(); }
   // The mapped devices of a striped pool (device 0 first); empty for a single-device pool.
   const std::vector<MappedDevice>& device_files() const { return map_.devices(); }
   // The handle with its blocks placed on `device` only (-1: anywhere). Throws ArgumentError for a
   // device out of range, or a block larger than a stripe (it could never lie on one device).
-  NsHandle bind_device(const NsHandle& ns, int device) const;
+  NsHandle bind_device(const NsHandle& ns, int device) const {
+    return allocator_.bind_device(ns, device, path_);
+  }
   // Where the payload of `key` lies: pool offset and length; false if absent.
   bool locate(const NsHandle& ns, const Key& key, uint64_t* offset, uint64_t* length);
   // The pool bytes [offset, offset + length) if they lie wholly inside the arena, else null
   // (token_rows.cpp: row gathers from offsets a caller kept; the bytes are payload, unvalidated).
   const char* arena_bytes(uint64_t offset, uint64_t length) const;
-  std::vector<DeviceUse> device_usage();
-  std::vector<NamespaceUse> namespace_usage();  // one entry per listed namespace, by id
+  std::vector<DeviceUse> device_usage();         // pool.cpp
+  std::vector<NamespaceUse> namespace_usage() {  // one entry per listed namespace, by id
+    ensure_usable();
+    return allocator_.namespace_usage();
+  }
   std::vector<std::pair<NsHandle, Layout>> list_namespaces();
 
   // --- block operations (index.cpp) ---------------------------------------------------------
@@ -293,13 +220,21 @@ class Pool {
   // i in its chain = start_depth + i). Returns the number of leading keys readable afterwards
   // (stored now or already READY; a key only in flight by another writer is not counted).
   size_t store(const NsHandle& ns, const Key* keys, size_t n, const std::vector<Fragment>& frags,
-               const int64_t* block_ids, uint32_t start_depth = 0);
+               const int64_t* block_ids, uint32_t start_depth = 0) {
+    return store_blocks(
+        ns, keys, n, frags, block_ids, start_depth,
+        [&](const Key& k, const Piece* p, size_t np, uint16_t depth) { return put(ns, k, p, np, depth); });
+  }
   // Scatters blocks back; returns the number of leading keys loaded (a miss, a checksum failure
   // or an entry shorter than ns.block_bytes stops the count; later keys may still have been
   // written, and so may the front of the block that stopped it).
   size_t load(const NsHandle& ns, const Key* keys, size_t n, const std::vector<Fragment>& frags,
-              const int64_t* block_ids);
-  static void set_copy_threads(unsigned n);
+              const int64_t* block_ids) {
+    return load_blocks(
+        ns, keys, n, frags, block_ids,
+        [&](const Key& k, const Piece* p, size_t np, uint64_t* len) { return get(ns, k, p, np, len); });
+  }
+  static void set_copy_threads(unsigned n) { cxlkv::set_copy_threads(n); }
 
   // --- device transfers (transfer.cpp, transfer.h) ------------------------------------------
   // reserve: an entry in WRITING and a block of ns.block_bytes for the key, at r->offset in the
@@ -349,19 +284,22 @@ class Pool {
   // header may set to an hour), < 0 = a lease and a quarter (`cxlkv pool check`).
   CheckReport check(bool repair = false, int64_t watch_ms = 0);
   // --- admin RPC (rpc_admin.cpp) -------------------------------------------------------------
-  bool has_admin_mailbox() const { return hdr_ && (hdr_->compat & format::kCompatAdminMailbox); }
+  bool has_admin_mailbox() const { return admin_.present(); }
   // One round trip through node `node`'s admin mailbox; needs an attached pool (our node id is
   // our request slot there). Waits at most timeout_ms for the answer.
-  PingResult ping(uint32_t node, uint64_t timeout_ms);
-  std::vector<uint64_t> counters();  // summed over attached nodes
-  struct Occupancy {
-    uint64_t capacity, free, used, free_chunks, active_chunks;
-  };
-  Occupancy occupancy();
+  PingResult ping(uint32_t node, uint64_t timeout_ms) {
+    ensure_usable();
+    return admin_.ping(node_id_, node, timeout_ms, path_);
+  }
+  std::vector<uint64_t> counters();                         // summed over attached nodes
+  Occupancy occupancy() { return allocator_.occupancy(); }  // allocator.h
   // --- index scan (index_scan.cpp): the READY entries of slots [first, first + count) ---------
   // Entries that stay in flight across a few re-reads go to `unstable` (their slot), so a caller
   // diffing two scans keeps what it knew of them instead of reading them as gone.
-  std::vector<IndexRecord> scan_index(uint64_t first, uint64_t count, std::vector<uint64_t>* unstable);
+  std::vector<IndexRecord> scan_index(uint64_t first, uint64_t count, std::vector<uint64_t>* unstable) {
+    ensure_usable();
+    return cxlkv::scan_index(region_, first, count, unstable);
+  }
   uint64_t index_slots() const { return slot_mask_ + 1; }
 
  private:
@@ -376,11 +314,6 @@ class Pool {
   void validate_striping(const format::PoolHeader& h, const char* base);
   bool devices_replaced() const;
   bool devices_intact() const;
-  // placement.cpp: the allocator's filters for a device-bound handle
-  bool block_on_device(const NsHandle& ns, uint64_t chunk, uint32_t block) const;
-  bool chunk_has_device_blocks(const NsHandle& ns, uint64_t chunk) const;
-  static uint32_t placement_key(const NsHandle& ns) { return ns.id | (uint32_t(ns.device + 1) << 16); }
-  StripeGeometry stripes_{};
   // Breaks the namespace-table lock when its holder id is out of range or names a FREE node slot
   // (a holder that can never release it). Returns the stale holder id, 0 if nothing was broken.
   uint64_t break_stale_ns_lock();
@@ -457,14 +390,11 @@ class Pool {
   bool verify_block(const VerifiedBlock& b);
   bool copy_out(const NsHandle& ns, const Found& f, const Piece* dst, size_t n);
   bool validate_ref(const NsHandle& ns, const format::IndexEntry& e) const;
-  // allocator.cpp
-  bool alloc_block(const NsHandle& ns, uint64_t slot, uint64_t* chunk, uint32_t* block);
-  bool carve_chunk(const NsHandle& ns, uint64_t* chunk);
-  void init_chunk(const NsHandle& ns, uint64_t chunk);  // caller holds it CARVING
-  bool steal_chunk(const NsHandle& ns, uint64_t* chunk);
-  bool drain_chunk(uint64_t chunk, uint64_t active_word, const NsHandle& donor, const NsHandle& ns);
-  bool claim_free_block(const NsHandle& ns, uint64_t chunk, uint64_t slot, uint32_t* block, uint32_t start);
-  void free_block(uint64_t chunk, uint32_t block);
+  // The allocator (allocator.h) allocates as this node; it asks the store back only to steal a
+  // chunk (Allocator::Peers: the namespaces, and the index's half of draining, index.cpp).
+  Allocator::Writer writer() const { return {uint8_t(node_id_), my_epoch8()}; }
+  std::vector<NsHandle> namespace_handles() override;
+  bool evict_owner(uint64_t chunk, uint32_t block, uint64_t desc, uint64_t fenced) override;
   // pin slots (pin_slots.h: the process-local allocator over this node's pin array)
   bool alloc_pin(uint32_t* idx) {
     return pin_slots_.alloc(idx, hdr_->pin_slots,
@@ -551,7 +481,7 @@ class Pool {
 
   PinSlots pin_slots_;
   std::atomic<uint64_t> lease_pins_{0};  // pins held by this process's leases (see lease_cap)
-  AllocCursors alloc_cursors_;           // where allocation starts, per namespace (allocator.cpp)
+  Allocator allocator_{region_, *this};  // blocks, chunks, placement; its cursors (allocator.h)
   // Chooses eviction victims (evictor.h); evict_victim below carries the eviction out.
   Evictor evictor_{region_};
   using Victim = Evictor::Victim;
@@ -567,11 +497,12 @@ class Pool {
     if (bakery_) bakery_->heal_own_row();
   };
   // admin RPC (rpc_admin.cpp): this node's mailbox responder thread, and one ping at a time
-  rpc::Channel admin_channel(uint32_t idx) const;
-  void start_admin_responder();
-  void stop_admin_responder();
-  std::shared_ptr<AdminResponder> responder_;
-  std::mutex ping_mu_;
+  void start_admin_responder() {
+    if (admin_.present() && node_id_ && !read_only_)
+      admin_.start({node_id_, node_word_, pid_, host_id_, &fenced_, &intact_});
+  }
+  void stop_admin_responder() { admin_.stop(); }
+  AdminMailbox admin_{region_};
 };
 
 }  // namespace cxlkv

@@ -652,7 +652,7 @@ NB_MODULE(_core, m) {
            [](PyPool& pp) {
              OpGuard g(pp);
              std::vector<uint64_t> c;
-             Pool::Occupancy o;
+             Occupancy o;
              {
                nb::gil_scoped_release nogil;
                c = g.p->counters();

@@ -13,7 +13,8 @@
 #include <cstring>
 #include <thread>
 
-#include "pool.h"
+#include "errors.h"
+#include "rpc_admin.h"
 
 namespace cxlkv {
 
@@ -40,10 +41,14 @@ static_assert(sizeof(PingReply) <= rpc::kInlineBytes);
 static_assert(admin_mailbox_bytes(kMaxNodes) == rpc::body_bytes(kMaxNodes),
               "format.h's mailbox size is rpc's");
 
-uint64_t mono_ns() { return liveness::mono_ns(); }
+uint64_t mono_ns() {
+  return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                      std::chrono::steady_clock::now().time_since_epoch())
+                      .count());
+}
 }  // namespace
 
-// Shared by the Pool and its responder thread; the thread never touches the pool after `exited`.
+// Shared by the mailbox and its responder thread; the thread never touches the pool after `exited`.
 struct AdminResponder {
   std::mutex mu;
   std::condition_variable cv;
@@ -52,22 +57,22 @@ struct AdminResponder {
   bool exited = false;
 };
 
-rpc::Channel Pool::admin_channel(uint32_t idx) const {
-  // node_area bounds-checks idx; validate_and_attach checked the mailbox fits node_area_bytes.
-  return rpc::Channel(node_area(idx) + admin_mailbox_off(hdr_->pin_slots), hdr_->max_nodes, coh_);
+rpc::Channel AdminMailbox::channel(uint32_t idx) const {
+  // node_area bounds-checks idx; Pool::validate_and_attach checked the mailbox fits node_area_bytes.
+  const PoolHeader* h = region_.header();
+  return rpc::Channel(region_.node_area(idx) + admin_mailbox_off(h->pin_slots), h->max_nodes, region_.coh());
 }
 
-void Pool::start_admin_responder() {
-  if (!has_admin_mailbox() || !node_id_ || read_only_) return;
+void AdminMailbox::start(const Identity& id) {
   auto st = std::make_shared<AdminResponder>();
   responder_ = st;
-  rpc::Channel ch = admin_channel(node_id_ - 1);
-  const uint64_t* state_word = &node_slot(node_id_ - 1)->state;
-  PingReply me{0, node_id_, node_epoch(node_word_), pid_, host_id_};
-  const uint64_t expected_word = node_word_;
-  std::atomic<bool>* fenced = &fenced_;
-  std::function<bool()>* intact = &intact_;
-  Coherence coh = coh_;
+  rpc::Channel ch = channel(id.node - 1);
+  const uint64_t* state_word = &region_.node_slot(id.node - 1)->state;
+  PingReply me{0, id.node, node_epoch(id.node_word), id.pid, id.host_id};
+  const uint64_t expected_word = id.node_word;
+  const std::atomic<bool>* fenced = id.fenced;
+  const std::function<bool()>* intact = id.intact;
+  Coherence coh = region_.coh();
   // Detached: a forked child that inherits this Pool has no such thread and must not join one.
   // Everything the thread needs is allocated here, and attach returns only once the thread is in
   // its loop: a fork() right after open (a worker pool, a test) must never copy a heap lock held
@@ -140,7 +145,9 @@ void Pool::start_admin_responder() {
   st->cv.wait(g, [&] { return st->started; });
 }
 
-void Pool::stop_admin_responder() {
+void AdminMailbox::forget() { responder_.reset(); }
+
+void AdminMailbox::stop() {
   auto st = std::move(responder_);
   if (!st) return;
   std::unique_lock<std::mutex> g(st->mu);
@@ -149,30 +156,29 @@ void Pool::stop_admin_responder() {
   st->cv.wait(g, [&] { return st->exited; });
 }
 
-PingResult Pool::ping(uint32_t node, uint64_t timeout_ms) {
-  ensure_usable();
-  if (!node_id_) throw ArgumentError("ping needs an attached pool: our node id names our request slot");
-  if (node == 0 || node > hdr_->max_nodes)
-    throw ArgumentError("node " + std::to_string(node) + " out of range 1.." +
-                        std::to_string(hdr_->max_nodes));
-  if (!has_admin_mailbox())
-    throw VersionError("pool " + path_ +
+PingResult AdminMailbox::ping(uint32_t self, uint32_t node, uint64_t timeout_ms, const std::string& path) {
+  const PoolHeader* h = region_.header();
+  if (!self) throw ArgumentError("ping needs an attached pool: our node id names our request slot");
+  if (node == 0 || node > h->max_nodes)
+    throw ArgumentError("node " + std::to_string(node) + " out of range 1.." + std::to_string(h->max_nodes));
+  if (!present())
+    throw VersionError("pool " + path +
                        " has no admin mailbox (created by an older cxlkv); re-create it to use ping");
   std::lock_guard<std::mutex> g(ping_mu_);  // one request at a time in our slot
   PingResult res;
   res.node = node;
-  uint64_t word = coh_.read(&node_slot(node - 1)->state);
+  uint64_t word = region_.coh().read(&region_.node_slot(node - 1)->state);
   if (node_state(word) != kNodeAlive) {
     res.outcome = PingResult::kNotAttached;
     res.detail = "node " + std::to_string(node) + " is not attached (slot " +
                  (node_state(word) == kNodeFree ? "free" : "not alive") + ")";
     return res;
   }
-  rpc::Channel ch = admin_channel(node - 1);
-  const uint32_t slot = node_id_ - 1;
+  rpc::Channel ch = channel(node - 1);
+  const uint32_t slot = self - 1;
   PingRequest q{};
   if (::getrandom(&q.nonce, sizeof q.nonce, 0) != sizeof q.nonce) q.nonce = mono_ns();
-  q.client_node = node_id_;
+  q.client_node = self;
   const uint64_t seq = ch.resume_seq(slot);
   const uint64_t t0 = mono_ns(), deadline = t0 + timeout_ms * 1'000'000;
   ch.post(slot, seq, kOpPing, &q, sizeof q);

@@ -147,7 +147,7 @@ void Pool::finish_evict(uint64_t slot, uint64_t evicting_word) {
   if (e.chunk < hdr_->chunk_count && e.block < desc_bytes_ / 8) {
     uint64_t* d = block_desc(e.chunk, e.block);
     uint64_t dw = coh_.read(d);
-    if (block_state(dw) == kBlockUsed && block_slot(dw) == slot) free_block(e.chunk, e.block);
+    if (block_state(dw) == kBlockUsed && block_slot(dw) == slot) allocator_.free_block(e.chunk, e.block);
   }
   coh_.publish(&entry(slot)->state,
                make_entry_word(kTombstone, 0, entry_gen(evicting_word), entry_tag(evicting_word)));
@@ -221,11 +221,44 @@ bool Pool::evict_from_queue(const NsHandle& ns, uint64_t* out_chunk, uint32_t* o
   Evictor::Accept on_device;
   if (ns.device >= 0)
     on_device = [&](const IndexEntry& e) {
-      return validate_ref(ns, e) && block_on_device(ns, e.chunk, e.block);
+      return validate_ref(ns, e) && allocator_.block_on_device(ns, e.chunk, e.block);
     };
-  return evictor_.from_queue(placement_key(ns), ns.id, on_device, [&](const Victim& c) {
+  return evictor_.from_queue(Allocator::placement_key(ns), ns.id, on_device, [&](const Victim& c) {
     return evict_victim(c, &ns, out_chunk, out_block, new_owner_slot);
   });
+}
+
+// The index's half of draining a chunk (Allocator::Peers): used block (c, b), its descriptor read
+// as `dw`, is taken from its entry if that is READY, unpinned and points back here: the entry is
+// tombstoned and the descriptor fenced.
+bool Pool::evict_owner(uint64_t c, uint32_t b, uint64_t dw, uint64_t fenced) {
+  uint64_t slot = block_slot(dw);
+  if (block_state(dw) != kBlockUsed || slot > slot_mask_) return false;
+  uint64_t ew = coh_.read(&entry(slot)->state);
+  IndexEntry e;
+  if (entry_state(ew) != kReady || !snapshot(slot, ew, &e) || e.chunk != c || e.block != b) return false;
+  uint64_t ev = make_entry_word(kEvicting, uint8_t(node_id_), entry_gen(ew), entry_tag(ew));
+  if (!coh_.claim(&entry(slot)->state, ew, ev)) return false;
+  if (is_pinned(slot, entry_gen(ev))) {
+    coh_.publish(&entry(slot)->state, ew);
+    count(kEvictSkippedPinned);
+    return false;
+  }
+  uint64_t* d = block_desc(c, b);
+  uint64_t cur = coh_.read(d);
+  bool ok = cur == dw && coh_.claim(d, cur, fenced);
+  coh_.publish(&entry(slot)->state, make_entry_word(kTombstone, 0, entry_gen(ev), entry_tag(ev)));
+  count(kEvictions);
+  return ok;
+}
+
+bool Pool::locate(const NsHandle& ns, const Key& key, uint64_t* offset, uint64_t* length) {
+  ensure_usable();
+  Found f;
+  if (!find(ns, key, nullptr, &f) || !validate_ref(ns, f.e)) return false;
+  *offset = uint64_t(block_payload(ns, f.e.chunk, f.e.block) - region_.base());
+  *length = f.e.length;
+  return true;
 }
 
 bool Pool::put(const NsHandle& ns, const Key& key, const Piece* src, size_t n, uint16_t depth) {
@@ -352,12 +385,13 @@ PutResult Pool::claim_entry(const NsHandle& ns, const Key& key, uint16_t depth, 
 bool Pool::claim_block(const NsHandle& ns, uint64_t slot, uint32_t gen, uint32_t tag, uint64_t* chunk,
                        uint32_t* block) {
   IndexEntry* e = entry(slot);
-  bool got = alloc_block(ns, slot, chunk, block);
+  bool got = allocator_.alloc_block(writer(), ns, slot, chunk, block);
   if (!got) got = evict_from_queue(ns, chunk, block, slot);
   if (!got && now_unix_ns() - last_reap_ns_.load(std::memory_order_relaxed) > 100'000'000) {
     // Dead nodes may hold pins or blocks: reclaim them, then try both paths again.
     if (reap_dead_nodes() > 0)
-      got = alloc_block(ns, slot, chunk, block) || evict_from_queue(ns, chunk, block, slot);
+      got = allocator_.alloc_block(writer(), ns, slot, chunk, block) ||
+            evict_from_queue(ns, chunk, block, slot);
   }
   if (!got) {
     coh_.publish(&e->state, make_entry_word(kTombstone, 0, gen, tag));

@@ -4,7 +4,7 @@
 // namespace id); the key is opaque bytes and the depth only a hint, so neither can steer anything.
 #include <cstring>
 
-#include "pool.h"
+#include "index_scan.h"
 
 namespace cxlkv {
 
@@ -14,24 +14,25 @@ namespace {
 constexpr int kRereads = 4;  // an entry still changing after this many tries is reported unstable
 }
 
-std::vector<IndexRecord> Pool::scan_index(uint64_t first, uint64_t count, std::vector<uint64_t>* unstable) {
-  ensure_usable();
-  const uint64_t slots = index_slots();
+std::vector<IndexRecord> scan_index(const Region& region, uint64_t first, uint64_t count,
+                                    std::vector<uint64_t>* unstable) {
+  const Coherence& coh = region.coh();
+  const uint64_t slots = region.slot_mask() + 1;
   if (first > slots) first = slots;
   if (count > slots - first) count = slots - first;
-  const uint32_t max_ns = hdr_->max_namespaces;
+  const uint32_t max_ns = region.header()->max_namespaces;
   std::vector<IndexRecord> out;
   for (uint64_t slot = first; slot < first + count; ++slot) {
     bool settled = false;
     for (int attempt = 0; attempt < kRereads && !settled; ++attempt) {
-      const uint64_t w = coh_.read(&entry(slot)->state);
+      const uint64_t w = coh.read(&region.entry(slot)->state);
       // Anything but READY is absent to lookups (EVICTING, WRITING included), so absent here.
       if (entry_state(w) != kReady) {
         settled = true;
         break;
       }
       IndexEntry e;
-      if (!snapshot(slot, w, &e)) continue;  // changed while copied: read it again
+      if (!region.snapshot(slot, w, &e)) continue;  // changed while copied: read it again
       settled = true;
       if (e.ns_id == 0 || e.ns_id > max_ns) break;  // corrupt: a block of no namespace
       IndexRecord r{};

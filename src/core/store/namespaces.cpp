@@ -56,6 +56,12 @@ std::vector<std::pair<NsHandle, Layout>> Pool::list_namespaces() {
   return out;
 }
 
+std::vector<NsHandle> Pool::namespace_handles() {
+  std::vector<NsHandle> out;
+  for (auto& [h, l] : list_namespaces()) out.push_back(h);
+  return out;
+}
+
 uint64_t Pool::break_stale_ns_lock() {
   uint64_t* lock = &shared()->ns_lock.word;
   uint64_t holder = coh_.read(lock);

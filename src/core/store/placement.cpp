@@ -7,18 +7,19 @@
 // d. The rule needs no format field: a block's device is a function of its offset.
 #include <algorithm>
 
-#include "pool.h"
+#include "allocator.h"
+#include "errors.h"
 
 namespace cxlkv {
 
 using namespace format;
 
-NsHandle Pool::bind_device(const NsHandle& ns, int device) const {
+NsHandle Allocator::bind_device(const NsHandle& ns, int device, const std::string& path) const {
   NsHandle h = ns;
   h.device = -1;
   if (device < 0) return h;
   if (uint32_t(device) >= stripes_.devices)
-    throw ArgumentError("device " + std::to_string(device) + " out of range: pool " + path_ + " has " +
+    throw ArgumentError("device " + std::to_string(device) + " out of range: pool " + path + " has " +
                         std::to_string(stripes_.devices) + " device(s), 0.." +
                         std::to_string(stripes_.devices - 1));
   if (!stripes_.striped()) return h;  // one device: every block is on it
@@ -30,35 +31,27 @@ NsHandle Pool::bind_device(const NsHandle& ns, int device) const {
   return h;
 }
 
-bool Pool::block_on_device(const NsHandle& ns, uint64_t chunk, uint32_t block) const {
+bool Allocator::block_on_device(const NsHandle& ns, uint64_t chunk, uint32_t block) const {
   if (ns.device < 0) return true;
-  uint64_t off =
-      hdr_->arena_off + chunk * chunk_stride() + desc_bytes_ + uint64_t(block) * ns.geo.block_stride;
+  uint64_t off = hdr().arena_off + chunk * region_.chunk_stride() + region_.desc_bytes() +
+                 uint64_t(block) * ns.geo.block_stride;
   return range_device(stripes_, off, ns.geo.block_stride) == ns.device;
 }
 
-bool Pool::chunk_has_device_blocks(const NsHandle& ns, uint64_t chunk) const {
+bool Allocator::chunk_has_device_blocks(const NsHandle& ns, uint64_t chunk) const {
   if (ns.device < 0) return true;
   for (uint32_t b = 0; b < ns.geo.blocks; ++b)
     if (block_on_device(ns, chunk, b)) return true;
   return false;
 }
 
-bool Pool::locate(const NsHandle& ns, const Key& key, uint64_t* offset, uint64_t* length) {
-  ensure_usable();
-  Found f;
-  if (!find(ns, key, nullptr, &f) || !validate_ref(ns, f.e)) return false;
-  *offset = uint64_t(block_payload(ns, f.e.chunk, f.e.block) - region_.base());
-  *length = f.e.length;
-  return true;
-}
-
-std::vector<DeviceUse> Pool::device_usage() {
-  ensure_usable();
+std::vector<DeviceUse> Allocator::device_usage(const std::vector<std::string>& paths) {
+  const PoolHeader* hdr_ = region_.header();
+  const Coherence& coh = region_.coh();
   const uint32_t n = stripes_.devices;
   std::vector<DeviceUse> out(n);
   for (uint32_t d = 0; d < n; ++d) {
-    out[d].path = map_.striped() ? map_.devices()[d].path : path_;
+    out[d].path = paths.at(d);
     out[d].pool_bytes = stripes_.striped() ? device_stripes(stripes_, hdr_->pool_bytes, d) * stripes_.stripe
                                            : hdr_->pool_bytes;
     out[d].device_bytes = device_need_bytes(stripes_, hdr_->pool_bytes, d);
@@ -72,36 +65,38 @@ std::vector<DeviceUse> Pool::device_usage() {
     }
   };
   std::vector<ChunkGeometry> geo(hdr_->max_namespaces + 1);
-  for (auto& [h, l] : list_namespaces()) geo[h.id] = h.geo;
+  for (const NsHandle& h : peers_.namespace_handles()) geo[h.id] = h.geo;
   for (uint64_t c = 0; c < hdr_->chunk_count; ++c) {
-    uint64_t w = coh_.read(chunk_word(c));
+    uint64_t w = coh.read(region_.chunk_word(c));
     if (chunk_state(w) != kChunkActive || chunk_ns(w) == 0 || chunk_ns(w) > hdr_->max_namespaces) continue;
     const ChunkGeometry& g = geo[chunk_ns(w)];
     for (uint32_t b = 0; b < g.blocks; ++b) {
-      uint64_t off = hdr_->arena_off + c * chunk_stride() + desc_bytes_ + uint64_t(b) * g.block_stride;
+      uint64_t off =
+          hdr_->arena_off + c * region_.chunk_stride() + region_.desc_bytes() + uint64_t(b) * g.block_stride;
       spread(off, g.block_stride, &DeviceUse::capacity_bytes);
-      if (coh_.read(block_desc(c, b)) != 0) spread(off, g.block_stride, &DeviceUse::used_bytes);
+      if (coh.read(region_.block_desc(c, b)) != 0) spread(off, g.block_stride, &DeviceUse::used_bytes);
     }
   }
   return out;
 }
 
-std::vector<NamespaceUse> Pool::namespace_usage() {
-  ensure_usable();
+std::vector<NamespaceUse> Allocator::namespace_usage() {
+  const PoolHeader* hdr_ = region_.header();
+  const Coherence& coh = region_.coh();
   // Geometry from the validated namespace list; a chunk word naming an id outside it (or out of
   // range) counts for nobody.
   std::vector<ChunkGeometry> geo(hdr_->max_namespaces + 1);
   std::vector<NamespaceUse> by_id(hdr_->max_namespaces + 1);
-  for (auto& [h, l] : list_namespaces()) geo[h.id] = h.geo, by_id[h.id].id = h.id;
+  for (const NsHandle& h : peers_.namespace_handles()) geo[h.id] = h.geo, by_id[h.id].id = h.id;
   for (uint64_t c = 0; c < hdr_->chunk_count; ++c) {
-    uint64_t w = coh_.read(chunk_word(c));
+    uint64_t w = coh.read(region_.chunk_word(c));
     if (chunk_state(w) != kChunkActive || chunk_ns(w) == 0 || chunk_ns(w) > hdr_->max_namespaces) continue;
     NamespaceUse& u = by_id[chunk_ns(w)];
     if (u.id == 0) continue;
     const ChunkGeometry& g = geo[u.id];
     ++u.chunks;
     u.capacity_blocks += g.blocks;
-    for (uint32_t b = 0; b < g.blocks; ++b) u.used_blocks += coh_.read(block_desc(c, b)) != 0;
+    for (uint32_t b = 0; b < g.blocks; ++b) u.used_blocks += coh.read(region_.block_desc(c, b)) != 0;
   }
   std::vector<NamespaceUse> out;
   for (const NamespaceUse& u : by_id)

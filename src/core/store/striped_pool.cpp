@@ -145,7 +145,7 @@ void Pool::destroy_striped(const std::string& spec, const DestroyOptions& opt) {
 
 void Pool::validate_striping(const PoolHeader& h, const char* base) {
   const bool striped = h.incompat & kIncompatStriped;
-  stripes_ = StripeGeometry{};
+  allocator_.set_stripes(StripeGeometry{});
   if (!striped) {
     if (map_.striped())
       throw FormatError("pool " + path_ + ": " + map_.devices()[0].path +
@@ -165,7 +165,7 @@ void Pool::validate_striping(const PoolHeader& h, const char* base) {
     if (m.devices != g.devices || m.stripe != g.stripe || m.label != g.label || map_.size() != h.pool_bytes)
       throw FormatError("pool " + path_ + ": its stripe table changed while it was being mapped");
   }
-  stripes_ = g;
+  allocator_.set_stripes(g);
 }
 
 bool Pool::devices_replaced() const {

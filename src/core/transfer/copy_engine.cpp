@@ -13,7 +13,7 @@
 #include <thread>
 
 #include "copy_threads.h"
-#include "pool.h"
+#include "errors.h"
 
 namespace cxlkv {
 
@@ -155,7 +155,7 @@ void check_fragments(const NsHandle& ns, const std::vector<Fragment>& frags) {
 }
 }  // namespace
 
-void Pool::set_copy_threads(unsigned n) { Workers::get().set_size(n); }
+void set_copy_threads(unsigned n) { Workers::get().set_size(n); }
 
 unsigned copy_thread_count() { return Workers::get().size(); }
 
@@ -163,24 +163,24 @@ void run_on_copy_threads(unsigned parts, const std::function<void(unsigned)>& fn
   Workers::get().run(parts, fn);
 }
 
-size_t Pool::store(const NsHandle& ns, const Key* keys, size_t n, const std::vector<Fragment>& frags,
-                   const int64_t* block_ids, uint32_t start_depth) {
+size_t store_blocks(const NsHandle& ns, const Key* keys, size_t n, const std::vector<Fragment>& frags,
+                    const int64_t* block_ids, uint32_t start_depth, const PutBlock& put) {
   check_fragments(ns, frags);
   return run_batch(n, ns.block_bytes, [&](size_t i) {
     auto p = pieces_for(frags, block_ids[i]);
-    return put(ns, keys[i], p.data(), p.size(), uint16_t(std::min<size_t>(start_depth + i, 0xFFFF)));
+    return put(keys[i], p.data(), p.size(), uint16_t(std::min<size_t>(start_depth + i, 0xFFFF)));
   });
 }
 
-size_t Pool::load(const NsHandle& ns, const Key* keys, size_t n, const std::vector<Fragment>& frags,
-                  const int64_t* block_ids) {
+size_t load_blocks(const NsHandle& ns, const Key* keys, size_t n, const std::vector<Fragment>& frags,
+                   const int64_t* block_ids, const GetBlock& get) {
   check_fragments(ns, frags);
   return run_batch(n, ns.block_bytes, [&](size_t i) {
     auto p = pieces_for(frags, block_ids[i]);
     // An entry shorter than the namespace's blocks (a put of fewer bytes: a stray or foreign
     // writer) would fill only the front of the block and leave the rest as it was: a miss.
     uint64_t len = 0;
-    return get(ns, keys[i], p.data(), p.size(), &len) && len == ns.block_bytes;
+    return get(keys[i], p.data(), p.size(), &len) && len == ns.block_bytes;
   });
 }
 

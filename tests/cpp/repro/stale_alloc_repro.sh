@@ -19,7 +19,7 @@ sleep 0.5
 # argument register (x86-64 SysV: this=rdi, &ns=rsi, chunk=rdx): a condition on the name `chunk`
 # depends on which inlined scope the compiler's first instructions belong to (noipa keeps the
 # function itself whole and uncloned, so its entry and argument registers are stable).
-gdb -q -batch -ex 'break *cxlkv::Pool::claim_free_block if $rdx == 1' -ex run \
+gdb -q -batch -ex 'break *cxlkv::Allocator::claim_free_block if $rdx == 1' -ex run \
     -ex "shell $OUT/stale D $P" -ex continue --args "$OUT/stale" W "$P" 2>&1 | grep -E "^(Breakpoint 1,|W:|D:)" || true
 RESULT="$("$OUT/stale" check "$P")"
 echo "$RESULT"
