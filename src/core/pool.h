@@ -28,6 +28,7 @@
 #include "mapping.h"
 #include "node_table.h"
 #include "pin_slots.h"
+#include "quotas.h"
 #include "region.h"
 #include "rpc.h"
 #include "transfer.h"
@@ -80,7 +81,8 @@ struct NsHandle {
   uint64_t block_bytes = 0;
   format::ChunkGeometry geo{};
   std::string name;
-  int device = -1;  // placement (placement.cpp): -1 = any device, else blocks only on that device
+  int device = -1;         // placement (placement.cpp): -1 = any device, else blocks only on that device
+  uint8_t tenant_row = 0;  // quotas.cpp: the quota row of the tenant this handle writes for; 0 = none
 };
 
 // One device of the pool as `pool info` shows it (placement.cpp): its path, the pool bytes it
@@ -261,6 +263,14 @@ class Pool {
   std::vector<NamespaceUse> namespace_usage();  // one entry per listed namespace, by id
   std::vector<std::pair<NsHandle, Layout>> list_namespaces();
 
+  // --- quotas (store/quotas.cpp, format/quota.h) ----------------------------------------------
+  // The row of tenant `tenant`, created (under the namespace-table lock) on first use; 1-based.
+  uint8_t tenant_row(const std::string& tenant);
+  // Sets the limit of a namespace (ns_id, tenant "") or a tenant (ns_id 0): max_bytes and/or
+  // max_ppm of the arena, 0 = none (both 0 clears it). Returns the row.
+  uint32_t set_quota(uint32_t ns_id, const std::string& tenant, uint64_t max_bytes, uint32_t max_ppm);
+  std::vector<QuotaInfo> quotas();  // every row in use, with its usage
+
   // --- block operations (index.cpp) ---------------------------------------------------------
   // put: true if the key is readable afterwards (stored now or already there); false if it is
   // only in flight by another live writer, or no block could be allocated or evicted.
@@ -431,6 +441,7 @@ class Pool {
   void check_namespaces(CheckReport& r);
   void check_index(CheckReport& r);  // entries, blocks and their accounting
   void check_pins(CheckReport& r);
+  void check_quotas(CheckReport& r);  // quotas.cpp
   bool writing_same_key(const NsHandle& ns, const Key& key, uint64_t slot, uint64_t writing_word);
   bool snapshot(uint64_t slot, uint64_t word, format::IndexEntry* out) const {
     return region_.snapshot(slot, word, out);
@@ -551,6 +562,17 @@ class Pool {
   AllocCursors alloc_cursors_;           // where allocation starts, per namespace (allocator.cpp)
   // Chooses eviction victims (evictor.h); evict_victim below carries the eviction out.
   Evictor evictor_{region_};
+  // quotas (quotas.cpp): the table's reader, and the hooks of the put/free paths
+  Quotas quotas_{region_};
+  void with_quota_lock(const std::function<void()>& fn);
+  void write_quota_row(uint32_t row, const format::QuotaRow& r);
+  uint32_t quota_row_locked(uint32_t kind, uint32_t ns_id, const std::string& tenant);
+  void quota_book(uint8_t row, uint64_t bytes, bool charge);
+  // Hook: a put about to take a block (claim_block). False: over quota, nothing of its own to evict.
+  bool quota_admit(const NsHandle& ns, uint64_t slot, uint64_t* chunk, uint32_t* block, bool* got);
+  void quota_refund(const NsHandle& ns, uint64_t slot);  // the put charged but took no block
+  // Hook: the block of entry e was freed or handed to another entry (every free path).
+  void quota_release(const format::IndexEntry& e);
   using Victim = Evictor::Victim;
   bool evict_from_queue(const NsHandle& ns, uint64_t* out_chunk, uint32_t* out_block,
                         uint64_t new_owner_slot);
