@@ -82,7 +82,7 @@ struct NsHandle {
   format::ChunkGeometry geo{};
   std::string name;
   int device = -1;         // placement (placement.cpp): -1 = any device, else blocks only on that device
-  uint8_t tenant_row = 0;  // quotas.cpp: the quota row of the tenant this handle writes for; 0 = none
+  uint8_t tenant_row = 0;  // quota_protocol.cpp: the quota row of the tenant this handle writes for; 0 = none
 };
 
 // One device of the pool as `pool info` shows it (placement.cpp): its path, the pool bytes it
@@ -263,7 +263,7 @@ class Pool {
   std::vector<NamespaceUse> namespace_usage();  // one entry per listed namespace, by id
   std::vector<std::pair<NsHandle, Layout>> list_namespaces();
 
-  // --- quotas (store/quotas.cpp, format/quota.h) ----------------------------------------------
+  // --- quotas (store/quota_protocol.cpp, format/quota.h) --------------------------------------
   // The row of tenant `tenant`, created (under the namespace-table lock) on first use; 1-based.
   uint8_t tenant_row(const std::string& tenant);
   // Sets the limit of a namespace (ns_id, tenant "") or a tenant (ns_id 0): max_bytes and/or
@@ -441,7 +441,7 @@ class Pool {
   void check_namespaces(CheckReport& r);
   void check_index(CheckReport& r);  // entries, blocks and their accounting
   void check_pins(CheckReport& r);
-  void check_quotas(CheckReport& r);  // quotas.cpp
+  void check_quotas(CheckReport& r);  // quota_protocol.cpp
   bool writing_same_key(const NsHandle& ns, const Key& key, uint64_t slot, uint64_t writing_word);
   bool snapshot(uint64_t slot, uint64_t word, format::IndexEntry* out) const {
     return region_.snapshot(slot, word, out);
@@ -562,7 +562,7 @@ class Pool {
   AllocCursors alloc_cursors_;           // where allocation starts, per namespace (allocator.cpp)
   // Chooses eviction victims (evictor.h); evict_victim below carries the eviction out.
   Evictor evictor_{region_};
-  // quotas (quotas.cpp): the table's reader, and the hooks of the put/free paths
+  // quotas: the table's reader (quotas.h), and the hooks of the put/free paths (quota_protocol.cpp)
   Quotas quotas_{region_};
   void with_quota_lock(const std::function<void()>& fn);
   void write_quota_row(uint32_t row, const format::QuotaRow& r);

@@ -159,7 +159,7 @@ TEST_F(QuotaTest, ForgedCountersAreClampedBoundedAndRepaired) {
     RawMap raw(path_);
     auto* f = reinterpret_cast<format::NodeAreaFixed*>(raw.base() + raw.hdr().node_area_off +
                                                        (pool_->node_id() - 1) * raw.hdr().node_area_bytes);
-    f->quota_charged[a.tenant_row - 1] = ~0ull;  // usage "huge"
+    f->quota_charged[a.tenant_row - 1] = 1ull << 62;  // usage "huge" (~0 would read as -1: clamped to 0)
   }
   EXPECT_EQ(row(a.tenant_row).usage_bytes, pool_->header().pool_bytes);
   put_id(a, 99);  // evicts its own (at most a bounded number) then fails: never loops

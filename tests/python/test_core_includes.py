@@ -38,6 +38,7 @@ KNOWN: dict[tuple[str, str], str] = {
             "store/index_scan.cpp",
             "store/namespaces.cpp",
             "store/placement.cpp",
+            "store/quota_protocol.cpp",
             "store/striped_pool.cpp",
             "transfer/copy_engine.cpp",
             "transfer/token_rows.h",

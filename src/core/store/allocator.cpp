@@ -129,7 +129,7 @@ bool Pool::drain_chunk(uint64_t c, uint64_t active_word, const NsHandle& donor, 
     }
     uint64_t cur = coh_.read(d);
     ok = cur == dw && coh_.claim(d, cur, fenced);
-    if (ok) quota_release(e);  // quotas.cpp
+    if (ok) quota_release(e);  // quota_protocol.cpp
     coh_.publish(&entry(slot)->state, make_entry_word(kTombstone, 0, entry_gen(ev), entry_tag(ev)));
     count(kEvictions);
   }

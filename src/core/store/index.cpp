@@ -149,7 +149,7 @@ void Pool::finish_evict(uint64_t slot, uint64_t evicting_word) {
     uint64_t dw = coh_.read(d);
     if (block_state(dw) == kBlockUsed && block_slot(dw) == slot) {
       free_block(e.chunk, e.block);
-      quota_release(e);  // quotas.cpp
+      quota_release(e);  // quota_protocol.cpp
     }
   }
   coh_.publish(&entry(slot)->state,
@@ -201,7 +201,7 @@ bool Pool::evict_victim(const Victim& c, const NsHandle* ns, uint64_t* out_chunk
     return false;
   }
   coh_.publish_shared(d, make_block_word(kBlockUsed, uint8_t(node_id_), my_epoch8(), new_owner_slot));
-  quota_release(e);  // quotas.cpp: the victim's subjects no longer hold the block
+  quota_release(e);  // quota_protocol.cpp: the victim's subjects no longer hold the block
   coh_.publish(&entry(c.slot)->state, make_entry_word(kTombstone, 0, entry_gen(ev), entry_tag(ev)));
   *out_chunk = e.chunk;
   *out_block = e.block;
@@ -315,8 +315,8 @@ PutResult Pool::claim_entry(const NsHandle& ns, const Key& key, uint16_t depth, 
       coh_.check_fence();  // multihost: before plain stores (a dirty line reaches memory anyway)
       std::memcpy(e->key, key.data(), 32);
       e->ns_id = uint16_t(ns.id);
-      e->tenant_row = ns.tenant_row,
-      e->ns_row = quotas_.ns_row(ns.id);  // quotas.cpp: whom the block is charged to
+      e->tenant_row = ns.tenant_row;  // quota_protocol.cpp: whom the block is charged to
+      e->ns_row = quotas_.ns_row(ns.id);
       e->chunk = kNoChunk, e->block = 0;  // no block yet: never the slot's previous one
       coh_.flush(e, sizeof *e);
       coh_.fence();
@@ -359,7 +359,8 @@ bool Pool::claim_block(const NsHandle& ns, uint64_t slot, uint32_t gen, uint32_t
                        uint32_t* block) {
   IndexEntry* e = entry(slot);
   bool got = false;
-  if (!quota_admit(ns, slot, chunk, block, &got)) {  // quotas.cpp: over quota, nothing of its own to evict
+  // quota_protocol.cpp: charged to the entry's quota rows; over quota with nothing of its own to evict: none
+  if (!quota_admit(ns, slot, chunk, block, &got)) {
     coh_.publish(&e->state, make_entry_word(kTombstone, 0, gen, tag));
     return false;
   }
@@ -371,7 +372,7 @@ bool Pool::claim_block(const NsHandle& ns, uint64_t slot, uint32_t gen, uint32_t
       got = alloc_block(ns, slot, chunk, block) || evict_from_queue(ns, chunk, block, slot);
   }
   if (!got) {
-    quota_refund(ns, slot);  // quotas.cpp
+    quota_refund(ns, slot);  // quota_protocol.cpp
     coh_.publish(&e->state, make_entry_word(kTombstone, 0, gen, tag));
     count(kPutsFailed);
     return false;
@@ -514,7 +515,7 @@ bool Pool::release_abandoned(uint64_t slot, uint64_t w) {
   coh_.invalidate(e, sizeof *e);
   const uint64_t chunk = e->chunk;  // of a writer that is gone: nothing changes them any more
   const uint32_t block = e->block;
-  IndexEntry rows{};  // quotas.cpp: whom the block was charged to
+  IndexEntry rows{};  // quota_protocol.cpp: whom the block was charged to
   rows.ns_id = e->ns_id, rows.tenant_row = e->tenant_row, rows.ns_row = e->ns_row;
   uint64_t* d = nullptr;
   uint64_t dw = 0;

@@ -2,7 +2,7 @@
 // Everything read here is untrusted: a row must pass its checksum and every field its bounds
 // before it limits anything; usage sums are clamped to [0, pool bytes]. The protocol around it
 // (charging a put, evicting a subject's own blocks, releasing, `pool check`) is Pool's, in
-// quotas.cpp.
+// quota_protocol.cpp.
 #pragma once
 #include <cstdint>
 #include <mutex>
@@ -40,6 +40,7 @@ class Quotas {
   void invalidate_cache();
   uint8_t ns_row(uint32_t ns_id);  // the namespace's row (1-based) or 0
   uint64_t limit(uint32_t row);    // cached limit of a row, 0 = none
+  bool in_use(uint32_t row);       // a readable row (cached)
   // usage(r) = sum over node slots of charged - released, as a signed total (check compares it
   // raw); usage() clamps it to [0, pool bytes].
   int64_t raw_usage(uint32_t row, uint32_t max_nodes) const;
@@ -55,6 +56,7 @@ class Quotas {
 
  private:
   static constexpr uint64_t kRefreshUs = 100'000;
+  void refresh_locked();  // caller holds mu_
   const Region& region_;
   std::mutex mu_;
   std::vector<QuotaInfo> cache_;
