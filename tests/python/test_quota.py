@@ -231,29 +231,3 @@ def test_cli_quota(make_pool, pool_path):
     assert row_of(pool, tenant="team-a")["limit_bytes"] == 0
     bad = subprocess.run(cli + ["--max-bytes", "1MiB"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--namespace" in bad.stderr
-
-
-def test_quotas_are_shown_by_info_top_and_the_exporter(make_pool, pool_path):
-    pytest.importorskip("prometheus_client")
-    from rich.console import Console
-
-    from cxlkv.services import exporter, top
-
-    pool = make_pool()
-    ns = pool.namespace(small_layout(), tenant="team-a")
-    pool.set_quota(tenant="team-a", max_bytes=MiB)
-    assert ns.put(tu.make_key("shown"), b"s" * 4096)
-    families = {f.name: f for f in exporter.PoolCollector(pool_path).collect()}
-    (used,) = [s for s in families["cxlkv_quota_used_bytes"].samples if s.labels["subject"] == "team-a"]
-    assert used.value == 4 * KiB and used.labels["kind"] == "tenant"
-    assert families["cxlkv_quota_limit_bytes"].samples[0].value == MiB
-    con = Console(record=True, width=160)
-    top.once(pool_path, con, interval=0.05)
-    text = con.export_text()
-    assert "quotas" in text and "team-a" in text and "4.0 KiB / 1.0 MiB" in text
-    info = subprocess.run(
-        [sys.executable, "-m", "cxlkv", "pool", "info", pool_path, "--json"], capture_output=True, text=True
-    )
-    assert info.returncode == 0, info.stderr
-    (q,) = json.loads(info.stdout)["quotas"]
-    assert q["tenant"] == "team-a" and q["usage_bytes"] == 4 * KiB
