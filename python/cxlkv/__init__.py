@@ -31,6 +31,7 @@ from .errors import (
     PoolNotReadyError,
     PoolTruncatedError,
     PoolVersionError,
+    QuotaTableFullError,
     ReadOnlyError,
     SequenceConflictError,
     SequenceMissError,
@@ -63,6 +64,7 @@ __all__ = [
     "PoolNotReadyError",
     "PoolTruncatedError",
     "PoolVersionError",
+    "QuotaTableFullError",
     "ReadOnlyError",
     "SequenceConflictError",
     "SequenceMissError",
@@ -370,20 +372,73 @@ class Pool:
         return self._core.file_replaced()
 
     # -- namespaces -----------------------------------------------------------------------
-    def namespace(self, layout: KVLayout, name: str | None = None, *, device: int | None = None) -> Namespace:
+    def namespace(
+        self,
+        layout: KVLayout,
+        name: str | None = None,
+        *,
+        device: int | None = None,
+        tenant: str | None = None,
+    ) -> Namespace:
         """The namespace of ``layout`` (created on first use). device=k (a striped pool): this
         handle stores its blocks on device k only (each block wholly inside a stripe of it);
-        None: anywhere, interleaved. Reads find a key wherever it was stored."""
+        None: anywhere, interleaved. Reads find a key wherever it was stored. tenant: the quota
+        label this handle's puts are charged to (docs/ARCHITECTURE.md, "Quotas"); it is not part
+        of any key: two tenants with the same model share the same blocks."""
         name = name or layout.default_name()
         _check_text("namespace name", name)
         if device is not None and device < 0:
             raise ValueError(f"device must be >= 0 (or None: any device), not {device}")
         dev = -1 if device is None else device
-        ns = self._namespaces.get((name, layout, dev))
+        ten = tenant or ""
+        ns = self._namespaces.get((name, layout, dev, ten))
         if ns is None:
-            ns = self._core.open_namespace(name, layout, device=dev)
-            self._namespaces[(name, layout, dev)] = ns
+            ns = self._core.open_namespace(name, layout, device=dev, tenant=ten)
+            self._namespaces[(name, layout, dev, ten)] = ns
         return ns
+
+    def set_quota(
+        self,
+        *,
+        namespace: str | int | None = None,
+        tenant: str | None = None,
+        max_bytes: int = 0,
+        max_fraction: float = 0.0,
+    ) -> dict:
+        """Caps the pool bytes of a namespace (its name or id) or of a tenant: max_bytes and/or
+        max_fraction of the arena (the stricter applies); both 0 clear the limit. A put over it
+        evicts the subject's own oldest blocks, else fails (``puts_over_quota``). Returns the row
+        as :meth:`quotas` lists it."""
+        if (namespace is None) == (tenant is None):
+            raise ValueError("a quota names exactly one of namespace= and tenant=")
+        if max_bytes < 0 or not 0.0 <= max_fraction <= 1.0:
+            raise ValueError("max_bytes must be >= 0 and max_fraction in [0, 1]")
+        ns_id = 0 if namespace is None else self.namespace_id(namespace)
+        ppm = round(max_fraction * 1_000_000)
+        if max_fraction > 0 and ppm == 0:
+            ppm = 1
+        row = self._core.set_quota(ns_id=ns_id, tenant=tenant or "", max_bytes=max_bytes, max_ppm=ppm)
+        return next(q for q in self.quotas() if q["row"] == row)
+
+    def clear_quota(self, *, namespace: str | int | None = None, tenant: str | None = None) -> dict:
+        """Removes the limit of a namespace or tenant (its usage is still counted)."""
+        return self.set_quota(namespace=namespace, tenant=tenant)
+
+    def quotas(self) -> list[dict]:
+        """Every quota row: kind ("tenant"/"namespace"), tenant or ns_id (and namespace name),
+        max_bytes, max_fraction, limit_bytes (0 = none), usage_bytes, readable."""
+        names = {n["id"]: n["name"] for n in self.namespaces()}
+        rows = self._core.quotas()
+        for q in rows:
+            q["namespace"] = names.get(q["ns_id"]) if q["kind"] == "namespace" else None
+        return rows
+
+    def namespace_id(self, namespace: str | int) -> int:
+        """The id of a namespace given by name or id; ValueError if the pool has none such."""
+        for n in self.namespaces():
+            if namespace in (n["id"], n["name"]) or str(namespace) == str(n["id"]):
+                return int(n["id"])
+        raise ValueError(f"pool {self.path} has no namespace {namespace!r}")
 
     def namespaces(self) -> list:
         return self._core.namespaces()

@@ -28,6 +28,7 @@ from ._core import (
     PoolNotReadyError,
     PoolTruncatedError,
     PoolVersionError,
+    QuotaTableFullError,
     ReadOnlyError,
 )
 
@@ -51,6 +52,7 @@ __all__ = [
     "PoolNotReadyError",
     "PoolTruncatedError",
     "PoolVersionError",
+    "QuotaTableFullError",
     "ReadOnlyError",
     "SequenceConflictError",
     "SequenceMissError",

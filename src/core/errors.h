@@ -39,6 +39,10 @@ struct NodeTableFullError : Error {
 struct NamespaceTableFullError : Error {
   using Error::Error;
 };
+// All quota rows (format/quota.h: tenants and namespace quotas) are in use.
+struct QuotaTableFullError : Error {
+  using Error::Error;
+};
 // OS-level failures carry errno so the binding can raise FileNotFoundError, PermissionError...
 struct OsError : Error {
   int err;

@@ -30,6 +30,7 @@
 #include "mapping.h"
 #include "node_table.h"
 #include "pin_slots.h"
+#include "quotas.h"
 #include "region.h"
 #include "rpc_admin.h"
 #include "store_types.h"
@@ -190,6 +191,14 @@ class Pool : private Allocator::Peers {
     return allocator_.namespace_usage();
   }
   std::vector<std::pair<NsHandle, Layout>> list_namespaces();
+
+  // --- quotas (store/quota_protocol.cpp, format/quota.h) --------------------------------------
+  // The row of tenant `tenant`, created (under the namespace-table lock) on first use; 1-based.
+  uint8_t tenant_row(const std::string& tenant);
+  // Sets the limit of a namespace (ns_id, tenant "") or a tenant (ns_id 0): max_bytes and/or
+  // max_ppm of the arena, 0 = none (both 0 clears it). Returns the row.
+  uint32_t set_quota(uint32_t ns_id, const std::string& tenant, uint64_t max_bytes, uint32_t max_ppm);
+  std::vector<QuotaInfo> quotas();  // every row in use, with its usage
 
   // --- block operations (index.cpp) ---------------------------------------------------------
   // put: true if the key is readable afterwards (stored now or already there); false if it is
@@ -367,6 +376,7 @@ class Pool : private Allocator::Peers {
   void check_namespaces(CheckReport& r);
   void check_index(CheckReport& r);  // entries, blocks and their accounting
   void check_pins(CheckReport& r);
+  void check_quotas(CheckReport& r);  // quota_protocol.cpp
   bool writing_same_key(const NsHandle& ns, const Key& key, uint64_t slot, uint64_t writing_word);
   bool snapshot(uint64_t slot, uint64_t word, format::IndexEntry* out) const {
     return region_.snapshot(slot, word, out);
@@ -484,6 +494,17 @@ class Pool : private Allocator::Peers {
   Allocator allocator_{region_, *this};  // blocks, chunks, placement; its cursors (allocator.h)
   // Chooses eviction victims (evictor.h); evict_victim below carries the eviction out.
   Evictor evictor_{region_};
+  // quotas: the table's reader (quotas.h), and the hooks of the put/free paths (quota_protocol.cpp)
+  Quotas quotas_{region_};
+  void with_quota_lock(const std::function<void()>& fn);
+  void write_quota_row(uint32_t row, const format::QuotaRow& r);
+  uint32_t quota_row_locked(uint32_t kind, uint32_t ns_id, const std::string& tenant);
+  void quota_book(uint8_t row, uint64_t bytes, bool charge);
+  // Hook: a put about to take a block (claim_block). False: over quota, nothing of its own to evict.
+  bool quota_admit(const NsHandle& ns, uint64_t slot, uint64_t* chunk, uint32_t* block, bool* got);
+  void quota_refund(const NsHandle& ns, uint64_t slot);  // the put charged but took no block
+  // Hook: the block of entry e was freed or handed to another entry (every free path).
+  void quota_release(const format::IndexEntry& e);
   using Victim = Evictor::Victim;
   bool evict_from_queue(const NsHandle& ns, uint64_t* out_chunk, uint32_t* out_block,
                         uint64_t new_owner_slot);

@@ -433,6 +433,7 @@ NB_MODULE(_core, m) {
   static nb::object nodefull_error = make("NodeTableFullError", "cxlkv.NodeTableFullError", base_error);
   static nb::object nsfull_error =
       make("NamespaceTableFullError", "cxlkv.NamespaceTableFullError", base_error);
+  static nb::object quotafull_error = make("QuotaTableFullError", "cxlkv.QuotaTableFullError", base_error);
   static nb::object fenced_error = make("FencedError", "cxlkv.FencedError", base_error);
   static nb::object slot_busy_error = make("HostSlotBusyError", "cxlkv.HostSlotBusyError", base_error);
   static nb::object lock_timeout_error = make("LockTimeoutError", "cxlkv.LockTimeoutError", base_error);
@@ -482,6 +483,8 @@ NB_MODULE(_core, m) {
       raise(nodefull_error.ptr(), e.what());
     } catch (const NamespaceTableFullError& e) {
       raise(nsfull_error.ptr(), e.what());
+    } catch (const QuotaTableFullError& e) {
+      raise(quotafull_error.ptr(), e.what());
     } catch (const FencedError& e) {
       raise(fenced_error.ptr(), e.what());
     } catch (const HostSlotBusyError& e) {
@@ -770,7 +773,7 @@ NB_MODULE(_core, m) {
           "node"_a, "force"_a = false, "wait_ms"_a = 0)
       .def(
           "open_namespace",
-          [](PyPool& pp, const std::string& name, nb::handle layout, int device) {
+          [](PyPool& pp, const std::string& name, nb::handle layout, int device, const std::string& tenant) {
             OpGuard g(pp);
             Layout l = layout_from(layout);
             l.name = name;
@@ -778,15 +781,55 @@ NB_MODULE(_core, m) {
             try {
               nb::gil_scoped_release nogil;
               ns->h = g.p->bind_device(g.p->open_namespace(l), device);
+              if (!tenant.empty()) ns->h.tenant_row = g.p->tenant_row(tenant);
+              ns->tenant = tenant;
             } catch (...) {
               delete ns;
               throw;
             }
             return ns;
           },
-          "name"_a, "layout"_a, "device"_a = -1, nb::keep_alive<0, 1>(), nb::rv_policy::take_ownership,
+          "name"_a, "layout"_a, "device"_a = -1, "tenant"_a = "", nb::keep_alive<0, 1>(),
+          nb::rv_policy::take_ownership,
           "Creates or opens the namespace `name` of `layout` (an object with KVLayout's attributes); "
-          "device >= 0: this handle places its blocks on that device of a striped pool only.")
+          "device >= 0: this handle places its blocks on that device of a striped pool only; tenant: the "
+          "quota label its puts are charged to (\"\": none).")
+      .def(
+          "set_quota",
+          [](PyPool& pp, uint32_t ns_id, const std::string& tenant, uint64_t max_bytes, uint32_t max_ppm) {
+            OpGuard g(pp);
+            nb::gil_scoped_release nogil;
+            return g.p->set_quota(ns_id, tenant, max_bytes, max_ppm);
+          },
+          "ns_id"_a = 0, "tenant"_a = "", "max_bytes"_a = 0, "max_ppm"_a = 0,
+          "Sets the quota of a namespace (ns_id) or a tenant: max_bytes and/or max_ppm (millionths of the "
+          "arena); 0 = no limit (both 0 clear it). Returns the quota row.")
+      .def("quotas",
+           [](PyPool& pp) {
+             OpGuard g(pp);
+             std::vector<QuotaInfo> rows;
+             {
+               nb::gil_scoped_release nogil;
+               rows = g.p->quotas();
+             }
+             nb::list out;
+             for (const QuotaInfo& q : rows) {
+               nb::dict d;
+               d["row"] = q.row;
+               d["readable"] = q.readable;
+               d["kind"] = q.kind == format::kQuotaTenant      ? "tenant"
+                           : q.kind == format::kQuotaNamespace ? "namespace"
+                                                               : "unknown";
+               d["ns_id"] = q.ns_id;
+               d["tenant"] = q.tenant;
+               d["max_bytes"] = q.max_bytes;
+               d["max_fraction"] = double(q.max_ppm) / format::kPpmOne;
+               d["limit_bytes"] = q.limit_bytes;
+               d["usage_bytes"] = q.usage_bytes;
+               out.append(d);
+             }
+             return out;
+           })
       .def("namespaces", [](PyPool& pp) {
         OpGuard g(pp);
         nb::list out;
@@ -800,6 +843,11 @@ NB_MODULE(_core, m) {
       .def_prop_ro("block_bytes", [](PyNamespace& n) { return n.h.block_bytes; })
       .def_prop_ro("blocks_per_chunk", [](PyNamespace& n) { return n.h.geo.blocks; })
       .def_prop_ro("device", [](PyNamespace& n) { return n.h.device; })
+      .def_prop_ro("tenant",
+                   [](PyNamespace& n) -> nb::object {
+                     if (n.tenant.empty()) return nb::none();
+                     return nb::str(n.tenant.c_str());
+                   })
       .def(
           "locate",
           [](PyNamespace& n, nb::handle key) -> nb::object {

@@ -54,6 +54,7 @@ struct PyNamespace {
   PyPool* owner;
   NsHandle h;
   Layout layout;
+  std::string tenant;  // quota label (NsHandle::tenant_row is its row); empty = none
 };
 
 // A contiguous Python buffer (bytes, bytearray, memoryview, numpy array...).

@@ -26,7 +26,9 @@ ENTRY_BYTES = tu.ENTRY_BYTES
 ENTRY_FIELDS = {
     "state": (tu.ENTRY_STATE_OFF, "<Q"),
     "key": (tu.ENTRY_KEY_OFF, "32s"),
-    "ns_id": (tu.ENTRY_NS_OFF, "<I"),
+    "ns_id": (tu.ENTRY_NS_OFF, "<H"),  # format 3: 16 bits, then the entry's quota rows
+    "tenant_row": (tu.ENTRY_NS_OFF + 2, "<B"),
+    "ns_row": (tu.ENTRY_NS_OFF + 3, "<B"),
     "chunk": (tu.ENTRY_CHUNK_OFF, "<I"),
     "block": (tu.ENTRY_BLOCK_OFF, "<H"),
     "depth": (tu.ENTRY_DEPTH_OFF, "<H"),
@@ -45,8 +47,20 @@ NODE_SLOT_FIELDS = {
     "attach_unix_ns": (40, "<Q"),
 }
 NODE_PIN_HW_OFF = 0  # NodeAreaFixed.pin_hw
-NODE_COUNTERS_OFF = 64  # NodeAreaFixed.counters[16]
-NODE_PINS_OFF = 192  # sizeof(NodeAreaFixed): pins follow
+NODE_COUNTERS_OFF = 64  # NodeAreaFixed.counters[24]
+NODE_QUOTA_CHARGED_OFF = 256  # NodeAreaFixed.quota_charged[48] (format/quota.h)
+NODE_QUOTA_RELEASED_OFF = 640  # NodeAreaFixed.quota_released[48]
+NODE_PINS_OFF = 1024  # sizeof(NodeAreaFixed): pins follow
+QUOTA_TABLE_OFF = 4096 + 1024  # format/quota.h kQuotaTableOff: QuotaRow[48], 64 bytes each
+QUOTA_ROWS = 48
+QUOTA_ROW_FIELDS = {
+    "kind": (0, "<I"),
+    "ns_id": (4, "<I"),
+    "max_bytes": (8, "<Q"),
+    "max_ppm": (16, "<I"),
+    "name": (24, "32s"),
+    "checksum": (56, "<Q"),
+}
 NS_BYTES = 256  # format.h NamespaceEntry
 NS_FIELDS = {
     "state": (0, "<Q"),

@@ -141,6 +141,22 @@ def _node_area(buf, m, rng):
     )
 
 
+def _quota(buf, m, rng):
+    """A quota row (format/quota.h: a forged field, a forged row resealed with a bad checksum or
+    a random one) or a node's usage counters (huge, wrapped, random)."""
+    if rng.random() < 0.6:
+        base = L.QUOTA_TABLE_OFF + 64 * rng.choice([0, 1, 2, rng.randrange(L.QUOTA_ROWS)])
+        name = rng.choice(list(L.QUOTA_ROW_FIELDS))
+        off, fmt = L.QUOTA_ROW_FIELDS[name]
+        extra = {"kind": [0, 1, 2, 3], "ns_id": [0, 1, 2, 4096, 4097], "max_ppm": [1, 10**6, 10**6 + 1]}
+        return [field_patch(buf, base + off, fmt, rng, extra.get(name, ()))], False, None
+    h = m["header"]
+    base = m["node_areas"][rng.choice([0, 1, h["max_nodes"] - 1])]
+    side = rng.choice([L.NODE_QUOTA_CHARGED_OFF, L.NODE_QUOTA_RELEASED_OFF])
+    v = rng.choice([U64, 1 << 63, h["pool_bytes"] + 1, rng.getrandbits(64)])
+    return [u64_patch(base + side + 8 * rng.randrange(4), v)], False, None
+
+
 def _ns_entry(buf, m, rng):
     nid = rng.choice(list(m["namespaces"]) + [len(m["namespaces"]) + 1])
     base = m["header"]["ns_table_off"] + (nid - 1) * L.NS_BYTES
@@ -169,6 +185,8 @@ def _index(buf, m, rng, random_slot: bool):
             "block": [511, 512, 2047, 2048, 4095, 4096],
             "length": [0, 2048, 2049, 8192, 8193],
             "ns_id": [1, 2, 3, 64, 65, 4096],
+            "tenant_row": [0, 1, 2, 48, 49, 255],
+            "ns_row": [0, 1, 2, 48, 49, 255],
         }.get(name, ())
         patches = [field_patch(buf, base + off, fmt, rng, extra)]
     if random_slot and rng.random() < 0.5:  # make the slot look READY
@@ -263,6 +281,7 @@ KINDS = {
     "node_slot": (_node_slot, 6),
     "node_area": (_node_area, 6),
     "ns_entry": (_ns_entry, 10),
+    "quota": (_quota, 4),
     "index_entry": (lambda b, m, r: _index(b, m, r, random_slot=False), 18),
     "index_random_slot": (lambda b, m, r: _index(b, m, r, random_slot=True), 3),
     "access": (lambda b, m, r: ([field_patch(b, r.choice(m["access"]), "<Q", r)], False, None), 2),

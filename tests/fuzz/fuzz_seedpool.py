@@ -85,8 +85,10 @@ def build(path: str, variant: str = "clean") -> None:
     if os.path.exists(path):
         os.unlink(path)
     pool = cxlkv.Pool.create(path, SEED_SIZE, lease_ms=SEED_LEASE_MS)
-    a = pool.namespace(layout_a())
+    a = pool.namespace(layout_a(), tenant="seed-a")  # quota rows and charged entries (format/quota.h)
     b = pool.namespace(layout_b())
+    pool.set_quota(tenant="seed-a", max_fraction=0.5)
+    pool.set_quota(namespace=b.name, max_bytes=1 << 30)  # larger than the pool: never binds
     for i in A_PUT:
         assert a.put(key("a", i), expected_a(i), depth=i % 7)
     src = np.zeros((2, 64, A_BLOCK // 2), dtype=np.uint8)

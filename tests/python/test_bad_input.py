@@ -74,7 +74,7 @@ def test_header_layout_matches_format_h(pool_path):
     make_file_pool(pool_path)
     h = tu.read_header(pool_path)
     assert h["magic"] == tu.MAGIC
-    assert h["major"] == 2
+    assert h["major"] == 3  # format 3: quotas (src/core/format/quota.h)
     assert h["header_bytes"] == tu.HEADER_STRUCT_BYTES
     assert h["pool_bytes"] == 32 * MiB
     with open(pool_path, "rb") as f:

@@ -399,6 +399,22 @@ def test_saves_and_loads_roundtrip(pool_path, model_dir):
     a.close(), b.close()
 
 
+def test_tenant_key_charges_the_engines_saves_to_its_tenant(pool_path, model_dir):
+    """kv_connector_extra_config "tenant" reaches the namespace: the engine's saves are charged to
+    it (docs/ARCHITECTURE.md "Quotas"), and a second tenant reads them (not part of the key)."""
+    toks = tokens(7, 4 * BS + 1)
+    a = Engine(pool_path, model_dir, tenant="team-a")
+    a.add("r1", toks)
+    a.step({"r1": len(toks)})
+    a.finish("r1")
+    with cxlkv.Pool.open(pool_path) as pool:
+        (q,) = [q for q in pool.quotas() if q["tenant"] == "team-a"]
+        assert q["usage_bytes"] >= 4 * LAYERS * 2 * BS * HEAD * 2
+    b = Engine(pool_path, model_dir, tenant="team-b")
+    assert b.add("r2", toks) == 4 * BS
+    a.close(), b.close()
+
+
 def test_lease_lifetime_alloc_meta_output_finish(pool_path, model_dir):
     toks = tokens(2, 6 * BS + 1)
     a = published(pool_path, model_dir, "r", toks)

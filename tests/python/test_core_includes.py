@@ -34,6 +34,7 @@ KNOWN: dict[tuple[str, str], str] = {
             "store/check.cpp",
             "store/index.cpp",
             "store/namespaces.cpp",
+            "store/quota_protocol.cpp",
             "store/striped_pool.cpp",
             "transfer/token_rows.h",
             "transfer/transfer.cpp",

@@ -24,7 +24,7 @@ import pytest
 
 import cxlkv
 import cxlkv_testutil as tu
-from conftest import MiB, small_layout
+from conftest import KiB, MiB, small_layout
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DASHBOARD = os.path.join(HERE, "..", "..", "docs", "grafana", "cxlkv.json")
@@ -437,3 +437,29 @@ def test_dashboard_names_only_exported_series(pool_path):
         assert used <= names, f"{expr!r} names series nobody exports: {sorted(used - names)}"
     rows = [p["title"] for p in board["panels"] if p.get("type") == "row"]
     assert len(rows) == 2 and all("cxlkv" in r for r in rows), rows
+
+
+def test_quotas_are_shown_by_info_top_and_the_exporter(make_pool, pool_path):
+    pytest.importorskip("prometheus_client")
+    from rich.console import Console
+
+    from cxlkv.services import exporter, top
+
+    pool = make_pool()
+    ns = pool.namespace(small_layout(), tenant="team-a")  # quotas: docs/ARCHITECTURE.md, test_quota.py
+    pool.set_quota(tenant="team-a", max_bytes=MiB)
+    assert ns.put(tu.make_key("shown"), b"s" * 4096)
+    families = {f.name: f for f in exporter.PoolCollector(pool_path).collect()}
+    (used,) = [x for x in families["cxlkv_quota_used_bytes"].samples if x.labels["subject"] == "team-a"]
+    assert used.value == 4 * KiB and used.labels["kind"] == "tenant"
+    assert families["cxlkv_quota_limit_bytes"].samples[0].value == MiB
+    con = Console(record=True, width=160)
+    top.once(pool_path, con, interval=0.05)
+    text = con.export_text()
+    assert "quotas" in text and "team-a" in text and "4.0 KiB / 1.0 MiB" in text
+    info = subprocess.run(
+        [sys.executable, "-m", "cxlkv", "pool", "info", pool_path, "--json"], capture_output=True, text=True
+    )
+    assert info.returncode == 0, info.stderr
+    (q,) = json.loads(info.stdout)["quotas"]
+    assert q["tenant"] == "team-a" and q["usage_bytes"] == 4 * KiB

@@ -60,7 +60,7 @@ def test_create_open_put_get_over_three_files(devices):
     devs = devices(3)
     with cxlkv.Pool.create(devs, "24MiB", chunk_size="1MiB", stripe_size="256KiB") as pool:
         info = pool.info()
-        assert info["format_version"] == "2.3" and info["stripe_bytes"] == 256 * KiB
+        assert info["format_version"] == "3.3" and info["stripe_bytes"] == 256 * KiB
         assert [d["path"] for d in info["devices"]] == devs
         assert sum(d["pool_bytes"] for d in info["devices"]) == info["pool_bytes"] == 24 * MiB
         for d in info["devices"]:  # each file holds its share (+ a label on devices 1..)

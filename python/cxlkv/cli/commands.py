@@ -20,6 +20,7 @@ from cxlkv.paths import device_paths
 from cxlkv.services.pool_view import with_usage
 from cxlkv.sizes import format_size
 
+from .quota import quota_rows
 from .render import (
     escape,
     make_console,
@@ -125,10 +126,11 @@ def cmd_pool_info(args: argparse.Namespace) -> int:
         usage = list(pool.device_usage())
         stats = None if args.json else dict(pool.stats())
         ns_usage = None if args.json else list(pool.namespace_usage())
+        quotas = list(pool.quotas())
     # Devices (one for a single-device pool): identity from the header, use from the descriptors.
     devices = [{**d, **u} for d, u in zip(info.pop("devices"), usage, strict=True)]
     if args.json:
-        print_json({**info, "devices": devices, "namespaces": namespaces, "nodes": nodes})
+        print_json({**info, "devices": devices, "namespaces": namespaces, "nodes": nodes, "quotas": quotas})
     else:
         # What an operator asks first: capacity and use, backend, namespaces and what they were
         # derived from, nodes and their verdicts. The format's internals: --verbose (and --json).
@@ -137,6 +139,8 @@ def cmd_pool_info(args: argparse.Namespace) -> int:
         if args.verbose or len(devices) > 1:
             render_rows(con, "devices", [_device_row(d) for d in devices])
         render_namespaces(con, with_usage(namespaces, ns_usage or []))
+        if quotas:  # `cxlkv pool quota` sets them
+            render_rows(con, "quotas", quota_rows(quotas))
         render_rows(con, "nodes", _node_rows(nodes))
         if args.verbose:
             render_internals(con, info)

@@ -1,4 +1,4 @@
-"""``cxlkv pool ...``: create, info, stats, check, reap, ping, destroy."""
+"""``cxlkv pool ...``: create, info, stats, check, quota, reap, ping, destroy."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from .parser_types import (
     _size_arg,
     _stripe_size_arg,
 )
+from .quota import cmd_pool_quota, fraction_arg
 
 
 def add_pool(sub: Any, default_pool: str, create: dict) -> None:
@@ -143,6 +144,23 @@ def add_pool(sub: Any, default_pool: str, create: dict) -> None:
                 "lease and a quarter, at most 20 s); any not judged yet fail the check as undecided",
             )
         s.set_defaults(func=func)
+
+    q = psub.add_parser(
+        "quota",
+        help="show, set or clear the pool bytes a tenant or a namespace (a model) may hold",
+        description="Without a limit: show the quotas (and each subject's usage). With --max-bytes or "
+        "--max-fraction (the stricter applies), or --clear: set that limit of one tenant or namespace. "
+        "A put over its quota evicts the subject's own oldest blocks, else fails (puts_over_quota).",
+    )
+    _pool_path_arg(q, default_pool)
+    who = q.add_mutually_exclusive_group()
+    who.add_argument("--namespace", metavar="N", help="a namespace (model), by name or id")
+    who.add_argument("--tenant", metavar="T", help="a tenant: the label engines are configured with")
+    q.add_argument("--max-bytes", type=_size_arg, metavar="SIZE", help="limit in bytes (e.g. 2GiB)")
+    q.add_argument("--max-fraction", type=fraction_arg, metavar="F", help="limit as a fraction of the pool")
+    q.add_argument("--clear", action="store_true", help="remove the limit (usage is still counted)")
+    q.add_argument("--json", action="store_true", help="print one JSON object")
+    q.set_defaults(func=cmd_pool_quota)
 
     # Node ids are 1..max_nodes of the pool: the format's bound here, the pool's own in the core.
     node_id = _ranged_int({**create["max_nodes"], "min": 1})

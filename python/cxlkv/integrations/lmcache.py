@@ -46,6 +46,7 @@ from cxlkv.errors import ClosedError, CxlkvError
 from cxlkv.integrations import identity as ident
 from cxlkv.integrations.lmcache_identity import weights_of_model_field
 from cxlkv.integrations.pool_session import PoolSession
+from cxlkv.integrations.tenant import tenant_of
 
 log = logging.getLogger("cxlkv.lmcache")
 
@@ -95,12 +96,18 @@ class CxlKVL2Connector:
 
     adapter_params: ``pool_path`` (default: cxlkv's default pool), ``pool_size`` (create the pool
     with this size if it does not exist; default: it must exist), ``kv_dtype`` (optional, see the
-    module docstring)."""
+    module docstring), ``tenant`` (optional: the quota label its stores are charged to,
+    ``cxlkv pool quota``; not part of any key)."""
 
     def __init__(
-        self, pool_path: str | None = None, pool_size: str | int | None = None, kv_dtype: str | None = None
+        self,
+        pool_path: str | None = None,
+        pool_size: str | int | None = None,
+        kv_dtype: str | None = None,
+        tenant: str | None = None,
     ) -> None:
         self._path = str(pool_path or cxlkv.default_pool_path())
+        self._tenant = tenant_of({"tenant": tenant})
         self._size = pool_size
         self._kv_dtype = ident.canonical_dtype(kv_dtype) if kv_dtype else "bytes"
         self._session = PoolSession(
@@ -292,7 +299,7 @@ class CxlKVL2Connector:
             source=identity.source(),
         )
         try:
-            ns = pool.namespace(layout, name)
+            ns = pool.namespace(layout, name, tenant=self._tenant)
         except CxlkvError as e:  # full namespace table, a layout clash: this size is not cached
             self._warn_once(f"cxlkv namespace for LMCache objects of {size} bytes: {e}")
             return None

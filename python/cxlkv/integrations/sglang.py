@@ -54,6 +54,7 @@ from cxlkv.integrations import keys as shared_keys
 from cxlkv.integrations.external_identity import resolve_model_dir, weights_of
 from cxlkv.integrations.heads import HeadNamespace, HeadPlan
 from cxlkv.integrations.pool_session import PoolSession
+from cxlkv.integrations.tenant import tenant_of
 
 log = logging.getLogger("cxlkv.sglang")
 
@@ -146,13 +147,15 @@ def total_kv_heads(model: str, host: Any, c: HiCacheStorageConfig, extra: dict) 
 class CxlKVHiCacheStorage(HiCacheStorage):
     """SGLang HiCache storage in a cxlkv pool. extra_config: ``pool_path`` (default: cxlkv's
     default pool), ``pool_size`` (create it if missing), ``model_path`` (the weights; default
-    SGLang's model_name)."""
+    SGLang's model_name), ``tenant`` (the quota label its stores are charged to, ``cxlkv pool
+    quota``; not part of any key)."""
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None) -> None:
         extra = dict(storage_config.extra_config or {})
         self.config = storage_config
         self._path = str(extra.get("pool_path") or cxlkv.default_pool_path())
         self._size = extra.get("pool_size")
+        self._tenant = tenant_of(extra)
         model = extra.get("model_path") or storage_config.model_name
         if not model:
             raise ValueError("cxlkv HiCache storage: no model_path in the extra config and no model_name")
@@ -208,7 +211,7 @@ class CxlKVHiCacheStorage(HiCacheStorage):
                 self._path,
                 log,
                 self._open_pool,
-                lambda pool: wrap(pool.namespace(layout, name)),
+                lambda pool: wrap(pool.namespace(layout, name, tenant=self._tenant)),
                 who="sglang-hicache",
                 fail_fast=True,
             )

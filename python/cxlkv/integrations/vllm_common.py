@@ -20,6 +20,7 @@ from cxlkv.integrations.heads import HeadNamespace
 from cxlkv.integrations.placement import placement_device
 from cxlkv.integrations.pool_session import PoolSession
 from cxlkv.integrations.save_tracker import async_saves_enabled
+from cxlkv.integrations.tenant import tenant_of
 
 # Under the "vllm" logger, so that vLLM's logging configuration (level, format) applies.
 logger = init_logger("vllm.cxlkv")
@@ -69,6 +70,9 @@ class ConnectorContext:
         # get_finished), a step later than without the connector. "async_saves": false makes each
         # step wait for its own saves (and frees at once).
         self.async_saves = async_saves_enabled(extra)
+        # "tenant": the quota label this engine's saves are charged to (`cxlkv pool quota`); not part
+        # of any key: engines of other tenants with the same model share its blocks.
+        self.tenant = tenant_of(extra)
         pool_path = extra.get("pool_path") or cxlkv.default_pool_path()
         # A striped pool: a comma-separated string or a JSON list of device paths.
         self.pool_path = ",".join(map(str, pool_path)) if isinstance(pool_path, list) else str(pool_path)
@@ -171,7 +175,7 @@ class ConnectorContext:
         device = placement_device(self.extra.get("pool_device"), self.tp_rank, len(pool.info()["devices"]))
         spaces = [
             HeadNamespace(
-                pool.namespace(vid.pool_layout(i), name=n, device=device),
+                pool.namespace(vid.pool_layout(i), name=n, device=device, tenant=self.tenant),
                 h,
                 self.head_dim if h.split else None,
             )

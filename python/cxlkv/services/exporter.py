@@ -15,7 +15,7 @@ import threading
 from collections.abc import Iterator
 
 from cxlkv import _core
-from cxlkv.services.pool_view import PoolSnapshot, lease_missed, read_pool
+from cxlkv.services.pool_view import PoolSnapshot, lease_missed, quota_subject, read_pool
 
 
 def counter_series_name(name: str) -> str:
@@ -76,6 +76,7 @@ class PoolCollector:
         yield from _namespace_series(snap)
         yield from _device_series(snap)
         yield from _node_series(snap)
+        yield from _quota_series(snap)
 
 
 def _pool_series(snap: PoolSnapshot) -> Iterator:
@@ -229,6 +230,25 @@ def _node_series(snap: PoolSnapshot) -> Iterator:
         counts.add_metric([verdict], float(k))
     missed.add_metric([], float(n_missed))
     yield from (counts, alive, silent, lease, missed)
+
+
+def _quota_series(snap: PoolSnapshot) -> Iterator:
+    labels = ("kind", "subject")
+    limit = _family(
+        "gauge",
+        "cxlkv_quota_limit",
+        "The quota of a tenant or namespace; 0: counted, not limited.",
+        labels,
+        "bytes",
+    )
+    used = _family(
+        "gauge", "cxlkv_quota_used", "Pool bytes a tenant's or namespace's blocks hold.", labels, "bytes"
+    )
+    for q in snap.quotas:
+        lv = list(quota_subject(q))
+        limit.add_metric(lv, float(q.get("limit_bytes") or 0))
+        used.add_metric(lv, float(q.get("usage_bytes") or 0))
+    yield from (limit, used)
 
 
 def make_registry(path: str, allow_foreign_owner: bool = False):

@@ -1,5 +1,5 @@
 """One read of a whole pool for observers (``cxlkv exporter``, ``cxlkv top``): header, counters,
-namespaces, nodes and per-device use, taken through the public API as an observer (no node
+namespaces, nodes, quotas and per-device use, taken through the public API as an observer (no node
 slot, so it works on a full node table and never keeps a node alive).
 
 Each read opens the pool and closes it again: a pool that was destroyed and created anew at the
@@ -24,6 +24,7 @@ class PoolSnapshot:
     namespaces: list = dataclasses.field(default_factory=list)
     nodes: list = dataclasses.field(default_factory=list)
     devices: list = dataclasses.field(default_factory=list)  # info's devices merged with their use
+    quotas: list = dataclasses.field(default_factory=list)  # Pool.quotas(): tenants' and namespaces' limits
     error: str = ""  # why the pool could not be read ("" when it was)
 
     @property
@@ -40,6 +41,7 @@ def read_pool(path: str, allow_foreign_owner: bool = False) -> PoolSnapshot:
             snap.stats = dict(pool.stats())
             snap.namespaces = with_usage(pool.namespaces(), pool.namespace_usage())
             snap.nodes = [dict(n) for n in pool.nodes()]
+            snap.quotas = [dict(q) for q in pool.quotas()]
             usage = list(pool.device_usage())
     except (cxlkv.CxlkvError, OSError, ValueError) as e:
         snap.error = f"{type(e).__name__}: {' '.join(str(e).split())}"
@@ -82,3 +84,13 @@ def printable(text: str) -> str:
     """``text`` with control characters (ESC sequences, CR, C1) shown as \\xNN: strings read from
     a pool must not drive the operator's terminal (cli.render.no_controls is this)."""
     return "".join(f"\\x{ord(c):02x}" if ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F else c for c in text)
+
+
+def quota_subject(q: dict) -> tuple[str, str]:
+    """(kind, subject) of a quota row as observers label it: ("tenant", name) or ("namespace",
+    its name, else its id); an unreadable row is ("unreadable", "row N")."""
+    if not q.get("readable"):
+        return "unreadable", f"row {q.get('row')}"
+    if q.get("kind") == "tenant":
+        return "tenant", printable(str(q.get("tenant", "")))
+    return "namespace", printable(str(q.get("namespace") or q.get("ns_id")))

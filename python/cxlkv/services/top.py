@@ -1,5 +1,5 @@
 """``cxlkv top``: a live terminal view of a pool (rich): use, hit rate, traffic per second,
-namespaces, nodes and their leases. ``q`` quits; ``--once`` prints one frame and exits.
+namespaces, quotas, nodes and their leases. ``q`` quits; ``--once`` prints one frame and exits.
 
 Each refresh is one observer read (pool_view.read_pool). Rates are the difference of two reads
 over the time between them; a pool recreated at the same path (another uuid) starts the rates
@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Iterator
 
-from cxlkv.services.pool_view import PoolSnapshot, lease_missed, printable, read_pool
+from cxlkv.services.pool_view import PoolSnapshot, lease_missed, printable, quota_subject, read_pool
 from cxlkv.sizes import format_size
 
 # (stats key, column title, is bytes): the traffic shown per second.
@@ -106,7 +106,10 @@ def render(prev: PoolSnapshot | None, cur: PoolSnapshot):
     traffic.add_row(*row)
     traffic.caption = f"per second over the last {cur.taken - prev.taken:.1f} s" if r and prev else ""
     traffic.title = f"traffic (hit rate since creation {s.get('hit_rate', 0.0):.1%})"
-    return Group(head, use, traffic, _namespaces(cur), _nodes(cur), Text.from_markup("[dim]q quits[/dim]"))
+    parts = [head, use, traffic, _namespaces(cur)]
+    if cur.quotas:
+        parts.append(_quotas(cur))
+    return Group(*parts, _nodes(cur), Text.from_markup("[dim]q quits[/dim]"))
 
 
 def _namespaces(cur: PoolSnapshot):
@@ -133,6 +136,28 @@ def _namespaces(cur: PoolSnapshot):
         )
     if not cur.namespaces:
         t.add_row("-", "none", "", "", "", "")
+    return t
+
+
+def _quotas(cur: PoolSnapshot):
+    from rich import box
+    from rich.table import Table
+
+    s = cur.stats
+    t = Table(box=box.SIMPLE_HEAD, show_edge=False, title="quotas", title_justify="left", title_style="bold")
+    for c in ("kind", "subject", "used / limit", ""):
+        t.add_column(c, overflow="fold")
+    for q in cur.quotas:
+        kind, subject = quota_subject(q)
+        limit, used = int(q.get("limit_bytes") or 0), int(q.get("usage_bytes") or 0)
+        frac = used / limit if limit else 0.0
+        t.add_row(
+            kind,
+            _esc(subject),
+            f"{format_size(used)} / {format_size(limit) if limit else 'none'}",
+            _bar(min(frac, 1.0)) if limit else "",
+        )
+    t.caption = f"quota evictions {s.get('quota_evictions', 0):,}, puts refused over quota {s.get('puts_over_quota', 0):,}"
     return t
 
 

@@ -5,7 +5,8 @@
 // Pool map (all offsets from the pool base; areas 4 KiB aligned, arena chunk_bytes aligned):
 //
 //   [0, 4096)            PoolHeader: immutable after creation, checksummed
-//   [4096, 8192)         SharedWords: the few pool-wide mutable words, one cache line each
+//   [4096, 8192)         SharedWords: the few pool-wide mutable words, one cache line each;
+//                        QuotaRow[kQuotaRows] from kQuotaTableOff (quota.h, format 3)
 //   [8192, ...)          LockLine[kLockStripes][lock_hosts]  multihost only (lock_hosts > 0)
 //   node_table_off       NodeSlot[max_nodes]          two lines per attached process
 //   node_area_off        NodeArea[max_nodes]          owner-written: pins, counters
@@ -22,6 +23,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "quota.h"
+
 namespace cxlkv::format {
 
 // Every multi-byte field is little-endian, as the x86-64 and AArch64 hosts of a CXL pod write it.
@@ -29,9 +32,12 @@ namespace cxlkv::format {
 static_assert(std::endian::native == std::endian::little, "the pool format is little-endian");
 
 constexpr char kMagic[8] = {'C', 'X', 'L', 'K', 'V', 'P', 'L', '\0'};
-constexpr uint16_t kFormatMajor = 2;  // 2: NamespaceEntry of 512 bytes (source, dtype code), CONDEMNED entry
-                                      // state, node liveness by OFD lock + heartbeat lease
-// Minor versions (each readable by 2.0 builds: they ignore what they do not know):
+constexpr uint16_t kFormatMajor = 3;  // 3: quotas (quota.h): the quota table in the SharedWords page,
+                                      // IndexEntry.ns_id split into ns_id:16 + tenant_row + ns_row,
+                                      // NodeAreaFixed grown by the usage counters (and 24 counters)
+// 2: NamespaceEntry of 512 bytes (source, dtype code), CONDEMNED entry state, node liveness by OFD
+//    lock + heartbeat lease. A 2.x build refuses a 3.x pool (major), and a 3.x build a 2.x pool.
+// Minor versions of 2 (each readable by 2.0 builds: they ignore what they do not know), kept by 3:
 // 1: compat feature kCompatAdminMailbox (node areas end with an RPC mailbox).
 // 2: multihost backend (3): the lock area between SharedWords and the node table (lock_hosts in
 //    the header, host_slot in NodeSlot). Older builds refuse backend 3 and ignore the zero fields.
@@ -56,7 +62,7 @@ constexpr uint16_t kFormatMajor = 2;  // 2: NamespaceEntry of 512 bytes (source,
 //    an open by name is a LayoutMismatchError, and the vLLM connector's names changed with its identity), so
 //    an older pool's namespaces are a cold cache to this build and never wrong KV. Older builds show
 //    heads_per_entry as tp_rank in listings; they never open these namespaces.
-constexpr uint16_t kFormatMinor = 5;
+constexpr uint16_t kFormatMinor = 5;  // every minor of 2 above holds for 3 (3.5 = 2.5 + quotas)
 // kIncompatStriped: the pool is interleaved over StripeTable::device_count devices; a reader that
 // maps only the first device would see the other devices' stripes as missing bytes.
 constexpr uint64_t kIncompatStriped = 1;
@@ -320,7 +326,10 @@ inline uint64_t make_node_word(uint8_t st, uint32_t domain, uint32_t epoch) {
   X(kCorruptEntries, corrupt_entries, "index entries dropped as corrupt")                      \
   X(kCondemnedEntries, condemned, "entries taken out after a checksum failure")                \
   X(kPinsExhausted, pins_exhausted, "gets/acquires that found no free pin slot")               \
-  X(kPutsInFlight, puts_in_flight, "puts that found the key being written by a live node")
+  X(kPutsInFlight, puts_in_flight, "puts that found the key being written by a live node")     \
+  X(kPutsOverQuota, puts_over_quota,                                                           \
+    "puts refused: over their quota with none of their own blocks to evict")                   \
+  X(kQuotaEvictions, quota_evictions, "blocks evicted to keep their tenant or namespace within its quota")
 // The formatter cannot see that the X-macro's expansion ends with a comma.
 // clang-format off
 enum Counter : uint32_t {
@@ -334,10 +343,13 @@ struct alignas(kCacheLine) NodeAreaFixed {
   uint64_t pin_hw;   // pins at index >= pin_hw are all zero
   uint64_t intents;  // format 2.5: block-less intents the owner holds now (reset by a reclaimer)
   uint64_t pad0[6];
-  uint64_t counters[16];
+  uint64_t counters[24];  // format 3: 24 (was 16)
+  // format 3, quota.h: bytes charged to / released from each quota row by this node (monotonic)
+  uint64_t quota_charged[kQuotaRows];
+  uint64_t quota_released[kQuotaRows];
 };
-static_assert(kCounterCount <= 16);
-static_assert(sizeof(NodeAreaFixed) == 192);
+static_assert(kCounterCount <= 24);
+static_assert(sizeof(NodeAreaFixed) == 1024);
 // Admin mailbox (kCompatAdminMailbox): an rpc::Channel (rpc.h) of max_nodes slots at
 // admin_mailbox_off(pin_slots) in node T's area, through which any node C asks T (ping, ...).
 //   req[C-1]  written ONLY by node C (the client; its node id makes it the slot's one writer)
@@ -452,8 +464,10 @@ constexpr uint32_t kNoChunk = 0xFFFFFFFFu;
 struct alignas(kCacheLine) IndexEntry {
   uint64_t state;
   uint8_t key[32];
-  uint32_t ns_id;
-  uint32_t chunk;  // kNoChunk: no block (WRITING only)
+  uint16_t ns_id;      // format 3: 16 bits (namespace ids are <= kMaxNamespaces; the chunk map holds 16)
+  uint8_t tenant_row;  // format 3 (quota.h): quota row of the writer's tenant, 1-based; 0 = none
+  uint8_t ns_row;      // format 3: quota row of the namespace when the writer charged it; 0 = none
+  uint32_t chunk;      // kNoChunk: no block (WRITING only)
   uint16_t block;
   uint16_t depth;     // position in its prefix chain, as the writer knew it (eviction hint)
   uint32_t length;    // payload bytes (<= namespace block_bytes)

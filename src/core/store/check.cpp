@@ -41,6 +41,7 @@ CheckReport Pool::check(bool repair, int64_t watch_ms) {
   check_ns_lock(r);
   check_namespaces(r);
   check_index(r);
+  check_quotas(r);  // quota_protocol.cpp
   check_pins(r);
   if (bakery_ || row_less_) check_lock_area(r);  // the cross-host lock area (multihost): lock_check.cpp
   if (r.duplicate_keys)

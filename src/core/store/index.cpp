@@ -147,7 +147,10 @@ void Pool::finish_evict(uint64_t slot, uint64_t evicting_word) {
   if (e.chunk < hdr_->chunk_count && e.block < desc_bytes_ / 8) {
     uint64_t* d = block_desc(e.chunk, e.block);
     uint64_t dw = coh_.read(d);
-    if (block_state(dw) == kBlockUsed && block_slot(dw) == slot) allocator_.free_block(e.chunk, e.block);
+    if (block_state(dw) == kBlockUsed && block_slot(dw) == slot) {
+      allocator_.free_block(e.chunk, e.block);
+      quota_release(e);  // quota_protocol.cpp
+    }
   }
   coh_.publish(&entry(slot)->state,
                make_entry_word(kTombstone, 0, entry_gen(evicting_word), entry_tag(evicting_word)));
@@ -198,6 +201,7 @@ bool Pool::evict_victim(const Victim& c, const NsHandle* ns, uint64_t* out_chunk
     return false;
   }
   coh_.publish_shared(d, make_block_word(kBlockUsed, uint8_t(node_id_), my_epoch8(), new_owner_slot));
+  quota_release(e);  // quota_protocol.cpp: the victim's subjects no longer hold the block
   coh_.publish(&entry(c.slot)->state, make_entry_word(kTombstone, 0, entry_gen(ev), entry_tag(ev)));
   *out_chunk = e.chunk;
   *out_block = e.block;
@@ -247,6 +251,7 @@ bool Pool::evict_owner(uint64_t c, uint32_t b, uint64_t dw, uint64_t fenced) {
   uint64_t* d = block_desc(c, b);
   uint64_t cur = coh_.read(d);
   bool ok = cur == dw && coh_.claim(d, cur, fenced);
+  if (ok) quota_release(e);  // quota_protocol.cpp
   coh_.publish(&entry(slot)->state, make_entry_word(kTombstone, 0, entry_gen(ev), entry_tag(ev)));
   count(kEvictions);
   return ok;
@@ -343,7 +348,9 @@ PutResult Pool::claim_entry(const NsHandle& ns, const Key& key, uint16_t depth, 
       IndexEntry* e = entry(reuse);
       coh_.check_fence();  // multihost: before plain stores (a dirty line reaches memory anyway)
       std::memcpy(e->key, key.data(), 32);
-      e->ns_id = ns.id;
+      e->ns_id = uint16_t(ns.id);
+      e->tenant_row = ns.tenant_row;  // quota_protocol.cpp: whom the block is charged to
+      e->ns_row = quotas_.ns_row(ns.id);
       e->chunk = kNoChunk, e->block = 0;  // no block yet: never the slot's previous one
       coh_.flush(e, sizeof *e);
       coh_.fence();
@@ -385,7 +392,13 @@ PutResult Pool::claim_entry(const NsHandle& ns, const Key& key, uint16_t depth, 
 bool Pool::claim_block(const NsHandle& ns, uint64_t slot, uint32_t gen, uint32_t tag, uint64_t* chunk,
                        uint32_t* block) {
   IndexEntry* e = entry(slot);
-  bool got = allocator_.alloc_block(writer(), ns, slot, chunk, block);
+  bool got = false;
+  // quota_protocol.cpp: charged to the entry's quota rows; over quota with nothing of its own to evict: none
+  if (!quota_admit(ns, slot, chunk, block, &got)) {
+    coh_.publish(&e->state, make_entry_word(kTombstone, 0, gen, tag));
+    return false;
+  }
+  if (!got) got = allocator_.alloc_block(writer(), ns, slot, chunk, block);
   if (!got) got = evict_from_queue(ns, chunk, block, slot);
   if (!got && now_unix_ns() - last_reap_ns_.load(std::memory_order_relaxed) > 100'000'000) {
     // Dead nodes may hold pins or blocks: reclaim them, then try both paths again.
@@ -394,6 +407,7 @@ bool Pool::claim_block(const NsHandle& ns, uint64_t slot, uint32_t gen, uint32_t
             evict_from_queue(ns, chunk, block, slot);
   }
   if (!got) {
+    quota_refund(ns, slot);  // quota_protocol.cpp
     coh_.publish(&e->state, make_entry_word(kTombstone, 0, gen, tag));
     count(kPutsFailed);
     return false;
@@ -536,6 +550,8 @@ bool Pool::release_abandoned(uint64_t slot, uint64_t w) {
   coh_.invalidate(e, sizeof *e);
   const uint64_t chunk = e->chunk;  // of a writer that is gone: nothing changes them any more
   const uint32_t block = e->block;
+  IndexEntry rows{};  // quota_protocol.cpp: whom the block was charged to
+  rows.ns_id = e->ns_id, rows.tenant_row = e->tenant_row, rows.ns_row = e->ns_row;
   uint64_t* d = nullptr;
   uint64_t dw = 0;
   if (chunk < hdr_->chunk_count && block < desc_bytes_ / 8) {
@@ -543,7 +559,8 @@ bool Pool::release_abandoned(uint64_t slot, uint64_t w) {
     dw = coh_.read(d);
   }
   if (!coh_.claim(&e->state, w, make_entry_word(kTombstone, 0, entry_gen(w), entry_tag(w)))) return false;
-  if (d && block_state(dw) == kBlockUsed && block_slot(dw) == slot) coh_.claim(d, dw, 0);
+  if (d && block_state(dw) == kBlockUsed && block_slot(dw) == slot && coh_.claim(d, dw, 0))
+    quota_release(rows);
   return true;
 }
 
@@ -638,9 +655,9 @@ size_t Pool::match_prefix(const NsHandle& ns, const Key* keys, size_t n) {
     if (entry_state(w) == kReady && entry_tag(w) == key_tag(hashes[m])) {
       IndexEntry* e = entry(home);
       static_assert(offsetof(IndexEntry, key) == 8 && offsetof(IndexEntry, ns_id) == 40);
-      uint64_t expect[5] = {0, 0, 0, 0, ns.id};  // key words, then [chunk:32][ns_id:32] (x86: LE)
+      uint64_t expect[5] = {0, 0, 0, 0, ns.id};  // key words, then [chunk:32][rows:16][ns_id:16] (LE)
       std::memcpy(expect, keys[m].data(), 32);
-      static constexpr uint64_t kMask[5] = {~0ull, ~0ull, ~0ull, ~0ull, 0xFFFFFFFFull};
+      static constexpr uint64_t kMask[5] = {~0ull, ~0ull, ~0ull, ~0ull, 0xFFFFull};  // ns_id:16 (format 3)
       if (coh_.snapshot_matches(e->key, expect, kMask, 5, &e->state, w)) {
         slots.push_back(home);
         continue;

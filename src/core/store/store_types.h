@@ -16,6 +16,7 @@ struct NsHandle {
   format::ChunkGeometry geo{};
   std::string name;
   int device = -1;  // placement (placement.cpp): -1 = any device, else blocks only on that device
+  uint8_t tenant_row = 0;  // quota_protocol.cpp: the quota row of the tenant this handle writes for; 0 = none
 };
 
 // One device of the pool as `pool info` shows it (placement.cpp): its path, the pool bytes it

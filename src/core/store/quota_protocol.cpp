@@ -1,0 +1,240 @@
+// Quotas, the protocol (docs/ARCHITECTURE.md "Quotas"): naming a tenant and setting a limit
+// (under the namespace-table lock), charging a put and evicting the subject's own blocks when it
+// is over (quota_admit), the release where a block leaves its entry (quota_release), and
+// `pool check`'s recount (check_quotas). The table's reader is Quotas (quotas.h).
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "pool.h"
+
+namespace cxlkv {
+
+using namespace format;
+
+namespace {
+// A tenant name as written by this build: 1..31 printable bytes without control characters.
+void check_tenant(const std::string& t) {
+  if (t.empty() || t.size() >= kTenantNameBytes)
+    throw ArgumentError("tenant must have 1.." + std::to_string(kTenantNameBytes - 1) + " bytes, got " +
+                        std::to_string(t.size()));
+  for (unsigned char c : t)
+    if (c < 0x20 || c == 0x7f) throw ArgumentError("tenant must not contain NUL or control characters");
+}
+}  // namespace
+
+// The namespace-table lock (SharedWords.ns_lock) around fn: quota rows change under it, one writer
+// at a time. The same bounds as open_namespace's creation: 3 leases, stale holders broken.
+void Pool::with_quota_lock(const std::function<void()>& fn) {
+  if (read_only_) throw ReadOnlyError("pool " + path_ + " was opened read-only; quotas cannot be changed");
+  if (!node_id_) become_writer();  // a row-less observer (host_slot.cpp): changing a quota is writing
+  if (!node_id_) throw ReadOnlyError("pool " + path_ + ": changing a quota needs a node slot (none free)");
+  uint64_t* lock = &shared()->ns_lock.word;
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::milliseconds(3 * uint64_t(hdr_->lease_ms));
+  for (int spins = 0;; ++spins) {
+    uint64_t expected = 0;
+    if (coh_.claim(lock, expected, node_id_)) break;
+    if (spins % 100 == 0) break_stale_ns_lock();
+    if (spins % 100 == 99) reap_dead_nodes();
+    if (spins % 100 == 50 && std::chrono::steady_clock::now() > deadline)
+      throw LockTimeoutError("pool " + path_ + ": namespace table lock held by live node " +
+                             std::to_string(expected) + " for more than 3 leases: no quota was changed");
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  try {
+    fn();
+  } catch (...) {
+    coh_.publish(lock, 0);
+    throw;
+  }
+  coh_.publish(lock, 0);
+  quotas_.invalidate_cache();
+}
+
+void Pool::write_quota_row(uint32_t row, const QuotaRow& r) {
+  QuotaRow* p = quotas_.row_ptr(row);
+  coh_.check_fence();  // before the plain stores (a dirty line reaches memory flushed or not)
+  auto* d = reinterpret_cast<uint64_t*>(p);
+  const auto* s = reinterpret_cast<const uint64_t*>(&r);
+  for (size_t i = 0; i < sizeof r / 8; ++i)
+    std::atomic_ref<uint64_t>(d[i]).store(s[i], std::memory_order_relaxed);
+  coh_.flush(p, sizeof r);
+  coh_.fence();
+}
+
+// The row of subject (kind, ns_id, tenant), created if absent. Caller holds the quota lock.
+uint32_t Pool::quota_row_locked(uint32_t kind, uint32_t ns_id, const std::string& tenant) {
+  uint32_t free_row = 0;
+  for (uint32_t r = 1; r <= kQuotaRows; ++r) {
+    QuotaInfo q;
+    if (quotas_.read_row(r, &q)) {
+      if (q.kind == kind && q.ns_id == ns_id && q.tenant == tenant) return r;
+    } else if (q.kind == kQuotaFree && !free_row) {
+      free_row = r;  // an unreadable row is not free: `pool check` reports it, nobody reuses it
+    }
+  }
+  if (!free_row)
+    throw QuotaTableFullError("pool " + path_ + ": all " + std::to_string(kQuotaRows) +
+                              " quota rows (tenants and namespace quotas) are in use");
+  write_quota_row(free_row, Quotas::make_row(kind, ns_id, tenant, 0, 0));
+  return free_row;
+}
+
+uint8_t Pool::tenant_row(const std::string& tenant) {
+  check_tenant(tenant);
+  for (const QuotaInfo& q : quotas_.cached())
+    if (q.kind == kQuotaTenant && q.tenant == tenant) return uint8_t(q.row);
+  uint32_t row = 0;
+  with_quota_lock([&] { row = quota_row_locked(kQuotaTenant, 0, tenant); });
+  return uint8_t(row);
+}
+
+uint32_t Pool::set_quota(uint32_t ns_id, const std::string& tenant, uint64_t max_bytes, uint32_t max_ppm) {
+  if ((ns_id == 0) == tenant.empty()) throw ArgumentError("a quota names either a namespace or a tenant");
+  if (!tenant.empty()) check_tenant(tenant);
+  if (ns_id > hdr_->max_namespaces || (ns_id && quotas_.block_bytes_of(ns_id) == 0))
+    throw ArgumentError("namespace id " + std::to_string(ns_id) + " is not a namespace of pool " + path_);
+  if (max_ppm > kPpmOne) throw ArgumentError("a fraction of the pool must be at most 1");
+  const uint32_t kind = ns_id ? kQuotaNamespace : kQuotaTenant;
+  uint32_t row = 0;
+  with_quota_lock([&] {
+    row = quota_row_locked(kind, ns_id, tenant);
+    write_quota_row(row, Quotas::make_row(kind, ns_id, tenant, max_bytes, max_ppm));
+  });
+  return row;
+}
+
+std::vector<QuotaInfo> Pool::quotas() { return quotas_.rows(hdr_->max_nodes); }
+
+void Pool::quota_book(uint8_t row, uint64_t bytes, bool charge) {
+  if (row == 0 || row > kQuotaRows || !node_id_ || !bytes) return;
+  NodeAreaFixed* f = node_fixed(node_id_ - 1);
+  uint64_t* w = charge ? &f->quota_charged[row - 1] : &f->quota_released[row - 1];
+  coh_.bump_owned(w, bytes);
+  coh_.flush(w, sizeof *w);  // other hosts enforce the same quota: the line reaches memory now
+}
+
+void Pool::quota_release(const IndexEntry& e) {
+  if (!e.tenant_row && !e.ns_row) return;
+  const uint64_t bytes = quotas_.block_bytes_of(e.ns_id);
+  // Only rows in use: a forged entry naming a free row must not book bytes a later subject of
+  // that row would start with (its usage would read low, its quota lenient).
+  if (e.tenant_row && quotas_.in_use(e.tenant_row)) quota_book(e.tenant_row, bytes, false);
+  if (e.ns_row && quotas_.in_use(e.ns_row)) quota_book(e.ns_row, bytes, false);
+}
+
+// Charges the block a put is about to take to the rows its entry names, then, for each row over
+// its limit, evicts the subject's own oldest unpinned blocks of this namespace (tails of chains
+// first: the evictor's order) until it fits. The first such block is handed straight to `slot`
+// (*got: the caller allocates nothing), so a subject at its limit never takes a block from the
+// free pool or from anyone else. False: over the limit with nothing of its own left to evict;
+// the charge is returned and puts_over_quota counted.
+bool Pool::quota_admit(const NsHandle& ns, uint64_t slot, uint64_t* chunk, uint32_t* block, bool* got) {
+  *got = false;
+  IndexEntry* e = entry(slot);  // ours (WRITING): the rows we wrote with the key
+  const uint8_t rows[2] = {e->tenant_row, e->ns_row};
+  if (!rows[0] && !rows[1]) return true;
+  for (uint8_t r : rows) quota_book(r, ns.block_bytes, true);
+  constexpr int kMaxOwnEvictions = 64;  // bounds a put whatever the counters say
+  for (uint8_t r : rows) {
+    if (!r || r > kQuotaRows) continue;
+    const uint64_t limit = quotas_.limit(r);
+    if (!limit) continue;
+    for (int n = 0; quotas_.usage(r, hdr_->max_nodes) > limit; ++n) {
+      Evictor::Accept own = [&](const IndexEntry& v) {
+        return (v.tenant_row == r || v.ns_row == r) &&
+               (ns.device < 0 || (validate_ref(ns, v) && allocator_.block_on_device(ns, v.chunk, v.block)));
+      };
+      const uint32_t key = Allocator::placement_key(ns) | (uint32_t(r) << 24);  // a queue per (subject, namespace)
+      bool evicted =
+          n < kMaxOwnEvictions && evictor_.from_queue(
+                                      key, ns.id, own,
+                                      [&](const Victim& c) {
+                                        return *got ? evict_victim(c, &ns, nullptr, nullptr, ~0ull)
+                                                    : (*got = evict_victim(c, &ns, chunk, block, slot));
+                                      });
+      if (!evicted) {
+        if (*got) {  // the block handed over is ours now: give it back
+          uint64_t* d = block_desc(*chunk, *block);
+          uint64_t dw = coh_.read(d);
+          if (block_state(dw) == kBlockUsed && block_slot(dw) == slot) allocator_.free_block(*chunk, *block);
+          *got = false;
+        }
+        quota_refund(ns, slot);
+        count(kPutsOverQuota);
+        return false;
+      }
+      count(kQuotaEvictions);
+    }
+  }
+  return true;
+}
+
+void Pool::quota_refund(const NsHandle& ns, uint64_t slot) {
+  const IndexEntry* e = entry(slot);
+  quota_book(e->tenant_row, ns.block_bytes, false);
+  quota_book(e->ns_row, ns.block_bytes, false);
+}
+
+// `pool check`: every row readable and well-formed, every entry's rows naming rows in use, and
+// each row's usage recounted from the blocks (entries that hold a block pointing back). A live
+// pool may differ by the puts in flight (a warning); --repair books the difference into this
+// node's counters.
+void Pool::check_quotas(CheckReport& r) {
+  std::vector<QuotaInfo> rows = quotas_.rows(hdr_->max_nodes);
+  if (rows.empty()) return;  // no row was ever used: nothing to recount (check stays one index pass)
+  std::vector<bool> in_use(kQuotaRows + 1, false);
+  for (const QuotaInfo& q : rows) {
+    if (!q.readable) {
+      r.error("quota row " + std::to_string(q.row) +
+              " is unreadable (checksum or field out of range): " + "no limit is enforced from it");
+      continue;
+    }
+    in_use[q.row] = true;
+    if (q.kind == kQuotaNamespace && quotas_.block_bytes_of(q.ns_id) == 0)
+      r.error("quota row " + std::to_string(q.row) + " names namespace " + std::to_string(q.ns_id) +
+              ", which does not exist");
+  }
+  std::vector<int64_t> held(kQuotaRows + 1, 0);
+  uint64_t bad_rows = 0;
+  for (uint64_t slot = 0; slot <= slot_mask_; ++slot) {
+    const uint64_t w = coh_.read(&entry(slot)->state);
+    const uint8_t st = entry_state(w);
+    if (st != kWriting && st != kReady && st != kEvicting && st != kCondemned) continue;
+    IndexEntry e;
+    if (!snapshot(slot, w, &e) || (!e.tenant_row && !e.ns_row)) continue;
+    if (e.tenant_row > kQuotaRows || e.ns_row > kQuotaRows || (e.tenant_row && !in_use[e.tenant_row]) ||
+        (e.ns_row && !in_use[e.ns_row])) {
+      ++bad_rows;
+      continue;
+    }
+    if (e.chunk >= hdr_->chunk_count || e.block >= desc_bytes_ / 8) continue;
+    const uint64_t dw = coh_.read(block_desc(e.chunk, e.block));
+    if (block_state(dw) != kBlockUsed || block_slot(dw) != slot) continue;
+    const int64_t bytes = int64_t(quotas_.block_bytes_of(e.ns_id));
+    if (e.tenant_row) held[e.tenant_row] += bytes;
+    if (e.ns_row) held[e.ns_row] += bytes;
+  }
+  if (bad_rows)
+    r.error(std::to_string(bad_rows) +
+            " index entries name quota rows not in use (their blocks are charged to nobody)");
+  for (const QuotaInfo& q : rows) {
+    if (!q.readable) continue;
+    const int64_t counted = quotas_.raw_usage(q.row, hdr_->max_nodes);
+    if (counted == held[q.row]) continue;
+    const std::string who =
+        q.kind == kQuotaTenant ? "tenant '" + q.tenant + "'" : "namespace " + std::to_string(q.ns_id);
+    const std::string what = "quota usage of " + who + ": counters say " + std::to_string(counted) +
+                             " bytes, its blocks hold " + std::to_string(held[q.row]);
+    if (r.repair && node_id_ && !read_only_) {
+      const int64_t diff = held[q.row] - counted;
+      quota_book(uint8_t(q.row), uint64_t(diff > 0 ? diff : -diff), diff > 0);
+      r.fixed(what + " (booked the difference)");
+    } else {
+      r.warnings.push_back(what + (r.repair ? " (not repaired: no node slot)" : ""));
+    }
+  }
+}
+
+}  // namespace cxlkv

@@ -1,0 +1,186 @@
+// Quotas (format/quota.h, docs/ARCHITECTURE.md "Quotas"): the table's validated reader and the
+// usage sums. The protocol around it (Pool members) is quota_protocol.cpp.
+#include "quotas.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+
+#include "checksum.h"
+#include "clock.h"
+
+namespace cxlkv {
+
+using namespace format;
+
+QuotaRow* Quotas::row_ptr(uint32_t row) const {
+  return reinterpret_cast<QuotaRow*>(region_.base() + kQuotaTableOff) + (row - 1);
+}
+
+QuotaRow Quotas::make_row(uint32_t kind, uint32_t ns_id, const std::string& tenant, uint64_t max_bytes,
+                          uint32_t max_ppm) {
+  QuotaRow r;
+  std::memset(&r, 0, sizeof r);
+  r.kind = kind;
+  r.ns_id = ns_id;
+  r.max_bytes = max_bytes;
+  r.max_ppm = max_ppm;
+  std::memcpy(r.name, tenant.data(), std::min<size_t>(tenant.size(), kTenantNameBytes - 1));
+  r.checksum = xxh3(&r, offsetof(QuotaRow, checksum));
+  return r;
+}
+
+uint64_t Quotas::arena_bytes() const {
+  const PoolHeader* h = region_.header();
+  uint64_t out;
+  if (__builtin_mul_overflow(h->chunk_count, h->chunk_bytes, &out)) return h->pool_bytes;
+  return out;
+}
+
+bool Quotas::read_row(uint32_t row, QuotaInfo* info) const {
+  *info = QuotaInfo{};
+  info->row = row;
+  if (row == 0 || row > kQuotaRows) return false;
+  const QuotaRow* p = row_ptr(row);
+  QuotaRow r;
+  bool sum_ok = false;
+  for (int attempt = 0; attempt < 3 && !sum_ok; ++attempt) {  // a row being rewritten reads torn
+    region_.coh().invalidate(p, sizeof r);
+    auto* s = reinterpret_cast<uint64_t*>(const_cast<QuotaRow*>(p));
+    for (size_t i = 0; i < sizeof r / 8; ++i) {
+      const uint64_t v = std::atomic_ref<uint64_t>(s[i]).load(std::memory_order_relaxed);
+      std::memcpy(reinterpret_cast<char*>(&r) + i * 8, &v, 8);
+    }
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (r.kind == kQuotaFree && r.checksum == 0) return false;  // never used (zeroed at creation)
+    sum_ok = r.checksum == xxh3(&r, offsetof(QuotaRow, checksum));
+  }
+  info->kind = r.kind;
+  if (!sum_ok) return false;
+  const PoolHeader* h = region_.header();
+  bool ok = r.max_ppm <= kPpmOne && r.pad == 0;
+  if (r.kind == kQuotaNamespace) {
+    ok = ok && r.ns_id >= 1 && r.ns_id <= h->max_namespaces;
+  } else if (r.kind == kQuotaTenant) {
+    size_t n = strnlen(r.name, kTenantNameBytes);
+    ok = ok && r.ns_id == 0 && n >= 1 && n < kTenantNameBytes;
+    for (size_t i = 0; ok && i < n; ++i) ok = uint8_t(r.name[i]) >= 0x20 && r.name[i] != 0x7f;
+    if (ok) info->tenant.assign(r.name, n);
+  } else {
+    ok = false;
+  }
+  if (!ok) return false;
+  info->readable = true;
+  info->ns_id = r.ns_id;
+  info->max_bytes = r.max_bytes;
+  info->max_ppm = r.max_ppm;
+  uint64_t limit = r.max_bytes;
+  if (r.max_ppm) {
+    const uint64_t a = arena_bytes();
+    const uint64_t by_ppm = a / kPpmOne * r.max_ppm + a % kPpmOne * r.max_ppm / kPpmOne;
+    if (limit == 0 || by_ppm < limit) limit = by_ppm;
+    if (limit == 0) limit = 1;  // a fraction too small for a byte still limits
+  }
+  info->limit_bytes = limit;
+  return true;
+}
+
+std::vector<QuotaInfo> Quotas::rows(uint32_t max_nodes) const {
+  std::vector<QuotaInfo> out;
+  for (uint32_t r = 1; r <= kQuotaRows; ++r) {
+    QuotaInfo q;
+    if (read_row(r, &q) || q.kind != kQuotaFree) {
+      if (q.readable) q.usage_bytes = usage(r, max_nodes);
+      out.push_back(q);
+    }
+  }
+  return out;
+}
+
+void Quotas::refresh_locked() {
+  const uint64_t now = now_mono_us();
+  if (cache_valid_ && now - cache_us_ <= kRefreshUs) return;
+  cache_.clear();
+  for (uint32_t r = 1; r <= kQuotaRows; ++r) {
+    QuotaInfo q;
+    if (read_row(r, &q)) cache_.push_back(q);
+  }
+  cache_us_ = now;
+  cache_valid_ = true;
+}
+
+std::vector<QuotaInfo> Quotas::cached() {
+  std::lock_guard<std::mutex> g(mu_);
+  refresh_locked();
+  return cache_;
+}
+
+void Quotas::invalidate_cache() {
+  std::lock_guard<std::mutex> g(mu_);
+  cache_valid_ = false;
+}
+
+uint8_t Quotas::ns_row(uint32_t ns_id) {
+  std::lock_guard<std::mutex> g(mu_);
+  refresh_locked();
+  for (const QuotaInfo& q : cache_)
+    if (q.kind == kQuotaNamespace && q.ns_id == ns_id) return uint8_t(q.row);
+  return 0;
+}
+
+uint64_t Quotas::limit(uint32_t row) {
+  std::lock_guard<std::mutex> g(mu_);
+  refresh_locked();
+  for (const QuotaInfo& q : cache_)
+    if (q.row == row) return q.limit_bytes;
+  return 0;
+}
+
+bool Quotas::in_use(uint32_t row) {
+  std::lock_guard<std::mutex> g(mu_);
+  for (int pass = 0; pass < 2; ++pass) {  // a row created since the last refresh: read once more
+    if (pass) cache_valid_ = false;
+    refresh_locked();
+    for (const QuotaInfo& q : cache_)
+      if (q.row == row) return true;
+  }
+  return false;
+}
+
+int64_t Quotas::raw_usage(uint32_t row, uint32_t max_nodes) const {
+  if (row == 0 || row > kQuotaRows) return 0;
+  uint64_t charged = 0, released = 0;  // wrapping sums: the difference is what counts
+  for (uint32_t i = 0; i < max_nodes; ++i) {
+    const NodeAreaFixed* f = region_.node_fixed(i);
+    charged += region_.coh().read(&f->quota_charged[row - 1]);
+    released += region_.coh().read(&f->quota_released[row - 1]);
+  }
+  return int64_t(charged - released);
+}
+
+uint64_t Quotas::usage(uint32_t row, uint32_t max_nodes) const {
+  const int64_t u = raw_usage(row, max_nodes);
+  const uint64_t most = region_.header()->pool_bytes;
+  if (u < 0) return 0;
+  return uint64_t(u) > most ? most : uint64_t(u);
+}
+
+uint64_t Quotas::block_bytes_of(uint32_t ns_id) {
+  const PoolHeader* h = region_.header();
+  if (ns_id == 0 || ns_id > h->max_namespaces) return 0;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (block_bytes_.size() > ns_id && block_bytes_[ns_id]) return block_bytes_[ns_id];
+  }
+  const NamespaceEntry* e = region_.ns_entry(ns_id);
+  if (ns_state(region_.coh().read(&e->state)) != kNsReady) return 0;
+  region_.coh().invalidate(e, sizeof *e);
+  const uint64_t b = std::atomic_ref<uint64_t>(const_cast<NamespaceEntry*>(e)->layout.block_bytes).load();
+  if (b == 0 || b > kMaxBlockBytes) return 0;
+  std::lock_guard<std::mutex> g(mu_);
+  if (block_bytes_.size() <= ns_id) block_bytes_.resize(h->max_namespaces + 1, 0);
+  block_bytes_[ns_id] = b;  // READY entries never change: the first good read holds
+  return b;
+}
+
+}  // namespace cxlkv

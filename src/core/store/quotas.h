@@ -1,0 +1,68 @@
+// Quotas (format/quota.h): reading the quota table and the usage counters of a pool, validated.
+// Everything read here is untrusted: a row must pass its checksum and every field its bounds
+// before it limits anything; usage sums are clamped to [0, pool bytes]. The protocol around it
+// (charging a put, evicting a subject's own blocks, releasing, `pool check`) is Pool's, in
+// quota_protocol.cpp.
+#pragma once
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "region.h"
+
+namespace cxlkv {
+
+// One row of the quota table as read (format/quota.h: QuotaRow), with its effective limit.
+struct QuotaInfo {
+  uint32_t row = 0;  // 1-based (what index entries and counters name)
+  bool readable = false;
+  uint32_t kind = 0;  // format::QuotaKind
+  uint32_t ns_id = 0;
+  std::string tenant;
+  uint64_t max_bytes = 0;
+  uint32_t max_ppm = 0;
+  uint64_t limit_bytes = 0;  // the stricter of max_bytes and max_ppm of the arena; 0 = no limit
+  uint64_t usage_bytes = 0;  // counters' sum, clamped
+};
+
+class Quotas {
+ public:
+  explicit Quotas(const Region& region) : region_(region) {}
+
+  // Row `row` (1-based) read now: false if free or unreadable (torn, forged: info->readable says).
+  bool read_row(uint32_t row, QuotaInfo* info) const;
+  // Every row in use (readable or not), with usage.
+  std::vector<QuotaInfo> rows(uint32_t max_nodes) const;
+  // The rows as read at most kRefreshUs ago (puts consult this; set_quota's changes reach
+  // every process within that time).
+  std::vector<QuotaInfo> cached();
+  void invalidate_cache();
+  uint8_t ns_row(uint32_t ns_id);  // the namespace's row (1-based) or 0
+  uint64_t limit(uint32_t row);    // cached limit of a row, 0 = none
+  bool in_use(uint32_t row);       // a readable row (cached)
+  // usage(r) = sum over node slots of charged - released, as a signed total (check compares it
+  // raw); usage() clamps it to [0, pool bytes].
+  int64_t raw_usage(uint32_t row, uint32_t max_nodes) const;
+  uint64_t usage(uint32_t row, uint32_t max_nodes) const;
+  uint64_t arena_bytes() const;
+  // The block bytes of namespace ns_id (READY entries are immutable: cached), 0 if none.
+  uint64_t block_bytes_of(uint32_t ns_id);
+
+  // Serialises a row with its checksum (the writer's half; the caller holds the table lock).
+  static format::QuotaRow make_row(uint32_t kind, uint32_t ns_id, const std::string& tenant,
+                                   uint64_t max_bytes, uint32_t max_ppm);
+  format::QuotaRow* row_ptr(uint32_t row) const;  // 1-based, bounds-checked by the caller
+
+ private:
+  static constexpr uint64_t kRefreshUs = 100'000;
+  void refresh_locked();  // caller holds mu_
+  const Region& region_;
+  std::mutex mu_;
+  std::vector<QuotaInfo> cache_;
+  uint64_t cache_us_ = 0;
+  bool cache_valid_ = false;
+  std::vector<uint64_t> block_bytes_;  // by namespace id; 0 = not known yet
+};
+
+}  // namespace cxlkv

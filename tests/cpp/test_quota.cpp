@@ -1,0 +1,182 @@
+// Quotas (format/quota.h, store/quotas.cpp): a subject over its limit evicts only its own blocks,
+// tails first, never pinned ones; with nothing of its own it fails and is counted; usage is the
+// counters' sum and `check` recounts it from the blocks; forged rows and counters are harmless.
+#include <cstring>
+
+#include "test_util.h"
+
+namespace cxlkv::test {
+namespace {
+
+// 4 MiB pool, 64 KiB chunks, 4 KiB blocks.
+class QuotaTest : public PoolTest {
+ protected:
+  void SetUp() override {
+    PoolTest::SetUp();
+    pool_ = create(opts(4 * MiB, 64 * KiB, 4096));
+    ns_ = pool_->open_namespace(layout("quota", kBlock));
+  }
+  void TearDown() override {
+    pool_.reset();
+    PoolTest::TearDown();
+  }
+  NsHandle as(const std::string& tenant) {
+    NsHandle h = ns_;
+    h.tenant_row = pool_->tenant_row(tenant);
+    return h;
+  }
+  bool put_id(const NsHandle& ns, uint64_t id, uint16_t depth = 0) {
+    auto v = payload(id, kBlock);
+    Piece p{v.data(), v.size()};
+    return pool_->put(ns, key_of(id), &p, 1, depth);
+  }
+  QuotaInfo row(uint32_t r) {
+    for (const QuotaInfo& q : pool_->quotas())
+      if (q.row == r) return q;
+    return {};
+  }
+  uint64_t counter(format::Counter c) { return pool_->counters()[c]; }
+  void expect_recount_ok() {
+    CheckReport r = pool_->check();
+    EXPECT_TRUE(r.ok) << join(r.errors);
+    for (const auto& w : r.warnings) EXPECT_EQ(w.find("quota"), std::string::npos) << w;
+  }
+
+  static constexpr uint64_t kBlock = 4 * KiB;
+  std::unique_ptr<Pool> pool_;
+  NsHandle ns_;
+};
+
+TEST_F(QuotaTest, TenantRowsAreStableAndNamed) {
+  const uint8_t a = pool_->tenant_row("a"), b = pool_->tenant_row("b");
+  EXPECT_NE(a, 0);
+  EXPECT_NE(a, b);
+  EXPECT_EQ(pool_->tenant_row("a"), a);
+  EXPECT_EQ(row(a).tenant, "a");
+  EXPECT_EQ(row(a).limit_bytes, 0u);
+  EXPECT_THROW(pool_->tenant_row(""), ArgumentError);
+  EXPECT_THROW(pool_->tenant_row(std::string(32, 'x')), ArgumentError);
+}
+
+TEST_F(QuotaTest, OverQuotaEvictsOwnTailsFirstNeverOthers) {
+  NsHandle a = as("a"), b = as("b");
+  for (uint64_t id = 0; id < 20; ++id) ASSERT_TRUE(put_id(b, 1000 + id));
+  const uint32_t ra = pool_->set_quota(0, "a", 8 * kBlock, 0);
+  // Chains of 4: depth 0..3. Within a millisecond, deeper blocks go first.
+  for (uint64_t id = 0; id < 8; ++id) ASSERT_TRUE(put_id(a, id, uint16_t(id % 4)));
+  EXPECT_EQ(row(ra).usage_bytes, 8 * kBlock);
+  for (uint64_t id = 8; id < 40; ++id) ASSERT_TRUE(put_id(a, id, uint16_t(id % 4)));
+  EXPECT_EQ(row(ra).usage_bytes, 8 * kBlock);
+  EXPECT_EQ(counter(format::kQuotaEvictions), 32u);
+  EXPECT_EQ(counter(format::kPutsOverQuota), 0u);
+  for (uint64_t id = 0; id < 20; ++id) EXPECT_TRUE(pool_->contains(b, key_of(1000 + id))) << id;
+  for (uint64_t id = 32; id < 40; ++id) EXPECT_TRUE(pool_->contains(a, key_of(id))) << id;  // newest kept
+  expect_recount_ok();
+}
+
+TEST_F(QuotaTest, NothingOfItsOwnToEvictFailsAndIsCounted) {
+  NsHandle a = as("a");
+  pool_->set_quota(0, "a", kBlock - 1, 0);
+  EXPECT_FALSE(put_id(a, 1));
+  EXPECT_FALSE(pool_->contains(a, key_of(1)));
+  EXPECT_EQ(counter(format::kPutsOverQuota), 1u);
+  EXPECT_EQ(row(a.tenant_row).usage_bytes, 0u);
+  EXPECT_TRUE(put_id(ns_, 1));  // no tenant: no limit
+  expect_recount_ok();
+}
+
+TEST_F(QuotaTest, PinnedBlocksAreNeverEvicted) {
+  NsHandle a = as("a");
+  pool_->set_quota(0, "a", 2 * kBlock, 0);
+  ASSERT_TRUE(put_id(a, 1));
+  ASSERT_TRUE(put_id(a, 2));
+  Key ks[2] = {key_of(1), key_of(2)};
+  auto pins = pool_->acquire(a, ks, 2);
+  ASSERT_EQ(pins.size(), 2u);
+  EXPECT_FALSE(put_id(a, 3));
+  EXPECT_EQ(counter(format::kPutsOverQuota), 1u);
+  pool_->release(pins);
+  EXPECT_TRUE(put_id(a, 3));
+  expect_recount_ok();
+}
+
+TEST_F(QuotaTest, NamespaceQuotaAndClear) {
+  NsHandle other = pool_->open_namespace(layout("other", kBlock));
+  const uint32_t r = pool_->set_quota(ns_.id, "", 0, 1000);  // 0.1 % of the arena: < 2 blocks
+  const QuotaInfo q = row(r);
+  EXPECT_EQ(q.ns_id, ns_.id);
+  EXPECT_GT(q.limit_bytes, 0u);
+  const uint64_t fits = q.limit_bytes / kBlock;
+  for (uint64_t id = 0; id < 10; ++id) EXPECT_EQ(put_id(ns_, id), fits > 0) << id;
+  for (uint64_t id = 0; id < 10; ++id) EXPECT_TRUE(put_id(other, 100 + id));
+  EXPECT_LE(row(r).usage_bytes, q.limit_bytes);
+  pool_->set_quota(ns_.id, "", 0, 0);  // cleared: counted, not limited
+  for (uint64_t id = 10; id < 20; ++id) EXPECT_TRUE(put_id(ns_, id));
+  EXPECT_EQ(row(r).limit_bytes, 0u);
+  EXPECT_EQ(row(r).usage_bytes, (fits + 10) * kBlock);
+  expect_recount_ok();
+}
+
+TEST_F(QuotaTest, DeleteReleasesAndCheckRecountsAcrossReopen) {
+  NsHandle a = as("a");
+  for (uint64_t id = 0; id < 6; ++id) ASSERT_TRUE(put_id(a, id));
+  ASSERT_TRUE(pool_->remove(a, key_of(0)));
+  const uint8_t r = a.tenant_row;
+  EXPECT_EQ(row(r).usage_bytes, 5 * kBlock);
+  pool_.reset();
+  pool_ = Pool::open(path_);
+  EXPECT_EQ(row(r).usage_bytes, 5 * kBlock);
+  EXPECT_EQ(row(r).tenant, "a");
+  expect_recount_ok();
+}
+
+TEST_F(QuotaTest, ForgedRowIsUnreadableAndReported) {
+  const uint32_t r = pool_->set_quota(0, "a", kBlock, 0);
+  {
+    RawMap raw(path_);
+    auto* row_bytes = raw.base() + format::kQuotaTableOff + (r - 1) * sizeof(format::QuotaRow);
+    row_bytes[20] ^= 0x40;  // inside the name: the checksum no longer matches
+  }
+  EXPECT_FALSE(row(r).readable);
+  CheckReport c = pool_->check();
+  EXPECT_FALSE(c.ok);
+  // A forged row with a valid checksum but fields out of range is refused too.
+  {
+    RawMap raw(path_);
+    format::QuotaRow bad = Quotas::make_row(format::kQuotaNamespace, 60000, "", 1, 0);
+    std::memcpy(raw.base() + format::kQuotaTableOff + (r - 1) * sizeof bad, &bad, sizeof bad);
+  }
+  EXPECT_FALSE(row(r).readable);
+  // Puts are never limited by an unreadable row.
+  EXPECT_TRUE(put_id(ns_, 1));
+}
+
+TEST_F(QuotaTest, ForgedCountersAreClampedBoundedAndRepaired) {
+  NsHandle a = as("a");
+  pool_->set_quota(0, "a", 4 * kBlock, 0);
+  for (uint64_t id = 0; id < 3; ++id) ASSERT_TRUE(put_id(a, id));
+  {
+    RawMap raw(path_);
+    auto* f = reinterpret_cast<format::NodeAreaFixed*>(raw.base() + raw.hdr().node_area_off +
+                                                       (pool_->node_id() - 1) * raw.hdr().node_area_bytes);
+    f->quota_charged[a.tenant_row - 1] = 1ull << 62;  // usage "huge" (~0 would read as -1: clamped to 0)
+  }
+  EXPECT_EQ(row(a.tenant_row).usage_bytes, pool_->header().pool_bytes);
+  put_id(a, 99);  // evicts its own (at most a bounded number) then fails: never loops
+  CheckReport c = pool_->check();
+  bool warned = false;
+  for (const auto& w : c.warnings) warned |= w.find("quota usage") != std::string::npos;
+  EXPECT_TRUE(warned);
+  c = pool_->check(true);
+  EXPECT_FALSE(c.repaired.empty());
+  expect_recount_ok();
+  EXPECT_LE(row(a.tenant_row).usage_bytes, 4 * kBlock);
+}
+
+TEST_F(QuotaTest, TableFullIsItsOwnError) {
+  for (uint32_t i = 0; i < format::kQuotaRows; ++i) pool_->tenant_row("t" + std::to_string(i));
+  EXPECT_THROW(pool_->tenant_row("one-more"), QuotaTableFullError);
+}
+
+}  // namespace
+}  // namespace cxlkv::test
