@@ -146,7 +146,8 @@ bool Pool::quota_admit(const NsHandle& ns, uint64_t slot, uint64_t* chunk, uint3
         return (v.tenant_row == r || v.ns_row == r) &&
                (ns.device < 0 || (validate_ref(ns, v) && allocator_.block_on_device(ns, v.chunk, v.block)));
       };
-      const uint32_t key = Allocator::placement_key(ns) | (uint32_t(r) << 24);  // a queue per (subject, namespace)
+      const uint32_t key =
+          Allocator::placement_key(ns) | (uint32_t(r) << 24);  // a queue per (subject, namespace)
       bool evicted =
           n < kMaxOwnEvictions && evictor_.from_queue(
                                       key, ns.id, own,

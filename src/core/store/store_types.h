@@ -15,7 +15,7 @@ struct NsHandle {
   uint64_t block_bytes = 0;
   format::ChunkGeometry geo{};
   std::string name;
-  int device = -1;  // placement (placement.cpp): -1 = any device, else blocks only on that device
+  int device = -1;         // placement (placement.cpp): -1 = any device, else blocks only on that device
   uint8_t tenant_row = 0;  // quota_protocol.cpp: the quota row of the tenant this handle writes for; 0 = none
 };
 
