@@ -497,6 +497,8 @@ class Pool : private Allocator::Peers {
   // quotas: the table's reader (quotas.h), and the hooks of the put/free paths (quota_protocol.cpp)
   Quotas quotas_{region_};
   void with_quota_lock(const std::function<void()>& fn);
+  // namespaces.cpp: fn under the namespace-table lock, bounded (LockTimeoutError ends with nothing_done)
+  void with_ns_table_lock(const char* nothing_done, const std::function<void()>& fn);
   void write_quota_row(uint32_t row, const format::QuotaRow& r);
   uint32_t quota_row_locked(uint32_t kind, uint32_t ns_id, const std::string& tenant);
   void quota_book(uint8_t row, uint64_t bytes, bool charge);

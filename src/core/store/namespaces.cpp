@@ -112,9 +112,43 @@ NsHandle Pool::open_namespace(const Layout& want) {
   if (lookup(&h)) return h;
 
   // Create under the namespace-table lock (rare; a lock held by a dead node is broken by reap).
-  // Bound: 3 leases, the cross-host locks' bound: a holder stalled that long is judged dead and
-  // reaped first, so a live-looking holder past it is a stray write (or a stalled creator whose
-  // heartbeat runs): the creation fails, nothing is written.
+  bool found = false;
+  with_ns_table_lock("no namespace was created", [&] {
+    if ((found = lookup(&h))) return;
+    for (uint32_t id = 1; id <= hdr_->max_namespaces; ++id) {
+      NamespaceEntry* e = ns_entry(id);
+      uint64_t w = coh_.read(&e->state);
+      if (ns_state(w) != kNsFree) continue;
+      if (!coh_.claim(&e->state, w, make_ns_word(kNsCreating, uint8_t(node_id_)))) continue;
+      coh_.check_fence();  // before the plain stores: a dirty line reaches memory flushed or not
+      std::memset(reinterpret_cast<char*>(e) + 8, 0, sizeof *e - 8);
+      e->fingerprint = fp;
+      e->layout = want.fields();
+      std::memcpy(e->model_id, want.model_id.data(), want.model_id.size());
+      std::memcpy(e->name, want.name.data(), want.name.size());
+      std::memcpy(e->source, want.source.data(), want.source.size());
+      coh_.flush(e, sizeof *e);
+      coh_.publish(&e->state, make_ns_word(kNsReady, 0));
+      h.id = id;
+      h.block_bytes = want.block_bytes;
+      h.geo = geo;
+      h.name = want.name;
+      found = true;
+      return;
+    }
+  });
+  if (found) return h;
+  throw NamespaceTableFullError("pool " + path_ + ": all " + std::to_string(hdr_->max_namespaces) +
+                                " namespace slots are in use");
+}
+
+// The namespace-table lock (SharedWords.ns_lock) around fn: namespaces are created and quota rows
+// change under it, one writer at a time. Bound: 3 leases, the cross-host locks' bound: a holder
+// stalled that long is judged dead and reaped first, so a live-looking holder past it is a stray
+// write (or a stalled writer whose heartbeat runs): LockTimeoutError, `nothing_done` saying what
+// was not written. The lock is released however fn ends (a fenced node's release is left to
+// whoever reclaims it).
+void Pool::with_ns_table_lock(const char* nothing_done, const std::function<void()>& fn) {
   uint64_t* lock = &shared()->ns_lock.word;
   const auto deadline =
       std::chrono::steady_clock::now() + std::chrono::milliseconds(3 * uint64_t(hdr_->lease_ms));
@@ -127,7 +161,7 @@ NsHandle Pool::open_namespace(const Layout& want) {
       throw LockTimeoutError("pool " + path_ + ": namespace table lock held by live node " +
                              std::to_string(expected) + " for more than 3 leases (" +
                              std::to_string(3 * uint64_t(hdr_->lease_ms)) +
-                             " ms): a stalled creator or a stray write; no namespace was created");
+                             " ms): a stalled writer or a stray write; " + nothing_done);
     std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
   struct Unlock {
@@ -140,29 +174,7 @@ NsHandle Pool::open_namespace(const Layout& want) {
       }
     }
   } unlock{this, lock};
-  if (lookup(&h)) return h;
-  for (uint32_t id = 1; id <= hdr_->max_namespaces; ++id) {
-    NamespaceEntry* e = ns_entry(id);
-    uint64_t w = coh_.read(&e->state);
-    if (ns_state(w) != kNsFree) continue;
-    if (!coh_.claim(&e->state, w, make_ns_word(kNsCreating, uint8_t(node_id_)))) continue;
-    coh_.check_fence();  // before the plain stores: a dirty line reaches memory flushed or not
-    std::memset(reinterpret_cast<char*>(e) + 8, 0, sizeof *e - 8);
-    e->fingerprint = fp;
-    e->layout = want.fields();
-    std::memcpy(e->model_id, want.model_id.data(), want.model_id.size());
-    std::memcpy(e->name, want.name.data(), want.name.size());
-    std::memcpy(e->source, want.source.data(), want.source.size());
-    coh_.flush(e, sizeof *e);
-    coh_.publish(&e->state, make_ns_word(kNsReady, 0));
-    h.id = id;
-    h.block_bytes = want.block_bytes;
-    h.geo = geo;
-    h.name = want.name;
-    return h;
-  }
-  throw NamespaceTableFullError("pool " + path_ + ": all " + std::to_string(hdr_->max_namespaces) +
-                                " namespace slots are in use");
+  fn();
 }
 
 }  // namespace cxlkv

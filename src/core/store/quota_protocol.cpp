@@ -23,32 +23,12 @@ void check_tenant(const std::string& t) {
 }
 }  // namespace
 
-// The namespace-table lock (SharedWords.ns_lock) around fn: quota rows change under it, one writer
-// at a time. The same bounds as open_namespace's creation: 3 leases, stale holders broken.
+// Quota rows change under the namespace-table lock (namespaces.cpp), one writer at a time.
 void Pool::with_quota_lock(const std::function<void()>& fn) {
   if (read_only_) throw ReadOnlyError("pool " + path_ + " was opened read-only; quotas cannot be changed");
   if (!node_id_) become_writer();  // a row-less observer (host_slot.cpp): changing a quota is writing
   if (!node_id_) throw ReadOnlyError("pool " + path_ + ": changing a quota needs a node slot (none free)");
-  uint64_t* lock = &shared()->ns_lock.word;
-  const auto deadline =
-      std::chrono::steady_clock::now() + std::chrono::milliseconds(3 * uint64_t(hdr_->lease_ms));
-  for (int spins = 0;; ++spins) {
-    uint64_t expected = 0;
-    if (coh_.claim(lock, expected, node_id_)) break;
-    if (spins % 100 == 0) break_stale_ns_lock();
-    if (spins % 100 == 99) reap_dead_nodes();
-    if (spins % 100 == 50 && std::chrono::steady_clock::now() > deadline)
-      throw LockTimeoutError("pool " + path_ + ": namespace table lock held by live node " +
-                             std::to_string(expected) + " for more than 3 leases: no quota was changed");
-    std::this_thread::sleep_for(std::chrono::microseconds(100));
-  }
-  try {
-    fn();
-  } catch (...) {
-    coh_.publish(lock, 0);
-    throw;
-  }
-  coh_.publish(lock, 0);
+  with_ns_table_lock("no quota was changed", fn);
   quotas_.invalidate_cache();
 }
 
