@@ -196,6 +196,20 @@ def test_pool_lifecycle_text_and_json(pool_path):
     report = json_of(ok(cxlkv_cli("pool", "check", pool_path, "--json")), CHECK_KEYS)
     assert report["ok"] is True and report["errors"] == []
 
+    # a namespace quota by the namespace's name, shown in text and JSON, then cleared
+    name = info["namespaces"][0]["name"]
+    set_ = json_of(
+        ok(cxlkv_cli("pool", "quota", pool_path, "--namespace", name, "--max-fraction", "0.5", "--json")),
+        {"quotas"},
+    )
+    (q,) = set_["quotas"]
+    assert q["limit_bytes"] > 0 and q["usage_bytes"] >= 0, q
+    assert "quotas" in ok(cxlkv_cli("pool", "quota", pool_path)).stdout
+    cleared = json_of(
+        ok(cxlkv_cli("pool", "quota", pool_path, "--namespace", name, "--clear", "--json")), {"quotas"}
+    )
+    assert cleared["quotas"][0]["limit_bytes"] == 0
+
     # create over an existing pool: an error without --force, a fresh pool with it
     r = cxlkv_cli("pool", "create", pool_path, "--size", "16MiB")
     assert r.returncode == 2 and r.stderr.startswith("cxlkv: error:"), r.stderr

@@ -2,19 +2,17 @@
 cxlkv's SGLang backend against SGLang's real objects (tests/python/test_sglang_backend.py with a
 fake model, tests/vllm/test_engines_share.py against a vLLM engine).
 
-Needs ``sglang`` and ``torch`` (imported here, so import this module only where they are present).
+Its functions need ``sglang`` and ``torch`` (imported by each function: the module itself imports
+without them, as the testing layer must).
 """
 
 from __future__ import annotations
 
 import ctypes
+from typing import TYPE_CHECKING, Any
 
-import torch
-from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
-from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
-from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+if TYPE_CHECKING:  # imported where used: the testing layer itself imports without torch or SGLang
+    import torch
 
 # Every host layout SGLang's MHA host pool has; cxlkv's backend serves them all.
 HOST_LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
@@ -22,9 +20,14 @@ HOST_LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
 
 def host_pool(
     layout: str, *, layers: int, heads: int, head_dim: int, page: int, tokens: int, ratio: float = 1.0
-) -> MHATokenToKVPoolHost:
+) -> Any:
     """SGLang's MHA host pool over ``tokens`` bf16 device tokens on CPU (pin_memory off: no CUDA);
     the host holds ``ratio`` times as many tokens as the device buffers."""
+    import torch
+    from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
     k = tuple(torch.zeros(tokens, heads, head_dim, dtype=torch.bfloat16) for _ in range(layers))
     v = tuple(torch.zeros(tokens, heads, head_dim, dtype=torch.bfloat16) for _ in range(layers))
 
@@ -48,9 +51,12 @@ def host_pool(
 
 def hicache_backend(
     pool_path: str, host, *, model: str | None = None, tp_rank: int = 0, tp_size: int = 1
-) -> HiCacheStorage:
+) -> Any:
     """What SGLang's cache controller does with ``--hicache-storage-backend dynamic`` and cxlkv's
     backend in its extra config: create it by SGLang's factory and register the host pool."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
     extra = {
         "backend_name": "cxlkv",
         "module_path": "cxlkv.integrations.sglang",
@@ -87,6 +93,8 @@ def logical_view(host) -> torch.Tensor:
 
 def page_bytes(host, page: int) -> bytes:
     """Page ``page``'s bytes as SGLang's own zero-copy metadata lists them."""
+    import torch
+
     size = host.page_size
     ptrs, sizes = host.get_page_buffer_meta(torch.arange(page * size, (page + 1) * size))
     return b"".join(ctypes.string_at(p, n) for p, n in zip(ptrs, sizes, strict=True))
@@ -94,4 +102,6 @@ def page_bytes(host, page: int) -> bytes:
 
 def page_indices(pages: list[int], page_size: int) -> torch.Tensor:
     """The token indices of ``pages`` in a host pool of ``page_size``-token pages."""
+    import torch
+
     return torch.cat([torch.arange(p * page_size, (p + 1) * page_size) for p in pages])
