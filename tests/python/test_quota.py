@@ -197,6 +197,28 @@ def test_forged_quota_row_is_unreadable_never_followed(small_ns, pool_path):
     assert not r["ok"] and any("quota row" in e for e in r["errors"])
 
 
+def test_row_with_zeroed_kind_is_not_reused_for_a_new_tenant(small_ns, pool_path):
+    """A stray write zeroing a used row's kind: the row stays its tenant's (unreadable, reported),
+    never handed to a new tenant, who would inherit its usage and evict its blocks for its quota."""
+    pool, _ = small_ns
+    a = pool.namespace(small_layout(), tenant="a")
+    for i in range(4):
+        assert a.put(tu.make_key("a", i), b"a" * 4096)
+    row = row_of(pool, tenant="a")["row"]
+    _poke(pool_path, QUOTA_TABLE_OFF + (row - 1) * 64, b"\0" * 8)  # kind and ns_id: zero
+    pool._core.quotas()  # the cache refreshes within 100 ms; this read is uncached
+    q = next(q for q in pool.quotas() if q["row"] == row)
+    assert not q["readable"]
+    r = pool.check()
+    assert not r["ok"] and any(f"quota row {row}" in e for e in r["errors"])
+    b = pool.namespace(small_layout(), tenant="b")
+    assert row_of(pool, tenant="b")["row"] != row
+    assert row_of(pool, tenant="b")["usage_bytes"] == 0
+    pool.set_quota(tenant="b", max_bytes=4096)
+    assert b.put(tu.make_key("b", 0), b"b" * 4096)
+    assert all(a.contains(tu.make_key("a", i)) for i in range(4))
+
+
 def test_forged_usage_counter_is_clamped_and_repaired(small_ns, pool_path):
     pool, _ = small_ns
     ns = pool.namespace(small_layout(), tenant="t")

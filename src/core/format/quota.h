@@ -9,7 +9,9 @@
 //   Tenant rows are created by the first `namespace(layout, tenant=T)` or `pool quota --tenant T`;
 //   namespace rows only by `pool quota --namespace`.
 //   checksum = XXH3_64 of the row's bytes before it: a torn or stray row is seen as unreadable
-//   (no limit is enforced from it; `pool check` reports it), never followed.
+//   (no limit is enforced from it; `pool check` reports it), never followed. Only an all-zero
+//   row is free: a used row whose kind a stray write zeroed is unreadable, not reused (entries
+//   and counters still name it; a new subject there would inherit, and evict, its blocks).
 // Index entries: IndexEntry.tenant_row / ns_row (format.h) name the rows (1-based, 0 = none) the
 //   entry's block is charged to. Written by the entry's writer with its key, immutable after.
 // Usage counters: NodeAreaFixed.quota_charged[r] / quota_released[r], monotonic bytes, written

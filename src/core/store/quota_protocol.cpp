@@ -70,7 +70,7 @@ uint32_t Pool::quota_row_locked(uint32_t kind, uint32_t ns_id, const std::string
     QuotaInfo q;
     if (quotas_.read_row(r, &q)) {
       if (q.kind == kind && q.ns_id == ns_id && q.tenant == tenant) return r;
-    } else if (q.kind == kQuotaFree && !free_row) {
+    } else if (!q.used && !free_row) {
       free_row = r;  // an unreadable row is not free: `pool check` reports it, nobody reuses it
     }
   }

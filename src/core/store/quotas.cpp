@@ -52,10 +52,13 @@ bool Quotas::read_row(uint32_t row, QuotaInfo* info) const {
       std::memcpy(reinterpret_cast<char*>(&r) + i * 8, &v, 8);
     }
     std::atomic_thread_fence(std::memory_order_acquire);
-    if (r.kind == kQuotaFree && r.checksum == 0) return false;  // never used (zeroed at creation)
+    const auto* words = reinterpret_cast<const uint64_t*>(&r);
+    if (std::all_of(words, words + sizeof r / 8, [](uint64_t w) { return w == 0; }))
+      return false;  // never used (zeroed at creation); anything else names a subject, maybe torn
     sum_ok = r.checksum == xxh3(&r, offsetof(QuotaRow, checksum));
   }
   info->kind = r.kind;
+  info->used = true;
   if (!sum_ok) return false;
   const PoolHeader* h = region_.header();
   bool ok = r.max_ppm <= kPpmOne && r.pad == 0;
@@ -89,7 +92,7 @@ std::vector<QuotaInfo> Quotas::rows(uint32_t max_nodes) const {
   std::vector<QuotaInfo> out;
   for (uint32_t r = 1; r <= kQuotaRows; ++r) {
     QuotaInfo q;
-    if (read_row(r, &q) || q.kind != kQuotaFree) {
+    if (read_row(r, &q) || q.used) {
       if (q.readable) q.usage_bytes = usage(r, max_nodes);
       out.push_back(q);
     }
