@@ -168,6 +168,35 @@ def test_bad_arguments(small_ns):
         pool.namespace(small_layout(), tenant="x" * 40)
     with pytest.raises(ValueError):
         pool.namespace(small_layout(), tenant="bad\nname")
+    with pytest.raises(ValueError):  # the core's uint64 (was nanobind's TypeError listing signatures)
+        pool.set_quota(tenant="x", max_bytes=2**64)
+    with pytest.raises(TypeError, match="max_bytes must be an integer"):
+        pool.set_quota(tenant="x", max_bytes=1.5)
+    with pytest.raises(ValueError):
+        pool.set_quota(tenant="x", max_fraction=float("nan"))
+
+
+def test_tenant_name_not_utf8_is_unreadable_not_a_crash(small_ns, pool_path):
+    """A row whose checksum matches but whose name is not UTF-8 (a forger's, or a C++ caller's):
+    unreadable and reported, never a UnicodeDecodeError out of quotas(), `pool info` or `pool quota`."""
+    import xxhash
+
+    pool, _ = small_ns
+    pool.namespace(small_layout(), tenant="a")
+    row = row_of(pool, tenant="a")["row"]
+    body = struct.pack("<IIQII", 1, 0, 0, 0, 0) + b"\xff\xfe".ljust(32, b"\0")  # QuotaRow, a tenant
+    _poke(
+        pool_path, QUOTA_TABLE_OFF + (row - 1) * 64, body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
+    )
+    pool._core.quotas()  # the cache refreshes within 100 ms; this read is uncached
+    q = next(q for q in pool.quotas() if q["row"] == row)
+    assert not q["readable"]
+    assert any(f"quota row {row}" in e for e in pool.check()["errors"])
+    for cmd in ("quota", "info"):
+        p = subprocess.run(
+            [sys.executable, "-m", "cxlkv", "pool", cmd, pool_path], capture_output=True, text=True
+        )
+        assert p.returncode == 0, p.stderr
 
 
 def test_quota_table_full_is_its_own_error(small_ns):

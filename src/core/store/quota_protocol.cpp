@@ -13,13 +13,14 @@ namespace cxlkv {
 using namespace format;
 
 namespace {
-// A tenant name as written by this build: 1..31 printable bytes without control characters.
+// A tenant name as written by this build: 1..31 bytes of UTF-8 text without control characters.
 void check_tenant(const std::string& t) {
   if (t.empty() || t.size() >= kTenantNameBytes)
     throw ArgumentError("tenant must have 1.." + std::to_string(kTenantNameBytes - 1) + " bytes, got " +
                         std::to_string(t.size()));
   for (unsigned char c : t)
     if (c < 0x20 || c == 0x7f) throw ArgumentError("tenant must not contain NUL or control characters");
+  if (!valid_utf8(t.data(), t.size())) throw ArgumentError("tenant must be UTF-8 text");
 }
 }  // namespace
 

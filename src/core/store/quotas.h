@@ -4,6 +4,7 @@
 // (charging a put, evicting a subject's own blocks, releasing, `pool check`) is Pool's, in
 // quota_protocol.cpp.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 #include <mutex>
 #include <string>
@@ -12,6 +13,10 @@
 #include "region.h"
 
 namespace cxlkv {
+
+// `s` is well-formed UTF-8 (no overlong forms, surrogates or code points past U+10FFFF): a
+// tenant name read from the pool reaches Python and the CLI as text.
+bool valid_utf8(const char* s, size_t n);
 
 // One row of the quota table as read (format/quota.h: QuotaRow), with its effective limit.
 struct QuotaInfo {
