@@ -24,8 +24,11 @@
 //   A writer that dies between its charge and taking a block leaves usage high by one block;
 //   an observer that frees without a node slot leaves it high too: `pool check` recomputes
 //   usage from the blocks and reports the difference (--repair books it into its own counters).
-//   Read values are untrusted: a sum outside [0, pool_bytes] is clamped (a quota that can only be
-//   too strict), never used as an index or a loop bound.
+//   Read values are untrusted: a sum outside [0, pool_bytes] is clamped, never used as an index or
+//   a loop bound. A forged counter can still make a quota too strict (a sum read high: the subject
+//   evicts its own blocks, at most 64 a put, then its puts fail) or lenient (read low or negative:
+//   clamped to 0) until `pool check --repair` books the difference; other subjects' rows are
+//   unaffected.
 #pragma once
 #include <cstddef>
 #include <cstdint>
