@@ -423,6 +423,20 @@ class Pool:
         if max_fraction > 0 and ppm == 0:
             ppm = 1
         row = self._core.set_quota(ns_id=ns_id, tenant=tenant or "", max_bytes=max_bytes, max_ppm=ppm)
+        if row == 0:  # cleared a subject that never had a row: none is taken for it (rows are never freed)
+            names = {n["id"]: n["name"] for n in self.namespaces()}
+            return {
+                "row": 0,
+                "readable": True,
+                "kind": "tenant" if ns_id == 0 else "namespace",
+                "ns_id": ns_id,
+                "tenant": tenant or "",
+                "max_bytes": 0,
+                "max_fraction": 0.0,
+                "limit_bytes": 0,
+                "usage_bytes": 0,
+                "namespace": names.get(ns_id) if ns_id else None,
+            }
         return next(q for q in self.quotas() if q["row"] == row)
 
     def clear_quota(self, *, namespace: str | int | None = None, tenant: str | None = None) -> dict:

@@ -199,6 +199,15 @@ def test_tenant_name_not_utf8_is_unreadable_not_a_crash(small_ns, pool_path):
         assert p.returncode == 0, p.stderr
 
 
+def test_clearing_a_subject_without_a_row_takes_none(small_ns):
+    """Rows are never freed: clearing a tenant that never had one (a typo) must not use one up."""
+    pool, _ = small_ns
+    before = len(pool.quotas())
+    cleared = pool.clear_quota(tenant="never-seen")
+    assert cleared["row"] == 0 and cleared["limit_bytes"] == 0
+    assert len(pool.quotas()) == before
+
+
 def test_quota_table_full_is_its_own_error(small_ns):
     pool, _ = small_ns
     for i in range(48):

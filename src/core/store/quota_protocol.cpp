@@ -98,6 +98,14 @@ uint32_t Pool::set_quota(uint32_t ns_id, const std::string& tenant, uint64_t max
     throw ArgumentError("namespace id " + std::to_string(ns_id) + " is not a namespace of pool " + path_);
   if (max_ppm > kPpmOne) throw ArgumentError("a fraction of the pool must be at most 1");
   const uint32_t kind = ns_id ? kQuotaNamespace : kQuotaTenant;
+  if (!max_bytes && !max_ppm) {  // a clear: a subject without a row has no limit, and rows are never freed
+    bool has_row = false;
+    for (uint32_t r = 1; r <= kQuotaRows && !has_row; ++r) {
+      QuotaInfo q;
+      has_row = quotas_.read_row(r, &q) && q.kind == kind && q.ns_id == ns_id && q.tenant == tenant;
+    }
+    if (!has_row) return 0;
+  }
   uint32_t row = 0;
   with_quota_lock([&] {
     row = quota_row_locked(kind, ns_id, tenant);
