@@ -8,6 +8,7 @@ stores; there is no server on the path. See docs/API.md for the contract.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 from typing import Any
 
@@ -411,13 +412,31 @@ class Pool:
         as :meth:`quotas` lists it."""
         if (namespace is None) == (tenant is None):
             raise ValueError("a quota names exactly one of namespace= and tenant=")
-        if max_bytes < 0 or not 0.0 <= max_fraction <= 1.0:
-            raise ValueError("max_bytes must be >= 0 and max_fraction in [0, 1]")
+        try:
+            max_bytes = operator.index(max_bytes)  # the core takes a uint64: a float or 2**64 is no size
+        except TypeError:
+            raise TypeError(f"max_bytes must be an integer, not {type(max_bytes).__name__}") from None
+        if not 0 <= max_bytes < 1 << 64 or not 0.0 <= max_fraction <= 1.0:
+            raise ValueError("max_bytes must be in [0, 2**64) and max_fraction in [0, 1]")
         ns_id = 0 if namespace is None else self.namespace_id(namespace)
         ppm = round(max_fraction * 1_000_000)
         if max_fraction > 0 and ppm == 0:
             ppm = 1
         row = self._core.set_quota(ns_id=ns_id, tenant=tenant or "", max_bytes=max_bytes, max_ppm=ppm)
+        if row == 0:  # cleared a subject that never had a row: none is taken for it (rows are never freed)
+            names = {n["id"]: n["name"] for n in self.namespaces()}
+            return {
+                "row": 0,
+                "readable": True,
+                "kind": "tenant" if ns_id == 0 else "namespace",
+                "ns_id": ns_id,
+                "tenant": tenant or "",
+                "max_bytes": 0,
+                "max_fraction": 0.0,
+                "limit_bytes": 0,
+                "usage_bytes": 0,
+                "namespace": names.get(ns_id) if ns_id else None,
+            }
         return next(q for q in self.quotas() if q["row"] == row)
 
     def clear_quota(self, *, namespace: str | int | None = None, tenant: str | None = None) -> dict:

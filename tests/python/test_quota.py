@@ -168,6 +168,44 @@ def test_bad_arguments(small_ns):
         pool.namespace(small_layout(), tenant="x" * 40)
     with pytest.raises(ValueError):
         pool.namespace(small_layout(), tenant="bad\nname")
+    with pytest.raises(ValueError):  # the core's uint64 (was nanobind's TypeError listing signatures)
+        pool.set_quota(tenant="x", max_bytes=2**64)
+    with pytest.raises(TypeError, match="max_bytes must be an integer"):
+        pool.set_quota(tenant="x", max_bytes=1.5)
+    with pytest.raises(ValueError):
+        pool.set_quota(tenant="x", max_fraction=float("nan"))
+
+
+def test_tenant_name_not_utf8_is_unreadable_not_a_crash(small_ns, pool_path):
+    """A row whose checksum matches but whose name is not UTF-8 (a forger's, or a C++ caller's):
+    unreadable and reported, never a UnicodeDecodeError out of quotas(), `pool info` or `pool quota`."""
+    import xxhash
+
+    pool, _ = small_ns
+    pool.namespace(small_layout(), tenant="a")
+    row = row_of(pool, tenant="a")["row"]
+    body = struct.pack("<IIQII", 1, 0, 0, 0, 0) + b"\xff\xfe".ljust(32, b"\0")  # QuotaRow, a tenant
+    _poke(
+        pool_path, QUOTA_TABLE_OFF + (row - 1) * 64, body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
+    )
+    pool._core.quotas()  # the cache refreshes within 100 ms; this read is uncached
+    q = next(q for q in pool.quotas() if q["row"] == row)
+    assert not q["readable"]
+    assert any(f"quota row {row}" in e for e in pool.check()["errors"])
+    for cmd in ("quota", "info"):
+        p = subprocess.run(
+            [sys.executable, "-m", "cxlkv", "pool", cmd, pool_path], capture_output=True, text=True
+        )
+        assert p.returncode == 0, p.stderr
+
+
+def test_clearing_a_subject_without_a_row_takes_none(small_ns):
+    """Rows are never freed: clearing a tenant that never had one (a typo) must not use one up."""
+    pool, _ = small_ns
+    before = len(pool.quotas())
+    cleared = pool.clear_quota(tenant="never-seen")
+    assert cleared["row"] == 0 and cleared["limit_bytes"] == 0
+    assert len(pool.quotas()) == before
 
 
 def test_quota_table_full_is_its_own_error(small_ns):
@@ -195,6 +233,28 @@ def test_forged_quota_row_is_unreadable_never_followed(small_ns, pool_path):
     assert not q["readable"]
     r = pool.check()
     assert not r["ok"] and any("quota row" in e for e in r["errors"])
+
+
+def test_row_with_zeroed_kind_is_not_reused_for_a_new_tenant(small_ns, pool_path):
+    """A stray write zeroing a used row's kind: the row stays its tenant's (unreadable, reported),
+    never handed to a new tenant, who would inherit its usage and evict its blocks for its quota."""
+    pool, _ = small_ns
+    a = pool.namespace(small_layout(), tenant="a")
+    for i in range(4):
+        assert a.put(tu.make_key("a", i), b"a" * 4096)
+    row = row_of(pool, tenant="a")["row"]
+    _poke(pool_path, QUOTA_TABLE_OFF + (row - 1) * 64, b"\0" * 8)  # kind and ns_id: zero
+    pool._core.quotas()  # the cache refreshes within 100 ms; this read is uncached
+    q = next(q for q in pool.quotas() if q["row"] == row)
+    assert not q["readable"]
+    r = pool.check()
+    assert not r["ok"] and any(f"quota row {row}" in e for e in r["errors"])
+    b = pool.namespace(small_layout(), tenant="b")
+    assert row_of(pool, tenant="b")["row"] != row
+    assert row_of(pool, tenant="b")["usage_bytes"] == 0
+    pool.set_quota(tenant="b", max_bytes=4096)
+    assert b.put(tu.make_key("b", 0), b"b" * 4096)
+    assert all(a.contains(tu.make_key("a", i)) for i in range(4))
 
 
 def test_forged_usage_counter_is_clamped_and_repaired(small_ns, pool_path):

@@ -9,7 +9,9 @@
 //   Tenant rows are created by the first `namespace(layout, tenant=T)` or `pool quota --tenant T`;
 //   namespace rows only by `pool quota --namespace`.
 //   checksum = XXH3_64 of the row's bytes before it: a torn or stray row is seen as unreadable
-//   (no limit is enforced from it; `pool check` reports it), never followed.
+//   (no limit is enforced from it; `pool check` reports it), never followed. Only an all-zero
+//   row is free: a used row whose kind a stray write zeroed is unreadable, not reused (entries
+//   and counters still name it; a new subject there would inherit, and evict, its blocks).
 // Index entries: IndexEntry.tenant_row / ns_row (format.h) name the rows (1-based, 0 = none) the
 //   entry's block is charged to. Written by the entry's writer with its key, immutable after.
 // Usage counters: NodeAreaFixed.quota_charged[r] / quota_released[r], monotonic bytes, written
@@ -22,8 +24,11 @@
 //   A writer that dies between its charge and taking a block leaves usage high by one block;
 //   an observer that frees without a node slot leaves it high too: `pool check` recomputes
 //   usage from the blocks and reports the difference (--repair books it into its own counters).
-//   Read values are untrusted: a sum outside [0, pool_bytes] is clamped (a quota that can only be
-//   too strict), never used as an index or a loop bound.
+//   Read values are untrusted: a sum outside [0, pool_bytes] is clamped, never used as an index or
+//   a loop bound. A forged counter can still make a quota too strict (a sum read high: the subject
+//   evicts its own blocks, at most 64 a put, then its puts fail) or lenient (read low or negative:
+//   clamped to 0) until `pool check --repair` books the difference; other subjects' rows are
+//   unaffected.
 #pragma once
 #include <cstddef>
 #include <cstdint>

@@ -13,13 +13,14 @@ namespace cxlkv {
 using namespace format;
 
 namespace {
-// A tenant name as written by this build: 1..31 printable bytes without control characters.
+// A tenant name as written by this build: 1..31 bytes of UTF-8 text without control characters.
 void check_tenant(const std::string& t) {
   if (t.empty() || t.size() >= kTenantNameBytes)
     throw ArgumentError("tenant must have 1.." + std::to_string(kTenantNameBytes - 1) + " bytes, got " +
                         std::to_string(t.size()));
   for (unsigned char c : t)
     if (c < 0x20 || c == 0x7f) throw ArgumentError("tenant must not contain NUL or control characters");
+  if (!valid_utf8(t.data(), t.size())) throw ArgumentError("tenant must be UTF-8 text");
 }
 }  // namespace
 
@@ -50,7 +51,7 @@ uint32_t Pool::quota_row_locked(uint32_t kind, uint32_t ns_id, const std::string
     QuotaInfo q;
     if (quotas_.read_row(r, &q)) {
       if (q.kind == kind && q.ns_id == ns_id && q.tenant == tenant) return r;
-    } else if (q.kind == kQuotaFree && !free_row) {
+    } else if (!q.used && !free_row) {
       free_row = r;  // an unreadable row is not free: `pool check` reports it, nobody reuses it
     }
   }
@@ -77,6 +78,14 @@ uint32_t Pool::set_quota(uint32_t ns_id, const std::string& tenant, uint64_t max
     throw ArgumentError("namespace id " + std::to_string(ns_id) + " is not a namespace of pool " + path_);
   if (max_ppm > kPpmOne) throw ArgumentError("a fraction of the pool must be at most 1");
   const uint32_t kind = ns_id ? kQuotaNamespace : kQuotaTenant;
+  if (!max_bytes && !max_ppm) {  // a clear: a subject without a row has no limit, and rows are never freed
+    bool has_row = false;
+    for (uint32_t r = 1; r <= kQuotaRows && !has_row; ++r) {
+      QuotaInfo q;
+      has_row = quotas_.read_row(r, &q) && q.kind == kind && q.ns_id == ns_id && q.tenant == tenant;
+    }
+    if (!has_row) return 0;
+  }
   uint32_t row = 0;
   with_quota_lock([&] {
     row = quota_row_locked(kind, ns_id, tenant);

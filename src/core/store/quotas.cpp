@@ -13,6 +13,24 @@ namespace cxlkv {
 
 using namespace format;
 
+bool valid_utf8(const char* s, size_t n) {
+  static constexpr uint32_t kLeast[5] = {0, 0, 0x80, 0x800, 0x10000};  // shortest form of each length
+  const auto* u = reinterpret_cast<const unsigned char*>(s);
+  for (size_t i = 0; i < n;) {
+    const unsigned c = u[i];
+    const size_t len = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
+    if (!len || len > n - i) return false;
+    uint32_t cp = len == 1 ? c : c & (0x7Fu >> len);
+    for (size_t k = 1; k < len; ++k) {
+      if ((u[i + k] & 0xC0) != 0x80) return false;
+      cp = cp << 6 | (u[i + k] & 0x3F);
+    }
+    if (cp < kLeast[len] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return false;
+    i += len;
+  }
+  return true;
+}
+
 QuotaRow* Quotas::row_ptr(uint32_t row) const {
   return reinterpret_cast<QuotaRow*>(region_.base() + kQuotaTableOff) + (row - 1);
 }
@@ -52,10 +70,13 @@ bool Quotas::read_row(uint32_t row, QuotaInfo* info) const {
       std::memcpy(reinterpret_cast<char*>(&r) + i * 8, &v, 8);
     }
     std::atomic_thread_fence(std::memory_order_acquire);
-    if (r.kind == kQuotaFree && r.checksum == 0) return false;  // never used (zeroed at creation)
+    const auto* words = reinterpret_cast<const uint64_t*>(&r);
+    if (std::all_of(words, words + sizeof r / 8, [](uint64_t w) { return w == 0; }))
+      return false;  // never used (zeroed at creation); anything else names a subject, maybe torn
     sum_ok = r.checksum == xxh3(&r, offsetof(QuotaRow, checksum));
   }
   info->kind = r.kind;
+  info->used = true;
   if (!sum_ok) return false;
   const PoolHeader* h = region_.header();
   bool ok = r.max_ppm <= kPpmOne && r.pad == 0;
@@ -65,6 +86,7 @@ bool Quotas::read_row(uint32_t row, QuotaInfo* info) const {
     size_t n = strnlen(r.name, kTenantNameBytes);
     ok = ok && r.ns_id == 0 && n >= 1 && n < kTenantNameBytes;
     for (size_t i = 0; ok && i < n; ++i) ok = uint8_t(r.name[i]) >= 0x20 && r.name[i] != 0x7f;
+    ok = ok && valid_utf8(r.name, n);  // Python and the CLI print it as text
     if (ok) info->tenant.assign(r.name, n);
   } else {
     ok = false;
@@ -89,7 +111,7 @@ std::vector<QuotaInfo> Quotas::rows(uint32_t max_nodes) const {
   std::vector<QuotaInfo> out;
   for (uint32_t r = 1; r <= kQuotaRows; ++r) {
     QuotaInfo q;
-    if (read_row(r, &q) || q.kind != kQuotaFree) {
+    if (read_row(r, &q) || q.used) {
       if (q.readable) q.usage_bytes = usage(r, max_nodes);
       out.push_back(q);
     }

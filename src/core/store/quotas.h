@@ -4,6 +4,7 @@
 // (charging a put, evicting a subject's own blocks, releasing, `pool check`) is Pool's, in
 // quota_protocol.cpp.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 #include <mutex>
 #include <string>
@@ -13,10 +14,15 @@
 
 namespace cxlkv {
 
+// `s` is well-formed UTF-8 (no overlong forms, surrogates or code points past U+10FFFF): a
+// tenant name read from the pool reaches Python and the CLI as text.
+bool valid_utf8(const char* s, size_t n);
+
 // One row of the quota table as read (format/quota.h: QuotaRow), with its effective limit.
 struct QuotaInfo {
   uint32_t row = 0;  // 1-based (what index entries and counters name)
   bool readable = false;
+  bool used = false;  // not a never-used row (all zero): an unreadable used row is never reused
   uint32_t kind = 0;  // format::QuotaKind
   uint32_t ns_id = 0;
   std::string tenant;
@@ -30,7 +36,8 @@ class Quotas {
  public:
   explicit Quotas(const Region& region) : region_(region) {}
 
-  // Row `row` (1-based) read now: false if free or unreadable (torn, forged: info->readable says).
+  // Row `row` (1-based) read now: false if free or unreadable (torn, forged: info->used says which;
+  // only an all-zero row is free, so a row whose kind a stray write zeroed stays its subject's).
   bool read_row(uint32_t row, QuotaInfo* info) const;
   // Every row in use (readable or not), with usage.
   std::vector<QuotaInfo> rows(uint32_t max_nodes) const;
