@@ -178,15 +178,21 @@ void host_loop(Shared& S, int h) {
     for (bool& a : have_aux) a = false;
   };
 
+  // Host h's view of the emulated memory: its worker and its row-less observer attach through it.
+  auto this_host = [&] {
+    EmulatedHost eh;
+    eh.base = cache.base();
+    eh.size = S.mem->size();
+    eh.model = &cache;
+    eh.host_id = mix(0xC0FFEE + uint64_t(h)) | 1;
+    eh.host_slot = h;
+    return eh;
+  };
+
   while (!S.stop.load(std::memory_order_relaxed)) {
     try {
       if (!pool) {
-        EmulatedHost eh;
-        eh.base = cache.base();
-        eh.size = S.mem->size();
-        eh.model = &cache;
-        eh.host_id = mix(0xC0FFEE + uint64_t(h)) | 1;
-        eh.host_slot = h;
+        EmulatedHost eh = this_host();
         cache.set_ticker(nullptr, 0);
         pool = Pool::open_emulated(eh);
         rearm();
@@ -195,12 +201,7 @@ void host_loop(Shared& S, int h) {
         last_beat = now_ns();
       }
       if (!obs) {
-        EmulatedHost eh;
-        eh.base = cache.base();
-        eh.size = S.mem->size();
-        eh.model = &cache;
-        eh.host_id = mix(0xC0FFEE + uint64_t(h)) | 1;
-        eh.host_slot = h;
+        EmulatedHost eh = this_host();
         obs = Pool::open_emulated(eh, /*attach=*/false);
         rearm();
       }
