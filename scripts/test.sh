@@ -70,7 +70,7 @@ python -m pytest -q -p no:cacheprovider --durations=10 "$@" \
   tests/python/test_transfer_cuda.py tests/python/test_token_store.py tests/python/test_hot_buffer.py \
   tests/python/test_lmcache_backend.py tests/python/test_sglang_backend.py tests/python/test_redteam_s5.py \
   tests/python/test_lmcache_vllm_identity.py tests/python/test_metrics_table.py \
-  tests/python/test_gpu_checks_dry_run.py \
+  tests/python/test_gpu_checks_dry_run.py tests/python/test_state_shards.py \
   tests/gpu
 python -m pytest tests/vllm -q -p no:cacheprovider --durations=10 "$@"
 # Every CLI command runs in CI at least once: the three that start vLLM engines (`bench vllm` with

@@ -354,12 +354,17 @@ class PerHeadTransfer:
         head_dim: int,
         plan: HeadPlan,
         make: Callable[..., Any],
+        views: Callable[[list, int], tuple[list, int]] | None = None,
     ) -> None:
+        # ``views(arrays, j)``: local entry j's views and block dim (default: head j's, head_views)
         self._plan = plan
         self._parts = []
         for j, g in enumerate(plan.local):
-            views, bd = head_views(kv_arrays, block_dim, head_dim, j)
-            self._parts.append(make(_HeadSession(session, g), views, bd, entry_bytes))
+            if views is not None:
+                part_views, bd = views(kv_arrays, j)
+            else:
+                part_views, bd = head_views(kv_arrays, block_dim, head_dim, j)
+            self._parts.append(make(_HeadSession(session, g), part_views, bd, entry_bytes))
 
     def load(self, op: Any) -> int:
         n = len(op.keys)

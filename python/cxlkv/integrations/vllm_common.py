@@ -18,6 +18,7 @@ from cxlkv.integrations import vllm_groups as vg
 from cxlkv.integrations import vllm_identity as vid
 from cxlkv.integrations.heads import HeadNamespace
 from cxlkv.integrations.placement import placement_device
+from cxlkv.integrations.state_shards import StateNamespace
 from cxlkv.integrations.pool_session import PoolSession
 from cxlkv.integrations.save_tracker import async_saves_enabled
 from cxlkv.integrations.tenant import tenant_of
@@ -80,7 +81,10 @@ class ConnectorContext:
         # One identity and namespace per KV cache group (vllm_groups.py); "identity" and "ns_name"
         # are the primary group's (the one that names requests' blocks in events and coalescing).
         self.groups = vg.group_layouts(
-            kv_cache_config, self.block_size, vllm_config.parallel_config.tensor_parallel_size
+            kv_cache_config,
+            self.block_size,
+            vllm_config.parallel_config.tensor_parallel_size,
+            text_config=vid.text_config_of(vllm_config),
         )
         self.primary = vg.primary_group(self.groups)
         self.checkpoint_blocks = int(extra.get("window_checkpoint_blocks", vg.DEFAULT_CHECKPOINT_BLOCKS))
@@ -89,9 +93,10 @@ class ConnectorContext:
         self.identities = vid.describe(vllm_config, kv_cache_config, is_worker, extra)
         self.ns_names = self._names(self.identities)
         self.tp_rank = vid.tp_rank_of(vllm_config, is_worker)
-        # This rank's KV heads, per group (heads.py): one pool entry per block and KV head.
+        # This rank's KV heads, per group (heads.py): one pool entry per block and KV head; a
+        # state group's units (state_shards.py): one entry per block and unit.
         self.group_heads = [
-            vid.head_plan(vllm_config, g.spec, vid.kind_of(g.spec), self.tp_rank) for g in self.groups
+            vid.head_plan(vllm_config, g.spec, vid.kind_of(g.spec), self.tp_rank, g.shards) for g in self.groups
         ]
         self.head_dim: int | None = None  # the KV arrays' head dim (the worker's register_kv_caches)
         self.logged: set[str] = set()
@@ -174,12 +179,14 @@ class ConnectorContext:
         this rank's (heads.py)."""
         device = placement_device(self.extra.get("pool_device"), self.tp_rank, len(pool.info()["devices"]))
         spaces = [
-            HeadNamespace(
+            StateNamespace(pool.namespace(vid.pool_layout(i), name=n, device=device, tenant=self.tenant), h, g.shards)
+            if g.shards is not None
+            else HeadNamespace(
                 pool.namespace(vid.pool_layout(i), name=n, device=device, tenant=self.tenant),
                 h,
                 self.head_dim if h.split else None,
             )
-            for i, n, h in zip(self.identities, self.ns_names, self.group_heads, strict=True)
+            for g, i, n, h in zip(self.groups, self.identities, self.ns_names, self.group_heads, strict=True)
         ]
         return GroupNamespaces(spaces) if self.multi else spaces[0]
 

@@ -61,6 +61,7 @@ class GroupLayout:
     spec: Any
     layer_names: tuple[str, ...]
     conv_layout: str = ""  # a STATE group's conv state orientation (vllm_state_groups.py)
+    shards: Any = None  # a STATE group's cut into per-unit entries (state_shards.py), or None
 
     @property
     def bounded(self) -> bool:
@@ -88,7 +89,7 @@ class GroupLayout:
         names = hashlib.sha256("\n".join(self.layer_names).encode()).hexdigest()[:16]
         text = f"group {self.index}/{total} {self.reach} window={self.window} layers={names}"
         if self.reach == STATE:  # the state tensors' shapes and dtypes decide its bytes
-            text += f" {vsg.describe_state(self.spec, self.conv_layout)}"
+            text += f" {vsg.describe_state(self.spec, self.conv_layout, self.shards)}"
         return text
 
     def anchors_needing(self, block: int, checkpoint: int, prompt_anchor: int) -> bool:
@@ -105,10 +106,16 @@ class GroupLayout:
 
 
 def group_layouts(
-    kv_cache_config: Any, block_size: int, tp_size: int = 1, conv_layout: str | None = None
+    kv_cache_config: Any,
+    block_size: int,
+    tp_size: int = 1,
+    conv_layout: str | None = None,
+    text_config: Any = None,
 ) -> list[GroupLayout]:
     """The engine's groups, or :class:`UnsupportedKVCacheGroup` for the first it cannot serve.
-    ``conv_layout``: vLLM's conv state orientation (default: this process's vLLM setting)."""
+    ``conv_layout``: vLLM's conv state orientation (default: this process's vLLM setting);
+    ``text_config``: the model's (text) config, whose mixer dims say how vLLM splits a state
+    group over TP ranks (vllm_state_groups.shards_of)."""
     groups = list(kv_cache_config.kv_cache_groups)
     out = []
     for i, g in enumerate(groups):
@@ -117,8 +124,11 @@ def group_layouts(
         what = f"cxlkv: KV cache group {i} of {len(groups)} ({kind}, layers {list(g.layer_names)[:3]}...)"
         if not hasattr(spec, "page_size_bytes"):
             raise UnsupportedKVCacheGroup(f"{what}: a KV cache spec without pages is not stored by cxlkv")
+        shards = None
         if vsg.is_state_spec(spec):
-            why = vsg.unservable(spec, tp_size)
+            conv_layout = conv_layout or vsg.conv_state_layout()
+            shards = vsg.shards_of(spec, text_config, conv_layout, tp_size)
+            why = vsg.unservable(spec, tp_size, shards)
             if why:
                 raise UnsupportedKVCacheGroup(f"{what}: {why}")
         if int(getattr(spec, "block_size", block_size)) != block_size:
@@ -135,7 +145,7 @@ def group_layouts(
             reach, window = CHUNKED, int(spec.attention_chunk_size)
         else:  # full attention, MLA and any attention that reads the whole prefix: every block
             reach, window = FULL, 0
-        out.append(GroupLayout(i, reach, window, block_size, spec, tuple(g.layer_names), layout))
+        out.append(GroupLayout(i, reach, window, block_size, spec, tuple(g.layer_names), layout, shards))
     return out
 
 

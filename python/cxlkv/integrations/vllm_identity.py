@@ -129,6 +129,7 @@ def derive_identity(
     tp_size: int,
     extra: dict,
     loaded: lw.LoadedDigest | None = None,
+    shards: Any = None,
 ) -> ident.KVIdentity:
     mc = vllm_config.model_config
     if extra.get("model_id"):
@@ -146,8 +147,9 @@ def derive_identity(
         weights, source = ident.weights_identity(w, config, loaded)
     dtype = kv_dtype(vllm_config, spec)
     # Dense: one pool entry per block and KV head of the model, whatever the TP size (heads.py);
-    # MLA: the replicated latent, one entry per block.
-    heads = head_plan(vllm_config, spec, kind, tp_rank)
+    # MLA: the replicated latent, one entry per block; a state group cut into units
+    # (state_shards.py): one entry per block and unit, num_kv_heads counting the units.
+    heads = head_plan(vllm_config, spec, kind, tp_rank, shards)
     backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
     device = vllm_config.device_config.device_type
     overrides = getattr(mc, "hf_overrides", None)
@@ -158,7 +160,7 @@ def derive_identity(
         kind=kind,
         num_layers=layers,
         num_kv_heads=heads.total,
-        heads_per_entry=1 if heads.split else 0,
+        heads_per_entry=1 if heads.split and kind == "dense" else 0,
         head_size=int(getattr(spec, "head_size", 1)),
         block_size=vllm_config.cache_config.block_size,
         kv_scales=kv_scales(vllm_config, dtype),
@@ -170,14 +172,22 @@ def derive_identity(
     )
 
 
-def head_plan(vllm_config: Any, spec: Any, kind: str, tp_rank: int) -> HeadPlan:
-    """Which of the model's KV heads this rank holds (vLLM's split, heads.py)."""
+def head_plan(vllm_config: Any, spec: Any, kind: str, tp_rank: int, shards: Any = None) -> HeadPlan:
+    """Which of the model's KV heads this rank holds (vLLM's split, heads.py); for a state group
+    with ``shards``, which of its state units (state_shards.py)."""
     tp_size = vllm_config.parallel_config.tensor_parallel_size
+    if shards is not None:
+        return shards.plan(tp_size, tp_rank)
     if kind != "dense":
         return HeadPlan.replicated(tp_size, tp_rank)
     total = getattr(vllm_config.model_config, "get_total_num_kv_heads", None)
     local = int(getattr(spec, "num_kv_heads", 1))
     return HeadPlan(int(total()) if callable(total) else local * tp_size, tp_size, tp_rank)
+
+
+def text_config_of(vllm_config: Any) -> Any:
+    """The model's text config (a state group's mixer dims: vllm_state_groups.shards_of)."""
+    return getattr(getattr(vllm_config, "model_config", None), "hf_text_config", None)
 
 
 def tp_rank_of(vllm_config: Any, is_worker: bool) -> int:
@@ -247,7 +257,9 @@ def describe(vllm_config: Any, kv_cache_config: Any, is_worker: bool, extra: dic
     group (uniform attention, or vLLM's hybrid manager off) keeps the identity it always had; in
     a hybrid model each group's attention reach, window and layers are in its device layout."""
     tp_size = vllm_config.parallel_config.tensor_parallel_size
-    groups = vg.group_layouts(kv_cache_config, vllm_config.cache_config.block_size, tp_size)
+    groups = vg.group_layouts(
+        kv_cache_config, vllm_config.cache_config.block_size, tp_size, text_config=text_config_of(vllm_config)
+    )
     tp_rank = tp_rank_of(vllm_config, is_worker)
     # The worker holds the loaded weights (vLLM builds it after load_model); the scheduler
     # never sees them and adopts rank 0's identity in set_xfer_handshake_metadata.
@@ -268,6 +280,7 @@ def describe(vllm_config: Any, kv_cache_config: Any, is_worker: bool, extra: dic
             tp_size,
             extra,
             loaded,
+            g.shards,
         )
         if len(groups) > 1:
             identity = dataclasses.replace(

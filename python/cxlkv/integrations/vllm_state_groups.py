@@ -25,8 +25,11 @@ so a hit there is a miss, never a wrong state.
 Refused at start-up (one line naming the group, :class:`vllm_groups.UnsupportedKVCacheGroup`):
 ``mamba_cache_mode`` other than "align" (prefix caching off: vLLM keeps only each request's
 running state and cannot resume from a stored one), speculative blocks (vLLM relocates them
-between steps), and tensor parallelism > 1 (vLLM splits the state over the ranks by head in a
-layout of its own per mixer; the per-KV-head entries of heads.py do not describe it).
+between steps), and tensor parallelism > 1 for a mixer whose sharding cxlkv does not describe yet
+(Mamba-1, Mamba-2, short conv, linear attention): vLLM splits their states over the ranks in a
+layout of its own per mixer. Gated DeltaNet states (Qwen3-Next) are stored as one entry per key
+head, the same at every TP size (state_shards.py), and served at any TP size that divides the key
+heads.
 
 No vLLM import here: the engine-free unit tests use plain objects with the spec's fields."""
 
@@ -34,6 +37,8 @@ from __future__ import annotations
 
 import math
 from typing import Any
+
+from cxlkv.integrations import state_shards as ss
 
 
 def is_state_spec(spec: Any) -> bool:
@@ -50,17 +55,47 @@ def state_bytes(spec: Any) -> int:
     return sum(math.prod(shape) * _itemsize(dt) for shape, dt in zip(spec.shapes, spec.dtypes, strict=True))
 
 
-def describe_state(spec: Any, conv_layout: str) -> str:
+def mixer_of(spec: Any) -> str:
+    """The mixer's name (vLLM's ``MambaAttentionBackendEnum`` member: GDN_ATTN, MAMBA2...)."""
+    return getattr(getattr(spec, "mamba_type", None), "name", None) or str(getattr(spec, "mamba_type", ""))
+
+
+def describe_state(spec: Any, conv_layout: str, shards: ss.StateShards | None = None) -> str:
     """The state layout for the group's identity: shapes and dtypes per tensor, the mixer (its
     kernels decide what the numbers mean: Mamba-1, Mamba-2, Gated DeltaNet) and the conv state's
     orientation (vLLM's ``VLLM_SSM_CONV_STATE_LAYOUT``: "SD" (state_len, dim) or "DS" (dim,
-    state_len); the shapes tell them apart except where the two are equal)."""
+    state_len); the shapes tell them apart except where the two are equal). With ``shards``
+    (state stored per unit, state_shards.py) the shapes are the model's total, whatever the TP
+    size, and the cut into units follows."""
+    shapes = [t.shape for t in shards.tensors] if shards is not None else spec.shapes
     parts = [
         "x".join(str(d) for d in shape) + ":" + str(dt).replace("torch.", "")
-        for shape, dt in zip(spec.shapes, spec.dtypes, strict=True)
+        for shape, dt in zip(shapes, spec.dtypes, strict=True)
     ]
-    kind = getattr(getattr(spec, "mamba_type", None), "name", None) or str(getattr(spec, "mamba_type", ""))
-    return f"state={'+'.join(parts)} mixer={kind} conv={conv_layout}"
+    text = f"state={'+'.join(parts)} mixer={mixer_of(spec)} conv={conv_layout}"
+    return text + (f" {shards.describe()}" if shards is not None else "")
+
+
+def shards_of(spec: Any, text_config: Any, conv_layout: str, tp_size: int) -> ss.StateShards | None:
+    """How this group's states split over TP ranks (state_shards.py), derived from the model's
+    config and checked against the shapes vLLM gave this rank; None where cxlkv does not describe
+    the mixer's sharding (its states are then one entry per block, TP=1 only)."""
+    if mixer_of(spec) != "GDN_ATTN" or text_config is None or int(getattr(spec, "num_speculative_blocks", 0) or 0):
+        return None
+    try:
+        shards = ss.gdn_shards(
+            int(text_config.linear_num_key_heads),
+            int(text_config.linear_num_value_heads),
+            int(text_config.linear_key_head_dim),
+            int(text_config.linear_value_head_dim),
+            int(text_config.linear_conv_kernel_dim),
+            conv_layout,
+        )
+    except (AttributeError, TypeError, ValueError):
+        return None
+    if shards.units % tp_size or [tuple(s) for s in spec.shapes] != shards.local_shapes(tp_size):
+        return None  # not the sharding described: refused at TP > 1, one entry at TP=1
+    return shards
 
 
 def conv_state_layout() -> str:
@@ -71,7 +106,7 @@ def conv_state_layout() -> str:
     return str(get_conv_state_layout())
 
 
-def unservable(spec: Any, tp_size: int) -> str | None:
+def unservable(spec: Any, tp_size: int, shards: ss.StateShards | None = None) -> str | None:
     """Why vLLM could not resume from a stored state of this group, or None."""
     mode = getattr(spec, "mamba_cache_mode", "none")
     if mode != "align":
@@ -82,10 +117,11 @@ def unservable(spec: Any, tp_size: int) -> str | None:
         )
     if int(getattr(spec, "num_speculative_blocks", 0) or 0) > 0:
         return "speculative decoding moves SSM state blocks between steps; cxlkv does not store them"
-    if tp_size > 1 and not getattr(spec, "tp_replicated", False):
+    if tp_size > 1 and shards is None and not getattr(spec, "tp_replicated", False):
         return (
-            f"tensor_parallel_size {tp_size}: vLLM splits the SSM state over the ranks in a layout "
-            "the per-KV-head entries (heads.py) do not describe; serve it at TP=1"
+            f"tensor_parallel_size {tp_size}: vLLM splits the {mixer_of(spec)} state over the ranks "
+            "in a layout cxlkv does not describe (it splits Gated DeltaNet states, over a number of "
+            "ranks dividing the key heads); serve it at TP=1"
         )
     return None
 

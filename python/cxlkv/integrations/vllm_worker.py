@@ -19,6 +19,7 @@ from cxlkv.integrations import vllm_state_groups as vsg
 from cxlkv.integrations.coalesce import CoalesceWorker
 from cxlkv.integrations.heads import HeadNamespace, PerHeadTransfer, head_dim_of
 from cxlkv.integrations.save_tracker import SaveTracker
+from cxlkv.integrations.state_shards import StateNamespace, unit_views
 from cxlkv.integrations.transfer import BlockOp, CpuSaveHandle, CpuTransfer, SaveHandle, Transfer
 from cxlkv.integrations.vllm_common import ConnectorContext, CxlKVConnectorMetadata, logger
 from cxlkv.integrations.vllm_identity import CxlKVHandshake
@@ -99,7 +100,7 @@ class CxlKVWorker:
                     f"cxlkv: the KV cache holds {per_block} bytes per block, the namespace "
                     f"{self.ctx.ns_names[g]!r} expects {want}"
                 )
-        if any(h.split for h in self.ctx.group_heads):
+        if any(h.split for g, h in zip(self.ctx.groups, self.ctx.group_heads, strict=True) if g.shards is None):
             # The namespaces move this rank's heads through views of the arrays (heads.py).
             self.ctx.head_dim = int(
                 self.ctx.extra.get("kv_head_dim")
@@ -108,7 +109,7 @@ class CxlKVWorker:
             spaces = self._session.ns  # None until the pool opens: open_namespace reads head_dim then
             spaces = spaces if isinstance(spaces, tuple) else [spaces]
             for ns in spaces:
-                if isinstance(ns, HeadNamespace) and ns.plan.split:
+                if isinstance(ns, HeadNamespace) and not isinstance(ns, StateNamespace) and ns.plan.split:
                     ns.head_dim = self.ctx.head_dim
         self._kv_arrays = [a.detach() for a in groups[self.ctx.primary]]
         if self.ctx.multi:
@@ -138,6 +139,18 @@ class CxlKVWorker:
             from cxlkv.integrations.transfer_cuda import CudaTransfer
 
             heads = self.ctx.group_heads[group]
+            shards = self.ctx.groups[group].shards if self.ctx.multi else None
+            if shards is not None:  # a state group: a plan, reservations and pins per local unit
+                return PerHeadTransfer(
+                    session,
+                    arrays,
+                    block_dim,
+                    self.ctx.identities[group].block_bytes,
+                    0,
+                    heads,
+                    CudaTransfer,
+                    views=lambda a, j: (unit_views(a, shards, len(heads.local), j), 1),
+                )
             if heads.split:  # a plan, reservations and pins per local head
                 assert self.ctx.head_dim is not None
                 return PerHeadTransfer(
