@@ -50,9 +50,9 @@ def vllm_rank_state(full, tp, rank, layout="SD"):
     chans = conv.transpose(1, 2) if layout == "SD" else conv  # [NB, C, L]
     c_first = chans.permute(1, 0, 2).reshape(chans.shape[1], -1)
     part = torch.empty(c_first.shape[0] // tp, c_first.shape[1], dtype=conv.dtype)
-    mamba_v2_sharded_weight_loader([(key_dim, 0, False), (key_dim, 0, False), (value_dim, 0, False)], tp, rank)(
-        part, c_first
-    )
+    mamba_v2_sharded_weight_loader(
+        [(key_dim, 0, False), (key_dim, 0, False), (value_dim, 0, False)], tp, rank
+    )(part, c_first)
     local = part.reshape(part.shape[0], NB, -1).permute(1, 0, 2)  # [NB, C/tp, L]
     local_conv = (local.transpose(1, 2) if layout == "SD" else local).contiguous()
     s_first = ssm.permute(1, 0, 2, 3).reshape(NV, -1)
@@ -130,7 +130,9 @@ def test_shards_follow_the_spec_vllm_gave_the_rank():
     spec = SimpleNamespace(shapes=vllm_shapes(2), mamba_type=gdn, mamba_cache_mode="align")
     assert vsg.shards_of(spec, cfg, "SD", 4) is None  # the rank holds other shapes than described
     assert vsg.shards_of(spec, None, "SD", 2) is None
-    m2 = SimpleNamespace(shapes=vllm_shapes(2), mamba_type=SimpleNamespace(name="MAMBA2"), mamba_cache_mode="align")
+    m2 = SimpleNamespace(
+        shapes=vllm_shapes(2), mamba_type=SimpleNamespace(name="MAMBA2"), mamba_cache_mode="align"
+    )
     assert vsg.shards_of(m2, cfg, "SD", 2) is None
     assert "MAMBA2 state" in (vsg.unservable(m2, 2, None) or "")
     sd, ds = shards("SD").describe(), shards("DS").describe()

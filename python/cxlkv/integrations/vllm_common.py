@@ -18,9 +18,9 @@ from cxlkv.integrations import vllm_groups as vg
 from cxlkv.integrations import vllm_identity as vid
 from cxlkv.integrations.heads import HeadNamespace
 from cxlkv.integrations.placement import placement_device
-from cxlkv.integrations.state_shards import StateNamespace
 from cxlkv.integrations.pool_session import PoolSession
 from cxlkv.integrations.save_tracker import async_saves_enabled
+from cxlkv.integrations.state_shards import StateNamespace
 from cxlkv.integrations.tenant import tenant_of
 
 # Under the "vllm" logger, so that vLLM's logging configuration (level, format) applies.
@@ -96,7 +96,8 @@ class ConnectorContext:
         # This rank's KV heads, per group (heads.py): one pool entry per block and KV head; a
         # state group's units (state_shards.py): one entry per block and unit.
         self.group_heads = [
-            vid.head_plan(vllm_config, g.spec, vid.kind_of(g.spec), self.tp_rank, g.shards) for g in self.groups
+            vid.head_plan(vllm_config, g.spec, vid.kind_of(g.spec), self.tp_rank, g.shards)
+            for g in self.groups
         ]
         self.head_dim: int | None = None  # the KV arrays' head dim (the worker's register_kv_caches)
         self.logged: set[str] = set()
@@ -179,7 +180,9 @@ class ConnectorContext:
         this rank's (heads.py)."""
         device = placement_device(self.extra.get("pool_device"), self.tp_rank, len(pool.info()["devices"]))
         spaces = [
-            StateNamespace(pool.namespace(vid.pool_layout(i), name=n, device=device, tenant=self.tenant), h, g.shards)
+            StateNamespace(
+                pool.namespace(vid.pool_layout(i), name=n, device=device, tenant=self.tenant), h, g.shards
+            )
             if g.shards is not None
             else HeadNamespace(
                 pool.namespace(vid.pool_layout(i), name=n, device=device, tenant=self.tenant),

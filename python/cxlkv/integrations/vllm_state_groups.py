@@ -80,7 +80,11 @@ def shards_of(spec: Any, text_config: Any, conv_layout: str, tp_size: int) -> ss
     """How this group's states split over TP ranks (state_shards.py), derived from the model's
     config and checked against the shapes vLLM gave this rank; None where cxlkv does not describe
     the mixer's sharding (its states are then one entry per block, TP=1 only)."""
-    if mixer_of(spec) != "GDN_ATTN" or text_config is None or int(getattr(spec, "num_speculative_blocks", 0) or 0):
+    if (
+        mixer_of(spec) != "GDN_ATTN"
+        or text_config is None
+        or int(getattr(spec, "num_speculative_blocks", 0) or 0)
+    ):
         return None
     try:
         shards = ss.gdn_shards(

@@ -100,7 +100,9 @@ class CxlKVWorker:
                     f"cxlkv: the KV cache holds {per_block} bytes per block, the namespace "
                     f"{self.ctx.ns_names[g]!r} expects {want}"
                 )
-        if any(h.split for g, h in zip(self.ctx.groups, self.ctx.group_heads, strict=True) if g.shards is None):
+        if any(
+            h.split for g, h in zip(self.ctx.groups, self.ctx.group_heads, strict=True) if g.shards is None
+        ):
             # The namespaces move this rank's heads through views of the arrays (heads.py).
             self.ctx.head_dim = int(
                 self.ctx.extra.get("kv_head_dim")
