@@ -198,3 +198,23 @@ def test_corrupt_unit_is_a_miss_for_its_readers_only(make_pool):
     for g, w in zip(got0, want0, strict=True):
         assert torch.equal(g[:2], w[:2])
     assert ns_for(pool, 1, 0).match_prefix(keys) == 1  # and no longer a hit
+
+
+def test_raw_state_pages_are_unpacked_as_the_mixer_binds_them():
+    """vLLM 0.32 hands the connector each state layer's raw ``[blocks, 1, 1, page]`` int8 pages;
+    vllm_state_groups.state_arrays views them as the mixer's own ``bind_kv_cache`` does."""
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+
+    shapes = [tuple(s) for s in vllm_shapes(2)]
+    spec = SimpleNamespace(shapes=shapes, dtypes=(CONV_DT, SSM_DT))
+    page = sum(
+        torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for s, d in zip(shapes, spec.dtypes)
+    )
+    raw = torch.randint(-128, 127, (NB, 1, 1, page + 64), dtype=torch.int8)  # a padded page
+    mixer = SimpleNamespace(get_state_shape=lambda: shapes, get_state_dtype=lambda: spec.dtypes)
+    MambaBase.bind_kv_cache(mixer, raw)
+    ours = vsg.state_arrays(raw, spec)
+    assert len(ours) == 2
+    for a, b in zip(ours, mixer.kv_cache, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.data_ptr() == b.data_ptr()
+        assert a.stride() == b.stride()

@@ -139,7 +139,22 @@ def produced_block(start: int, end: int, block_size: int) -> int | None:
     return end // block_size - 1
 
 
-def state_arrays(value: Any) -> list:
-    """One state layer's tensors as the worker's KV caches hold them (conv state, SSM state: a
-    list or tuple, each ``[num_blocks, ...]``)."""
-    return list(value) if isinstance(value, list | tuple) else [value]
+def state_arrays(value: Any, spec: Any = None) -> list:
+    """One state layer's tensors (conv state, SSM state, each ``[num_blocks, *shape]``) from what
+    the worker's KV caches hold for it: a list or tuple of them, or (vLLM 0.32) the layer's raw
+    ``[num_blocks, 1, 1, page bytes]`` int8 pages, each page holding the ``spec``'s states packed
+    in order (as the mixer's own ``bind_kv_cache`` views them: conv then SSM state)."""
+    if isinstance(value, list | tuple):
+        return list(value)
+    shape = tuple(getattr(value, "shape", ()))
+    if spec is None or len(shape) != 4 or shape[1:3] != (1, 1) or not hasattr(value, "view"):
+        return [value]
+    pages = value.view(shape[0], shape[3])
+    out, offset = [], 0
+    for s, dt in zip(spec.shapes, spec.dtypes, strict=True):
+        n = math.prod(s) * _itemsize(dt)
+        if offset + n > shape[3]:
+            raise ValueError(f"cxlkv: a state page of {shape[3]} bytes cannot hold the states {spec.shapes}")
+        out.append(pages[:, offset : offset + n].view(dt).view(shape[0], *s))
+        offset += n
+    return out

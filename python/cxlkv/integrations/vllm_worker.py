@@ -74,16 +74,20 @@ class CxlKVWorker:
     def register_kv_caches(self, kv_caches: dict) -> None:
         num_blocks = self._kv_cache_config.num_blocks
         # A state group's layer holds several tensors (conv, SSM state: vllm_state_groups.py)
-        state_layers = {n for g in self.ctx.groups if g.reach == vg.STATE for n in g.layer_names}
-        kv_layers = [v for n, v in kv_caches.items() if n not in state_layers]
-        first = kv_layers[0] if kv_layers else vsg.state_arrays(next(iter(kv_caches.values())))[0]
+        state_specs = {n: g.spec for g in self.ctx.groups if g.reach == vg.STATE for n in g.layer_names}
+        kv_layers = [v for n, v in kv_caches.items() if n not in state_specs]
+        if kv_layers:
+            first = kv_layers[0]
+        else:
+            n0 = next(iter(state_specs))
+            first = vsg.state_arrays(kv_caches[n0], state_specs[n0])[0]
         # CUDA-style layouts put K/V first: [2, num_blocks, ...]; CPU ones lead with blocks.
         self._block_dim = 1 if first.shape[0] == 2 and first.ndim > 1 and first.shape[1] == num_blocks else 0
         # Each group's layers, in vLLM's order (a hybrid model's groups may share tensors: their
         # block ids never collide, vLLM allocates them from one pool); a state layer's tensors
         # in its order (vLLM's state tensors lead with blocks).
         groups = [
-            [a for n in g.layer_names for a in vsg.state_arrays(kv_caches[n])]
+            [a for n in g.layer_names for a in vsg.state_arrays(kv_caches[n], g.spec)]
             if g.reach == vg.STATE
             else [kv_caches[n] for n in g.layer_names]
             for g in self.ctx.groups
