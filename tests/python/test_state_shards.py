@@ -208,7 +208,8 @@ def test_raw_state_pages_are_unpacked_as_the_mixer_binds_them():
     shapes = [tuple(s) for s in vllm_shapes(2)]
     spec = SimpleNamespace(shapes=shapes, dtypes=(CONV_DT, SSM_DT))
     page = sum(
-        torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for s, d in zip(shapes, spec.dtypes)
+        torch.Size(s).numel() * torch.empty((), dtype=d).element_size()
+        for s, d in zip(shapes, spec.dtypes, strict=True)
     )
     raw = torch.randint(-128, 127, (NB, 1, 1, page + 64), dtype=torch.int8)  # a padded page
     mixer = SimpleNamespace(get_state_shape=lambda: shapes, get_state_dtype=lambda: spec.dtypes)
