@@ -129,6 +129,11 @@ void Quotas::refresh_locked() {
   }
   cache_us_ = now;
   cache_valid_ = true;
+  uint64_t ns_of[kQuotaRows] = {};
+  for (const QuotaInfo& q : cache_)
+    if (q.kind == kQuotaNamespace) ns_of[q.row - 1] = uint64_t(q.ns_id) + 1;
+  for (uint32_t i = 0; i < kQuotaRows; ++i) ns_of_row_[i].store(ns_of[i], std::memory_order_relaxed);
+  ns_rows_us_.store(now ? now : 1, std::memory_order_release);
 }
 
 std::vector<QuotaInfo> Quotas::cached() {
@@ -140,13 +145,17 @@ std::vector<QuotaInfo> Quotas::cached() {
 void Quotas::invalidate_cache() {
   std::lock_guard<std::mutex> g(mu_);
   cache_valid_ = false;
+  ns_rows_us_.store(0, std::memory_order_release);
 }
 
 uint8_t Quotas::ns_row(uint32_t ns_id) {
-  std::lock_guard<std::mutex> g(mu_);
-  refresh_locked();
-  for (const QuotaInfo& q : cache_)
-    if (q.kind == kQuotaNamespace && q.ns_id == ns_id) return uint8_t(q.row);
+  const uint64_t filled = ns_rows_us_.load(std::memory_order_acquire);
+  if (filled == 0 || now_mono_us() - filled > kRefreshUs) {  // stale: the one thread that locks refreshes
+    std::lock_guard<std::mutex> g(mu_);
+    refresh_locked();
+  }
+  for (uint32_t i = 0; i < kQuotaRows; ++i)
+    if (ns_of_row_[i].load(std::memory_order_relaxed) == uint64_t(ns_id) + 1) return uint8_t(i + 1);
   return 0;
 }
 

@@ -4,6 +4,8 @@
 // (charging a put, evicting a subject's own blocks, releasing, `pool check`) is Pool's, in
 // quota_protocol.cpp.
 #pragma once
+#include <array>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
@@ -45,9 +47,11 @@ class Quotas {
   // every process within that time).
   std::vector<QuotaInfo> cached();
   void invalidate_cache();
-  uint8_t ns_row(uint32_t ns_id);  // the namespace's row (1-based) or 0
-  uint64_t limit(uint32_t row);    // cached limit of a row, 0 = none
-  bool in_use(uint32_t row);       // a readable row (cached)
+  // The namespace's row (1-based) or 0. Every put asks this: it reads ns_of_row_ without a lock
+  // and takes mu_ only when that table is stale (once per kRefreshUs, or after invalidate_cache).
+  uint8_t ns_row(uint32_t ns_id);
+  uint64_t limit(uint32_t row);  // cached limit of a row, 0 = none
+  bool in_use(uint32_t row);     // a readable row (cached)
   // usage(r) = sum over node slots of charged - released, as a signed total (check compares it
   // raw); usage() clamps it to [0, pool bytes].
   int64_t raw_usage(uint32_t row, uint32_t max_nodes) const;
@@ -63,12 +67,18 @@ class Quotas {
 
  private:
   static constexpr uint64_t kRefreshUs = 100'000;
-  void refresh_locked();  // caller holds mu_
+  void refresh_locked();  // caller holds mu_; also republishes ns_of_row_
   const Region& region_;
   std::mutex mu_;
   std::vector<QuotaInfo> cache_;
   uint64_t cache_us_ = 0;
   bool cache_valid_ = false;
+  // Lock-free copy of cache_'s namespace rows for ns_row: ns_of_row_[r-1] = ns_id + 1 when row r
+  // is a readable namespace row, else 0. Each slot is one atomic word, so a reader racing a
+  // refresh sees every row either as before or as after it (as stale as the mutex-held cache
+  // could be). ns_rows_us_ is when it was filled; 0 = stale (never filled, or invalidated).
+  std::array<std::atomic<uint64_t>, format::kQuotaRows> ns_of_row_{};
+  std::atomic<uint64_t> ns_rows_us_{0};
   std::vector<uint64_t> block_bytes_;  // by namespace id; 0 = not known yet
 };
 
