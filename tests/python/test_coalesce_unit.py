@@ -25,9 +25,15 @@ from cxlkv.integrations.coalesce import (
     PrefillRate,
     WaitOp,
     WriterClock,
-    clock_key,
     compute_place,
     intent_key,
+)
+from cxlkv.integrations.coalesce_clock import (
+    CLOCK_NAMESPACE,
+    CLOCK_RECORD,
+    MIN_CLOCK_CHUNKS,
+    clock_key,
+    clock_layout,
 )
 from cxlkv.integrations.pool_session import PoolSession
 from cxlkv.integrations.transfer import BlockOp
@@ -73,6 +79,25 @@ def session(path: str) -> PoolSession:
         lambda create: cxlkv.Pool.open(path),
         lambda pool: pool.namespace(layout(), name="coalesce-test"),
     )
+
+
+class Records:
+    """The pool's clock-record namespace as a third node sees it (coalesce_clock.py); keys of the
+    KV namespace "coalesce-test"."""
+
+    def __init__(self, path: str) -> None:
+        self.pool = cxlkv.Pool.open(path)
+        self.ns = self.pool.namespace(clock_layout(), name=CLOCK_NAMESPACE)
+
+    def get(self, intent: bytes) -> bytes | None:
+        return self.ns.get_bytes(clock_key(intent, "coalesce-test"))
+
+    def put(self, intent: bytes, raw: bytes) -> bool:
+        self.ns.delete(clock_key(intent, "coalesce-test"))
+        return self.ns.put(clock_key(intent, "coalesce-test"), raw)
+
+    def close(self) -> None:
+        self.pool.close()
 
 
 def chain(seed: int, n: int) -> list[bytes]:
@@ -584,21 +609,19 @@ def test_writer_clock_is_validated_and_released(pool_path):
     keys = chain(44, 4)
     a = scheduler(pool_path, wall=wall, prefill_tps=1e6)
     a.on_miss("w", keys, 0, 0, 4, True, True)
-    s = session(pool_path)
-    assert s.ns.get_bytes(clock_key(intent_key(keys[0]))) == s.ns.get_bytes(clock_key(intent_key(keys[-1])))
-    ck = clock_key(intent_key(keys[0]))  # beside its first intent and its last
-    rec = WriterClock.decode(s.ns.get_bytes(ck), now)
+    s = Records(pool_path)
+    assert s.get(intent_key(keys[0])) == s.get(intent_key(keys[-1])) is not None
+    rec = WriterClock.decode(s.get(intent_key(keys[0])), now)  # beside its first intent and its last
     assert rec is not None and rec.start == now and rec.work == 4 * BS and rec.tps == 1e6
     b = scheduler(pool_path, wall=wall, prefill_tps=1.0)
     assert b.on_miss("r", keys, 0, 0, 4, True, True) is not None  # a fast writer: wait
     # A leftover of a writer that began an hour ago: no clock, assumed to begin now at b's rate.
     for k in (keys[0], keys[-1]):
-        s.ns.delete(clock_key(intent_key(k)))
-        assert s.ns.put(clock_key(intent_key(k)), WriterClock(now - 3600, 1e6, 16).encode())
+        assert s.put(intent_key(k), WriterClock(now - 3600, 1e6, 16).encode())
     b2 = scheduler(pool_path, wall=wall, prefill_tps=1.0)
     assert b2.on_miss("r", keys, 0, 0, 4, True, True) is None
     a.release("w", "done")
-    assert not s.ns.contains(ck) and not s.ns.contains(clock_key(intent_key(keys[-1])))
+    assert s.get(intent_key(keys[0])) is None and s.get(intent_key(keys[-1])) is None
     for x in (a, b, b2, s):
         x.close()
 
@@ -622,8 +645,8 @@ def test_writer_clock_through_a_per_head_namespace(pool_path):
     a.on_miss("w", keys, 0, 0, 4, True, True)
     assert b.on_miss("r", keys, 0, 0, 4, True, True) is not None  # a's clock read: a fast writer
     a.release("w", "done")
-    s = session(pool_path)
-    assert not any(s.ns.contains(clock_key(intent_key(k))) for k in keys)
+    s = Records(pool_path)
+    assert not any(s.get(intent_key(k)) for k in keys)
     for x in (a, b, s):
         x.close()
 
@@ -749,8 +772,107 @@ def test_writer_clock_work_and_lateness(pool_path):
     turn2 = turn1 + chain(61, 2)
     a.on_miss("t1", turn1, 0, 0, 4, True, True)
     assert b.on_miss("t2", turn2, 0, 0, 6, True, True) is None  # a tie: computes all 6 blocks
-    s = session(pool_path)
-    rec = WriterClock.decode(s.ns.get_bytes(clock_key(intent_key(turn2[-1]))), wall.t)
+    s = Records(pool_path)
+    rec = WriterClock.decode(s.get(intent_key(turn2[-1])), wall.t)
     assert rec is not None and rec.work == 6 * BS  # not only its own 2 intents' blocks
     for x in (a, b, s):
+        x.close()
+
+
+def test_clock_records_cost_no_kv_block_and_no_tenant_quota(pool_path):
+    """A writer's clock records (44 bytes each) live in the pool's small-record namespace, 64-byte
+    blocks: the KV namespace holds no block for them (they used to take a whole KV block each,
+    evicting real KV in a full pool), the records' namespace costs one chunk, and they are charged
+    to no tenant, so they never put a tenant's KV over its quota."""
+    pool = cxlkv.Pool.open(pool_path)
+    assert pool.info()["chunk_count"] >= MIN_CLOCK_CHUNKS
+    pool.set_quota(tenant="team-a", max_bytes=1 << 20)
+    s = PoolSession(
+        pool_path,
+        LOG,
+        lambda create: cxlkv.Pool.open(pool_path),
+        lambda p: p.namespace(layout(), name="coalesce-test", tenant="team-a"),
+    )
+    a = CoalesceScheduler(CoalesceConfig(prefill_tps=1e6, fixed_rate=True), s, Counts(), LOG, BS)
+    keys = chain(70, 4)
+    a.on_miss("w", keys, 0, 0, 4, True, True)
+    assert a.holds("w")
+
+    def usage(name: str) -> dict:
+        nid = pool.namespace_id(name)
+        return next(u for u in pool.namespace_usage() if u["id"] == nid)
+
+    kv, rec = usage("coalesce-test"), usage(CLOCK_NAMESPACE)
+    assert kv["used_blocks"] == 0  # intents and clocks: no KV block
+    assert rec["used_blocks"] == 2 and rec["chunks"] == 1  # its first intent's and its last's
+    info = next(n for n in pool.namespaces() if n["name"] == CLOCK_NAMESPACE)
+    assert info["block_bytes"] == 64 and info["blocks_per_chunk"] == pool.info()["chunk_bytes"] // 1024
+    [team] = [q for q in pool.quotas() if q["tenant"] == "team-a"]
+    assert team["usage_bytes"] == 0
+    a.release("w", "done")
+    assert usage(CLOCK_NAMESPACE)["used_blocks"] == 0
+    a.close()
+    s.close()
+    pool.close()
+
+
+def test_forged_or_foreign_clock_records_make_the_waiter_compute(pool_path):
+    """Records are untrusted input: junk under a writer's clock key is no clock (the waiter, slow
+    next to an unknown writer, computes at once, it does not raise); a namespace of the records'
+    name with another layout means no clocks, one warning, and the pool stays usable."""
+    keys = chain(71, 4)
+    a = scheduler(pool_path, prefill_tps=1e6)
+    a.on_miss("w", keys, 0, 0, 4, True, True)
+    r = Records(pool_path)
+    for k in (keys[0], keys[-1]):
+        assert r.put(intent_key(k), os.urandom(CLOCK_RECORD.size))
+    b = scheduler(pool_path, prefill_tps=1.0)
+    assert b.on_miss("r", keys, 0, 0, 4, True, True) is None  # no clock: a tie, computes now
+    r.close()
+    for x in (a, b):
+        x.close()
+
+    other = f"{pool_path}-other"
+    cxlkv.Pool.create(other, "64MiB").close()
+    try:
+        with cxlkv.Pool.open(other) as p:  # not ours: 128-byte blocks under the records' name
+            p.namespace(
+                cxlkv.KVLayout(
+                    "x",
+                    dtype="uint8",
+                    num_layers=1,
+                    num_kv_heads=1,
+                    head_size=128,
+                    tokens_per_block=1,
+                    kind="opaque",
+                ),
+                name=CLOCK_NAMESPACE,
+            )
+        w = scheduler(other, prefill_tps=1e6)
+        w.on_miss("w", keys, 0, 0, 4, True, True)
+        assert w.holds("w") and w._session.usable()
+        v = scheduler(other, prefill_tps=1.0)
+        assert v.on_miss("r", keys, 0, 0, 4, True, True) is None and v._session.usable()
+        for x in (w, v):
+            x.close()
+    finally:
+        cxlkv.Pool.destroy(other, ignore_attached=True)
+
+
+def test_a_pool_of_few_chunks_publishes_no_clocks(pool_path):
+    """Below MIN_CLOCK_CHUNKS chunks the records' chunk would be too large a share of the KV: no
+    clocks (no namespace, no block); intents still say what a writer computes."""
+    cxlkv.Pool.destroy(pool_path)
+    cxlkv.Pool.create(pool_path, "4MiB", chunk_size="1MiB").close()
+    keys = chain(72, 4)
+    a = scheduler(pool_path, prefill_tps=1e6)
+    a.on_miss("w", keys, 0, 0, 4, True, True)
+    assert a.holds("w")
+    with cxlkv.Pool.open(pool_path) as p:
+        assert p.info()["chunk_count"] < MIN_CLOCK_CHUNKS
+        assert [n["name"] for n in p.namespaces()] == ["coalesce-test"]
+        assert p.stats()["used_blocks"] == 0
+    b = scheduler(pool_path, prefill_tps=1.0)
+    assert b.on_miss("r", keys, 0, 0, 4, True, True) is None  # unknown writer, a tie: computes
+    for x in (a, b):
         x.close()

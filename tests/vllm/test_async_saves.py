@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from conftest import BLOCK, run_engine, words
+from cxlkv.integrations.coalesce_clock import kv_namespaces
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -40,7 +41,7 @@ def chain(pool_path: str, ids: list, salt: str | None) -> dict:
     from cxlkv.integrations.keys import block_keys
 
     with cxlkv.Pool.open(pool_path) as pool:
-        (d,) = pool.namespaces()
+        (d,) = kv_namespaces(pool)
         ns = pool.namespace(cxlkv.KVLayout.from_info(d), name=d["name"])
         out = {}
         for i, k in enumerate(block_keys(ids, d["tokens_per_block"], d["name"], cache_salt=salt)):

@@ -122,16 +122,9 @@ def test_full_pool_keeps_serving_and_leaks_nothing(pool_path, tiny_model):
     import cxlkv
 
     prompts = plain([words(20 + i, 700) for i in range(8)])
-    # Coalescing off: its writer clock records (coalesce.py) take a whole KV block each while a
-    # request prefills (two per writing request), which in a pool of ~24 blocks with 8 prompts in
-    # flight evicted every prompt's blocks before the second engine looked (0 hits, 1 run in 3).
-    # Eviction and leaks are what this test is about; coalescing has its own tests.
-    small = {
-        "pool": pool_path,
-        "pool_size": "4MiB",
-        "chunk_size": "1MiB",
-        "extra_config": {"coalesce": False},
-    }
+    # Coalescing on (the default): its intents cost no block, and a pool of so few chunks
+    # publishes no writer clocks (coalesce_clock.py), so nothing of it evicts the prompts' KV.
+    small = {"pool": pool_path, "pool_size": "4MiB", "chunk_size": "1MiB"}
     first = run_engine({**small, "rounds": [{"prompts": prompts}]})[0]["outputs"]
     second = run_engine({**small, "rounds": [{"prompts": prompts}]})[0]["outputs"]
     for a, b in zip(first, second, strict=True):

@@ -19,6 +19,7 @@ import uuid
 import pytest
 
 from conftest import BLOCK, run_engine, words
+from cxlkv.integrations.coalesce_clock import kv_namespaces
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -39,7 +40,7 @@ def pool_chain(pool_path: str, ids: list) -> dict:
     from cxlkv.integrations.keys import block_keys
 
     with cxlkv.Pool.open(pool_path) as pool:
-        (d,) = pool.namespaces()
+        (d,) = kv_namespaces(pool)
         lay = cxlkv.KVLayout.from_info(d)
         ns = pool.namespace(lay, name=d["name"])
         out = {}
@@ -78,7 +79,7 @@ def test_f2_failed_load_does_not_poison_the_pool(two_pools, tiny_model):
 
     control, corrupted = runs
     with cxlkv.Pool.open(two_pools[1]) as pool:
-        (d,) = pool.namespaces()
+        (d,) = kv_namespaces(pool)
     # The depth-2 block is one pool entry per KV head (ARCHITECTURE.md §9a): every one corrupted.
     per_block = d["num_kv_heads"] // d["heads_per_entry"] if d["heads_per_entry"] else 1
     assert corrupted[1]["corrupted"] == per_block
@@ -126,7 +127,7 @@ def test_f1_checkpoints_under_one_alias_never_share(pool_path, tiny_model, tmp_p
     import cxlkv
 
     with cxlkv.Pool.open(pool_path) as pool:
-        assert len(pool.namespaces()) == 2  # original (and its copy), variant
+        assert len(kv_namespaces(pool)) == 2  # original (and its copy), variant
 
 
 @pytest.mark.parametrize("fault", ["truncate_pool"])  # replace: unit test (test_connector_unit.py)

@@ -31,6 +31,7 @@ import torch
 from sglang.srt.mem_cache.utils import get_hash_str
 
 from conftest import BLOCK, words
+from cxlkv.integrations.coalesce_clock import kv_namespaces
 from cxlkv.testing import sglang_host
 from engine_proc import EngineProc
 
@@ -76,7 +77,7 @@ def test_vllm_and_sglang_share_a_prefix_both_ways(tmp_path, tiny_model):
         deadline = time.monotonic() + 120  # the engine's saves may still be in flight
         while True:
             with cxlkv.Pool.open(pool) as p:
-                (d,) = p.namespaces()
+                (d,) = kv_namespaces(p)
                 plain = p.namespace(cxlkv.KVLayout.from_info(d), name=d["name"])
                 written = {
                     (i, h): bytes(plain.get_bytes(head_key(bytes.fromhex(hx), h)) or b"")

@@ -12,6 +12,7 @@ import struct
 
 import cxlkv
 from conftest import BLOCK, run_engine, words
+from cxlkv.integrations.coalesce_clock import kv_namespaces
 
 EDITED = "model.layers.0.mlp.gate_proj.weight"
 
@@ -52,7 +53,7 @@ def test_engine_names_its_namespace_by_every_byte_of_its_weights(pool_path, tiny
     assert out["cached"] == (out["len"] - 1) // BLOCK * BLOCK > 0, out
     assert out["tokens"] == first["outputs"][0]["tokens"]
     with cxlkv.Pool.open(pool_path) as pool:
-        [ns] = pool.namespaces()  # the scheduler side opened no namespace of its own
+        [ns] = kv_namespaces(pool)  # the scheduler side opened no namespace of its own
     # vLLM CPU empties the linears' `weight` (oneDNN holds them): the files' bytes are hashed.
     kind = "file bytes" if "repacked out of reach" in log[0] else "as loaded"
     assert ns["source"].startswith(f"weights {kind} sha256~"), ns
@@ -69,4 +70,4 @@ def test_engine_names_its_namespace_by_every_byte_of_its_weights(pool_path, tiny
     [[out_b]] = [r["outputs"] for r in one_prompt(pool_path, edited, prompt)]
     assert out_b["cached"] == 0, out_b
     with cxlkv.Pool.open(pool_path) as pool:
-        assert len(pool.namespaces()) == 2
+        assert len(kv_namespaces(pool)) == 2

@@ -21,9 +21,10 @@ already READY, and computes the rest at once.
   next turn that shares all but the last blocks of a turn still in flight thus waits only for the
   blocks that turn covers, never for blocks no intent covers.
 * Whether to wait: only when waiting is clearly shorter than computing the blocks now
-  (:func:`decide`). A writer publishes its clock beside its first and last intents (:class:`WriterClock`
-  under :func:`clock_key`: when it began, its engine's prefill rate, the prompt tokens its engine
-  computes before its last intended block is done, backlog included; deleted with its intents).
+  (:func:`decide`). A writer publishes its clock beside its first and last intents (a 44-byte
+  :class:`WriterClock` in the pool's small-record namespace, never a KV block: coalesce_clock.py;
+  when it began, its engine's prefill rate, the prompt tokens its engine computes before its last
+  intended block is done, backlog included; deleted with its intents).
   A request that finds the leading blocks in flight compares the writer's expected remaining time
   (the latest of the clocks along the run; a run whose writer published none: assumed to have
   just begun, at this engine's rate) plus ``SETTLE_S`` (save, poll, load), times ``WAIT_MARGIN``,
@@ -64,32 +65,16 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
-import math
 import os
 import socket
-import struct
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from cxlkv.integrations.coalesce_clock import ClockBoard, WriterClock
 from cxlkv.integrations.transfer import BlockOp
 
 INTENT_SUFFIX = b"cxlkv-intent"
-CLOCK_SUFFIX = b"cxlkv-intent-clock"
-# A writer's clock record (the value under clock_key of its first and of its last intent: a
-# waiter's run of blocks in flight begins at the first when it shares the writer's prefix, and
-# ends at the last when it waits for the writer's whole prompt, wherever it begins): magic, the wall-clock
-# second it began, its engine's prefill rate (tokens/s), and the prompt tokens its engine computes
-# before its last intended block is done (its own plus its engine's prefill backlog then), and
-# where it computes (a hash of its host's name and the CPUs its engine computes on, folded to 64
-# bits; 0: not known, e.g. a GPU engine): two engines that share CPUs slow each other down.
-CLOCK_MAGIC = b"cxlkvck2"
-CLOCK_RECORD = struct.Struct("<8sddIQQ")
-MAX_CLOCK_WORK = 1 << 26  # tokens: far beyond any prompt plus backlog; more is a bad record
-CLOCK_SKEW_S = 5.0  # a record that begins this far in this host's future is not believed
-# A record this long past its writer's expected end is a leftover (its writer could not replace
-# it), not the clock of the live writer that holds the intent now: no clock.
-CLOCK_STALE_S = 300.0
 # Waiting must be clearly shorter than computing: the writer's expected remaining time (plus the
 # settle below) times this margin must be under this engine's own time to compute the blocks now.
 # A tie is a loss (the wait's polls and the load cost time, and the estimate is uncertain).
@@ -136,50 +121,6 @@ def intent_key(chain_key: bytes) -> bytes:
     if len(chain_key) != 32:
         raise ValueError(f"cxlkv: a chain key has 32 bytes, not {len(chain_key)}")
     return hashlib.sha256(bytes(chain_key) + INTENT_SUFFIX).digest()
-
-
-def clock_key(intent: bytes) -> bytes:
-    """Where the writer holding `intent` (its first) publishes when it began and how fast its
-    engine goes: sha256(intent | b"cxlkv-intent-clock"), never a block's or an intent's key."""
-    return hashlib.sha256(bytes(intent) + CLOCK_SUFFIX).digest()
-
-
-@dataclasses.dataclass(frozen=True)
-class WriterClock:
-    """A writer's published start, rate and work (validated: the pool is untrusted input)."""
-
-    start: float  # wall-clock seconds (time.time())
-    tps: float
-    work: int  # prompt tokens its engine computes before its last intended block is done
-    host: int = 0  # where it computes (compute_place()); 0: not known
-    cpus: int = 0
-
-    def encode(self) -> bytes:
-        return CLOCK_RECORD.pack(CLOCK_MAGIC, self.start, self.tps, self.work, self.host, self.cpus)
-
-    def shares(self, place: tuple[int, int]) -> bool:
-        """Does it compute on the CPUs of an engine at `place` (compute_place())?"""
-        host, cpus = place
-        return bool(self.host and host == self.host and self.cpus & cpus)
-
-    @classmethod
-    def decode(cls, raw: Any, now: float) -> WriterClock | None:
-        """None for anything that is not a believable record written before `now`."""
-        if raw is None or len(raw) != CLOCK_RECORD.size:
-            return None
-        magic, start, tps, work, host, cpus = CLOCK_RECORD.unpack(bytes(raw))
-        if magic != CLOCK_MAGIC or not (math.isfinite(start) and math.isfinite(tps)):
-            return None
-        if not (0 < tps <= 1e9 and 0 <= work <= MAX_CLOCK_WORK and start <= now + CLOCK_SKEW_S):
-            return None
-        return cls(start, tps, work, host, cpus)
-
-    def remaining(self, now: float) -> float:
-        """Seconds until its last intended block should be computed. A writer already late by L
-        (slower than its clock said) is expected to need about L more, at most its whole work's
-        time again."""
-        end = self.start + self.work / self.tps
-        return end - now if now <= end else min(now - end, self.work / self.tps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,6 +271,7 @@ class CoalesceScheduler:
         self._block_size = block_size
         self._chunk = max(1, chunk_tokens)  # one step's prompt tokens at most (the stall unit)
         self._session = session
+        self._clocks = ClockBoard(session, logger)
         self._count = count
         self._log = logger
         self._intents: dict[str, _Intents] = {}
@@ -439,28 +381,14 @@ class CoalesceScheduler:
         return d
 
     def _read_clock(self, intent: bytes, now: float) -> WriterClock | None:
-        ck = clock_key(intent)
-        # Only a writer's first and last intents have one: look before reading (a read copies a
-        # whole block).
-        raw = self._session.call(
-            "coalesce", lambda ns: _plain(ns).get_bytes(ck) if _plain(ns).contains(ck) else None, retry=False
+        return self._session.call(
+            "coalesce", lambda ns: self._clocks.read(_plain(ns), intent, now), retry=False
         )
-        c = WriterClock.decode(raw, now)
-        if c is None or c.start + c.work / c.tps + CLOCK_STALE_S < now:
-            return None  # none, bad, or a dead writer's leftover (long past its expected end)
-        return c
 
     def _publish_clock(self, intent: bytes, clock: WriterClock) -> bool:
-        """Put the writer's clock under `intent`'s clock key (a dead writer's leftover is
-        replaced: whoever holds the intent owns the record). False when it could not be put."""
-        ck = clock_key(intent)
-        data = clock.encode()
-
-        def put(ns: Any) -> bool:
-            _plain(ns).delete(ck)
-            return bool(_plain(ns).put(ck, data))
-
-        return bool(self._session.call("coalesce", put))
+        return bool(
+            self._session.call("coalesce", lambda ns: self._clocks.publish(_plain(ns), intent, clock))
+        )
 
     def lookup_started(self, req_id: str) -> None:
         """vLLM looks the request up again (it was not scheduled last time): a wait planned then
@@ -544,8 +472,7 @@ class CoalesceScheduler:
         if m is not None:
             self._session.call("coalesce", lambda _ns: m.reservation.abort())
             for intent in m.clocks:
-                ck = clock_key(intent)
-                self._session.call("coalesce", lambda ns, ck=ck: _plain(ns).delete(ck))
+                self._session.call("coalesce", lambda ns, i=intent: self._clocks.remove(_plain(ns), i))
             self._log.debug("cxlkv: %s: %d intents released (%s)", req_id, len(m.keys), why)
 
     def finished(self, req_id: str, saves_in_flight: bool) -> None:
@@ -696,8 +623,8 @@ class CoalesceWorker:
 
 
 def _plain(ns: Any) -> Any:
-    """The namespace's own key API: a clock record is one entry under its key, not a block of
-    per-head entries (heads.HeadNamespace would ask for every head's key)."""
+    """The namespace's own object (heads.HeadNamespace's raw one): the clock records' keys derive
+    from its name."""
     return getattr(ns, "raw", ns)
 
 
