@@ -44,7 +44,7 @@ constexpr uint64_t kTokenBlockMagic = 0x4b4f54564b4c5843ull;  // "CXLKVTOK" litt
 // check_mix(XXH3-64 of the row ^ seed). A block of another version is foreign to resolve_blocks (a miss), and
 // the version is part of every block's key (token_store.py), so a reader never checks rows of one version
 // with another's check.
-constexpr uint32_t kTokenBlockVersion = 4;
+constexpr uint32_t kTokenBlockVersion = 5;
 
 // Invariants: written once by the block's writer before put(); header_hash = XXH3-64 of the 56
 // bytes before it; 1 <= valid_tokens <= tokens_per_block; rows at positions >= valid_tokens are
