@@ -238,8 +238,9 @@ TEST(RowCheck, KernelsAgreeCopyExactlyAndEveryChangeIsSeen) {
       std::swap_ranges(swapped.begin(), swapped.begin() + 64, swapped.begin() + 64);
       EXPECT_NE(tokens::row_check(swapped.data(), n, seed), base);
     }
-    // what format 5 always sees (not by chance): any change within one 8-byte lane of one piece
-    // (here two 16-bit words of it), a word swapped with its pair partner, a stripe moved by 16
+    // what format 5 sees: any change within one 8-byte lane of one piece (here two 16-bit words of
+    // it: always within one 32-bit half, across halves all but a key-tied ~2^-64), a word swapped
+    // with its pair partner, a stripe or a piece moved by 16
     for (int trial = 0; trial < 2000; ++trial) {
       std::vector<char> changed(row);
       const size_t lane = (rng() % (n / 8 ? n / 8 : 1)) * 8;

@@ -38,10 +38,10 @@ constexpr MulKeys make_mul_keys() {
 constexpr MulKeys kMulKeys = make_mul_keys();
 
 // Initial S and P lanes (digits of e, arbitrary but fixed), one aligned constant per set.
-alignas(32) constexpr uint64_t kInitS[4] = {0xB7E151628AED2A6Aull, 0xBF7158809CF4F3C7ull, 0x62E7160F38B4DA56ull,
-                                            0xA784D9045190CFEFull};
-alignas(32) constexpr uint64_t kInitP[4] = {0x324E7738926CFBE5ull, 0xF4BF8D8D8C31D763ull, 0xDA06C80ABB1185EBull,
-                                            0x4F7C7B5757F59584ull};
+alignas(32) constexpr uint64_t kInitS[4] = {0xB7E151628AED2A6Aull, 0xBF7158809CF4F3C7ull,
+                                            0x62E7160F38B4DA56ull, 0xA784D9045190CFEFull};
+alignas(32) constexpr uint64_t kInitP[4] = {0x324E7738926CFBE5ull, 0xF4BF8D8D8C31D763ull,
+                                            0xDA06C80ABB1185EBull, 0x4F7C7B5757F59584ull};
 
 inline uint64_t rotl(uint64_t x, unsigned r) { return (x << r) | (x >> (64 - r)); }
 
@@ -99,8 +99,9 @@ CXLKV_ROWS_AVX2 inline uint64_t finish_avx2(__m256i s, __m256i p, size_t n, uint
 
 CXLKV_ROWS_AVX2 inline void piece_avx2(__m256i& s, __m256i& p, __m256i d, uint32_t j) {
   s = _mm256_add_epi64(s, d);
-  p = _mm256_add_epi32(p, _mm256_madd_epi16(d, _mm256_load_si256(reinterpret_cast<const __m256i*>(
-                                                  kMulKeys.k[j % kPiecesPerRound]))));
+  p = _mm256_add_epi32(
+      p, _mm256_madd_epi16(
+             d, _mm256_load_si256(reinterpret_cast<const __m256i*>(kMulKeys.k[j % kPiecesPerRound]))));
 }
 
 // The tail (1..31 bytes): loaded in 16/8/4/2/1-byte parts (nothing past the row is read), stored
