@@ -118,12 +118,13 @@ namespace {
 // serialised after the copies (0.64-0.71x of a packed memcpy); a one-pass kernel lets the CPU run one
 // row's arithmetic under the next rows' cache misses. Format 4's one-pass kernel (AVX-512, with a
 // vector-multiply scramble per row) was 2-10x slower than its two phases; without vector multiplies
-// in the row's pass (format 5's scalar fold) it still ran ~0.7x: a 656-B row's pass is ~140
-// instructions, so the reorder buffer holds only ~3-4 rows, too few cache misses in flight (glibc's
-// memcpy of a row is ~50). So the loop also prefetches the first two lines of the row kAhead rows
-// ahead (prefetches retire at once, so they keep misses in flight beyond the reorder buffer; the
-// hardware's streamers fetch the rest of a row once its first lines were asked for). kAhead = 8 and
-// two lines measured best of 4/6/8/12 rows and 1/2/3/all lines (BENCHMARKS.md, "Token format 5").
+// in the row's pass (format 5's scalar fold) it still ran ~0.7x. The likely reason (an estimate from
+// instruction counts; no perf on the VM measured): a 656-B row's pass is ~140 instructions, so the
+// reorder buffer holds only 3-4 rows' cache misses, where glibc's memcpy of a row is ~50. So the loop
+// also prefetches the first two lines of the row kAhead rows ahead (a prefetch retires without
+// waiting for its line, so it keeps misses in flight beyond the reorder buffer; the hardware's
+// prefetchers appear to fetch the rest of the row). kAhead = 8 and two lines measured best among
+// 4/6/8/12/16 rows and 1/2/3/all lines (BENCHMARKS.md, "Token format 5").
 constexpr size_t kAhead = 8;
 GatherResult gather_range(const Pool& pool, const SeqRows& s, uint32_t first_layer, const int64_t* indices,
                           size_t k, bool indices_per_layer, char* out, size_t lo, size_t hi) {
