@@ -238,8 +238,9 @@ TEST(RowCheck, KernelsAgreeCopyExactlyAndEveryChangeIsSeen) {
       std::swap_ranges(swapped.begin(), swapped.begin() + 64, swapped.begin() + 64);
       EXPECT_NE(tokens::row_check(swapped.data(), n, seed), base);
     }
-    // what format 3 always sees (not by chance): any change within one 8-byte lane of one stripe
-    // (here two 16-bit words of it), a word swapped with its pair partner, a stripe moved by 16
+    // what format 5 sees: any change within one 8-byte lane of one piece (here two 16-bit words of
+    // it: always within one 32-bit half, across halves all but a key-tied ~2^-64), a word swapped
+    // with its pair partner, a stripe or a piece moved by 16
     for (int trial = 0; trial < 2000; ++trial) {
       std::vector<char> changed(row);
       const size_t lane = (rng() % (n / 8 ? n / 8 : 1)) * 8;
@@ -260,18 +261,45 @@ TEST(RowCheck, KernelsAgreeCopyExactlyAndEveryChangeIsSeen) {
       std::swap_ranges(moved.begin(), moved.begin() + 64, moved.begin() + 16 * 64);
       EXPECT_NE(tokens::row_check(moved.data(), n, seed), base);
     }
+    if (n >= 17 * 32) {  // two 32-byte pieces with the same keys (16 pieces apart) swapped
+      std::vector<char> moved(row);
+      std::swap_ranges(moved.begin(), moved.begin() + 32, moved.begin() + 16 * 32);
+      EXPECT_NE(tokens::row_check(moved.data(), n, seed), base);
+    }
     std::vector<char> longer(row);
     longer.push_back(0);  // the zero padding of the tail stripe must not make lengths equal
     EXPECT_NE(tokens::row_check(longer.data(), n + 1, seed), base);
   }
 }
 
-// Token format 4 (token_rows.h: each row's check in the row's own slot, after the row and a zero
+// Format 5's vector kernels (AVX2: one 32-byte piece per step; AVX-512: two pieces per step, their
+// halves added at the end, the tripling after 16 pieces shared) give the scalar definition's value on
+// rows that cross several 16-piece rounds, on every tail length around a round's end, and on the
+// patterns that stress the signed 16-bit products and the carries (all ones, all 0x80, zeros).
+TEST(RowCheck, VectorKernelsEqualScalarAcrossRoundsAndExtremes) {
+  std::mt19937_64 rng(std::random_device{}());
+  std::vector<char> src(40000), dst(40100);
+  const auto kernels = tokens::row_check_kernels();
+  for (int fill : {-1, 0x00, 0xFF, 0x80, 0x7F}) {
+    for (size_t i = 0; i < src.size(); ++i) src[i] = fill < 0 ? char(rng()) : char(fill);
+    for (size_t n : {511u, 512u, 513u, 543u, 544u, 545u, 1023u, 1024u, 1025u, 1055u, 1056u, 1057u, 4096u,
+                     16384u + 17, 32768u + 31, 39999u}) {
+      const uint64_t seed = rng(), want = tokens::row_check_scalar(src.data(), n, seed);
+      for (const auto& k : kernels) {
+        ASSERT_EQ(k.check(src.data(), n, seed), want) << k.name << " " << n << " fill " << fill;
+        ASSERT_EQ(k.copy_check(dst.data() + 3, src.data(), n, seed), want) << k.name << " " << n;
+        ASSERT_EQ(std::memcmp(dst.data() + 3, src.data(), n), 0) << k.name << " " << n;
+      }
+    }
+  }
+}
+
+// Token formats 4 and 5 (token_rows.h: each row's check in the row's own slot, after the row and a zero
 // pad): one corrupt byte anywhere in a row's slot, whatever its value, is a miss of that row alone
 // when it is a row or check byte (the gather names it, and every other row of the block still
 // gathers exactly), and changes nothing delivered when it is a pad byte. A block sealed by another
 // format version (its header says so) resolves to nothing: a miss.
-TEST_F(TokenRows, FormatFourAnyCorruptByteIsThatRowsMissOnly) {
+TEST_F(TokenRows, FormatFiveAnyCorruptByteIsThatRowsMissOnly) {
   for (uint32_t R : {656u, 1152u, 132u}) {
     const auto g = TokenGeometry::make(2, 64, R);
     ASSERT_EQ(g.row_stride(), (R + 7) / 8 * 8 + 8);
@@ -316,11 +344,11 @@ TEST_F(TokenRows, FormatFourAnyCorruptByteIsThatRowsMissOnly) {
     ASSERT_EQ(tokens::gather_rows(*pool, s, 0, 2, every.data(), 64, false, out.data()).status,
               GatherResult::kOk);
     pool->release(one.pins);
-    // the same bytes under a version-3 header (its own hash right): foreign to a format-4 reader
+    // the same bytes under a version-4 header (its own hash right): foreign to a format-5 reader
     tokens::TokenBlockHeader h;
     std::memcpy(&h, block.data() + g.header_off(), sizeof h);
-    ASSERT_EQ(h.version, 4u);
-    h.version = 3;
+    ASSERT_EQ(h.version, 5u);
+    h.version = 4;
     h.header_hash = xxh3(&h, offsetof(tokens::TokenBlockHeader, header_hash));
     std::memcpy(block.data() + g.header_off(), &h, sizeof h);
     const Key old_key = key_of(8);

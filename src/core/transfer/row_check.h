@@ -1,36 +1,50 @@
-// The per-row check of token blocks (token_rows.h, format versions 3 and 4), and a kernel that copies a
-// row and computes its check in one pass (src/bench/gather_micro.cpp measures both; the gather uses
-// row_check over the delivered bytes).
+// The per-row check of token blocks (token_rows.h, format version 5), and a kernel that copies a
+// row and computes its check in one pass (the gather's: token_rows.cpp).
 //
-// check(row, n, seed) = check_mix(fold(P, S) ^ seed ^ n * K). The row is read as 64-byte stripes
-// (the last n % 64 bytes zero-padded to one) into two sets of eight 64-bit lanes:
+// check(row, n, seed) = check_mix(fold(S, P) ^ seed ^ n * K). The row is read as 32-byte pieces
+// (the last n % 32 bytes zero-padded to one) into two sets of four 64-bit lanes:
+// * S, sums: lane i gains the piece's 64-bit word i (one vpaddq);
 // * P, products: each 32-bit half of lane i gains w0 * k0 + w1 * k1 (mod 2^32) for its two signed
-//   16-bit words w0, w1 of the stripe, with keys k of the stripe's position mod 16 (512 distinct
-//   odd constants): one vpmaddwd and one vpaddd per stripe;
-// * S, sums: lane i gains the stripe's 64-bit word i (one vpaddq);
-// after every 16 stripes both sets are scrambled (XXH3's scramble, (x ^ x >> 47 ^ key) * PRIME32_1,
-// a bijection per lane) and fold() scrambles both once more with their own keys and adds the 16
-// lanes. check_mix() (a bijection) then spreads every bit of that and of the seed over the result.
+//   16-bit words w0, w1 of the piece, with keys k of the piece's position mod 16 (256 distinct odd
+//   constants): one vpmaddwd and one vpaddd per piece; after every 16 pieces each 32-bit half of P
+//   is tripled (two adds), so pieces 16 apart, which share keys, are weighted apart.
+// fold: v_i = S_i + (P_i with its halves swapped), u = v_0 + rotl(v_1, 16) + rotl(v_2, 32) +
+// rotl(v_3, 48); check_mix() (a bijection) then spreads every bit of u and of the seed over the
+// result. There is no vector multiply and no per-row vector scramble (format 4 had two per row):
+// that is what lets one pass per row overlap one row's arithmetic with the next rows' cache misses.
 //
-// Strength (an integrity check against faults, stale and foreign bytes, not a MAC against an
-// adversary that can write the pool): a change within one 8-byte lane of one stripe always changes
-// S; a word swapped with its pair partner, or a stripe moved by 1-15 stripes, always changes P
-// (the keys differ and are odd, and |change x key| < 2^32); what changes the lanes reaches the
-// 64-bit result but with a chance near 2^-64 of matching, and so does a random, stale or foreign
-// row (its seed differs too). A structured change that cancels in P and S both needs several
-// words changed with values tied to the keys (~2^-32 for such a pattern at random) before the fold.
-// Format 2 (XXH3's stripe step: xor, shift, multiply, shuffle, two adds per stripe) has twice the
-// vector operations, yet measured only 10-15% slower per 656-1,152-B row (BENCHMARKS.md, "Token
-// format 3"); the gather serialises the check after the copies (token_rows.cpp), so the check's
-// cost is what separates it from a memcpy.
+// What it is for, and why it suffices: an integrity check against stray writes (a bug or a device
+// writing into a pinned block), torn rows (a row rewritten under a reader, a block freed and reused)
+// and stale or foreign bytes (another sequence, layer or position: the seed differs). It is not a
+// MAC: the pool's threat model (docs/ARCHITECTURE.md, "Integrity at row granularity") is that of
+// faults and bugs, and a writer that can write the pool can also write a matching check (as with
+// format 4: no change there). Against those causes:
+// * a change confined to one 32-bit half of one 8-byte lane of one piece (any single-bit or
+//   single-word error, a torn write of at most 4 aligned bytes) always changes v_i, so u: in the low
+//   half it changes S_i's low 32 bits and v_i's low half, which gets P's other half (fed only by the
+//   high words) swapped in; in the high half it changes S_i's high 32 bits (by d2 + d3 * 2^16 for the
+//   words' changes d, |d| < 2^16, nonzero) and v_i's high half, which gets P's low half (fed only by
+//   the low words). A change across both halves of a lane is caught unless it cancels in both
+//   halves at once (values tied to the keys: ~2^-64 at random);
+// * a word swapped with its pair partner, or a piece moved by 1-15 pieces, changes P (distinct
+//   odd keys), one moved by 16 the tripling (S alone cannot see a move);
+// * anything else that changes the lanes (a random, torn or foreign row) reaches the 64-bit result
+//   but with a chance near 2^-64 of matching; changes that cancel in S and P both need several
+//   words changed with values tied to the keys (~2^-32 for such a pattern at random), and a stray
+//   writer does not know them. What it gives up against format 4: nothing a fault produces; its
+//   fold is linear before check_mix, so crafted collisions are easier, which only an adversary
+//   with write access to the pool could exploit, and that adversary already defeats any unkeyed
+//   check.
 //
 // Kernels (picked once per process; every one returns the same value, tests/cpp/test_token_rows.cpp
-// compares them on every length 1..1,200 and random seeds):
-// * AVX-512 (F + BW): each 64-byte stripe of the row is loaded once into a register, stored to dst
-//   and accumulated from that same register; the tail is a byte-masked load and store (nothing past
-//   the row is read or written). So a concurrent writer of src can make the check fail, never make
-//   it match bytes other than those that reached dst.
-// * otherwise: memcpy, then the check over dst (the bytes as delivered), AVX2 or scalar.
+// compares them on every length 1..1,200, rows over several 16-piece rounds and extreme patterns):
+// * AVX-512 (F + BW): two pieces per 64-byte register (lanes 0-3 the even piece, 4-7 the odd one,
+//   added before the fold); the tail is a byte-masked load and store;
+// * AVX2: one piece per register; the tail is loaded in 16/8/4/2/1-byte parts;
+// * scalar: memcpy, then the check over dst (the reference the others are tested against).
+// Each vector kernel loads every byte of the row once into a register, stores that register to dst
+// and accumulates it: nothing past the row is read or written, and a concurrent writer of src can
+// make the check fail, never make it match bytes other than those that reached dst.
 #pragma once
 #include <cstddef>
 #include <cstdint>

@@ -111,16 +111,21 @@ namespace {
 // Gathers and verifies output rows [lo, hi) of a gather_rows call: row r is rank r % k of layer
 // first_layer + r / k, its index indices[r] (per layer) or indices[r % k], its bytes at out + r * R.
 //
-// Two phases per batch of rows: copy the batch (and read each row's stored check), then check the
-// batch as delivered. Why (src/bench/gather_micro.cpp measures the parts, its git history the older
-// variants; BENCHMARKS.md, "Token-row gather", has the figures): the copies alone run at a packed memcpy's
-// speed (rows are independent loads the CPU overlaps by itself); checking each row right after its copy
-// serialised the two (each row's misses waited behind the previous row's arithmetic: 0.3x of memcpy), and so
-// did, intermittently, a kernel that copies and checks a row in one pass (copy_row_check). A batch of 32 rows
-// (21-37 KiB of 656-1,152-B rows) is still in L1 when it is checked, so the check phase reads no line from L2
-// and the copy phase's misses overlap each other. So the check's cost adds to the copy's: the format-3 check
-// (row_check.h) costs ~18-20 ns per 656-B row in L1 on the VM of BENCHMARKS.md, format 2's 20-31 ns, format
-// 1's XXH3 32-40 ns; a copy from DRAM ~55-65 ns.
+// One pass per row (format 5): copy_row_check loads each 32-byte piece of the row once, stores it to
+// out and folds it into the row's check from the same register; the stored check (the slot's last 8
+// bytes, on the row's last line) is compared right after. Why one pass (BENCHMARKS.md, "Token format
+// 5"): format 4 copied a batch of rows, then checked the batch in L1, so the check's arithmetic was
+// serialised after the copies (0.64-0.71x of a packed memcpy); a one-pass kernel lets the CPU run one
+// row's arithmetic under the next rows' cache misses. Format 4's one-pass kernel (AVX-512, with a
+// vector-multiply scramble per row) was 2-10x slower than its two phases; without vector multiplies
+// in the row's pass (format 5's scalar fold) it still ran ~0.7x. The likely reason (an estimate from
+// instruction counts; no perf on the VM measured): a 656-B row's pass is ~140 instructions, so the
+// reorder buffer holds only 3-4 rows' cache misses, where glibc's memcpy of a row is ~50. So the loop
+// also prefetches the first two lines of the row kAhead rows ahead (a prefetch retires without
+// waiting for its line, so it keeps misses in flight beyond the reorder buffer; the hardware's
+// prefetchers appear to fetch the rest of the row). kAhead = 8 and two lines measured best among
+// 4/6/8/12/16 rows and 1/2/3/all lines (BENCHMARKS.md, "Token format 5").
+constexpr size_t kAhead = 8;
 GatherResult gather_range(const Pool& pool, const SeqRows& s, uint32_t first_layer, const int64_t* indices,
                           size_t k, bool indices_per_layer, char* out, size_t lo, size_t hi) {
   const TokenGeometry& g = *s.g;
@@ -132,40 +137,38 @@ GatherResult gather_range(const Pool& pool, const SeqRows& s, uint32_t first_lay
   const bool t_pow2 = (T & (T - 1)) == 0;
   const unsigned t_shift = unsigned(__builtin_ctz(T));
   GatherResult r;
-  constexpr size_t kBatch = 32;
-  uint64_t want[kBatch];  // the stored checks, read with each row's copy (from the row's own slot)
-  uint64_t pos[kBatch];   // the rows' positions
-  uint32_t lay[kBatch];   // and layers
-  bool present[kBatch];   // false: the block's offset lies outside the arena
   uint32_t layer = first_layer + uint32_t(lo / k);
-  size_t rank = lo % k;         // the row's place among its layer's k
-  uint32_t seed_layer = layer;  // the layer whose seed `seed` is
-  uint64_t seed = layer_seed(s.seq_hash, s.stream, seed_layer);
-  for (size_t b0 = lo; b0 < hi; b0 += kBatch) {
-    const size_t n = std::min(kBatch, hi - b0);
-    for (size_t i = 0; i < n; ++i, ++rank) {
-      if (rank == k) rank = 0, ++layer;
-      const size_t row = b0 + i;
-      const uint64_t p = uint64_t(indices_per_layer ? indices[row] : indices[rank]);
-      const uint64_t chunk = t_pow2 ? p >> t_shift : p / T;
-      const uint32_t t = uint32_t(t_pow2 ? p & (T - 1) : p % T);
-      pos[i] = p, lay[i] = layer;
-      const char* blk = pool.arena_bytes(s.offsets[chunk], block_bytes);
-      present[i] = blk != nullptr;
-      if (!blk) continue;
-      const char* slot = blk + (uint64_t(layer) * T + t) * S;  // g.row_off(layer, t)
-      std::memcpy(out + row * R, slot, R);
-      std::memcpy(&want[i], slot + check_at, 8);
-    }
-    // Check the bytes as delivered (never re-read the pool): a concurrent writer can only make the
-    // comparison fail, never make it pass for bytes other than those in out.
-    for (size_t i = 0; i < n; ++i) {
-      const size_t row = b0 + i;
-      if (lay[i] != seed_layer) seed_layer = lay[i], seed = layer_seed(s.seq_hash, s.stream, seed_layer);
-      if (!present[i] || row_check(out + row * R, R, row_seed(seed, pos[i])) != want[i]) {
-        r.status = GatherResult::kMiss, r.bad_pos = row, r.bad_index = int64_t(pos[i]), r.bad_layer = lay[i];
-        return r;
+  size_t rank = lo % k;  // the row's place among its layer's k
+  uint64_t seed = layer_seed(s.seq_hash, s.stream, layer);
+  for (size_t row = lo; row < hi; ++row, ++rank) {
+    if (rank == k) rank = 0, ++layer, seed = layer_seed(s.seq_hash, s.stream, layer);
+    const uint64_t p = uint64_t(indices_per_layer ? indices[row] : indices[rank]);
+    const uint64_t chunk = t_pow2 ? p >> t_shift : p / T;
+    const uint32_t t = uint32_t(t_pow2 ? p & (T - 1) : p % T);
+    if (rank + kAhead < k) {  // the same layer's row kAhead ahead (indices were all checked)
+      const uint64_t p2 = uint64_t(indices_per_layer ? indices[row + kAhead] : indices[rank + kAhead]);
+      const char* b2 = pool.arena_bytes(s.offsets[t_pow2 ? p2 >> t_shift : p2 / T], block_bytes);
+      if (b2) {
+        const char* s2 = b2 + (uint64_t(layer) * T + uint32_t(t_pow2 ? p2 & (T - 1) : p2 % T)) * S;
+        __builtin_prefetch(s2, 0, 3);
+        __builtin_prefetch(s2 + 64, 0, 3);
       }
+    }
+    const char* blk = pool.arena_bytes(s.offsets[chunk], block_bytes);
+    bool ok = blk != nullptr;
+    if (ok) {
+      const char* slot = blk + (uint64_t(layer) * T + t) * S;  // g.row_off(layer, t)
+      // The check of the bytes as delivered (the same registers were stored to out; the pool is never
+      // read again): a concurrent writer can only make the comparison fail, never make it pass for
+      // bytes other than those in out.
+      const uint64_t got = copy_row_check(out + row * R, slot, R, row_seed(seed, p));
+      uint64_t want;
+      std::memcpy(&want, slot + check_at, 8);
+      ok = got == want;
+    }
+    if (!ok) {
+      r.status = GatherResult::kMiss, r.bad_pos = row, r.bad_index = int64_t(p), r.bad_layer = layer;
+      return r;
     }
   }
   return r;

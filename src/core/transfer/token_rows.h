@@ -4,7 +4,7 @@
 // a token namespace (an ordinary namespace: index, pins, eviction and the whole-block checksum of
 // put/get all apply). Inside the block the rows are layer-first, so the rows of one layer for a
 // chunk are contiguous and a top-k gather of one layer touches only the rows it asks for. Each row
-// is followed by its check, in one slot of `row_stride` bytes (format 4):
+// is followed by its check, in one slot of `row_stride` bytes (formats 4 and 5):
 //
 //   [0, payload)             slots: slot (layer l, token t) at (l * T + t) * S, S = row_stride():
 //                              [0, R)        the row's bytes
@@ -20,7 +20,8 @@
 // row on average instead of 12; 1,152-B rows: 19 lines either way, but the same page).
 //
 // Integrity at row granularity: a gather checks every row it delivered (the bytes that reached
-// the caller's memory, never the pool's again) and compares it with the row's stored check. The seed binds a
+// the caller's memory: the same registers that were stored there, never the pool's bytes read again)
+// and compares it with the row's stored check. The seed binds a
 // row to its sequence, stream, layer and absolute position, so bytes of another block, another sequence or a
 // reused block never verify: a sequence evicted, overwritten or corrupted under a reader is a
 // miss, never wrong rows (probability ~2^-64 per row). Cost: one check per row read, not per block.
@@ -38,13 +39,15 @@
 namespace cxlkv::tokens {
 
 constexpr uint64_t kTokenBlockMagic = 0x4b4f54564b4c5843ull;  // "CXLKVTOK" little-endian
-// 4: format 3's check and seeds, each check stored beside its row (the slots above); 3: the row
+// 5: format 4's slots and seeds with row_check.h's one-pass check (32-byte pieces, sums and products,
+// no vector multiply; the gather copies and checks each row in one pass); 4: format 3's check and
+// seeds, each check stored beside its row (the slots above); 3: the row
 // check of row_check.h (products and sums, three vector operations per 64 bytes) with the seeds
 // below, all checks after the rows; 2: XXH3's stripe accumulator per row, four mixes per seed; 1:
 // check_mix(XXH3-64 of the row ^ seed). A block of another version is foreign to resolve_blocks (a miss), and
 // the version is part of every block's key (token_store.py), so a reader never checks rows of one version
 // with another's check.
-constexpr uint32_t kTokenBlockVersion = 4;
+constexpr uint32_t kTokenBlockVersion = 5;
 
 // Invariants: written once by the block's writer before put(); header_hash = XXH3-64 of the 56
 // bytes before it; 1 <= valid_tokens <= tokens_per_block; rows at positions >= valid_tokens are
