@@ -20,7 +20,7 @@ constexpr uint32_t kPiecesPerRound = 16;  // pieces between two triplings of P (
 // key is odd (a nonzero 16-bit change times it is nonzero mod 2^32) and all 256 differ: bits 1-4
 // are j % 16, bits 5-8 are w, the top 7 bits splitmix64's.
 struct MulKeys {
-  alignas(32) int16_t k[kPiecesPerRound][16];
+  alignas(64) int16_t k[kPiecesPerRound][16];  // 64: check_avx512 loads two pieces' keys aligned
 };
 constexpr MulKeys make_mul_keys() {
   MulKeys m{};
