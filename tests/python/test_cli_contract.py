@@ -176,3 +176,23 @@ def test_check_has_repair():
     args = cli.build_parser().parse_args(["pool", "check", "/p", "--repair"])
     assert args.repair is True
     assert cli.build_parser().parse_args(["pool", "check", "/p"]).repair is False
+
+
+def test_reap_wait_is_bounded_and_every_doc_says_so(capsys):
+    """`pool reap --wait` without SECONDS watches three leases (cmd_pool_reap), never "until it
+    dies" unbounded: the help and every document that describes the flag say the bound."""
+    args = cli.build_parser().parse_args(["pool", "reap", "1", "/dev/shm/x", "--wait"])
+    assert args.wait == 0.0  # the const cmd_pool_reap turns into three leases
+    cli.main(["pool", "reap", "--help"])
+    assert "three leases" in " ".join(capsys.readouterr().out.split())
+    root = README.parent
+    described = 0
+    for doc in [README, *sorted((root / "docs").glob("*.md"))]:
+        text = " ".join(doc.read_text().replace("#", " ").split())
+        for m in re.finditer(r"--wait\b", text):
+            if "reap" not in text[max(0, m.start() - 200) : m.start()]:
+                continue  # another command's --wait
+            described += 1
+            window = text[m.start() : m.start() + 250]
+            assert "three leases" in window, f"{doc.name}: reap --wait without its bound: {window!r}"
+    assert described >= 2
