@@ -444,3 +444,28 @@ def test_numpy_bfloat16_of_ml_dtypes_in_every_call(make_pool):
     np.testing.assert_array_equal(both[1].view(np.uint16), bits[1, [19, 1]])
     with pytest.raises(ValueError):  # another 2-byte dtype is still refused
         ts.gather(b"b", 1, [0], np.zeros((1, 8), np.float16))
+
+
+@pytest.mark.parametrize(
+    "dtype, ml_name",
+    [("fp8_e4m3", "float8_e4m3fn"), ("fp8_e5m2", "float8_e5m2"), ("fp8_e4m3fnuz", "float8_e4m3fnuz")],
+)
+def test_numpy_fp8_of_ml_dtypes_in_every_call(make_pool, dtype, ml_name):
+    """The same for ml_dtypes' fp8 types (numpy has none either): each is its layout dtype's alias
+    in the core's table, so append, gather and gather_layers take it; another fp8 is refused."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    mt = getattr(ml_dtypes, ml_name)
+    pool = make_pool(64 * MiB)
+    ts = pool.token_store(_layout(kind="mla", dtype=dtype, head_size=8, num_layers=2), max_tokens_per_seq=64)
+    bits = _rows(np.random.default_rng(_seed()), 2, 19, 8)
+    assert ts.append(b"f", bits.view(mt)) == 19
+    out = np.zeros((2, 8), mt)
+    ts.gather(b"f", 0, [18, 2], out)
+    np.testing.assert_array_equal(out.view(np.uint8), bits[0, [18, 2]])
+    both = np.zeros((2, 1, 8), mt)
+    ts.gather_layers(b"f", np.array([[7], [11]]), both)
+    np.testing.assert_array_equal(both[1].view(np.uint8), bits[1, [11]])
+    other = ml_dtypes.float8_e5m2 if ml_name != "float8_e5m2" else ml_dtypes.float8_e4m3fn
+    with pytest.raises(ValueError):  # same shape and size: only the dtype is wrong
+        ts.append(b"f", bits.view(other))
+    assert ts.length(b"f") == 19  # nothing stored
