@@ -183,7 +183,7 @@ def _path_or_default(path: PoolPath | None) -> str:
 
 
 def _check_text(what: str, text: str) -> None:
-    """F12: NUL would be cut when stored (every open then creates another namespace) and control
+    """Names are text without control characters: NUL would be cut when stored (every open then creates another namespace) and control
     characters reach operators' terminals. The core checks the bytes too; this names the field."""
     bad = next((c for c in text if ord(c) < 0x20 or ord(c) == 0x7F), None)
     if bad is not None:

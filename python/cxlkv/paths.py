@@ -1,4 +1,4 @@
-"""Where the default pool lives (F11).
+"""Where the default pool lives.
 
 /dev/shm is world-writable: a pool at a fixed name there can be pre-created by any user, who then
 reads (and can corrupt) the KV of every process that attaches to it. The default pool therefore

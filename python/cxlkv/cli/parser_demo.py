@@ -88,7 +88,7 @@ def add_demo(sub: Any, default_pool: str) -> None:
     # roi ----------------------------------------------------------------------------------------
     ro = sub.add_parser(
         "roi",
-        help="GPUs needed with and without the pool (the ByteDance cost model, seed 003 Table 1)",
+        help="GPUs needed with and without the pool (the ByteDance ROI model, docs/REFERENCES.md)",
     )
     ro.add_argument("--gpu-tflops", type=_pos_float, required=True, help="P: one GPU's TFLOP/s")
     ro.add_argument("--prefill-tflop", type=_pos_float, help="C0: TFLOP of an initial request's prefill")

@@ -89,7 +89,7 @@ def _fmt_value(key: str, value: Any) -> str:
 
 
 def no_controls(text: str) -> str:
-    """F18: strings read from a pool are written by any attached process; a control character
+    """Strings read from a pool are written by any attached process; a control character
     (ESC sequences, CR, C1 controls) would drive the operator's terminal. Show them as \\xNN."""
     return printable(text)
 

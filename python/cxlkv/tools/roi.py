@@ -1,5 +1,5 @@
-"""``cxlkv roi``: how many GPUs a KV pool saves, by the ByteDance cost model (seed 003, §3.4 and
-Appendix A.1, Table 1).
+"""``cxlkv roi``: how many GPUs a KV pool saves, by the ByteDance ROI model (docs/REFERENCES.md:
+§3.4 and Appendix A.1, Table 1).
 
 The model: a prefill that must finish within the TTFT SLO ``T_slo`` needs ``P0 = C0 / T_slo``
 FLOP/s when computed from scratch. A follow-up request (a fraction ``h`` of all requests) loads its
