@@ -31,6 +31,7 @@ msgspec = pytest.importorskip("msgspec")
 zmq = pytest.importorskip("zmq")
 
 from cxlkv.integrations import token_records as tr  # noqa: E402
+from cxlkv.integrations.coalesce_clock import CLOCK_NAMESPACE, clock_layout  # noqa: E402
 from cxlkv.integrations.keys import block_keys  # noqa: E402
 from test_connector_unit import BS, Engine, tokens  # noqa: E402
 
@@ -264,6 +265,9 @@ def test_query_cli_and_http(pool_path, model_dir):
         toks = tokens(21, 5 * BS + 1)
         run_request(e, "a", toks)
         e.finish("a")
+        # a coalescing writer's clock record: its namespace is not a second model
+        clocks = e.sched._session.pool.namespace(clock_layout(), name=CLOCK_NAMESPACE)
+        clocks.put(b"\x01" * 32, bytes(64))
         probe = toks[: 3 * BS] + [7] * (3 * BS)  # shares three blocks, then diverges
         out = subprocess.run(
             [sys.executable, "-m", "cxlkv", "query", "--pool", pool_path, "--json", *map(str, probe)],

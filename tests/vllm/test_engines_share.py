@@ -31,7 +31,7 @@ import torch
 from sglang.srt.mem_cache.utils import get_hash_str
 
 from conftest import BLOCK, words
-from cxlkv.integrations.coalesce_clock import kv_namespaces
+from cxlkv.integrations.namespace_kinds import kv_namespaces
 from cxlkv.testing import sglang_host
 from engine_proc import EngineProc
 

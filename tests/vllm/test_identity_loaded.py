@@ -12,7 +12,7 @@ import struct
 
 import cxlkv
 from conftest import BLOCK, run_engine, words
-from cxlkv.integrations.coalesce_clock import kv_namespaces
+from cxlkv.integrations.namespace_kinds import kv_namespaces
 
 EDITED = "model.layers.0.mlp.gate_proj.weight"
 

@@ -186,8 +186,3 @@ class ClockBoard:
         rec = self.records()
         if rec is not None:
             rec.delete(clock_key(intent, kv_ns.name))
-
-
-def kv_namespaces(pool: Any) -> list[dict]:
-    """pool.namespaces() without the clock records' namespace: the namespaces that hold KV."""
-    return [n for n in pool.namespaces() if n["name"] != CLOCK_NAMESPACE]

@@ -34,6 +34,7 @@ from cxlkv.errors import CommandError
 from cxlkv.index_scan import scan_index
 from cxlkv.integrations import token_records as tr
 from cxlkv.integrations.heads import head_key
+from cxlkv.integrations.namespace_kinds import is_kv_namespace
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 DEFAULT_TOPIC = "kv@cxlkv-{pool}@{namespace}"
@@ -129,7 +130,7 @@ class PoolEventSource:
         return bool(ns.contains(head_key(key, 1)))
 
     def _wanted(self, info: dict | None) -> bool:
-        return info is not None and not tr.is_record_namespace(info) and self.only in (None, info["name"])
+        return info is not None and is_kv_namespace(info) and self.only in (None, info["name"])
 
     def poll(self) -> dict[int, list]:
         """Events since the last poll: {namespace id: [event, ...]}, removals first."""

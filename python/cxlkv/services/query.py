@@ -23,15 +23,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import cxlkv
 from cxlkv.errors import CommandError
-from cxlkv.integrations import token_records as tr
 from cxlkv.integrations.heads import HeadNamespace, HeadPlan
 from cxlkv.integrations.keys import block_keys
+from cxlkv.integrations.namespace_kinds import kv_namespaces
 
 MAX_TOKENS = 1 << 20  # a request larger than this is refused, not hashed
-
-
-def kv_namespaces(pool: cxlkv.Pool) -> list[dict]:
-    return [n for n in pool.namespaces() if not tr.is_record_namespace(n)]
 
 
 def select_namespace(pool: cxlkv.Pool, model: str | None) -> dict:
