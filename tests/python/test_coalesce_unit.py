@@ -26,12 +26,14 @@ from cxlkv.integrations.coalesce import (
     WaitOp,
     WriterClock,
     compute_place,
+    cotoo_marker,
     intent_key,
 )
 from cxlkv.integrations.coalesce_clock import (
     CLOCK_NAMESPACE,
     CLOCK_RECORD,
     MIN_CLOCK_CHUNKS,
+    ClockBoard,
     clock_key,
     clock_layout,
 )
@@ -875,4 +877,60 @@ def test_a_pool_of_few_chunks_publishes_no_clocks(pool_path):
     b = scheduler(pool_path, prefill_tps=1.0)
     assert b.on_miss("r", keys, 0, 0, 4, True, True) is None  # unknown writer, a tie: computes
     for x in (a, b):
+        x.close()
+
+
+def test_an_engine_computing_too_on_these_cores_is_waited_for(pool_path):
+    """Three engines on two cores (issue 24 item 2, BENCHMARKS.md's three-server run): the writer
+    on core 1; the first comer on core 0 ties with it and computes the run too, and says so (it
+    holds the run's "computing too" marker for its host and cores, an intent, and publishes its
+    clock beside the run's ends); the second comer on core 0 then waits, for whichever of the two
+    is done first, rather than halving the first comer's core, with a bound that counts the shared
+    core. An engine on another core, one whose marker is gone (its request finished), or one that
+    publishes no place (a GPU engine) computes."""
+    wall = Clock()
+    wall.t = 4_000_000.0
+    tps = 4.0 * BS
+    core0 = (7, 0b01)
+
+    def engine(place, counts=None):
+        return scheduler(pool_path, counts, wall=wall, prefill_tps=tps, place=place)
+
+    counts = Counts()
+    a, b, c = engine((7, 0b10)), engine(core0, counts), engine(core0)
+    keys = chain(70, 8)  # 2 s in any engine
+    marker = cotoo_marker(intent_key(keys[0]), core0)
+    a.on_miss("w", keys, 0, 0, 8, True, True)
+    assert b.on_miss("r1", keys, 0, 0, 8, True, True) is None  # a core of its own: a tie, computes
+    assert counts == {"coalesce_declined": 1} and state_of(pool_path, marker) == "in_flight"
+    assert b.on_miss("r1", keys, 0, 0, 8, True, True) is None  # looked up again: not its own waiter
+    assert b.on_miss("r1b", keys, 0, 0, 8, True, True) is None  # its engine's own: vLLM's business
+    assert counts == {"coalesce_declined": 2}
+    s = Records(pool_path)
+    co = [s.ns.get_bytes(clock_key(intent_key(k), "coalesce-test", core0)) for k in keys]
+    assert [x is not None for x in co] == [True] + [False] * 6 + [True]  # beside the run's ends
+    rec = WriterClock.decode(co[0], wall.t)
+    assert rec is not None and rec.shares(core0) and rec.work == 8 * BS
+    wait = c.on_miss("r2", keys, 0, 0, 8, True, True)
+    assert wait is not None and wait.op.keys == keys
+    assert wait.wait_s == pytest.approx(4.0)  # 2 s here, doubled: the cores are shared
+    assert engine((7, 0b100)).on_miss("r3", keys, 0, 0, 8, True, True) is None  # core 2: computes
+    gpu = engine((0, 0))
+    assert gpu.on_miss("r4", keys, 0, 0, 8, True, True) is None and not gpu._cotoo  # place not known
+    # Its clock gone (or unbelievable), the marker still says it computes: assumed just begun.
+    s.ns.delete(clock_key(intent_key(keys[0]), "coalesce-test", core0))
+    s.ns.delete(clock_key(intent_key(keys[-1]), "coalesce-test", core0))
+    assert engine(core0).on_miss("r5", keys, 0, 0, 8, True, True) is not None
+    # A record read at one place that names another is not believed.
+    third = session(pool_path)
+    board, plain = ClockBoard(third, LOG), third.ns
+    board.publish(plain, intent_key(keys[1]), WriterClock(wall.t, tps, 32, 7, 0b1000), core0)
+    assert board.read(plain, intent_key(keys[1]), wall.t, core0) is None
+    assert board.read(plain, intent_key(keys[1]), wall.t, (7, 0b1000)) is None  # another key
+    # The first comer's request finishes: its marker and records go; the next on core 0 computes.
+    b.finished("r1", saves_in_flight=False)
+    assert state_of(pool_path, marker) == "reserved"
+    assert s.ns.get_bytes(clock_key(intent_key(keys[-1]), "coalesce-test", core0)) is None
+    assert engine(core0).on_miss("r6", keys, 0, 0, 8, True, True) is None
+    for x in (a, b, c, s, third):
         x.close()

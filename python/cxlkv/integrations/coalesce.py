@@ -34,7 +34,13 @@ already READY, and computes the rest at once.
   compute it (a tie is a loss: the wait's polls and load cost time, and a late writer costs the
   whole wait); a request that arrives when the writer is well on, whose engine has a long
   backlog, or that shares the writer's cores, waits.
-  Counted: ``coalesce_declined`` (computed instead).
+  Counted: ``coalesce_declined`` (computed instead). A request that declines first takes the
+  run's "computing too" marker for its host and cores (:func:`cotoo_marker`, an intent: one
+  engine per place gets it) and publishes its clock beside the run's first and last intents; a
+  later request on exactly those cores finds the marker held, reads that clock, takes the earlier
+  of the two expected times and counts its own compute as shared, so the second of two engines on
+  one core waits instead of halving the first (marker and clock go when the request finishes or
+  decides afresh).
 * Bounds: a wait lasts at most the estimated time to compute what it waits for in this engine
   (the blocks waited for plus the prompt tokens of other requests this engine still has to
   compute, which would share its steps), from this engine's measured prefill rate
@@ -67,6 +73,7 @@ import dataclasses
 import hashlib
 import os
 import socket
+import struct
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -75,6 +82,7 @@ from cxlkv.integrations.coalesce_clock import ClockBoard, WriterClock
 from cxlkv.integrations.transfer import BlockOp
 
 INTENT_SUFFIX = b"cxlkv-intent"
+COTOO_MARK_SUFFIX = b"cxlkv-intent-cotoo"
 # Waiting must be clearly shorter than computing: the writer's expected remaining time (plus the
 # settle below) times this margin must be under this engine's own time to compute the blocks now.
 # A tie is a loss (the wait's polls and the load cost time, and the estimate is uncertain).
@@ -123,6 +131,14 @@ def intent_key(chain_key: bytes) -> bytes:
     return hashlib.sha256(bytes(chain_key) + INTENT_SUFFIX).digest()
 
 
+def cotoo_marker(intent: bytes, place: tuple[int, int]) -> bytes:
+    """The intent "an engine at `place` (host, cpus: compute_place()) computes the run that begins
+    at `intent` too": sha256(intent | b"cxlkv-intent-cotoo" | host | cpus), held (never committed)
+    by the first engine there that declines to wait for the run's writer."""
+    where = struct.pack("<QQ", place[0] & (2**64 - 1), place[1] & (2**64 - 1))
+    return hashlib.sha256(bytes(intent) + COTOO_MARK_SUFFIX + where).digest()
+
+
 @dataclasses.dataclass(frozen=True)
 class Decision:
     """Why a request that misses where another engine computes the next blocks waits or not."""
@@ -131,16 +147,17 @@ class Decision:
     own_s: float  # this engine computing the covered blocks now (with its prefill backlog)
     writer_s: float  # the writer's expected remaining time, plus SETTLE_S
     known: bool  # the writer published its clock (else: assumed to have just begun, no backlog)
-    shared: bool = False  # the writer computes on this engine's CPUs
+    shared: bool = False  # the writer, or an engine computing them too, computes on this engine's CPUs
+    cotoo: bool = False  # an engine on this engine's CPUs computes them too (it declined its wait)
 
 
-def decide(own_s: float, writer_s: float, known: bool, shared: bool = False) -> Decision:
+def decide(own_s: float, writer_s: float, known: bool, shared: bool = False, cotoo: bool = False) -> Decision:
     """Wait only when waiting is clearly shorter than computing now: two engines of their own
     cores that begin the same prefix at the same moment with the same backlog compute it both (a
     tie is a loss); two that share cores would each compute at about half speed, so there the
-    one that comes second waits."""
-    cost = own_s * (SHARED_FACTOR if shared else 1.0)
-    return Decision(writer_s * WAIT_MARGIN < cost, own_s, writer_s, known, shared)
+    one that comes second waits (for the writer, or for an engine on its cores computing too)."""
+    cost = own_s * (SHARED_FACTOR if shared or cotoo else 1.0)
+    return Decision(writer_s * WAIT_MARGIN < cost, own_s, writer_s, known, shared or cotoo, cotoo)
 
 
 def _cpu_mask(spec: str) -> int:
@@ -240,6 +257,16 @@ class WaitOp:
 
 
 @dataclasses.dataclass
+class _CoToo:
+    """A request computing blocks another engine's intents cover: its place's marker for the run
+    and the intents its "computing too" clock is beside."""
+
+    reservation: Any
+    first: bytes  # the run's first intent
+    clocks: list
+
+
+@dataclasses.dataclass
 class _Intents:
     keys: list  # the intent keys this request holds (a subset of the reservation's)
     reservation: Any
@@ -275,6 +302,9 @@ class CoalesceScheduler:
         self._count = count
         self._log = logger
         self._intents: dict[str, _Intents] = {}
+        # Requests that declined a wait and compute blocks another engine's intents cover: the
+        # intents their "computing too" records are beside (removed when they finish or re-decide).
+        self._cotoo: dict[str, _CoToo] = {}
         self._pending: dict[str, WaitOp] = {}  # decided, blocks not allocated yet
         self._ready: list[WaitOp] = []  # blocks allocated: sent with the next metadata
         self._waiting: dict[str, WaitOp] = {}  # sent to the worker, outcome pending
@@ -284,12 +314,15 @@ class CoalesceScheduler:
         # is bounded by one wait.
         self._waited: set[str] = set()
 
-    def bounds(self, tokens: int, backlog: int = 0) -> tuple[float, float]:
+    def bounds(self, tokens: int, backlog: int = 0, shared: bool = False) -> tuple[float, float]:
         """(wait bound, stall bound) for waiting on `tokens` prompt tokens another engine computes,
         with `backlog` prompt tokens of other requests still to compute in this engine (they share
-        its steps with this request's prefill if it computed the blocks itself)."""
-        wait = min(self.cfg.wait_s, self.rate.seconds_for(tokens + backlog))
-        stall = max(MIN_STALL_S, STALL_FACTOR * self.rate.seconds_for(min(tokens, self._chunk)))
+        its steps with this request's prefill if it computed the blocks itself); `shared`: the
+        engine it waits for computes on this engine's CPUs, so computing here would take about
+        SHARED_FACTOR times as long (both would share the cores)."""
+        slow = SHARED_FACTOR if shared else 1.0
+        wait = min(self.cfg.wait_s, slow * self.rate.seconds_for(tokens + backlog))
+        stall = max(MIN_STALL_S, slow * STALL_FACTOR * self.rate.seconds_for(min(tokens, self._chunk)))
         return wait, stall
 
     def on_miss(
@@ -312,9 +345,10 @@ class CoalesceScheduler:
             if held.start == hit:
                 return None  # looked up again (not scheduled last time): still ours
             self.release(req_id, "looked up again at another block")
+        self._drop_cotoo(req_id)  # looked up again: it decides afresh
         wanted = [intent_key(k) for k in keys[hit:max_blocks]]
         local = {k for i in self._intents.values() for k in i.keys}
-        if wanted[0] in local:
+        if wanted[0] in local or any(wanted[0] == c.first for c in self._cotoo.values()):
             return None  # another request of this engine computes it: vLLM's own business
         res = self._session.call("coalesce", lambda ns: ns.reserve(wanted, start_depth=hit, blocks=False))
         states = list(res.states) if res is not None else ["failed"] * len(wanted)
@@ -343,7 +377,7 @@ class CoalesceScheduler:
             self._count("coalesce_declined")
             return None
         end = hit + covered
-        wait_s, stall_s = self.bounds(covered * self._block_size, backlog)
+        wait_s, stall_s = self.bounds(covered * self._block_size, backlog, decision.shared)
         op = BlockOp(req_id, list(keys[have:end]), [], start_depth=have)
         wait = WaitOp(op, wait_s, stall_s, already=hit - have, uncovered=max_blocks - end)
         self._pending[req_id] = wait
@@ -364,9 +398,14 @@ class CoalesceScheduler:
             writer_s = max(writer_s, self.rate.seconds_for(tokens))
         shared = any(c is not None and c.shares(self._place) for c in clocks)
         d = decide(own_s, writer_s + SETTLE_S, known, shared)
+        co_s = self._claim_cotoo(req_id, covered, hit, backlog) if not d.wait and self._place[0] else None
+        if co_s is not None:
+            # An engine on these very CPUs declined its wait and computes the run too: computing
+            # here as well would halve both; the blocks come from whichever of the two is first.
+            d = decide(own_s, min(writer_s, co_s) + SETTLE_S, known, shared, cotoo=True)
         self._log.info(
             "cxlkv: %s: blocks %d-%d are being computed by another engine, expected in %.2f s (%s); "
-            "computing them here would take %.2f s (%d tokens of backlog at %.0f tokens/s%s): %s",
+            "computing them here would take %.2f s (%d tokens of backlog at %.0f tokens/s%s%s): %s",
             req_id,
             hit,
             hit + len(covered) - 1,
@@ -376,13 +415,58 @@ class CoalesceScheduler:
             backlog,
             self.rate.tps,
             ", on the writer's cores" if shared else "",
+            ", an engine on these cores computes them too" if co_s is not None else "",
             "wait" if d.wait else "compute",
         )
         return d
 
-    def _read_clock(self, intent: bytes, now: float) -> WriterClock | None:
+    def _claim_cotoo(self, req_id: str, covered: list, hit: int, backlog: int) -> float | None:
+        """This request would compute the `covered` blocks another engine's intents cover (a tie
+        with their writer). Several engines may do so, but on one set of CPUs only the first
+        should: it takes the run's "computing too" marker for its place (an intent, atomic: of two
+        engines on one core deciding at once, one gets it) and publishes its clock beside the
+        run's first and last intents. None: this request holds it (or none could be taken);
+        else the expected remaining time of the engine on these CPUs that holds it (its clock;
+        without one, assumed to have just begun at this engine's rate)."""
+        marker = cotoo_marker(covered[0], self._place)
+        res = self._session.call("coalesce", lambda ns: ns.reserve([marker], start_depth=hit, blocks=False))
+        state = str(res.states[0]) if res is not None else "failed"
+        if state == "reserved":
+            work = len(covered) * self._block_size + backlog
+            clock = WriterClock(self._wall(), self.rate.tps, work, *self._place)
+            published = [
+                k
+                for k in {covered[0], covered[-1]}
+                if self._session.call(
+                    "coalesce", lambda ns, k=k: self._clocks.publish(_plain(ns), k, clock, self._place)
+                )
+            ]
+            self._cotoo[req_id] = _CoToo(res, covered[0], published)
+            return None
+        if res is not None:
+            self._session.call("coalesce", lambda _ns: res.abort())
+        if state != "in_flight":
+            return None  # "capped" or "failed": nobody can say; decide as without it
+        now = self._wall()
+        co = [self._read_clock(k, now, self._place) for k in {covered[0], covered[-1]}]
+        known = [c.remaining(now) for c in co if c is not None]
+        return max(known) if known else self.rate.seconds_for(len(covered) * self._block_size)
+
+    def _drop_cotoo(self, req_id: str) -> None:
+        m = self._cotoo.pop(req_id, None)
+        if m is None:
+            return
+        self._session.call("coalesce", lambda _ns: m.reservation.abort())
+        for intent in m.clocks:
+            self._session.call(
+                "coalesce", lambda ns, i=intent: self._clocks.remove(_plain(ns), i, self._place)
+            )
+
+    def _read_clock(
+        self, intent: bytes, now: float, place: tuple[int, int] | None = None
+    ) -> WriterClock | None:
         return self._session.call(
-            "coalesce", lambda ns: self._clocks.read(_plain(ns), intent, now), retry=False
+            "coalesce", lambda ns: self._clocks.read(_plain(ns), intent, now, place), retry=False
         )
 
     def _publish_clock(self, intent: bytes, clock: WriterClock) -> bool:
@@ -468,6 +552,7 @@ class CoalesceScheduler:
         return self._floors.pop(req_id, 0)
 
     def release(self, req_id: str, why: str) -> None:
+        self._drop_cotoo(req_id)
         m = self._intents.pop(req_id, None)
         if m is not None:
             self._session.call("coalesce", lambda _ns: m.reservation.abort())
@@ -476,6 +561,7 @@ class CoalesceScheduler:
             self._log.debug("cxlkv: %s: %d intents released (%s)", req_id, len(m.keys), why)
 
     def finished(self, req_id: str, saves_in_flight: bool) -> None:
+        self._drop_cotoo(req_id)  # its prefill is over: nobody should wait for it any more
         self._pending.pop(req_id, None)
         self._waiting.pop(req_id, None)
         self._bad.pop(req_id, None)
@@ -487,6 +573,8 @@ class CoalesceScheduler:
     def close(self) -> None:
         for req_id in list(self._intents):
             self.release(req_id, "shutdown")
+        for req_id in list(self._cotoo):
+            self._drop_cotoo(req_id)
 
     def holds(self, req_id: str) -> bool:
         return req_id in self._intents

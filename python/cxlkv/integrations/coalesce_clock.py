@@ -42,6 +42,12 @@ import cxlkv
 from cxlkv.errors import LayoutMismatchError, NamespaceTableFullError
 
 CLOCK_SUFFIX = b"cxlkv-intent-clock"
+# A "computing too" record: an engine that declined to wait computes blocks another engine's
+# intents cover, and says so beside that run's first and last intents, under a key that also names
+# where it computes (host and CPUs): an engine on those very CPUs finds it, and waits for it rather
+# than halving both (coalesce.py). Several may compute one run at once, each on its own CPUs, so
+# there is one record per place, never one slot they overwrite.
+COTOO_SUFFIX = b"cxlkv-intent-cotoo"
 CLOCK_NAMESPACE = "cxlkv/coalesce-clocks"
 CLOCK_BLOCK_BYTES = 64  # one cache line: the smallest block stride the core allocates
 # A pool with fewer chunks than this publishes no clocks: the record namespace's chunk would be
@@ -77,10 +83,15 @@ def clock_layout() -> cxlkv.KVLayout:
     )
 
 
-def clock_key(intent: bytes, namespace: str) -> bytes:
+def clock_key(intent: bytes, namespace: str, place: tuple[int, int] | None = None) -> bytes:
     """Where the writer holding `intent` (its first or last) of KV namespace `namespace` publishes
-    its clock: sha256(intent | b"cxlkv-intent-clock" | namespace name)."""
-    return hashlib.sha256(bytes(intent) + CLOCK_SUFFIX + namespace.encode()).digest()
+    its clock: sha256(intent | b"cxlkv-intent-clock" | namespace name). With `place` (host, cpus):
+    where an engine computing there the blocks of that intent too publishes its clock,
+    sha256(intent | b"cxlkv-intent-cotoo" | host | cpus | namespace name)."""
+    if place is None:
+        return hashlib.sha256(bytes(intent) + CLOCK_SUFFIX + namespace.encode()).digest()
+    where = struct.pack("<QQ", place[0] & (2**64 - 1), place[1] & (2**64 - 1))
+    return hashlib.sha256(bytes(intent) + COTOO_SUFFIX + where + namespace.encode()).digest()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,26 +174,35 @@ class ClockBoard:
                     )
         return self._ns
 
-    def read(self, kv_ns: Any, intent: bytes, now: float) -> WriterClock | None:
+    def read(
+        self, kv_ns: Any, intent: bytes, now: float, place: tuple[int, int] | None = None
+    ) -> WriterClock | None:
+        """The writer's clock beside `intent`; with `place`: the clock of an engine computing its
+        blocks too on those CPUs (a record that does not say it computes there is not believed)."""
         rec = self.records()
         if rec is None:
             return None
-        c = WriterClock.decode(rec.get_bytes(clock_key(intent, kv_ns.name)), now)
+        c = WriterClock.decode(rec.get_bytes(clock_key(intent, kv_ns.name, place)), now)
         if c is None or c.start + c.work / c.tps + CLOCK_STALE_S < now:
             return None  # none, bad, or a dead writer's leftover (long past its expected end)
+        if place is not None and not c.shares(place):
+            return None
         return c
 
-    def publish(self, kv_ns: Any, intent: bytes, clock: WriterClock) -> bool:
+    def publish(
+        self, kv_ns: Any, intent: bytes, clock: WriterClock, place: tuple[int, int] | None = None
+    ) -> bool:
         """Puts the clock under `intent`'s key (a dead writer's leftover is replaced: whoever holds
-        the intent owns the record). False when it could not be put."""
+        the intent owns the record; with `place`, whoever computes there now). False when it could
+        not be put."""
         rec = self.records()
         if rec is None:
             return False
-        key = clock_key(intent, kv_ns.name)
+        key = clock_key(intent, kv_ns.name, place)
         rec.delete(key)
         return bool(rec.put(key, clock.encode()))
 
-    def remove(self, kv_ns: Any, intent: bytes) -> None:
+    def remove(self, kv_ns: Any, intent: bytes, place: tuple[int, int] | None = None) -> None:
         rec = self.records()
         if rec is not None:
-            rec.delete(clock_key(intent, kv_ns.name))
+            rec.delete(clock_key(intent, kv_ns.name, place))
