@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 
 import numpy as np
 import pytest
@@ -934,3 +935,43 @@ def test_an_engine_computing_too_on_these_cores_is_waited_for(pool_path):
     assert engine(core0).on_miss("r6", keys, 0, 0, 8, True, True) is None
     for x in (a, b, c, s, third):
         x.close()
+
+
+def test_the_clock_namespace_is_capped_to_one_chunk(pool_path):
+    """The first engine to open the records' namespace caps it with a namespace quota of one chunk's
+    blocks: records past that evict the namespace's own oldest records; a node whose home chunk is
+    full never carves another or steals one of KV (red-team review: leftovers of killed writers
+    grew it). Each writing node still carves its own home chunk (the allocator's per-node heaps)."""
+    a = scheduler(pool_path, prefill_tps=1e6)
+    a.on_miss("w", chain(73, 4), 0, 0, 4, True, True)
+    r = Records(pool_path)
+    info = next(n for n in r.pool.namespaces() if n["name"] == CLOCK_NAMESPACE)
+    per_chunk = info["blocks_per_chunk"]
+    [cap] = [q for q in r.pool.quotas() if q["namespace"] == CLOCK_NAMESPACE]
+    assert cap["kind"] == "namespace" and cap["max_bytes"] == per_chunk * 64
+    for i in range(per_chunk + 100):  # more records than one chunk holds
+        assert r.put(i.to_bytes(32, "little"), bytes(CLOCK_RECORD.size))
+    nid = r.pool.namespace_id(CLOCK_NAMESPACE)
+    # two writing nodes (the engine, this handle): a home chunk each, and never a third
+    assert next(u for u in r.pool.namespace_usage() if u["id"] == nid)["chunks"] == 2
+    assert r.get((per_chunk + 99).to_bytes(32, "little")) is not None  # the newest is kept
+    b = scheduler(pool_path, prefill_tps=1e6)  # a second engine sets no second row
+    b.on_miss("w2", chain(74, 4), 0, 0, 4, True, True)
+    assert len([q for q in r.pool.quotas() if q["namespace"] == CLOCK_NAMESPACE]) == 1
+    r.close()
+    for x in (a, b):
+        x.close()
+
+
+def test_a_pool_error_opening_the_clocks_is_no_clocks_not_a_broken_cache(pool_path):
+    """Clocks are an optimisation: a pool error while opening their namespace (here a read-only
+    handle, which cannot create it; a namespace-table lock timeout takes the same path and is
+    retried later) means no clocks and one warning; it never escapes into the session's guard,
+    which would serve without the KV cache from then on."""
+    with cxlkv.Pool.open(pool_path, read_only=True) as ro:
+        board = ClockBoard(types.SimpleNamespace(pool=ro), LOG)
+        assert board.records() is None and board.records() is None
+        assert (
+            board.publish(types.SimpleNamespace(name="coalesce-test"), b"k" * 32, WriterClock(1.0, 1.0, 1))
+            is False
+        )

@@ -9,25 +9,29 @@ evicted a real prompt block to hold 44 bytes: two per request being prefilled.
 So the records live in a namespace of their own, :data:`CLOCK_NAMESPACE`, of 64-byte blocks
 (:func:`clock_layout`), one per pool, shared by every KV namespace in it:
 
-* **Cost.** A namespace holds whole chunks, so the records cost one chunk of the pool, carved at
-  the first record (fixed, not per record: a 4 MiB chunk holds 4,096 records, a 64 MiB one 65,535
-  -- one block descriptor per KiB of a chunk bounds the count -- and a full record namespace
-  evicts its own oldest records, never KV). One chunk per pool, not per model: every
-  KV namespace's records share it. The allocator hands chunks over by fair share (a namespace
-  steals only from one that holds at least two more), so once carved it is never taken back and
-  never taken from a namespace with fewer than two chunks. A pool of fewer than
+* **Cost.** A namespace holds whole chunks, and each node allocates from a home chunk of its own,
+  so the records cost one chunk per engine that writes them, carved at its first record (fixed,
+  not per record: a 4 MiB chunk holds 4,096 records, a 64 MiB one 65,535 -- one block
+  descriptor per KiB of a chunk bounds the count), shared by every KV namespace's records. It
+  stays at that because the first engine to open the namespace caps it with a namespace quota
+  of one chunk's blocks (:meth:`ClockBoard._cap`): a put into a full record namespace evicts its
+  own oldest records first, where without the cap the allocator would carve another chunk or steal
+  one of KV (the leftovers of writers killed mid-prefill would grow it). Carved chunks are never
+  taken back (fair share steals only from a namespace with two more chunks than the thief). A pool of fewer than
   :data:`MIN_CLOCK_CHUNKS` chunks (a test pool of a few MiB) publishes no clocks: there a chunk is
   more KV than the clocks are worth, and coalescing decides as with a writer that published none
   (assumed to have just begun, at the waiter's rate; its intents still say what it computes).
 * **Quotas.** The namespace is opened with no tenant, so records are charged to no tenant's quota:
   a writer's clock never makes its tenant's KV over quota (a tenant's own put evicts its own
-  blocks first). An operator may cap the namespace itself (``pool quota --namespace``); its puts
-  then evict its own records.
+  blocks first). The namespace's own quota row is the one-chunk cap above (one of the pool's
+  quota rows).
 * **Identity.** A record's key is derived from the KV namespace's name and the writer's intent
   (:func:`clock_key`): records of two models never alias, and never a block's or an intent's key.
 * **Untrusted.** A record read is decoded and validated (:meth:`WriterClock.decode`); a missing,
   forged or stale one is "no clock", never a hang or an error. A namespace of that name with
-  another layout (not ours) or a full namespace table: no clocks, one warning.
+  another layout (not ours), a full namespace table, or any other pool error while opening it (a
+  namespace-table lock timeout: tried again after :data:`CLOCK_RETRY_S`): no clocks, one
+  warning, never an error that would cost the engine its KV cache.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import dataclasses
 import hashlib
 import math
 import struct
+import time
 from typing import Any
 
 import cxlkv
@@ -67,6 +72,9 @@ CLOCK_SKEW_S = 5.0  # a record that begins this far in this host's future is not
 # A record this long past its writer's expected end is a leftover (its writer could not replace
 # it), not the clock of the live writer that holds the intent now: no clock.
 CLOCK_STALE_S = 300.0
+# An open of the record namespace that failed for a cause that may pass (its table's lock held by a
+# stalled node: up to three leases on the scheduler's thread) is tried again this much later.
+CLOCK_RETRY_S = 60.0
 
 
 def clock_layout() -> cxlkv.KVLayout:
@@ -143,6 +151,7 @@ class ClockBoard:
         self._pool: Any = None  # the pool handle self._ns belongs to
         self._ns: Any = None
         self._warned = False
+        self._retry_at = 0.0  # when an open that failed for a passing cause is tried again
 
     def records(self) -> Any:
         pool = getattr(self._session, "pool", None)
@@ -160,19 +169,55 @@ class ClockBoard:
                     MIN_CLOCK_CHUNKS,
                 )
                 return None
-            try:
-                self._ns = pool.namespace(clock_layout(), name=CLOCK_NAMESPACE)
-            except (LayoutMismatchError, NamespaceTableFullError) as e:
-                if not self._warned:
-                    self._warned = True
-                    self._log.warning(
-                        "cxlkv: coalescing publishes no writer clocks: namespace %r cannot be opened "
-                        "(%s: %s)",
-                        CLOCK_NAMESPACE,
-                        type(e).__name__,
-                        e,
-                    )
+            self._ns = self._open(pool)
+        elif self._ns is None and self._retry_at and time.monotonic() >= self._retry_at:
+            self._ns = self._open(pool)
         return self._ns
+
+    def _open(self, pool: Any) -> Any:
+        """The record namespace, capped to one chunk; None (one warning) when it cannot be opened.
+        Clocks are an optimisation: no error here may cost the engine its KV cache (the session's
+        guard treats an escaping error as a broken pool), so every pool error but a fence (the
+        session attaches anew) means "no clocks", retried after CLOCK_RETRY_S when it may pass (a
+        namespace-table lock held by a stalled node)."""
+        self._retry_at = 0.0
+        try:
+            ns = pool.namespace(clock_layout(), name=CLOCK_NAMESPACE)
+            self._cap(pool)
+            return ns
+        except cxlkv.FencedError:
+            raise
+        except cxlkv.CxlkvError as e:
+            if not isinstance(e, (LayoutMismatchError, NamespaceTableFullError, cxlkv.ReadOnlyError)):
+                self._retry_at = time.monotonic() + CLOCK_RETRY_S
+            if not self._warned:
+                self._warned = True
+                self._log.warning(
+                    "cxlkv: coalescing publishes no writer clocks: namespace %r cannot be opened (%s: %s)%s",
+                    CLOCK_NAMESPACE,
+                    type(e).__name__,
+                    e,
+                    f"; retried every {CLOCK_RETRY_S:.0f} s" if self._retry_at else "",
+                )
+            return None
+
+    def _cap(self, pool: Any) -> None:
+        """Caps the record namespace to one chunk with a namespace quota, so that a full one evicts
+        its own oldest records and never carves a new chunk or steals one of KV (its leftovers:
+        writers killed mid-prefill; thousands of prefills at once). Set once per pool (the
+        quota table keeps it); with no quota row free the records go uncapped (one warning)."""
+        info = next(n for n in pool.namespaces() if n["name"] == CLOCK_NAMESPACE)
+        # a quota counts the bytes of the blocks held: one chunk's blocks (one per KiB of it)
+        cap = int(info["blocks_per_chunk"]) * int(info["block_bytes"])
+        for q in pool.quotas():
+            if q["kind"] == "namespace" and q["namespace"] == CLOCK_NAMESPACE and q["max_bytes"] == cap:
+                return
+        try:
+            pool.set_quota(namespace=CLOCK_NAMESPACE, max_bytes=cap)
+        except cxlkv.ReadOnlyError:
+            pass  # a read-only handle writes no records either
+        except cxlkv.QuotaTableFullError as e:
+            self._log.warning("cxlkv: writer clock records are not capped to one chunk (%s)", e)
 
     def read(
         self, kv_ns: Any, intent: bytes, now: float, place: tuple[int, int] | None = None
