@@ -340,6 +340,7 @@ __all__ += ["TINY_SWA_LLAMA_NAME", "tiny_swa_llama"]
 # --------------------------------------------------------------------------- tiny Nemotron-H
 
 TINY_NEMOTRON_H_NAME = "tiny-nemotron-h-v2"
+TINY_NEMOTRON_H_TP_NAME = "tiny-nemotron-h-2g-v1"
 # Weights scaled up from transformers' initialisation (std 0.02): the outputs then depend on the
 # context enough that a wrong SSM state shows in the greedy tokens and their logprobs.
 TINY_NEMOTRON_H_WEIGHT_SCALE = 4.0
@@ -385,7 +386,7 @@ def _save_tiny_hybrid(
     }
 
 
-def _tiny_nemotron_h_build(out: Path) -> dict:
+def _tiny_nemotron_h_build(out: Path, groups: int = 1) -> dict:
     from transformers import NemotronHConfig, NemotronHForCausalLM
 
     config = NemotronHConfig(
@@ -399,13 +400,17 @@ def _tiny_nemotron_h_build(out: Path) -> dict:
         mamba_num_heads=4,
         mamba_head_dim=64,
         ssm_state_size=16,
-        n_groups=1,
+        n_groups=groups,
         max_position_embeddings=4096,
         # without it vLLM cannot tell the runner and serves the model as a pooling model
         architectures=["NemotronHForCausalLM"],
     )
     return _save_tiny_hybrid(
-        out, config, NemotronHForCausalLM, TINY_NEMOTRON_H_WEIGHT_SCALE, "cxlkv tiny random Nemotron-H"
+        out,
+        config,
+        NemotronHForCausalLM,
+        TINY_NEMOTRON_H_WEIGHT_SCALE,
+        "cxlkv tiny random Nemotron-H" + (f", {groups} groups" if groups > 1 else ""),
     )
 
 
@@ -419,7 +424,16 @@ def tiny_nemotron_h(path: PathLike | None = None) -> str:
     )
 
 
-__all__ += ["TINY_NEMOTRON_H_NAME", "tiny_nemotron_h"]
+def tiny_nemotron_h_tp(path: PathLike | None = None) -> str:
+    """The tiny Nemotron-H with two groups in its Mamba-2 layer (two heads each), which vLLM
+    splits over two TP ranks group by group (one group is replicated on every rank instead)."""
+    return _build_once(
+        Path(path) if path else model_cache_dir() / TINY_NEMOTRON_H_TP_NAME,
+        lambda out: _tiny_nemotron_h_build(out, groups=2),
+    )
+
+
+__all__ += ["TINY_NEMOTRON_H_NAME", "TINY_NEMOTRON_H_TP_NAME", "tiny_nemotron_h", "tiny_nemotron_h_tp"]
 
 
 # --------------------------------------------------------------------------- tiny Qwen3-Next, Jamba, Granite 4
