@@ -647,6 +647,21 @@ def test_bench_tp_smoke(scratch_pool_dir):
     assert "TP=2 rank from TP=1" in text and "ratio" in text
 
 
+def test_bench_tp_state_smoke(scratch_pool_dir):
+    """`bench tp --state` (SSM states: per-key-head unit entries vs one whole-state entry) at a tiny
+    geometry: both loads checked byte for byte inside the run, its pool removed."""
+    tiny = ["--state", "--layers", "1", "--heads", "2", "--blocks", "2", "--iters", "1"]
+    tiny += ["--pool-dir", str(scratch_pool_dir)]
+    out = json_of(
+        ok(cxlkv_cli("bench", "tp", "--json", *tiny)),
+        {"bench", "ratio_tp2_from_tp1_vs_same_tp", "ratio_tp1_units_vs_whole", "load"},
+    )
+    assert out["bench"] == "tp-state" and out["geometry"]["key_heads"] == 2
+    assert out["tp2_rank_from_tp1_units"]["bytes"] * 2 == out["tp1_from_units"]["bytes"]
+    assert not os.listdir(scratch_pool_dir)
+    assert "TP=2 rank from TP=1 unit entries" in ok(cxlkv_cli("bench", "tp", *tiny)).stdout
+
+
 def test_roi_smoke():
     """The cost model through the installed CLI: the paper's example, one JSON object."""
     r = ok(

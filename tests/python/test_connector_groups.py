@@ -347,6 +347,23 @@ def test_a_prefill_ending_mid_block_stores_no_state(pool_path, model_dir):
     a.close(), b.close()
 
 
+def test_a_block_size_the_engine_core_lost_after_start_up_is_put_back(pool_path, model_dir, caplog):
+    """vLLM's multiprocess engine core re-initialises its config after its handshake and its
+    platform's default block size comes back, smaller than the groups' (vLLM rounded it up for the
+    states): its scheduler would end prefill chunks mid-block, where no state is stored. The
+    connector puts the groups' size back before it answers the first lookup."""
+    a = SsmHybrid(pool_path, model_dir)
+    cc = a.sched.connector_scheduler._cache_config
+    cc.block_size, cc.mamba_cache_mode, cc.mamba_block_size = BS // 2, "align", 16  # as vLLM leaves them
+    with caplog.at_level("INFO"):
+        a.sched.get_num_new_matched_tokens(make_req("p", tokens(16, 3 * BS + 1)), 0)
+    assert (cc.block_size, cc.mamba_block_size) == (BS, BS)
+    assert sum("reset its cache block size" in r.getMessage() for r in caplog.records) == 1
+    a.sched.get_num_new_matched_tokens(make_req("q", tokens(17, 3 * BS + 1)), 0)  # once
+    assert sum("reset its cache block size" in r.getMessage() for r in caplog.records) == 1
+    a.close()
+
+
 def test_fresh_engine_loads_the_state_at_the_hit_into_its_block(pool_path, model_dir):
     toks = tokens(13, N_BLOCKS * BS + 1)
     a = produce_ssm(pool_path, model_dir, toks)

@@ -38,27 +38,26 @@ def shards(layout="SD"):
     return ss.gdn_shards(NK, NV, HK, HV, KERNEL, layout)
 
 
-def vllm_rank_state(full, tp, rank, layout="SD"):
+def vllm_rank_state(full, tp, rank, layout="SD", segments=(NK * HK, NK * HK, NV * HV)):
     """What vLLM's rank ``rank`` of ``tp`` holds of a TP=1 layer state (conv, ssm), each
-    ``[NB, ...]``: the conv channels split by vLLM's own GDN conv loader, the SSM state by value
-    head with the same loader (one segment)."""
+    ``[NB, ...]``: the conv channels split by vLLM's own conv loader (a GDN's segments by
+    default; a Mamba-2's ``[x | B | C]``, the output sizes its ``MergedColumnParallelLinear``
+    conv splits alike), the SSM state by head with the same loader (one segment)."""
     from vllm.model_executor.layers.mamba.mamba_mixer2 import mamba_v2_sharded_weight_loader
 
     conv, ssm = full
-    key_dim, value_dim = NK * HK, NV * HV
     # the loader shards dim 0: channels first ([C, blocks * state_len])
     chans = conv.transpose(1, 2) if layout == "SD" else conv  # [NB, C, L]
     c_first = chans.permute(1, 0, 2).reshape(chans.shape[1], -1)
     part = torch.empty(c_first.shape[0] // tp, c_first.shape[1], dtype=conv.dtype)
-    mamba_v2_sharded_weight_loader(
-        [(key_dim, 0, False), (key_dim, 0, False), (value_dim, 0, False)], tp, rank
-    )(part, c_first)
+    mamba_v2_sharded_weight_loader([(n, 0, False) for n in segments], tp, rank)(part, c_first)
     local = part.reshape(part.shape[0], NB, -1).permute(1, 0, 2)  # [NB, C/tp, L]
     local_conv = (local.transpose(1, 2) if layout == "SD" else local).contiguous()
-    s_first = ssm.permute(1, 0, 2, 3).reshape(NV, -1)
-    s_part = torch.empty(NV // tp, s_first.shape[1], dtype=ssm.dtype)
-    mamba_v2_sharded_weight_loader([(NV, 0, False)], tp, rank)(s_part, s_first)
-    local_ssm = s_part.reshape(NV // tp, NB, HV, HK).permute(1, 0, 2, 3).contiguous()
+    heads = ssm.shape[1]
+    s_first = ssm.permute(1, 0, 2, 3).reshape(heads, -1)
+    s_part = torch.empty(heads // tp, s_first.shape[1], dtype=ssm.dtype)
+    mamba_v2_sharded_weight_loader([(heads, 0, False)], tp, rank)(s_part, s_first)
+    local_ssm = s_part.reshape(heads // tp, NB, *ssm.shape[2:]).permute(1, 0, 2, 3).contiguous()
     return local_conv, local_ssm
 
 
@@ -219,3 +218,96 @@ def test_raw_state_pages_are_unpacked_as_the_mixer_binds_them():
     for a, b in zip(ours, mixer.kv_cache, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape and a.data_ptr() == b.data_ptr()
         assert a.stride() == b.stride()
+
+
+# -------------------------------------------------------------------------------------------------
+# Mamba-2 (Nemotron-H, Granite 4): one unit per group, checked against vLLM's mamba2_state_shape
+# and its conv loader's split of [x | B | C]; a one-group model (vLLM replicates its group on every
+# rank) is no cut at TP > 1.
+G, H, P, N = 4, 8, 3, 5  # groups, heads (2 per group), head dim, state size
+
+
+def m2_shards(layout="SD", groups=G):
+    return ss.mamba2_shards(groups, H, P, N, KERNEL, layout)
+
+
+def m2_vllm_shapes(tp, groups=G):
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
+
+    return MambaStateShapeCalculator.mamba2_state_shape(tp, H * P, groups, H, P, N, KERNEL)
+
+
+def m2_spec(tp, groups=G):
+    return SimpleNamespace(
+        shapes=m2_vllm_shapes(tp, groups), mamba_type=SimpleNamespace(name="MAMBA2"), mamba_cache_mode="align"
+    )
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_mamba2_rank_shapes_are_vllms_and_follow_the_config(tp):
+    assert m2_shards().local_shapes(tp) == [tuple(s) for s in m2_vllm_shapes(tp)]
+    for cfg in (SimpleNamespace(n_groups=G), SimpleNamespace(mamba_n_groups=G)):  # Nemotron-H, Granite 4
+        assert vsg.shards_of(m2_spec(tp), cfg, "SD", tp) == m2_shards()
+        assert vsg.unservable(m2_spec(tp), tp, m2_shards()) is None
+    assert "units=4" in m2_shards().describe()
+
+
+def test_mamba2_with_one_group_is_no_cut_at_tp2():
+    """vLLM gives each rank of a one-group model a copy of the group (extra_groups_for_head_shards):
+    not one unit per group, so refused at TP > 1; at TP=1 the one group is one unit."""
+    one = SimpleNamespace(n_groups=1)
+    assert vsg.shards_of(m2_spec(1, 1), one, "SD", 1) == m2_shards(groups=1)
+    assert vsg.shards_of(m2_spec(2, 1), one, "SD", 2) is None
+    assert "MAMBA2 state" in (vsg.unservable(m2_spec(2, 1), 2, None) or "")
+    assert vsg.shards_of(m2_spec(2), SimpleNamespace(), "SD", 2) is None  # no groups in the config
+
+
+def m2_layout(sh):
+    return cxlkv.KVLayout(
+        model_id="test/mamba2-state",
+        dtype="bytes",
+        num_layers=LAYERS,
+        num_kv_heads=sh.units,
+        head_size=1,
+        tokens_per_block=16,
+        kind="opaque",
+        block_bytes=ss.unit_bytes(sh, [2, 4], LAYERS),
+    )
+
+
+def m2_ns(pool, tp, rank, layout="SD"):
+    sh = m2_shards(layout)
+    return ss.StateNamespace(pool.namespace(m2_layout(sh)), sh.plan(tp, rank), sh)
+
+
+def m2_rank_arrays(full, tp, rank, layout="SD"):
+    out = []
+    for i in range(0, len(full), 2):
+        out.extend(vllm_rank_state((full[i], full[i + 1]), tp, rank, layout, (H * P, G * N, G * N)))
+    return out
+
+
+@pytest.mark.parametrize("layout", ["SD", "DS"])
+def test_mamba2_states_cross_tp_sizes_both_ways_byte_for_byte(make_pool, layout):
+    pool = make_pool()
+    g = torch.Generator().manual_seed(5)
+    conv_shape, ssm_shape = (t.shape for t in m2_shards(layout).tensors)
+    full = []
+    for _ in range(LAYERS):
+        full.append(torch.randn((NB, *conv_shape), generator=g).to(CONV_DT))
+        full.append(torch.randn((NB, *ssm_shape), generator=g).to(SSM_DT))
+    keys, other = keys_of(2, "m"), keys_of(2, "n")
+    assert m2_ns(pool, 1, 0, layout).store(keys, full, [0, 3]) == 2  # TP=1 stores
+    for tp in (2, 4):
+        for rank in range(tp):
+            want = m2_rank_arrays(full, tp, rank, layout)
+            got = [torch.zeros_like(a) for a in want]
+            assert m2_ns(pool, tp, rank, layout).load(keys, got, [0, 3]) == 2
+            for x, w in zip(got, want, strict=True):
+                assert torch.equal(x[0], w[0]) and torch.equal(x[3], w[3]), (tp, rank)
+    for rank in range(2):  # TP=2 stores, TP=1 reads
+        assert m2_ns(pool, 2, rank, layout).store(other, m2_rank_arrays(full, 2, rank, layout), [1, 2]) == 2
+    got = [torch.zeros_like(a) for a in full]
+    assert m2_ns(pool, 1, 0, layout).load(other, got, [1, 2]) == 2
+    for x, w in zip(got, full, strict=True):
+        assert torch.equal(x[1:3], w[1:3])

@@ -4,7 +4,7 @@ prints one `RESULT <json>` line per round. Driven by tests/vllm/test_connector.p
     python llm_driver.py '<json spec>'
 
 spec: model ("tiny" | "tiny-swa" (sliding window on every other layer) | "tiny-nemotron-h" (an
-SSM hybrid) | "tiny-qwen3-next" | "tiny-jamba" | "tiny-granite4" (more SSM hybrids) | "smollm2" | a model directory), load_format (vLLM's), served_model_name (optional), pool (path),
+SSM hybrid) | "tiny-qwen3-next" | "tiny-qwen3-next-tp" | "tiny-nemotron-h-tp" | "tiny-jamba" | "tiny-granite4" (more SSM hybrids) | "smollm2" | a model directory), load_format (vLLM's), served_model_name (optional), pool (path),
 connector (bool), role ("kv_both" ...), on_pool_error ("fail": an unusable pool stops the engine
 instead of serving without the cache), max_num_batched_tokens (optional), prefix_caching (bool,
 default true), ids (bool: report prompt token ids), stats (bool: report preemptions and the
@@ -125,6 +125,8 @@ def main() -> None:
         model = models.tiny_nemotron_h()
     more_hybrids = {  # more SSM / linear-attention hybrids
         "tiny-qwen3-next": models.tiny_qwen3_next,
+        "tiny-qwen3-next-tp": models.tiny_qwen3_next_tp,  # two key heads: TP=1 and TP=2
+        "tiny-nemotron-h-tp": models.tiny_nemotron_h_tp,  # two Mamba-2 groups: TP=1 and TP=2
         "tiny-jamba": models.tiny_jamba,
         "tiny-granite4": models.tiny_granite4,
     }

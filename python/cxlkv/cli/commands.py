@@ -430,12 +430,24 @@ def cmd_bench_tp(args: argparse.Namespace) -> int:
     """bench tp (issue 22): its code is tools/bench_tp.py."""
     from cxlkv.tools import bench_tp
 
+    if args.state:  # SSM states (tools/bench_tp_state.py): --heads counts Gated DeltaNet key heads
+        from cxlkv.tools import bench_tp_state
+
+        state = bench_tp_state.run(
+            layers=args.layers or 4,
+            key_heads=args.heads or 16,
+            value_heads=2 * (args.heads or 16),
+            blocks=args.blocks or 8,
+            iters=args.iters,
+            pool_dir=args.pool_dir,
+        )
+        return _print_result(args, state, bench_tp_state.print_result)
     result = bench_tp.run(
-        layers=args.layers,
-        heads=args.heads,
+        layers=args.layers or 32,
+        heads=args.heads or 8,
         hs=args.head_size,
         bs=args.block,
-        blocks=args.blocks,
+        blocks=args.blocks or 64,
         iters=args.iters,
         copy_threads=args.copy_threads,
         pool_dir=args.pool_dir,

@@ -234,13 +234,26 @@ def add_bench(sub: Any, default_pool: str) -> None:
         help="a TP=2 rank loading its KV heads of blocks a TP=1 engine wrote, and a TP=1 load of "
         "per-head entries, each vs the whole-block layout at the same TP size (same run, one pool)",
     )
-    bt.add_argument("--layers", type=_pos_int, default=32, help="layers (default 32: Llama-3-8B)")
     bt.add_argument(
-        "--heads", type=_pos_int, default=8, help="KV heads at TP=1 (default 8; TP=2 splits them)"
+        "--layers", type=_pos_int, default=None, help="layers (default 32: Llama-3-8B; --state: 4)"
+    )
+    bt.add_argument(
+        "--heads",
+        type=_pos_int,
+        default=None,
+        help="KV heads at TP=1 (default 8; TP=2 splits them); --state: key heads (default 16: Qwen3-Next)",
     )
     bt.add_argument("--head-size", type=_pos_int, default=128, help="head size (default 128)")
     bt.add_argument("--block", type=_pos_int, default=16, help="tokens per block (default 16)")
-    bt.add_argument("--blocks", type=_pos_int, default=64, help="blocks per load call (default 64)")
+    bt.add_argument(
+        "--blocks", type=_pos_int, default=None, help="blocks per load call (default 64; --state: 8)"
+    )
+    bt.add_argument(
+        "--state",
+        action="store_true",
+        help="Gated DeltaNet state blocks instead of KV: a TP=2 rank loading its key heads' state "
+        "entries a TP=1 engine wrote, and TP=1 from those entries, each vs one whole-state entry",
+    )
     bt.add_argument("--iters", type=_pos_int, default=7, help="timed loads per case, median (default 7)")
     bt.add_argument(
         "--copy-threads",

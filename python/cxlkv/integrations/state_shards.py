@@ -98,6 +98,28 @@ def gdn_shards(
     )
 
 
+def mamba2_shards(
+    n_groups: int, num_heads: int, head_dim: int, state_size: int, conv_kernel: int, conv_layout: str
+) -> StateShards:
+    """A Mamba-2 layer (Nemotron-H, Granite 4): conv state over channels ``[x | B | C]``
+    (``num_heads * head_dim, n_groups * state_size, n_groups * state_size``: the conv's
+    ``MergedColumnParallelLinear`` output sizes, each split by rank), SSM state ``(num_heads,
+    head_dim, state_size)`` split by head. One unit per group (its heads' x channels and SSM
+    states, its B and C channels), so a TP size that divides the groups holds whole units; vLLM
+    replicates the one group of an ``n_groups == 1`` model on every rank instead, a layout one
+    unit per group does not describe (refused at TP > 1: vllm_state_groups.py)."""
+    x_dim, g_dim = num_heads * head_dim, n_groups * state_size
+    conv_dim, state_len = x_dim + 2 * g_dim, conv_kernel - 1
+    conv_shape, cdim = ((state_len, conv_dim), 1) if conv_layout == "SD" else ((conv_dim, state_len), 0)
+    return StateShards(
+        n_groups,
+        (
+            TensorShards(conv_shape, cdim, (x_dim, g_dim, g_dim)),
+            TensorShards((num_heads, head_dim, state_size), 0, (num_heads,)),
+        ),
+    )
+
+
 def _strides(a: Any) -> tuple[int, ...]:
     s = a.stride() if callable(getattr(a, "stride", None)) else a.strides
     item = 1 if callable(getattr(a, "stride", None)) else a.itemsize

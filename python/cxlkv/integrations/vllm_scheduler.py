@@ -74,6 +74,7 @@ class CxlKVScheduler:
         )
         self._session = self.ctx.session
         self._block_size = self.ctx.block_size
+        self._cache_config = getattr(vllm_config, "cache_config", None)
         self._can_load, self._can_save = self.ctx.can_load, self.ctx.can_save
         self._async_saves = self.ctx.async_saves
         self._adapters: dict[tuple[str, float], str | None] = {}
@@ -229,7 +230,38 @@ class CxlKVScheduler:
 
     # ------------------------------------------------------------------------------------------
     # lookups, allocation, the plan of each step
+    def _keep_block_size(self) -> None:
+        """Put back vLLM's cache block size where its engine core lost it after start-up.
+
+        vLLM rounds a hybrid model's block size up so that a page holds an SSM state (the tiny
+        Qwen3-Next with two key heads: 128 -> 256 tokens), in the workers, and its engine core
+        copies the groups' size into its config before it builds its scheduler and this connector
+        (``EngineCore._initialize_kv_caches``). A multiprocess engine core (every TP > 1 engine,
+        and ``vllm serve``) then re-runs the config's ``__post_init__`` once its handshake with the
+        front end is done (vLLM 0.32 ``EngineCoreProc._perform_handshakes``), and the platform's
+        defaults put the unrounded size back (vLLM CPU: 128). Its scheduler ends prefill chunks in "align" mode on
+        multiples of that field (``Scheduler._mamba_block_aligned_split``), so with 256-token
+        blocks a 401-token prompt's chunk ended at 384, mid-block: no step ended on a block
+        boundary, no state was stored (counted as skipped), and no engine could resume there
+        (vLLM's own prefix cache of states relies on the same chunk ends). The groups' size is what the workers and vLLM's KV
+        cache manager use: restored before the first request is scheduled (the scheduler asks
+        this connector before it sizes a new request's chunk)."""
+        cc = self._cache_config
+        if cc is None or getattr(cc, "block_size", self._block_size) == self._block_size:
+            return
+        logger.info(
+            "cxlkv: vLLM's engine core reset its cache block size to %s after start-up (its config "
+            "re-initialised); its KV cache groups use %d-token blocks: restored, so that prefill "
+            "chunks end on their block boundaries, where SSM states are stored",
+            cc.block_size,
+            self._block_size,
+        )
+        cc.block_size = self._block_size
+        if getattr(cc, "mamba_cache_mode", None) == "align":
+            cc.mamba_block_size = self._block_size
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int):
+        self._keep_block_size()
         st = self._state(request)
         self._release(st)
         self._coalesce.lookup_started(request.request_id)

@@ -8,7 +8,9 @@ prefill chunk on a block boundary, and a request that resumes at boundary ``h`` 
 initial state from block ``h - 1`` (the worker copies it forward before the forward pass). So
 the pool stores, per block key, the state of every layer of the group AT that boundary (one
 entry: each layer's conv state then SSM state, as vLLM's tensors hold them), and a hit at
-``h`` loads that one entry into the request's block ``h - 1``.
+``h`` loads that one entry into the request's block ``h - 1``. (A multiprocess engine core
+forgets a block size vLLM rounded up for the states and would end chunks on the smaller one,
+mid-block: the scheduler side puts it back, ``vllm_scheduler.CxlKVScheduler._keep_block_size``.)
 
 Which states are stored: a step that computed tokens ``[start, end)`` with ``end`` on a block
 boundary leaves the state of boundary ``end / B`` in block ``end / B - 1`` (vLLM's own
@@ -26,10 +28,11 @@ Refused at start-up (one line naming the group, :class:`vllm_groups.UnsupportedK
 ``mamba_cache_mode`` other than "align" (prefix caching off: vLLM keeps only each request's
 running state and cannot resume from a stored one), speculative blocks (vLLM relocates them
 between steps), and tensor parallelism > 1 for a mixer whose sharding cxlkv does not describe yet
-(Mamba-1, Mamba-2, short conv, linear attention): vLLM splits their states over the ranks in a
-layout of its own per mixer. Gated DeltaNet states (Qwen3-Next) are stored as one entry per key
-head, the same at every TP size (state_shards.py), and served at any TP size that divides the key
-heads.
+(Mamba-1, short conv, linear attention; Mamba-2 with one group, which vLLM replicates on every
+rank): vLLM splits their states over the ranks in a layout of its own per mixer. Gated DeltaNet
+states (Qwen3-Next) are stored as one entry per key head and Mamba-2 states (Nemotron-H, Granite
+4) as one entry per group, the same at every TP size (state_shards.py), and served at any TP
+size that divides the key heads (the groups).
 
 No vLLM import here: the engine-free unit tests use plain objects with the spec's fields."""
 
@@ -80,26 +83,41 @@ def shards_of(spec: Any, text_config: Any, conv_layout: str, tp_size: int) -> ss
     """How this group's states split over TP ranks (state_shards.py), derived from the model's
     config and checked against the shapes vLLM gave this rank; None where cxlkv does not describe
     the mixer's sharding (its states are then one entry per block, TP=1 only)."""
-    if (
-        mixer_of(spec) != "GDN_ATTN"
-        or text_config is None
-        or int(getattr(spec, "num_speculative_blocks", 0) or 0)
-    ):
+    if text_config is None or int(getattr(spec, "num_speculative_blocks", 0) or 0):
         return None
     try:
-        shards = ss.gdn_shards(
-            int(text_config.linear_num_key_heads),
-            int(text_config.linear_num_value_heads),
-            int(text_config.linear_key_head_dim),
-            int(text_config.linear_value_head_dim),
-            int(text_config.linear_conv_kernel_dim),
-            conv_layout,
-        )
-    except (AttributeError, TypeError, ValueError):
+        shards = _mixer_shards(mixer_of(spec), spec, text_config, conv_layout, tp_size)
+    except (AttributeError, TypeError, ValueError, IndexError):
         return None
-    if shards.units % tp_size or [tuple(s) for s in spec.shapes] != shards.local_shapes(tp_size):
+    if shards is None or shards.units % tp_size:
+        return None
+    if [tuple(s) for s in spec.shapes] != shards.local_shapes(tp_size):
         return None  # not the sharding described: refused at TP > 1, one entry at TP=1
     return shards
+
+
+def _mixer_shards(mixer: str, spec: Any, cfg: Any, conv_layout: str, tp_size: int) -> ss.StateShards | None:
+    if mixer == "GDN_ATTN":
+        return ss.gdn_shards(
+            int(cfg.linear_num_key_heads),
+            int(cfg.linear_num_value_heads),
+            int(cfg.linear_key_head_dim),
+            int(cfg.linear_value_head_dim),
+            int(cfg.linear_conv_kernel_dim),
+            conv_layout,
+        )
+    if mixer == "MAMBA2":
+        # The groups from the config (Nemotron-H / Mamba2Config: n_groups; Granite 4, Bamba:
+        # mamba_n_groups); heads, head dim and state size from this rank's SSM state (heads split
+        # by rank) and the conv width from its conv state; shards_of checks the conv channels.
+        groups = getattr(cfg, "n_groups", None)
+        groups = getattr(cfg, "mamba_n_groups", None) if groups is None else groups
+        conv, ssm = (tuple(s) for s in spec.shapes)
+        if groups is None or len(conv) != 2 or len(ssm) != 3:
+            return None
+        state_len = conv[0] if conv_layout == "SD" else conv[1]
+        return ss.mamba2_shards(int(groups), ssm[0] * tp_size, ssm[1], ssm[2], state_len + 1, conv_layout)
+    return None
 
 
 def conv_state_layout() -> str:
@@ -124,8 +142,9 @@ def unservable(spec: Any, tp_size: int, shards: ss.StateShards | None = None) ->
     if tp_size > 1 and shards is None and not getattr(spec, "tp_replicated", False):
         return (
             f"tensor_parallel_size {tp_size}: vLLM splits the {mixer_of(spec)} state over the ranks "
-            "in a layout cxlkv does not describe (it splits Gated DeltaNet states, over a number of "
-            "ranks dividing the key heads); serve it at TP=1"
+            "in a layout cxlkv does not describe (it splits Gated DeltaNet states over a number of "
+            "ranks dividing the key heads, and Mamba-2 states over a number of ranks dividing the "
+            "groups); serve it at TP=1"
         )
     return None
 

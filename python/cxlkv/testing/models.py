@@ -340,6 +340,7 @@ __all__ += ["TINY_SWA_LLAMA_NAME", "tiny_swa_llama"]
 # --------------------------------------------------------------------------- tiny Nemotron-H
 
 TINY_NEMOTRON_H_NAME = "tiny-nemotron-h-v2"
+TINY_NEMOTRON_H_TP_NAME = "tiny-nemotron-h-2g-v1"
 # Weights scaled up from transformers' initialisation (std 0.02): the outputs then depend on the
 # context enough that a wrong SSM state shows in the greedy tokens and their logprobs.
 TINY_NEMOTRON_H_WEIGHT_SCALE = 4.0
@@ -385,7 +386,7 @@ def _save_tiny_hybrid(
     }
 
 
-def _tiny_nemotron_h_build(out: Path) -> dict:
+def _tiny_nemotron_h_build(out: Path, groups: int = 1) -> dict:
     from transformers import NemotronHConfig, NemotronHForCausalLM
 
     config = NemotronHConfig(
@@ -399,13 +400,17 @@ def _tiny_nemotron_h_build(out: Path) -> dict:
         mamba_num_heads=4,
         mamba_head_dim=64,
         ssm_state_size=16,
-        n_groups=1,
+        n_groups=groups,
         max_position_embeddings=4096,
         # without it vLLM cannot tell the runner and serves the model as a pooling model
         architectures=["NemotronHForCausalLM"],
     )
     return _save_tiny_hybrid(
-        out, config, NemotronHForCausalLM, TINY_NEMOTRON_H_WEIGHT_SCALE, "cxlkv tiny random Nemotron-H"
+        out,
+        config,
+        NemotronHForCausalLM,
+        TINY_NEMOTRON_H_WEIGHT_SCALE,
+        "cxlkv tiny random Nemotron-H" + (f", {groups} groups" if groups > 1 else ""),
     )
 
 
@@ -419,13 +424,23 @@ def tiny_nemotron_h(path: PathLike | None = None) -> str:
     )
 
 
-__all__ += ["TINY_NEMOTRON_H_NAME", "tiny_nemotron_h"]
+def tiny_nemotron_h_tp(path: PathLike | None = None) -> str:
+    """The tiny Nemotron-H with two groups in its Mamba-2 layer (two heads each), which vLLM
+    splits over two TP ranks group by group (one group is replicated on every rank instead)."""
+    return _build_once(
+        Path(path) if path else model_cache_dir() / TINY_NEMOTRON_H_TP_NAME,
+        lambda out: _tiny_nemotron_h_build(out, groups=2),
+    )
+
+
+__all__ += ["TINY_NEMOTRON_H_NAME", "TINY_NEMOTRON_H_TP_NAME", "tiny_nemotron_h", "tiny_nemotron_h_tp"]
 
 
 # --------------------------------------------------------------------------- tiny Qwen3-Next, Jamba, Granite 4
 # More SSM / linear-attention hybrids, each two layers (a state layer, then an attention layer;
 # MoE MLPs where the architecture has them), random weights as the tiny Nemotron-H's.
 TINY_QWEN3_NEXT_NAME = "tiny-qwen3-next-v1"
+TINY_QWEN3_NEXT_TP_NAME = "tiny-qwen3-next-2kh-v1"
 TINY_JAMBA_NAME = "tiny-jamba-v1"
 TINY_GRANITE4_NAME = "tiny-granite4-v1"
 TINY_HYBRID_COMMON = dict(
@@ -438,7 +453,7 @@ TINY_HYBRID_COMMON = dict(
 )
 
 
-def _tiny_qwen3_next_build(out: Path) -> dict:
+def _tiny_qwen3_next_build(out: Path, key_heads: int = 1) -> dict:
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     config = Qwen3NextConfig(
@@ -451,8 +466,8 @@ def _tiny_qwen3_next_build(out: Path) -> dict:
         linear_conv_kernel_dim=4,
         linear_key_head_dim=128,  # vLLM CPU's Gated DeltaNet kernel takes head dim 128 only
         linear_value_head_dim=128,
-        linear_num_key_heads=1,
-        linear_num_value_heads=1,
+        linear_num_key_heads=key_heads,
+        linear_num_value_heads=key_heads,
         num_experts=4,  # a sparse MoE MLP with a shared expert on every layer
         num_experts_per_tok=2,
         moe_intermediate_size=64,
@@ -469,7 +484,7 @@ def _tiny_qwen3_next_build(out: Path) -> dict:
         config,
         Qwen3NextForCausalLM,
         TINY_NEMOTRON_H_WEIGHT_SCALE,
-        "cxlkv tiny random Qwen3-Next, A_log -6",
+        "cxlkv tiny random Qwen3-Next, A_log -6" + (f", {key_heads} key heads" if key_heads > 1 else ""),
         fill={"linear_attn.A_log": -6.0},
     )
 
@@ -540,6 +555,17 @@ def tiny_qwen3_next(path: PathLike | None = None) -> str:
     )
 
 
+def tiny_qwen3_next_tp(path: PathLike | None = None) -> str:
+    """The tiny Qwen3-Next with two key heads and two value heads in its Gated DeltaNet layer (vLLM
+    CPU's kernel takes head dim 128 only, so a model that splits over two TP ranks needs two heads
+    of 128), as its attention layer has two KV heads: served at TP=1 and TP=2. Its state (132 KiB
+    at TP=1, 66 KiB per rank at TP=2) makes vLLM's block 256 tokens at both sizes."""
+    return _build_once(
+        Path(path) if path else model_cache_dir() / TINY_QWEN3_NEXT_TP_NAME,
+        lambda out: _tiny_qwen3_next_build(out, key_heads=2),
+    )
+
+
 def tiny_jamba(path: PathLike | None = None) -> str:
     """A tiny random Jamba (a Mamba-1 layer, an attention layer with a MoE MLP). vLLM CPU 0.32
     does not run it (no Mamba-1 kernel: README "Hybrid models"); kept for engines that do."""
@@ -555,9 +581,11 @@ __all__ += [
     "TINY_GRANITE4_NAME",
     "TINY_JAMBA_NAME",
     "TINY_QWEN3_NEXT_NAME",
+    "TINY_QWEN3_NEXT_TP_NAME",
     "tiny_granite4",
     "tiny_jamba",
     "tiny_qwen3_next",
+    "tiny_qwen3_next_tp",
 ]
 
 
