@@ -1,6 +1,8 @@
 // Pool creation, opening an existing pool (its header is validated by Region::adopt), attachment.
 #include "pool.h"
 
+#include "pool_create.h"
+
 #include <dirent.h>
 #include <fcntl.h>
 #include <pthread.h>
@@ -43,24 +45,6 @@ uint64_t fork_generation() {
   return g_fork_generation.load(std::memory_order_relaxed);
 }
 }  // namespace
-
-// A creator killed mid-way leaves `<path>.init-<pid>-<rand>` behind (the pool never appeared at
-// `path`). Remove those whose creator is gone, so they do not pin /dev/shm memory forever.
-void remove_stale_init_files(const std::string& path) {
-  size_t slash = path.rfind('/');
-  std::string dir = slash == std::string::npos ? "." : path.substr(0, slash ? slash : 1);
-  std::string prefix = (slash == std::string::npos ? path : path.substr(slash + 1)) + ".init-";
-  DIR* d = ::opendir(dir.c_str());
-  if (!d) return;
-  while (dirent* e = ::readdir(d)) {
-    std::string name = e->d_name;
-    if (name.rfind(prefix, 0) != 0) continue;
-    long pid = std::strtol(name.c_str() + prefix.size(), nullptr, 10);
-    if (pid <= 0 || (::kill(pid_t(pid), 0) == 0 || errno != ESRCH)) continue;
-    ::unlink((dir + "/" + name).c_str());
-  }
-  ::closedir(d);
-}
 
 namespace {
 
@@ -112,10 +96,7 @@ std::unique_ptr<Pool> Pool::create(const std::string& path, const CreateOptions&
     CreateOptions o = opt;
     o.size = m.size();
     plan_geometry(h, o);
-    Coherence c(opt.backend);
-    c.publish(&sw->init.word, kInitBusy);
-    std::memset(m.base(), 0, kSharedWordsOff);
-    std::memset(m.base() + kSharedWordsOff + kCacheLine, 0, h.arena_off - kSharedWordsOff - kCacheLine);
+    clear_device_metadata(m.base(), h, opt.backend);
   } else {
     if (::access(path.c_str(), F_OK) == 0) {
       if (exist_ok) return open(path, open_options_of(opt));
@@ -131,34 +112,15 @@ std::unique_ptr<Pool> Pool::create(const std::string& path, const CreateOptions&
       throw ArgumentError(std::string(e.what()) + " (the " + std::to_string(opt.size) +
                           " bytes asked for, rounded down to whole huge pages)");
     }
-    remove_stale_init_files(path);
-    uint8_t r[4];
-    (void)::getrandom(r, sizeof r, 0);
-    char suffix[64];
-    std::snprintf(suffix, sizeof suffix, ".init-%d-%02x%02x%02x%02x", int(::getpid()), r[0], r[1], r[2],
-                  r[3]);
-    tmp = path + suffix;
+    tmp = init_names({path})[0];
     m = Mapping::create_file(tmp, fitted.size);  // zero-filled: every state word starts FREE/EMPTY
   }
-
-  h.checksum = header_checksum(h);
-  std::memcpy(m.base(), &h, sizeof h);
-  reinterpret_cast<SharedWords*>(m.base() + kSharedWordsOff)->init.pad[kInitIntentCap] =
-      intent_cap_of(h.index_slots, opt.intent_permille);  // flushed with the metadata below
-  Coherence c(opt.backend);
-  c.flush(m.base(), h.arena_off);
-  auto* sw = reinterpret_cast<SharedWords*>(m.base() + kSharedWordsOff);
-  c.publish(&sw->init.word, kInitReady);  // commit word, written last
-  if (!devdax) {
-    // The pool appears at `path` only once complete: link() fails if someone else won the race.
-    if (::link(tmp.c_str(), path.c_str()) != 0) {
-      int e = errno;
-      ::unlink(tmp.c_str());
-      if (e == EEXIST && exist_ok) return open(path, open_options_of(opt));
-      if (e == EEXIST) throw OsError(e, "pool " + path + " already exists");
-      throw OsError(e, "cannot create pool " + path + ": " + std::strerror(e));
-    }
-    ::unlink(tmp.c_str());
+  try {
+    commit_new_pool(m, h, nullptr, opt.intent_permille,
+                    devdax ? std::vector<std::string>{} : std::vector<std::string>{tmp}, {path});
+  } catch (const OsError& e) {
+    if (e.err != EEXIST || !exist_ok) throw;
+    return open(path, open_options_of(opt));
   }
   std::unique_ptr<Pool> p(new Pool());
   p->path_ = path;
@@ -180,8 +142,7 @@ std::unique_ptr<Pool> Pool::open(const std::string& path, const OpenOptions& opt
   p->read_only_ = opt.read_only;
   p->want_slot_ = opt.host_slot;
   if (is_device_list(path))
-    p->map_ = Mapping::open_striped(split_device_list(path), opt.populate, opt.read_only,
-                                    opt.allow_foreign_owner || opt.read_only, opt.allow_group);
+    p->map_ = map_striped(path, opt);  // striped_pool.cpp: the one validator before a stripe is mapped
   else
     p->map_ = Mapping::open_existing(path, kSharedWordsOff + kMetaAlign, opt.populate, opt.read_only,
                                      opt.allow_foreign_owner || opt.read_only, opt.allow_group);
@@ -274,11 +235,7 @@ void Pool::destroy(const std::string& path, const DestroyOptions& opt) {
   if (Mapping::is_devdax_path(path)) {
     char* b = p->region_.base();
     p->region_.reset();  // no detach: never attached
-    Coherence c;
-    auto* sw = reinterpret_cast<SharedWords*>(b + kSharedWordsOff);
-    c.publish(&sw->init.word, 0);
-    std::memset(b, 0, sizeof(PoolHeader));
-    kernels::writeback_lines(b, kHeaderBytes);
+    wipe_device_pool(b);
     return;
   }
   if (!p) {

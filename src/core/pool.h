@@ -34,13 +34,10 @@
 #include "region.h"
 #include "rpc_admin.h"
 #include "store_types.h"
+#include "stripe_table.h"
 #include "transfer.h"
 
 namespace cxlkv {
-
-// Removes `<path>.init-<pid>-<rand>` files whose creator process is gone (pool.cpp): what a
-// creator killed mid-way left behind, for a single-file pool and for each device of a striped one.
-void remove_stale_init_files(const std::string& path);
 
 // How Pool::open maps and trusts an existing pool (F11, F23).
 struct OpenOptions {
@@ -318,6 +315,8 @@ class Pool : private Allocator::Peers {
   static std::unique_ptr<Pool> create_striped(const std::string& spec, format::PoolHeader h,
                                               const CreateOptions& opt, bool exist_ok);
   static void destroy_striped(const std::string& spec, const DestroyOptions& opt);
+  // The one validator of a striped pool's devices before a stripe is mapped (the mapper only maps).
+  static Mapping map_striped(const std::string& spec, const OpenOptions& opt);
   // destroy's one refusal, plain and striped: PoolInUseError naming the attached processes.
   void refuse_destroy_if_attached(const std::string& spec);
   void validate_striping(const format::PoolHeader& h, const char* base);
