@@ -27,6 +27,7 @@
 #include "index_scan.h"
 #include "layout.h"
 #include "liveness.h"
+#include "lock_check.h"
 #include "mapping.h"
 #include "node_table.h"
 #include "pin_slots.h"
@@ -455,11 +456,7 @@ class Pool : private Allocator::Peers {
   void make_bakery(uint32_t row);
   uint32_t check_host_slot_unique();
   void settle_host_slot(bool observer);
-  struct RowUse {
-    std::vector<bool> mate;       // a live host-mate (same host id, shares rows) is on the row
-    std::vector<uint32_t> other;  // a live node of another host id is on the row (its id), else 0
-  };
-  RowUse row_use();
+  RowUse row_use();  // lock_check.h
   uint32_t probe_row(const std::vector<bool>& avoid);
   bool probing_ = false;       // the row was probed, not configured: it may move (settle_host_slot)
   uint32_t participant1_ = 0;  // tier-1 participant byte + 1 this attachment holds (0: none)
@@ -477,10 +474,7 @@ class Pool : private Allocator::Peers {
   std::unique_ptr<Bakery> lock_reader_;
   bool own_row(uint32_t row) const { return bakery_ && row == host_slot_; }
   void release_dead_rows(uint32_t idx, uint64_t reclaiming_word);
-  void check_lock_area(CheckReport& r);    // lock_check.cpp (r.repair: may reset orphaned rows)
-  void check_tier1_words(CheckReport& r);  // lock_check.cpp: forged or stale tier-1 words
-  void report_ticket(CheckReport& r, const format::LockLine& t, const std::string& what, bool foreign,
-                     bool row_live);
+  void check_lock_area(CheckReport& r);  // LockCheck (lock_check.h), merged into r (pool.cpp)
   void watch_undecided_nodes(CheckReport& r, int64_t watch_ms);  // check.cpp
   uint64_t participant_offset(uint32_t i) const {
     return (1ull << 49) + (host_id_ & 0xFFFFF) * kParticipants + i;

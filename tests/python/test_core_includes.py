@@ -29,7 +29,6 @@ KNOWN: dict[tuple[str, str], str] = {
         (f, "pool.h"): "a Pool member defined here (Pool is not yet a façade over owning types)"
         for f in (
             "nodes/host_slot.cpp",
-            "nodes/lock_check.cpp",
             "nodes/nodes.cpp",
             "store/check.cpp",
             "store/index.cpp",
