@@ -281,7 +281,7 @@ class Pool : private Allocator::Peers {
   // wait_ms > 0: keep watching a node judged alive or undecided until it is dead (then reclaim
   // it) or wait_ms passed.
   NodeInfo reap_node(uint32_t id, bool force, bool* reclaimed, uint64_t wait_ms = 0);
-  std::vector<NodeInfo> nodes();  // every non-FREE slot, judged now
+  std::vector<NodeInfo> nodes() { return node_table_.verdicts(node_id_, node_word_); }  // judged now
   // Verifies every invariant of format.h (after reaping the dead, watching nodes of another kernel
   // for up to a lease); with repair, also releases what nobody else ever will (check.cpp:
   // abandoned entries, unpinned condemned and leaked blocks; lock_check.cpp: tickets in rows no
@@ -413,9 +413,12 @@ class Pool : private Allocator::Peers {
   void free_pin(uint32_t idx) { pin_slots_.free(idx); }
   void count(format::Counter c, uint64_t v = 1);
   uint8_t my_epoch8() const { return uint8_t(format::node_epoch(node_word_)); }
-  // True if node `node` is attached now in the incarnation whose epoch ends in `epoch8`.
-  bool incarnation_alive(uint8_t node, uint8_t epoch8);
-  bool writer_gone(uint8_t node);  // see nodes.cpp
+  // The node table's reads (node_table.h): attached now in the incarnation whose epoch ends in
+  // `epoch8`; can no longer finish what it started.
+  bool incarnation_alive(uint8_t node, uint8_t epoch8) const {
+    return node_table_.incarnation_alive(node, epoch8);
+  }
+  bool writer_gone(uint8_t node) { return node_table_.gone(node, node_id_, node_word_); }
 
   std::string path_;
   Mapping map_;
@@ -467,7 +470,7 @@ class Pool : private Allocator::Peers {
   std::unique_ptr<Arbiter> row_less_arbiter_;
   std::mutex writer_mu_;  // become_writer: one upgrade
   void become_writer();
-  bool any_dead_node();
+  bool any_dead_node() { return node_table_.any_dead(node_id_, node_word_); }
   // `pool check`'s reader of the lock area: our Bakery, or for a row-less observer one that owns
   // no row (its slot is lock_hosts) and is only read through (read_ticket, classify_tier1).
   Bakery& lock_view();
