@@ -495,9 +495,6 @@ class Pool : private Allocator::Peers {
   void with_quota_lock(const std::function<void()>& fn);
   // namespaces.cpp: fn under the namespace-table lock, bounded (LockTimeoutError ends with nothing_done)
   void with_ns_table_lock(const char* nothing_done, const std::function<void()>& fn);
-  void write_quota_row(uint32_t row, const format::QuotaRow& r);
-  uint32_t quota_row_locked(uint32_t kind, uint32_t ns_id, const std::string& tenant);
-  void quota_book(uint8_t row, uint64_t bytes, bool charge);
   // Hook: a put about to take a block (claim_block). False: over quota, nothing of its own to evict.
   bool quota_admit(const NsHandle& ns, uint64_t slot, uint64_t* chunk, uint32_t* block, bool* got);
   void quota_refund(const NsHandle& ns, uint64_t slot);  // the put charged but took no block

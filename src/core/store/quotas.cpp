@@ -8,6 +8,7 @@
 
 #include "checksum.h"
 #include "clock.h"
+#include "errors.h"
 
 namespace cxlkv {
 
@@ -46,6 +47,53 @@ QuotaRow Quotas::make_row(uint32_t kind, uint32_t ns_id, const std::string& tena
   std::memcpy(r.name, tenant.data(), std::min<size_t>(tenant.size(), kTenantNameBytes - 1));
   r.checksum = xxh3(&r, offsetof(QuotaRow, checksum));
   return r;
+}
+
+void Quotas::check_tenant(const std::string& t) {
+  if (t.empty() || t.size() >= kTenantNameBytes)
+    throw ArgumentError("tenant must have 1.." + std::to_string(kTenantNameBytes - 1) + " bytes, got " +
+                        std::to_string(t.size()));
+  for (unsigned char c : t)
+    if (c < 0x20 || c == 0x7f) throw ArgumentError("tenant must not contain NUL or control characters");
+  if (!valid_utf8(t.data(), t.size())) throw ArgumentError("tenant must be UTF-8 text");
+}
+
+void Quotas::write_row(uint32_t row, const QuotaRow& r) const {
+  const Coherence& coh = region_.coh();
+  QuotaRow* p = row_ptr(row);
+  coh.check_fence();  // before the plain stores (a dirty line reaches memory flushed or not)
+  auto* d = reinterpret_cast<uint64_t*>(p);
+  const auto* s = reinterpret_cast<const uint64_t*>(&r);
+  for (size_t i = 0; i < sizeof r / 8; ++i)
+    std::atomic_ref<uint64_t>(d[i]).store(s[i], std::memory_order_relaxed);
+  coh.flush(p, sizeof r);
+  coh.fence();
+}
+
+uint32_t Quotas::row_of_locked(uint32_t kind, uint32_t ns_id, const std::string& tenant,
+                               const std::string& path) const {
+  uint32_t free_row = 0;
+  for (uint32_t r = 1; r <= kQuotaRows; ++r) {
+    QuotaInfo q;
+    if (read_row(r, &q)) {
+      if (q.kind == kind && q.ns_id == ns_id && q.tenant == tenant) return r;
+    } else if (!q.used && !free_row) {
+      free_row = r;  // an unreadable row is not free: `pool check` reports it, nobody reuses it
+    }
+  }
+  if (!free_row)
+    throw QuotaTableFullError("pool " + path + ": all " + std::to_string(kQuotaRows) +
+                              " quota rows (tenants and namespace quotas) are in use");
+  write_row(free_row, make_row(kind, ns_id, tenant, 0, 0));
+  return free_row;
+}
+
+void Quotas::book(uint32_t node_id, uint8_t row, uint64_t bytes, bool charge) const {
+  if (row == 0 || row > kQuotaRows || !node_id || !bytes) return;
+  NodeAreaFixed* f = region_.node_fixed(node_id - 1);
+  uint64_t* w = charge ? &f->quota_charged[row - 1] : &f->quota_released[row - 1];
+  region_.coh().bump_owned(w, bytes);
+  region_.coh().flush(w, sizeof *w);  // other hosts enforce the same quota: the line reaches memory now
 }
 
 uint64_t Quotas::arena_bytes() const {
@@ -246,8 +294,8 @@ uint64_t Quotas::block_bytes_of(uint32_t ns_id) {
   region_.coh().invalidate(e, sizeof *e);
   const uint64_t b = std::atomic_ref<uint64_t>(const_cast<NamespaceEntry*>(e)->layout.block_bytes).load();
   if (b == 0 || b > kMaxBlockBytes) return 0;
-  block_bytes_[ns_id].store(
-      b, std::memory_order_relaxed);  // READY entries never change: the first good read holds
+  // READY entries never change: the first good read holds
+  block_bytes_[ns_id].store(b, std::memory_order_relaxed);
   return b;
 }
 

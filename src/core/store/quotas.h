@@ -1,7 +1,8 @@
-// Quotas (format/quota.h): reading the quota table and the usage counters of a pool, validated.
-// Everything read here is untrusted: a row must pass its checksum and every field its bounds
-// before it limits anything; usage sums are clamped to [0, pool bytes]. The protocol around it
-// (charging a put, evicting a subject's own blocks, releasing, `pool check`) is Pool's, in
+// Quotas (format/quota.h): the quota table and the usage counters of a pool, read validated and
+// written (a row under the table lock, a node's own counters). Everything read here is
+// untrusted: a row must pass its checksum and every field its bounds before it limits anything;
+// usage sums are clamped to [0, pool bytes]. The protocol around it (the table lock, charging a
+// put, evicting a subject's own blocks, releasing, `pool check`) is still Pool's, in
 // quota_protocol.cpp.
 #pragma once
 #include <atomic>
@@ -69,6 +70,18 @@ class Quotas {
   static format::QuotaRow make_row(uint32_t kind, uint32_t ns_id, const std::string& tenant,
                                    uint64_t max_bytes, uint32_t max_ppm);
   format::QuotaRow* row_ptr(uint32_t row) const;  // 1-based, bounds-checked by the caller
+  // A tenant name as written by this build: 1..31 bytes of UTF-8 text without control
+  // characters (ArgumentError otherwise).
+  static void check_tenant(const std::string& tenant);
+  // Writes row `row` (1-based) and writes it back. The caller holds the table lock.
+  void write_row(uint32_t row, const format::QuotaRow& r) const;
+  // The row of subject (kind, ns_id, tenant), created if absent (QuotaTableFullError, naming
+  // pool `path`, if none is free). The caller holds the table lock.
+  uint32_t row_of_locked(uint32_t kind, uint32_t ns_id, const std::string& tenant,
+                         const std::string& path) const;
+  // Adds `bytes` to node `node_id`'s (1-based) charged or released counter of `row`, written back
+  // at once (other hosts enforce the same quota). Nothing without a row, a node or bytes.
+  void book(uint32_t node_id, uint8_t row, uint64_t bytes, bool charge) const;
 
  private:
   static constexpr uint64_t kRefreshUs = 100'000;
