@@ -497,9 +497,6 @@ class Pool : private Allocator::Peers {
   void with_ns_table_lock(const char* nothing_done, const std::function<void()>& fn);
   // Hook: a put about to take a block (claim_block). False: over quota, nothing of its own to evict.
   bool quota_admit(const NsHandle& ns, uint64_t slot, uint64_t* chunk, uint32_t* block, bool* got);
-  void quota_refund(const NsHandle& ns, uint64_t slot);  // the put charged but took no block
-  // Hook: the block of entry e was freed or handed to another entry (every free path).
-  void quota_release(const format::IndexEntry& e);
   using Victim = Evictor::Victim;
   bool evict_from_queue(const NsHandle& ns, uint64_t* out_chunk, uint32_t* out_block,
                         uint64_t new_owner_slot);

@@ -1,7 +1,7 @@
 // Quotas, the protocol (docs/ARCHITECTURE.md "Quotas"): naming a tenant and setting a limit
 // (under the namespace-table lock), charging a put and evicting the subject's own blocks when it
-// is over (quota_admit), the release where a block leaves its entry (quota_release), and
-// `pool check`'s recount (check_quotas). The table's reader is Quotas (quotas.h).
+// is over (quota_admit), and `pool check`'s recount (check_quotas). The table's reader and writer,
+// the counters' bookings and the release where a block leaves its entry are Quotas' (quotas.h).
 #include <chrono>
 #include <cstring>
 #include <thread>
@@ -55,15 +55,6 @@ uint32_t Pool::set_quota(uint32_t ns_id, const std::string& tenant, uint64_t max
 
 std::vector<QuotaInfo> Pool::quotas() { return quotas_.rows(hdr_->max_nodes); }
 
-void Pool::quota_release(const IndexEntry& e) {
-  if (!e.tenant_row && !e.ns_row) return;
-  const uint64_t bytes = quotas_.block_bytes_of(e.ns_id);
-  // Only rows in use: a forged entry naming a free row must not book bytes a later subject of
-  // that row would start with (its usage would read low, its quota lenient).
-  if (e.tenant_row && quotas_.in_use(e.tenant_row)) quotas_.book(node_id_, e.tenant_row, bytes, false);
-  if (e.ns_row && quotas_.in_use(e.ns_row)) quotas_.book(node_id_, e.ns_row, bytes, false);
-}
-
 // Charges the block a put is about to take to the rows its entry names, then, for each row over
 // its limit, evicts the subject's own oldest unpinned blocks of this namespace (tails of chains
 // first: the evictor's order) until it fits. The first such block is handed straight to `slot`
@@ -102,7 +93,7 @@ bool Pool::quota_admit(const NsHandle& ns, uint64_t slot, uint64_t* chunk, uint3
           if (block_state(dw) == kBlockUsed && block_slot(dw) == slot) allocator_.free_block(*chunk, *block);
           *got = false;
         }
-        quota_refund(ns, slot);
+        quotas_.refund(node_id_, *e, ns.block_bytes);
         count(kPutsOverQuota);
         return false;
       }
@@ -110,12 +101,6 @@ bool Pool::quota_admit(const NsHandle& ns, uint64_t slot, uint64_t* chunk, uint3
     }
   }
   return true;
-}
-
-void Pool::quota_refund(const NsHandle& ns, uint64_t slot) {
-  const IndexEntry* e = entry(slot);
-  quotas_.book(node_id_, e->tenant_row, ns.block_bytes, false);
-  quotas_.book(node_id_, e->ns_row, ns.block_bytes, false);
 }
 
 // `pool check`: every row readable and well-formed, every entry's rows naming rows in use, and

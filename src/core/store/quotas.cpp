@@ -96,6 +96,20 @@ void Quotas::book(uint32_t node_id, uint8_t row, uint64_t bytes, bool charge) co
   region_.coh().flush(w, sizeof *w);  // other hosts enforce the same quota: the line reaches memory now
 }
 
+void Quotas::release(uint32_t node_id, const IndexEntry& e) {
+  if (!e.tenant_row && !e.ns_row) return;
+  const uint64_t bytes = block_bytes_of(e.ns_id);
+  // Only rows in use: a forged entry naming a free row must not book bytes a later subject of
+  // that row would start with (its usage would read low, its quota lenient).
+  if (e.tenant_row && in_use(e.tenant_row)) book(node_id, e.tenant_row, bytes, false);
+  if (e.ns_row && in_use(e.ns_row)) book(node_id, e.ns_row, bytes, false);
+}
+
+void Quotas::refund(uint32_t node_id, const IndexEntry& e, uint64_t block_bytes) const {
+  book(node_id, e.tenant_row, block_bytes, false);
+  book(node_id, e.ns_row, block_bytes, false);
+}
+
 uint64_t Quotas::arena_bytes() const {
   const PoolHeader* h = region_.header();
   uint64_t out;

@@ -82,6 +82,11 @@ class Quotas {
   // Adds `bytes` to node `node_id`'s (1-based) charged or released counter of `row`, written back
   // at once (other hosts enforce the same quota). Nothing without a row, a node or bytes.
   void book(uint32_t node_id, uint8_t row, uint64_t bytes, bool charge) const;
+  // The block of entry e (a snapshot, or the entry itself) was freed or handed to another entry
+  // (every free path): node `node_id` books its bytes released for each row of e in use.
+  void release(uint32_t node_id, const format::IndexEntry& e);
+  // A put charged e's rows `block_bytes` but took no block: node `node_id` gives the charge back.
+  void refund(uint32_t node_id, const format::IndexEntry& e, uint64_t block_bytes) const;
 
  private:
   static constexpr uint64_t kRefreshUs = 100'000;
