@@ -195,33 +195,36 @@ std::vector<std::pair<uint32_t, uint32_t>> Pool::attached_nodes() {
   return out;
 }
 
-void Pool::refuse_destroy_if_attached(const std::string& spec) {
-  auto live = attached_nodes();
-  if (!live.empty())
-    throw PoolInUseError("pool " + spec + " is in use by " + std::to_string(live.size()) +
-                         " attached process(es): " + describe_nodes(live) +
-                         "; stop them first, or force it (CLI: --ignore-attached)");
-}
-
-void Pool::destroy(const std::string& path, const DestroyOptions& opt) {
+std::unique_ptr<Pool> Pool::open_for_destroy(const std::string& spec, const DestroyOptions& opt) {
   // Refuse to wipe or delete something that is not a pool, and a pool that live processes use
   // (they would keep serving an unlinked pool while new ones use a new one: split brain, F15).
-  if (is_device_list(path)) return destroy_striped(path, opt);
   std::unique_ptr<Pool> p;
   try {
     OpenOptions o;
     o.attach = false;
     o.allow_foreign_owner = true;  // deleting is governed by the directory's permissions
-    p = open(path, o);
-  } catch (const NotReadyError&) {
-    if (!opt.remove_invalid) throw;
-  } catch (const FormatError&) {
-    if (!opt.remove_invalid) throw;
-  } catch (const VersionError&) {
-    if (!opt.remove_invalid) throw;
-  } catch (const TruncatedError&) {
-    if (!opt.remove_invalid) throw;
+    p = open(spec, o);
+  } catch (const Error& e) {
+    // remove_invalid removes what does not hold a valid pool; a single path that cannot be opened
+    // at all is still an error (a striped pool's devices may be gone or unreadable: what is left
+    // of them is removed).
+    const bool invalid = dynamic_cast<const NotReadyError*>(&e) || dynamic_cast<const FormatError*>(&e) ||
+                         dynamic_cast<const VersionError*>(&e) || dynamic_cast<const TruncatedError*>(&e);
+    if (!opt.remove_invalid || !(invalid || is_device_list(spec))) throw;
   }
+  if (p && !opt.ignore_attached) {
+    auto live = p->attached_nodes();
+    if (!live.empty())
+      throw PoolInUseError("pool " + spec + " is in use by " + std::to_string(live.size()) +
+                           " attached process(es): " + describe_nodes(live) +
+                           "; stop them first, or force it (CLI: --ignore-attached)");
+  }
+  return p;
+}
+
+void Pool::destroy(const std::string& path, const DestroyOptions& opt) {
+  if (is_device_list(path)) return destroy_striped(path, opt);
+  std::unique_ptr<Pool> p = open_for_destroy(path, opt);
   if (Mapping::is_devdax_path(path)) {
     struct stat st;
     if (::stat(path.c_str(), &st) != 0)
@@ -230,9 +233,6 @@ void Pool::destroy(const std::string& path, const DestroyOptions& opt) {
       throw FormatError(path +
                         " is not a devdax character device; not wiping it (remove a regular file with rm)");
     if (!p) throw FormatError(path + " does not hold a valid cxlkv pool; not wiping it");
-  }
-  if (p && !opt.ignore_attached) p->refuse_destroy_if_attached(path);
-  if (Mapping::is_devdax_path(path)) {
     char* b = p->region_.base();
     p->region_.reset();  // no detach: never attached
     wipe_device_pool(b);

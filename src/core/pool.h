@@ -318,8 +318,10 @@ class Pool : private Allocator::Peers {
   static void destroy_striped(const std::string& spec, const DestroyOptions& opt);
   // The one validator of a striped pool's devices before a stripe is mapped (the mapper only maps).
   static Mapping map_striped(const std::string& spec, const OpenOptions& opt);
-  // destroy's one refusal, plain and striped: PoolInUseError naming the attached processes.
-  void refuse_destroy_if_attached(const std::string& spec);
+  // destroy's one way in, plain and striped: the pool opened without attaching (nullptr: it holds
+  // no valid pool and opt.remove_invalid allows that), then the one refusal unless
+  // opt.ignore_attached: PoolInUseError naming the attached processes.
+  static std::unique_ptr<Pool> open_for_destroy(const std::string& spec, const DestroyOptions& opt);
   void validate_striping(const format::PoolHeader& h, const char* base);
   bool devices_replaced() const;
   bool devices_intact() const;

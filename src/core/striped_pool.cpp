@@ -147,16 +147,7 @@ Mapping Pool::map_striped(const std::string& spec, const OpenOptions& opt) {
 
 void Pool::destroy_striped(const std::string& spec, const DestroyOptions& opt) {
   const std::vector<std::string> paths = split_device_list(spec);
-  std::unique_ptr<Pool> p;
-  try {
-    OpenOptions o;
-    o.attach = false;
-    o.allow_foreign_owner = true;  // deleting is governed by the directory's permissions
-    p = open(spec, o);
-  } catch (const Error&) {
-    if (!opt.remove_invalid) throw;
-  }
-  if (p && !opt.ignore_attached) p->refuse_destroy_if_attached(spec);
+  std::unique_ptr<Pool> p = open_for_destroy(spec, opt);
   if (p) {
     // Devices are wiped (init word, header, labels are not reachable through the range: the
     // header is enough to make the devdax set unusable); files are removed.
