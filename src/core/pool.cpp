@@ -1,6 +1,8 @@
 // Pool creation, opening an existing pool (its header is validated by Region::adopt), attachment.
 #include "pool.h"
 
+#include "pool_create.h"
+
 #include <dirent.h>
 #include <fcntl.h>
 #include <pthread.h>
@@ -43,24 +45,6 @@ uint64_t fork_generation() {
   return g_fork_generation.load(std::memory_order_relaxed);
 }
 }  // namespace
-
-// A creator killed mid-way leaves `<path>.init-<pid>-<rand>` behind (the pool never appeared at
-// `path`). Remove those whose creator is gone, so they do not pin /dev/shm memory forever.
-void remove_stale_init_files(const std::string& path) {
-  size_t slash = path.rfind('/');
-  std::string dir = slash == std::string::npos ? "." : path.substr(0, slash ? slash : 1);
-  std::string prefix = (slash == std::string::npos ? path : path.substr(slash + 1)) + ".init-";
-  DIR* d = ::opendir(dir.c_str());
-  if (!d) return;
-  while (dirent* e = ::readdir(d)) {
-    std::string name = e->d_name;
-    if (name.rfind(prefix, 0) != 0) continue;
-    long pid = std::strtol(name.c_str() + prefix.size(), nullptr, 10);
-    if (pid <= 0 || (::kill(pid_t(pid), 0) == 0 || errno != ESRCH)) continue;
-    ::unlink((dir + "/" + name).c_str());
-  }
-  ::closedir(d);
-}
 
 namespace {
 
@@ -112,10 +96,7 @@ std::unique_ptr<Pool> Pool::create(const std::string& path, const CreateOptions&
     CreateOptions o = opt;
     o.size = m.size();
     plan_geometry(h, o);
-    Coherence c(opt.backend);
-    c.publish(&sw->init.word, kInitBusy);
-    std::memset(m.base(), 0, kSharedWordsOff);
-    std::memset(m.base() + kSharedWordsOff + kCacheLine, 0, h.arena_off - kSharedWordsOff - kCacheLine);
+    clear_device_metadata(m.base(), h, opt.backend);
   } else {
     if (::access(path.c_str(), F_OK) == 0) {
       if (exist_ok) return open(path, open_options_of(opt));
@@ -131,34 +112,15 @@ std::unique_ptr<Pool> Pool::create(const std::string& path, const CreateOptions&
       throw ArgumentError(std::string(e.what()) + " (the " + std::to_string(opt.size) +
                           " bytes asked for, rounded down to whole huge pages)");
     }
-    remove_stale_init_files(path);
-    uint8_t r[4];
-    (void)::getrandom(r, sizeof r, 0);
-    char suffix[64];
-    std::snprintf(suffix, sizeof suffix, ".init-%d-%02x%02x%02x%02x", int(::getpid()), r[0], r[1], r[2],
-                  r[3]);
-    tmp = path + suffix;
+    tmp = init_names({path})[0];
     m = Mapping::create_file(tmp, fitted.size);  // zero-filled: every state word starts FREE/EMPTY
   }
-
-  h.checksum = header_checksum(h);
-  std::memcpy(m.base(), &h, sizeof h);
-  reinterpret_cast<SharedWords*>(m.base() + kSharedWordsOff)->init.pad[kInitIntentCap] =
-      intent_cap_of(h.index_slots, opt.intent_permille);  // flushed with the metadata below
-  Coherence c(opt.backend);
-  c.flush(m.base(), h.arena_off);
-  auto* sw = reinterpret_cast<SharedWords*>(m.base() + kSharedWordsOff);
-  c.publish(&sw->init.word, kInitReady);  // commit word, written last
-  if (!devdax) {
-    // The pool appears at `path` only once complete: link() fails if someone else won the race.
-    if (::link(tmp.c_str(), path.c_str()) != 0) {
-      int e = errno;
-      ::unlink(tmp.c_str());
-      if (e == EEXIST && exist_ok) return open(path, open_options_of(opt));
-      if (e == EEXIST) throw OsError(e, "pool " + path + " already exists");
-      throw OsError(e, "cannot create pool " + path + ": " + std::strerror(e));
-    }
-    ::unlink(tmp.c_str());
+  try {
+    commit_new_pool(m, h, nullptr, opt.intent_permille,
+                    devdax ? std::vector<std::string>{} : std::vector<std::string>{tmp}, {path});
+  } catch (const OsError& e) {
+    if (e.err != EEXIST || !exist_ok) throw;
+    return open(path, open_options_of(opt));
   }
   std::unique_ptr<Pool> p(new Pool());
   p->path_ = path;
@@ -180,8 +142,7 @@ std::unique_ptr<Pool> Pool::open(const std::string& path, const OpenOptions& opt
   p->read_only_ = opt.read_only;
   p->want_slot_ = opt.host_slot;
   if (is_device_list(path))
-    p->map_ = Mapping::open_striped(split_device_list(path), opt.populate, opt.read_only,
-                                    opt.allow_foreign_owner || opt.read_only, opt.allow_group);
+    p->map_ = map_striped(path, opt);  // striped_pool.cpp: the one validator before a stripe is mapped
   else
     p->map_ = Mapping::open_existing(path, kSharedWordsOff + kMetaAlign, opt.populate, opt.read_only,
                                      opt.allow_foreign_owner || opt.read_only, opt.allow_group);
@@ -234,33 +195,36 @@ std::vector<std::pair<uint32_t, uint32_t>> Pool::attached_nodes() {
   return out;
 }
 
-void Pool::refuse_destroy_if_attached(const std::string& spec) {
-  auto live = attached_nodes();
-  if (!live.empty())
-    throw PoolInUseError("pool " + spec + " is in use by " + std::to_string(live.size()) +
-                         " attached process(es): " + describe_nodes(live) +
-                         "; stop them first, or force it (CLI: --ignore-attached)");
-}
-
-void Pool::destroy(const std::string& path, const DestroyOptions& opt) {
+std::unique_ptr<Pool> Pool::open_for_destroy(const std::string& spec, const DestroyOptions& opt) {
   // Refuse to wipe or delete something that is not a pool, and a pool that live processes use
   // (they would keep serving an unlinked pool while new ones use a new one: split brain, F15).
-  if (is_device_list(path)) return destroy_striped(path, opt);
   std::unique_ptr<Pool> p;
   try {
     OpenOptions o;
     o.attach = false;
     o.allow_foreign_owner = true;  // deleting is governed by the directory's permissions
-    p = open(path, o);
-  } catch (const NotReadyError&) {
-    if (!opt.remove_invalid) throw;
-  } catch (const FormatError&) {
-    if (!opt.remove_invalid) throw;
-  } catch (const VersionError&) {
-    if (!opt.remove_invalid) throw;
-  } catch (const TruncatedError&) {
-    if (!opt.remove_invalid) throw;
+    p = open(spec, o);
+  } catch (const Error& e) {
+    // remove_invalid removes what does not hold a valid pool; a single path that cannot be opened
+    // at all is still an error (a striped pool's devices may be gone or unreadable: what is left
+    // of them is removed).
+    const bool invalid = dynamic_cast<const NotReadyError*>(&e) || dynamic_cast<const FormatError*>(&e) ||
+                         dynamic_cast<const VersionError*>(&e) || dynamic_cast<const TruncatedError*>(&e);
+    if (!opt.remove_invalid || !(invalid || is_device_list(spec))) throw;
   }
+  if (p && !opt.ignore_attached) {
+    auto live = p->attached_nodes();
+    if (!live.empty())
+      throw PoolInUseError("pool " + spec + " is in use by " + std::to_string(live.size()) +
+                           " attached process(es): " + describe_nodes(live) +
+                           "; stop them first, or force it (CLI: --ignore-attached)");
+  }
+  return p;
+}
+
+void Pool::destroy(const std::string& path, const DestroyOptions& opt) {
+  if (is_device_list(path)) return destroy_striped(path, opt);
+  std::unique_ptr<Pool> p = open_for_destroy(path, opt);
   if (Mapping::is_devdax_path(path)) {
     struct stat st;
     if (::stat(path.c_str(), &st) != 0)
@@ -269,16 +233,9 @@ void Pool::destroy(const std::string& path, const DestroyOptions& opt) {
       throw FormatError(path +
                         " is not a devdax character device; not wiping it (remove a regular file with rm)");
     if (!p) throw FormatError(path + " does not hold a valid cxlkv pool; not wiping it");
-  }
-  if (p && !opt.ignore_attached) p->refuse_destroy_if_attached(path);
-  if (Mapping::is_devdax_path(path)) {
     char* b = p->region_.base();
     p->region_.reset();  // no detach: never attached
-    Coherence c;
-    auto* sw = reinterpret_cast<SharedWords*>(b + kSharedWordsOff);
-    c.publish(&sw->init.word, 0);
-    std::memset(b, 0, sizeof(PoolHeader));
-    kernels::writeback_lines(b, kHeaderBytes);
+    wipe_device_pool(b);
     return;
   }
   if (!p) {
@@ -429,6 +386,31 @@ std::vector<uint64_t> Pool::counters() {
     for (uint32_t c = 0; c < kCounterCount; ++c) sum[c] += coh_.read_hint(&f->counters[c]);
   }
   return sum;
+}
+
+}  // namespace cxlkv
+
+namespace cxlkv {
+
+// `pool check` of the lock area (nodes/lock_check.h): LockCheck judges, the façade hands it our
+// view of the lock and our node table's row use, and merges what it found into the report.
+void Pool::check_lock_area(CheckReport& r) {
+  LockReport l;
+  l.repair = r.repair;
+  LockCheck(region_, lock_view(), bakery_ ? int64_t(host_slot_) : -1, node_id_ != 0, [this] {
+    return row_use();
+  }).run(l);
+  r.lock_tickets_foreign += l.tickets_foreign;
+  r.lock_tickets_stale += l.tickets_stale;
+  r.lock_tickets_stuck += l.tickets_stuck;
+  r.lock_rows_reset += l.rows_reset;
+  r.lock_words_foreign += l.words_foreign;
+  r.lock_words_stale += l.words_stale;
+  r.lock_words_held += l.words_held;
+  r.lock_words_reset += l.words_reset;
+  for (auto& e : l.errors) r.error(e);
+  r.warnings.insert(r.warnings.end(), l.warnings.begin(), l.warnings.end());
+  for (auto& f : l.repaired) r.fixed(f);
 }
 
 }  // namespace cxlkv

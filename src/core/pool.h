@@ -27,6 +27,7 @@
 #include "index_scan.h"
 #include "layout.h"
 #include "liveness.h"
+#include "lock_check.h"
 #include "mapping.h"
 #include "node_table.h"
 #include "pin_slots.h"
@@ -34,13 +35,10 @@
 #include "region.h"
 #include "rpc_admin.h"
 #include "store_types.h"
+#include "stripe_table.h"
 #include "transfer.h"
 
 namespace cxlkv {
-
-// Removes `<path>.init-<pid>-<rand>` files whose creator process is gone (pool.cpp): what a
-// creator killed mid-way left behind, for a single-file pool and for each device of a striped one.
-void remove_stale_init_files(const std::string& path);
 
 // How Pool::open maps and trusts an existing pool (F11, F23).
 struct OpenOptions {
@@ -283,7 +281,7 @@ class Pool : private Allocator::Peers {
   // wait_ms > 0: keep watching a node judged alive or undecided until it is dead (then reclaim
   // it) or wait_ms passed.
   NodeInfo reap_node(uint32_t id, bool force, bool* reclaimed, uint64_t wait_ms = 0);
-  std::vector<NodeInfo> nodes();  // every non-FREE slot, judged now
+  std::vector<NodeInfo> nodes() { return node_table_.verdicts(node_id_, node_word_); }  // judged now
   // Verifies every invariant of format.h (after reaping the dead, watching nodes of another kernel
   // for up to a lease); with repair, also releases what nobody else ever will (check.cpp:
   // abandoned entries, unpinned condemned and leaked blocks; lock_check.cpp: tickets in rows no
@@ -318,8 +316,12 @@ class Pool : private Allocator::Peers {
   static std::unique_ptr<Pool> create_striped(const std::string& spec, format::PoolHeader h,
                                               const CreateOptions& opt, bool exist_ok);
   static void destroy_striped(const std::string& spec, const DestroyOptions& opt);
-  // destroy's one refusal, plain and striped: PoolInUseError naming the attached processes.
-  void refuse_destroy_if_attached(const std::string& spec);
+  // The one validator of a striped pool's devices before a stripe is mapped (the mapper only maps).
+  static Mapping map_striped(const std::string& spec, const OpenOptions& opt);
+  // destroy's one way in, plain and striped: the pool opened without attaching (nullptr: it holds
+  // no valid pool and opt.remove_invalid allows that), then the one refusal unless
+  // opt.ignore_attached: PoolInUseError naming the attached processes.
+  static std::unique_ptr<Pool> open_for_destroy(const std::string& spec, const DestroyOptions& opt);
   void validate_striping(const format::PoolHeader& h, const char* base);
   bool devices_replaced() const;
   bool devices_intact() const;
@@ -413,9 +415,12 @@ class Pool : private Allocator::Peers {
   void free_pin(uint32_t idx) { pin_slots_.free(idx); }
   void count(format::Counter c, uint64_t v = 1);
   uint8_t my_epoch8() const { return uint8_t(format::node_epoch(node_word_)); }
-  // True if node `node` is attached now in the incarnation whose epoch ends in `epoch8`.
-  bool incarnation_alive(uint8_t node, uint8_t epoch8);
-  bool writer_gone(uint8_t node);  // see nodes.cpp
+  // The node table's reads (node_table.h): attached now in the incarnation whose epoch ends in
+  // `epoch8`; can no longer finish what it started.
+  bool incarnation_alive(uint8_t node, uint8_t epoch8) const {
+    return node_table_.incarnation_alive(node, epoch8);
+  }
+  bool writer_gone(uint8_t node) { return node_table_.gone(node, node_id_, node_word_); }
 
   std::string path_;
   Mapping map_;
@@ -456,11 +461,7 @@ class Pool : private Allocator::Peers {
   void make_bakery(uint32_t row);
   uint32_t check_host_slot_unique();
   void settle_host_slot(bool observer);
-  struct RowUse {
-    std::vector<bool> mate;       // a live host-mate (same host id, shares rows) is on the row
-    std::vector<uint32_t> other;  // a live node of another host id is on the row (its id), else 0
-  };
-  RowUse row_use();
+  RowUse row_use();  // lock_check.h
   uint32_t probe_row(const std::vector<bool>& avoid);
   bool probing_ = false;       // the row was probed, not configured: it may move (settle_host_slot)
   uint32_t participant1_ = 0;  // tier-1 participant byte + 1 this attachment holds (0: none)
@@ -471,17 +472,14 @@ class Pool : private Allocator::Peers {
   std::unique_ptr<Arbiter> row_less_arbiter_;
   std::mutex writer_mu_;  // become_writer: one upgrade
   void become_writer();
-  bool any_dead_node();
+  bool any_dead_node() { return node_table_.any_dead(node_id_, node_word_); }
   // `pool check`'s reader of the lock area: our Bakery, or for a row-less observer one that owns
   // no row (its slot is lock_hosts) and is only read through (read_ticket, classify_tier1).
   Bakery& lock_view();
   std::unique_ptr<Bakery> lock_reader_;
   bool own_row(uint32_t row) const { return bakery_ && row == host_slot_; }
   void release_dead_rows(uint32_t idx, uint64_t reclaiming_word);
-  void check_lock_area(CheckReport& r);    // lock_check.cpp (r.repair: may reset orphaned rows)
-  void check_tier1_words(CheckReport& r);  // lock_check.cpp: forged or stale tier-1 words
-  void report_ticket(CheckReport& r, const format::LockLine& t, const std::string& what, bool foreign,
-                     bool row_live);
+  void check_lock_area(CheckReport& r);  // LockCheck (lock_check.h), merged into r (pool.cpp)
   void watch_undecided_nodes(CheckReport& r, int64_t watch_ms);  // check.cpp
   uint64_t participant_offset(uint32_t i) const {
     return (1ull << 49) + (host_id_ & 0xFFFFF) * kParticipants + i;
@@ -499,14 +497,8 @@ class Pool : private Allocator::Peers {
   void with_quota_lock(const std::function<void()>& fn);
   // namespaces.cpp: fn under the namespace-table lock, bounded (LockTimeoutError ends with nothing_done)
   void with_ns_table_lock(const char* nothing_done, const std::function<void()>& fn);
-  void write_quota_row(uint32_t row, const format::QuotaRow& r);
-  uint32_t quota_row_locked(uint32_t kind, uint32_t ns_id, const std::string& tenant);
-  void quota_book(uint8_t row, uint64_t bytes, bool charge);
   // Hook: a put about to take a block (claim_block). False: over quota, nothing of its own to evict.
   bool quota_admit(const NsHandle& ns, uint64_t slot, uint64_t* chunk, uint32_t* block, bool* got);
-  void quota_refund(const NsHandle& ns, uint64_t slot);  // the put charged but took no block
-  // Hook: the block of entry e was freed or handed to another entry (every free path).
-  void quota_release(const format::IndexEntry& e);
   using Victim = Evictor::Victim;
   bool evict_from_queue(const NsHandle& ns, uint64_t* out_chunk, uint32_t* out_block,
                         uint64_t new_owner_slot);

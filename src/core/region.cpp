@@ -32,17 +32,7 @@ void Region::adopt(char* b, uint64_t mapped, const std::string& path, bool read_
                           "it (cxlkv pool destroy --force) and re-create it");
     throw FormatError(P + " is not a cxlkv pool (bad magic)");
   }
-  if (h.major > kFormatMajor)
-    throw VersionError("pool " + P + " has format " + std::to_string(h.major) + "." +
-                       std::to_string(h.minor) + ", newer than this cxlkv build supports (" +
-                       std::to_string(kFormatMajor) + ".x)");
-  if (h.major < kFormatMajor)
-    throw VersionError("pool " + P + " has an old format " + std::to_string(h.major) + ".x; re-create it");
-  if (h.header_bytes != sizeof(PoolHeader))
-    throw FormatError("pool " + P + " header has " + std::to_string(h.header_bytes) + " bytes, expected " +
-                      std::to_string(sizeof(PoolHeader)));
-  if (h.checksum != header_checksum(h))
-    throw FormatError("pool " + P + " header checksum mismatch: the header is corrupt");
+  check_header(h, P);
   if (h.incompat & ~kIncompatSupported) {
     char buf[32];
     std::snprintf(buf, sizeof buf, "0x%llx", (unsigned long long)(h.incompat & ~kIncompatSupported));
@@ -117,6 +107,20 @@ void Region::adopt(char* b, uint64_t mapped, const std::string& path, bool read_
   slot_mask_ = h.index_slots - 1;
   desc_bytes_ = chunk_desc_bytes(h.chunk_bytes);
   chunk_stride_ = desc_bytes_ + h.chunk_bytes;
+}
+
+void Region::check_header(const PoolHeader& h, const std::string& P) {
+  if (h.major > kFormatMajor)
+    throw VersionError("pool " + P + " has format " + std::to_string(h.major) + "." +
+                       std::to_string(h.minor) + ", newer than this cxlkv build supports (" +
+                       std::to_string(kFormatMajor) + ".x)");
+  if (h.major < kFormatMajor)
+    throw VersionError("pool " + P + " has an old format " + std::to_string(h.major) + ".x; re-create it");
+  if (h.header_bytes != sizeof(PoolHeader))
+    throw FormatError("pool " + P + " header has " + std::to_string(h.header_bytes) + " bytes, expected " +
+                      std::to_string(sizeof(PoolHeader)));
+  if (h.checksum != header_checksum(h))
+    throw FormatError("pool " + P + " header checksum mismatch: the header is corrupt");
 }
 
 bool Region::snapshot(uint64_t slot, uint64_t word, IndexEntry* out) const {

@@ -11,7 +11,7 @@
 
 #include "coherence.h"
 #include "format.h"
-#include "header_checksum.h"  // format::header_checksum: written by create, checked by adopt
+#include "header_checksum.h"  // format::header_checksum: written by commit_new_pool, checked here
 
 namespace cxlkv {
 
@@ -26,6 +26,11 @@ class Region {
   // incompat check and before the size check.
   void adopt(char* b, uint64_t mapped, const std::string& path, bool read_only, CacheModel* model,
              const std::function<void(const format::PoolHeader&)>& feature_check = {});
+  // The checks of a header copy that hold before anything of the pool is mapped (adopt runs them
+  // too; a striped pool's opener runs them on device 0's copy before it maps a stripe): the
+  // version, the header size, the checksum. The magic is the caller's (its message says what the
+  // bytes are instead). Throws VersionError or FormatError naming `path`.
+  static void check_header(const format::PoolHeader& h, const std::string& path);
   // Forgets the mapping (close, abandon): base() and header() are null afterwards.
   void reset() {
     base_ = nullptr;

@@ -64,6 +64,31 @@ TEST_F(LivenessTest, ForkedChildDoesNotKeepItsParentsNodeAlive) {
   ::waitpid(grandchild, &status, 0);
 }
 
+// A child forked from an attached process attaches and closes. The child used to inherit the
+// heartbeat thread's condition variable with the parent's thread as a waiter that is not in the
+// child: its close (a broadcast) waited for that waiter forever (glibc's group switch), about 1
+// fork in 20 at load 16. The parent attaches afresh each round, so every fork also follows a
+// heartbeat start and, the round before, a close. Every wait is bounded (wait_child).
+TEST_F(LivenessTest, AChildForkedFromAnAttachedProcessAttachesAndCloses) {
+  create(opts(4 * MiB, 64 * KiB, 1024)).reset();
+  for (int round = 0; round < 60; ++round) {
+    auto mine = Pool::open(path_);
+    pid_t pid = spawn([&] {
+      try {
+        Pool::open(path_)->close();
+        return 0;
+      } catch (...) {
+        return 2;
+      }
+    });
+    ASSERT_GT(pid, 0) << "fork failed";
+    int status = 0;
+    std::string hung = wait_child(pid, &status, std::chrono::seconds(30));
+    ASSERT_EQ(hung, "") << "round " << round;
+    ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "round " << round << ": status " << status;
+  }
+}
+
 TEST_F(LivenessTest, ObserverWorksOnAFullNodeTableAndJudgesByLock) {
   CreateOptions o = opts(4 * MiB, 64 * KiB, 1024);
   o.max_nodes = 1;

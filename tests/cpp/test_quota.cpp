@@ -1,7 +1,11 @@
 // Quotas (format/quota.h, store/quotas.cpp): a subject over its limit evicts only its own blocks,
 // tails first, never pinned ones; with nothing of its own it fails and is counted; usage is the
 // counters' sum and `check` recounts it from the blocks; forged rows and counters are harmless.
+#include <atomic>
+#include <chrono>
 #include <cstring>
+#include <thread>
+#include <vector>
 
 #include "test_util.h"
 
@@ -176,6 +180,53 @@ TEST_F(QuotaTest, ForgedCountersAreClampedBoundedAndRepaired) {
 TEST_F(QuotaTest, TableFullIsItsOwnError) {
   for (uint32_t i = 0; i < format::kQuotaRows; ++i) pool_->tenant_row("t" + std::to_string(i));
   EXPECT_THROW(pool_->tenant_row("one-more"), QuotaTableFullError);
+}
+
+// Another process's quota change reaches this process's puts within the refresh interval (100 ms)
+// and its clear likewise: the cached view is re-read, not kept.
+TEST_F(QuotaTest, AnotherHandlesChangeIsSeenWithinTheRefresh) {
+  std::unique_ptr<Pool> other = Pool::open(path_);
+  ASSERT_TRUE(put_id(ns_, 1));  // this handle's view is read now: no quota
+  const uint32_t r = other->set_quota(ns_.id, "", 1, 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  uint64_t id = 100;
+  while (put_id(ns_, id++)) ASSERT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
+  EXPECT_EQ(row(r).limit_bytes, 1u);
+  other->set_quota(ns_.id, "", 0, 0);
+  const auto t1 = std::chrono::steady_clock::now();
+  while (!put_id(ns_, id++)) ASSERT_LT(std::chrono::steady_clock::now() - t1, std::chrono::seconds(5));
+  expect_recount_ok();
+}
+
+// Puts on several threads read the cached rows without a lock while another handle sets and
+// clears quotas and this one re-reads the table (its own changes invalidate its view): the
+// counters match the blocks afterwards (an entry naming a row not in use would be an error there).
+TEST_F(QuotaTest, ConcurrentPutsReadTheRowsWhileTheyChange) {
+  std::unique_ptr<Pool> other = Pool::open(path_);
+  const uint32_t r = other->set_quota(ns_.id, "", 1ull << 40, 0);  // the row exists
+  std::atomic<bool> stop{false};
+  std::thread changer([&] {
+    for (int i = 0; !stop.load(); ++i) {
+      other->set_quota(ns_.id, "", i % 2 ? 8 * kBlock : 0, 0);
+      other->tenant_row("t" + std::to_string(i % 8));  // new rows appear beside it
+      std::this_thread::sleep_for(std::chrono::milliseconds(7));
+    }
+  });
+  std::vector<std::thread> putters;
+  for (int t = 0; t < 4; ++t)
+    putters.emplace_back([&, t] {
+      for (uint64_t id = 0; id < 1500; ++id) {
+        put_id(ns_, uint64_t(t) << 32 | id);
+        if (id % 50 == 0)
+          pool_->set_quota(0, "p" + std::to_string(t), 1ull << 40, 0);  // invalidates the view
+      }
+    });
+  for (auto& p : putters) p.join();
+  stop = true;
+  changer.join();
+  EXPECT_LE(pool_->quotas().size(), size_t(format::kQuotaRows));
+  EXPECT_EQ(row(r).ns_id, ns_.id);
+  expect_recount_ok();
 }
 
 }  // namespace

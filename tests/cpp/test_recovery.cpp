@@ -6,8 +6,11 @@
 // node leaves them between two steps; the child's node slot is real, so liveness is judged on a
 // real (then dead) pid.
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/wait.h>
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <thread>
 
@@ -253,22 +256,38 @@ TEST_F(RecoveryTest, NamespaceLockOfADeadNodeIsBroken) {
 }
 
 TEST_F(RecoveryTest, NodeSlotsOfDeadProcessesAreReused) {
-  // More dead attachments than node slots: attach must reclaim them instead of failing.
+  // More dead attachments than node slots: attach must reclaim them instead of failing. Each child
+  // forks from this attached process (heartbeat and admin threads running) and must attach within
+  // the limit; one that does not is killed and its threads named (a child once hung here under
+  // ASan: a fork copied an allocator lock held by a heartbeat thread that was still starting).
+  enum Stage : int { kForked = 1, kOpening, kAttached };
+  static const char* const kStageNames[] = {"?", "forked", "opening the pool", "attached, killing itself"};
+  auto* stage = static_cast<std::atomic<int>*>(
+      ::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0));
+  ASSERT_NE(static_cast<void*>(stage), MAP_FAILED);
   const uint32_t max_nodes = pool_->header().max_nodes;
   for (uint32_t i = 0; i < max_nodes + 4; ++i) {
+    stage->store(0);
     pid_t pid = spawn([&] {
+      stage->store(kForked);
       try {
+        stage->store(kOpening);
         auto p = Pool::open(path_);
+        stage->store(kAttached);
         ::kill(::getpid(), SIGKILL);  // die attached
         return 0;
       } catch (...) {
         return 2;
       }
     });
+    ASSERT_GT(pid, 0) << "fork failed";
     int status = 0;
-    ASSERT_EQ(::waitpid(pid, &status, 0), pid);
-    ASSERT_TRUE(WIFSIGNALED(status)) << "child failed to attach (exit " << WEXITSTATUS(status) << ")";
+    std::string hung = wait_child(pid, &status, std::chrono::seconds(60));
+    ASSERT_EQ(hung, "") << "child " << i << " stuck at: " << kStageNames[std::clamp(stage->load(), 0, 3)];
+    ASSERT_TRUE(WIFSIGNALED(status)) << "child " << i << " failed to attach (exit " << WEXITSTATUS(status)
+                                     << ", stage " << kStageNames[std::clamp(stage->load(), 0, 3)] << ")";
   }
+  ::munmap(stage, 4096);
   expect_clean(pool_->check());
 }
 

@@ -2,16 +2,22 @@
 // deterministic keys and payloads derived from an id, and a raw MAP_SHARED view of a pool file so
 // tests can read (and corrupt) the on-pool format directly, independently of the Pool object.
 #pragma once
+#include <dirent.h>
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "dtype.h"
@@ -153,14 +159,65 @@ class RawMap {
   uint64_t size_ = 0;
 };
 
-// Forks a child that runs body() and _exit()s with its result. Call only from a single-threaded
-// process; the child must use nothing but the cxlkv API (no gtest assertions).
+// Forks a child that runs body() and _exit()s with its result. Call from a process whose only other
+// threads are cxlkv's own (fork-safe once open/attach returned); the child must use nothing but
+// the cxlkv API (no gtest assertions). Reap it with wait_child (bounded).
 template <class F>
 pid_t spawn(F&& body) {
   std::fflush(nullptr);
   pid_t pid = ::fork();
   if (pid == 0) ::_exit(body());
   return pid;
+}
+
+// What a child process is doing, thread by thread, from /proc (state, kernel wait channel, the
+// system call it is in): the message of a child that did not finish in time.
+inline std::string describe_process(pid_t pid) {
+  auto slurp = [](const std::string& path) {
+    std::string out;
+    if (FILE* f = std::fopen(path.c_str(), "r")) {
+      char buf[512];
+      size_t n = std::fread(buf, 1, sizeof buf - 1, f);
+      std::fclose(f);
+      out.assign(buf, n);
+      while (!out.empty() && (out.back() == '\n' || out.back() == '\0')) out.pop_back();
+    }
+    return out;
+  };
+  std::string task = "/proc/" + std::to_string(pid) + "/task";
+  std::string s;
+  if (DIR* d = ::opendir(task.c_str())) {
+    while (dirent* e = ::readdir(d)) {
+      if (e->d_name[0] == '.') continue;
+      std::string t = task + "/" + e->d_name;
+      std::string stat = slurp(t + "/stat");
+      size_t paren = stat.rfind(')');
+      std::string state =
+          paren != std::string::npos && paren + 2 < stat.size() ? stat.substr(paren + 2, 1) : "?";
+      s += std::string("\n  thread ") + e->d_name + " (" + slurp(t + "/comm") + "): state " + state +
+           ", wchan " + slurp(t + "/wchan") + ", syscall " + slurp(t + "/syscall");
+    }
+    ::closedir(d);
+  }
+  return s.empty() ? " (no /proc entry)" : s;
+}
+
+// Waits at most `limit` for child `pid`. Returns "" with *status set once it ended; else kills it
+// and returns what it was doing (describe_process), for the test to fail with.
+inline std::string wait_child(pid_t pid, int* status, std::chrono::milliseconds limit) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  for (;;) {
+    pid_t got = ::waitpid(pid, status, WNOHANG);
+    if (got == pid) return "";
+    if (got < 0) return "waitpid(" + std::to_string(pid) + ") failed: " + std::strerror(errno);
+    if (std::chrono::steady_clock::now() > deadline) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  std::string what = "child " + std::to_string(pid) + " still running after " +
+                     std::to_string(limit.count()) + " ms:" + describe_process(pid);
+  ::kill(pid, SIGKILL);
+  ::waitpid(pid, status, 0);  // SIGKILL cannot be caught or blocked: this returns
+  return what;
 }
 
 inline std::string join(const std::vector<std::string>& v) {

@@ -29,21 +29,15 @@ KNOWN: dict[tuple[str, str], str] = {
         (f, "pool.h"): "a Pool member defined here (Pool is not yet a façade over owning types)"
         for f in (
             "nodes/host_slot.cpp",
-            "nodes/lock_check.cpp",
             "nodes/nodes.cpp",
             "store/check.cpp",
             "store/index.cpp",
             "store/namespaces.cpp",
             "store/quota_protocol.cpp",
-            "store/striped_pool.cpp",
             "transfer/token_rows.h",
             "transfer/transfer.cpp",
         )
     },
-    # The striped mapper maps a pool's striped format (device labels, stripe table, header): until it
-    # only maps and Region::adopt validates (issue 23 item 2), platform/ reads format/ here.
-    ("platform/striping.h", "format/format.h"): "stripe table planning and checks beside the geometry",
-    ("platform/striped_mapping.cpp", "format/header_checksum.h"): "the striped mapper validates the header",
 }
 
 

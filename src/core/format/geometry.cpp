@@ -9,7 +9,7 @@
 
 #include "errors.h"
 #include "format.h"
-#include "striping.h"
+#include "stripe_table.h"
 
 namespace cxlkv {
 

@@ -1,5 +1,6 @@
-// The pool header's checksum: the one formula for every writer (Pool::create, the striped create)
-// and every validator (Region::adopt, the striped mapper). It covers the header up to, not
+// The pool header's checksum: the one formula, for its one writer (commit_new_pool, pool_create.cpp:
+// plain and striped pools) and its one validator (Region::check_header: adopt, and the striped
+// opener before it maps a stripe). It covers the header up to, not
 // including, the checksum field (format.h: PoolHeader).
 #pragma once
 #include <cstddef>

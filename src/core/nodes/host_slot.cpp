@@ -53,7 +53,7 @@ int configured_slot(int want, uint32_t hosts) {
 }
 }  // namespace
 
-Pool::RowUse Pool::row_use() {
+RowUse Pool::row_use() {
   RowUse use;
   use.mate.assign(hdr_->lock_hosts, false);
   use.other.assign(hdr_->lock_hosts, 0);

@@ -14,6 +14,7 @@
 #include <fstream>
 #include <functional>
 #include <mutex>
+#include <new>
 #include <thread>
 #include <vector>
 
@@ -63,13 +64,20 @@ struct Beat {
   uint64_t lapse_ns;                    // > 0: fence instead of beating after such a gap
   const std::function<void()>* chores;  // after each beat that published (never throws out)
 };
+// The heartbeat thread is fork-safe only while it is in its loop: a fork() that copies a lock held
+// by a thread still starting or already exiting (ASan's allocator and thread registry are not
+// fork-safe) leaves the child hung on it at its first allocation or thread. So start_heartbeat
+// returns only once the thread is in its loop, and the thread never exits: with no beat left it
+// waits, idle, for the next attachment.
 struct State {
-  std::mutex mu;  // guards everything below; held across fork() by the atfork handlers
-  std::condition_variable cv;
+  std::mutex mu;                     // guards everything below; held across fork() by the atfork handlers
+  std::condition_variable cv;        // the heartbeat thread's wake-up (a beat added or removed)
+  std::condition_variable ready_cv;  // the heartbeat thread reached its loop (thread_ready)
   std::vector<int> lock_fds;
   std::vector<Beat> beats;
   uint64_t next_handle = 1;
-  bool thread_running = false;
+  bool thread_running = false;  // started in this process (it never exits)
+  bool thread_ready = false;    // and in its loop
 };
 
 void fork_prepare();
@@ -88,13 +96,18 @@ State& state() {
 void fork_prepare() { state().mu.lock(); }
 void fork_parent() { state().mu.unlock(); }
 // The child owns no node: drop its copies of the lock descriptors (the parent's locks live on
-// through the parent's own descriptors) and forget the heartbeats (the thread is not here).
+// through the parent's own descriptors) and forget the heartbeats (the thread is not here). The
+// condition variables are made afresh, not destroyed: the parent's thread may have been waiting on
+// one, and glibc would wait in the child for that waiter, who is not here, to leave it.
 void fork_child() {
   State& s = state();
   for (int fd : s.lock_fds) ::close(fd);
   s.lock_fds.clear();
   s.beats.clear();
   s.thread_running = false;
+  s.thread_ready = false;
+  new (&s.cv) std::condition_variable();
+  new (&s.ready_cv) std::condition_variable();
   s.mu.unlock();
 }
 
@@ -113,7 +126,13 @@ bool beat_once(Beat& b) {
 void heartbeat_loop() {
   State& s = state();
   std::unique_lock<std::mutex> g(s.mu);
-  while (!s.beats.empty()) {
+  s.thread_ready = true;
+  s.ready_cv.notify_all();
+  for (;;) {
+    if (s.beats.empty()) {  // idle until the next attachment: never exits (see State)
+      s.cv.wait(g);
+      continue;
+    }
     uint64_t now = mono_ns(), next = now + 1'000'000'000ull;
     for (size_t i = 0; i < s.beats.size();) {
       Beat& b = s.beats[i];
@@ -130,7 +149,6 @@ void heartbeat_loop() {
     }
     s.cv.wait_for(g, std::chrono::nanoseconds(next > now ? next - now : 0));
   }
-  s.thread_running = false;
 }
 
 }  // namespace
@@ -229,13 +247,16 @@ uint64_t start_heartbeat(NodeSlot* slot, uint64_t expected, uint64_t interval_ns
                          std::atomic<uint64_t>* last_beat, uint64_t lapse_ns,
                          const std::function<void()>* chores) {
   State& s = state();
-  std::lock_guard<std::mutex> g(s.mu);
+  std::unique_lock<std::mutex> g(s.mu);
   uint64_t h = s.next_handle++;
   s.beats.push_back(Beat{h, slot, expected, interval_ns, mono_ns() + interval_ns, coh, fenced, intact,
                          last_beat, lapse_ns, chores});
   if (!s.thread_running) {
     s.thread_running = true;
     std::thread(heartbeat_loop).detach();
+    // Fork-safe from here on (see State). Bounded: a thread that starts later than this only
+    // reopens that window, it beats all the same.
+    s.ready_cv.wait_for(g, std::chrono::seconds(10), [&] { return s.thread_ready; });
   } else {
     s.cv.notify_all();
   }

@@ -11,7 +11,8 @@
 // Fork: the child shares the parent's open file descriptions, so an inherited lock descriptor
 // would keep the parent's lock alive after the parent died. A pthread_atfork child handler closes
 // every lock descriptor this library opened (O_CLOEXEC covers exec), and the heartbeat thread does
-// not exist in the child, so a child never keeps its parent's node alive.
+// not exist in the child, so a child never keeps its parent's node alive. A fork is safe at any
+// time after start_heartbeat returned: the thread is then in its loop, and it never exits.
 #pragma once
 #include <atomic>
 #include <cstdint>

@@ -20,11 +20,13 @@
 // instant between that last compare and the write-back is the residual race, which is why it is
 // an operator's action and never a waiter's. Rows whose host lives heal themselves
 // (Bakery::heal_own_row, on every beat).
+#include "lock_check.h"
+
 #include <chrono>
 #include <thread>
 
+#include "errors.h"
 #include "liveness.h"
-#include "pool.h"
 
 namespace cxlkv {
 
@@ -38,9 +40,9 @@ std::string describe(uint32_t k, uint32_t j, const LockLine& t) {
 }
 }  // namespace
 
-void Pool::check_lock_area(CheckReport& r) {
+void LockCheck::run(LockReport& r) {
   check_tier1_words(r);
-  const uint32_t hosts = hdr_->lock_hosts;
+  const uint32_t hosts = region_.header()->lock_hosts;
   struct Seen {
     uint32_t k, j;
     LockLine t;
@@ -49,7 +51,7 @@ void Pool::check_lock_area(CheckReport& r) {
   std::vector<Seen> seen;
   for (uint32_t k = 0; k < kLockStripes; ++k)
     for (uint32_t j = 0; j < hosts; ++j) {
-      LockLine t = lock_view().read_ticket(k, j);
+      LockLine t = view_.read_ticket(k, j);
       if (t.choosing || t.number) seen.push_back({k, j, t});  // a release leaves node/node_word
     }
   if (seen.empty()) return;
@@ -57,24 +59,24 @@ void Pool::check_lock_area(CheckReport& r) {
   // A live holder's ticket moves within microseconds: judge only what stood still (every write
   // of a row changes its `waits`, so an unchanged line was not written in between).
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  RowUse use = row_use();
+  RowUse use = row_use_();
   std::vector<Seen> orphaned;  // --repair: reset once they stood still for a lease
   for (Seen& s : seen) {
-    if (!Bakery::same_line(lock_view().read_ticket(s.k, s.j), s.t)) continue;
+    if (!Bakery::same_line(view_.read_ticket(s.k, s.j), s.t)) continue;
     const bool own = own_row(s.j);
-    s.row_live = own ? node_id_ != 0 || use.mate[s.j] : use.mate[s.j] || use.other[s.j] != 0;
+    s.row_live = own ? attached_ || use.mate[s.j] : use.mate[s.j] || use.other[s.j] != 0;
     const std::string what = describe(s.k, s.j, s.t);
-    if (s.t.node != 0 && lock_view().ticket_owner_attached(s.t, s.j)) {
-      ++r.lock_tickets_stuck;
+    if (s.t.node != 0 && view_.ticket_owner_attached(s.t, s.j)) {
+      ++r.tickets_stuck;
       r.warnings.push_back(what + " of live node " + std::to_string(s.t.node) +
                            " did not move while checked (a holder stalled inside the lock?)");
       continue;
     }
-    if (s.t.node != 0 && s.t.node <= hdr_->max_nodes) {
-      NodeSlot* n = node_slot(uint32_t(s.t.node - 1));
-      s.foreign = coh_.read(&n->state) == s.t.node_word && node_state(s.t.node_word) == kNodeAlive;
+    if (s.t.node != 0 && s.t.node <= region_.header()->max_nodes) {
+      NodeSlot* n = region_.node_slot(uint32_t(s.t.node - 1));
+      s.foreign = coh().read(&n->state) == s.t.node_word && node_state(s.t.node_word) == kNodeAlive;
       if (s.foreign) {
-        coh_.invalidate(n, sizeof *n);
+        coh().invalidate(n, sizeof *n);
         s.foreign = n->host_slot != uint64_t(s.j) + 1;
       }
     }
@@ -82,11 +84,11 @@ void Pool::check_lock_area(CheckReport& r) {
     // e.g. while attaching, keeps its ticket).
     bool reset = false;
     if (own) try {
-        reset = lock_view().reset_own_row(s.k);
+        reset = view_.reset_own_row(s.k);
       } catch (const FencedError&) {
       }
     if (reset) {
-      ++r.lock_rows_reset;
+      ++r.rows_reset;
       r.fixed(what + (s.foreign ? " (foreign)" : " (stale)") + " reset");
     } else if (r.repair && !s.row_live && !own) {
       orphaned.push_back(s);
@@ -99,22 +101,22 @@ void Pool::check_lock_area(CheckReport& r) {
   // skipped after a lease of standstill), and only once the line stood still for a whole lease on
   // our clock (an attacher of that row that waits keeps advancing `waits`), and the row still
   // has no live node. The reset compares the whole line again right before its write-back.
-  const uint64_t lease_ns = uint64_t(hdr_->lease_ms) * 1'000'000;
+  const uint64_t lease_ns = uint64_t(region_.header()->lease_ms) * 1'000'000;
   const uint64_t now = liveness::mono_ns();
   if (now < first_look + lease_ns + 10'000'000)
     std::this_thread::sleep_for(std::chrono::nanoseconds(first_look + lease_ns + 10'000'000 - now));
-  use = row_use();
+  use = row_use_();
   for (const Seen& s : orphaned) {
     const std::string what = describe(s.k, s.j, s.t);
     bool reset = false;
     if (!use.mate[s.j] && !use.other[s.j]) try {
-        reset = lock_view().reset_orphaned_row(s.k, s.j, s.t);
+        reset = view_.reset_orphaned_row(s.k, s.j, s.t);
       } catch (const FencedError&) {
       }
     if (reset) {
-      ++r.lock_rows_reset;
+      ++r.rows_reset;
       r.fixed(what + (s.foreign ? " (foreign)" : " (stale)") + " reset (no host owns the row)");
-    } else if (Bakery::same_line(lock_view().read_ticket(s.k, s.j), s.t)) {
+    } else if (Bakery::same_line(view_.read_ticket(s.k, s.j), s.t)) {
       report_ticket(r, s.t, what, s.foreign, true);
     }
   }
@@ -130,7 +132,7 @@ void Pool::check_lock_area(CheckReport& r) {
 // processes (a takeover), in a row with no live node by the one write of a row by another host
 // (the word and the line compared right before it); a row whose host lives clears them itself
 // (Bakery::heal_own_row, every beat).
-void Pool::check_tier1_words(CheckReport& r) {
+void LockCheck::check_tier1_words(LockReport& r) {
   using Kind = Bakery::Tier1Kind;
   struct Word {
     uint32_t k, j;
@@ -139,9 +141,8 @@ void Pool::check_tier1_words(CheckReport& r) {
   };
   std::vector<Word> found;
   for (uint32_t k = 0; k < kLockStripes; ++k)
-    for (uint32_t j = 0; j < hdr_->lock_hosts; ++j)
-      if (uint64_t w = lock_view().read_tier1(k, j))
-        found.push_back({k, j, w, lock_view().read_ticket(k, j)});
+    for (uint32_t j = 0; j < region_.header()->lock_hosts; ++j)
+      if (uint64_t w = view_.read_tier1(k, j)) found.push_back({k, j, w, view_.read_ticket(k, j)});
   if (found.empty()) return;
   const uint64_t first_look = liveness::mono_ns();
   std::this_thread::sleep_for(std::chrono::milliseconds(50));  // a live holder's word moves at once
@@ -151,10 +152,10 @@ void Pool::check_tier1_words(CheckReport& r) {
                     std::to_string(tier1_node(x.w)) + ", epoch " + std::to_string(tier1_epoch(x.w)) +
                     ") is " + Bakery::tier1_kind_name(kind);
     const uint32_t node = tier1_node(x.w);
-    if (node != 0 && node <= hdr_->max_nodes) {
-      NodeSlot* n = node_slot(node - 1);
-      const uint64_t st = coh_.read(&n->state);
-      coh_.invalidate(n, sizeof *n);
+    if (node != 0 && node <= region_.header()->max_nodes) {
+      NodeSlot* n = region_.node_slot(node - 1);
+      const uint64_t st = coh().read(&n->state);
+      coh().invalidate(n, sizeof *n);
       s += " (node " + std::to_string(node) + " is " +
            (node_state(st) == kNodeAlive ? "ALIVE in epoch " + std::to_string(node_epoch(st) & 0xFFFFFF) +
                                                " on row " + std::to_string(int64_t(n->host_slot) - 1)
@@ -163,26 +164,26 @@ void Pool::check_tier1_words(CheckReport& r) {
     }
     return s;
   };
-  const RowUse use = row_use();
+  const RowUse use = row_use_();
   std::vector<Word> later;  // --repair: stale words, cleared once they stood still for a lease
   for (const Word& x : found) {
-    if (lock_view().read_tier1(x.k, x.j) != x.w) continue;  // moved: a live holder's
-    const Kind kind = lock_view().classify_tier1(x.w, x.j);
+    if (view_.read_tier1(x.k, x.j) != x.w) continue;  // moved: a live holder's
+    const Kind kind = view_.classify_tier1(x.w, x.j);
     const std::string what = describe_word(x, kind);
     const bool own = own_row(x.j), row_live = own || use.mate[x.j] || use.other[x.j] != 0;
     if (kind == Kind::holder || kind == Kind::nodeless) {
-      ++r.lock_words_held;
+      ++r.words_held;
       r.warnings.push_back(what + ": it did not move while checked (a holder stalled inside the lock?)");
       continue;
     }
     if (r.repair && kind == Kind::foreign && (own || !row_live)) {
       bool reset = false;
       try {
-        reset = lock_view().clear_orphaned_word(x.k, x.j, x.w, x.t);
+        reset = view_.clear_orphaned_word(x.k, x.j, x.w, x.t);
       } catch (const FencedError&) {
       }
       if (reset) {
-        ++r.lock_words_reset;
+        ++r.words_reset;
         r.fixed(what + ": cleared");
         continue;
       }
@@ -194,46 +195,46 @@ void Pool::check_tier1_words(CheckReport& r) {
     const std::string after = row_live ? "; its row's host clears it within a lease and a quarter"
                                        : "; `cxlkv pool check --repair` clears it";
     if (kind == Kind::foreign) {
-      ++r.lock_words_foreign;
+      ++r.words_foreign;
       r.error(what + ": a stray or hostile write (waiters take it over at once)" + after);
     } else {
-      ++r.lock_words_stale;
+      ++r.words_stale;
       r.warnings.push_back(what + ": waiters take it over after a lease of standstill" + after);
     }
   }
   if (later.empty()) return;
-  const uint64_t lease_ns = uint64_t(hdr_->lease_ms) * 1'000'000, now = liveness::mono_ns();
+  const uint64_t lease_ns = uint64_t(region_.header()->lease_ms) * 1'000'000, now = liveness::mono_ns();
   if (now < first_look + lease_ns + 10'000'000)
     std::this_thread::sleep_for(std::chrono::nanoseconds(first_look + lease_ns + 10'000'000 - now));
-  const RowUse use2 = row_use();
+  const RowUse use2 = row_use_();
   for (const Word& x : later) {
-    const Kind kind = lock_view().classify_tier1(x.w, x.j);
+    const Kind kind = view_.classify_tier1(x.w, x.j);
     const std::string what = describe_word(x, kind);
     bool reset = false;
     if (kind == Kind::stale && (own_row(x.j) || (!use2.mate[x.j] && !use2.other[x.j]))) try {
-        reset = lock_view().clear_orphaned_word(x.k, x.j, x.w, x.t);
+        reset = view_.clear_orphaned_word(x.k, x.j, x.w, x.t);
       } catch (const FencedError&) {
       }
     if (reset) {
-      ++r.lock_words_reset;
+      ++r.words_reset;
       r.fixed(what + ": cleared after a lease of standstill");
-    } else if (lock_view().read_tier1(x.k, x.j) == x.w) {
-      ++r.lock_words_stale;
+    } else if (view_.read_tier1(x.k, x.j) == x.w) {
+      ++r.words_stale;
       r.warnings.push_back(what + ": still there after a lease; not cleared (its row has a live host now)");
     }
   }
 }
 
-void Pool::report_ticket(CheckReport& r, const LockLine& t, const std::string& what, bool foreign,
-                         bool row_live) {
+void LockCheck::report_ticket(LockReport& r, const LockLine& t, const std::string& what, bool foreign,
+                              bool row_live) {
   if (foreign) {
-    ++r.lock_tickets_foreign;
+    ++r.tickets_foreign;
     r.error(what + " names node " + std::to_string(t.node) +
             " of another row: a stray or hostile write (waiters ignore it)" +
             (row_live ? "; its row's host resets it within a quarter lease"
                       : "; `cxlkv pool check --repair` resets it"));
   } else {
-    ++r.lock_tickets_stale;
+    ++r.tickets_stale;
     r.warnings.push_back(what + " is stale (its holder is gone; waiters ignore it)" +
                          (row_live ? "" : "; `cxlkv pool check --repair` resets it"));
   }

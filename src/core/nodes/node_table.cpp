@@ -58,4 +58,40 @@ NodeInfo NodeTable::judge(uint32_t idx, uint64_t w, uint32_t self_id, uint64_t s
   return n;
 }
 
+std::vector<NodeInfo> NodeTable::verdicts(uint32_t self_id, uint64_t self_word) {
+  std::lock_guard<std::mutex> g(mu_);
+  std::vector<NodeInfo> out;
+  for (uint32_t i = 0; i < region_.header()->max_nodes; ++i) {
+    uint64_t w = region_.coh().read(&region_.node_slot(i)->state);
+    if (node_state(w) != kNodeFree) out.push_back(judge(i, w, self_id, self_word));
+  }
+  return out;
+}
+
+bool NodeTable::any_dead(uint32_t self_id, uint64_t self_word) {
+  std::lock_guard<std::mutex> g(mu_);
+  for (uint32_t i = 0; i < region_.header()->max_nodes; ++i) {
+    uint64_t w = region_.coh().read(&region_.node_slot(i)->state);
+    if (node_state(w) != kNodeFree && judge(i, w, self_id, self_word).verdict == NodeInfo::kDead) return true;
+  }
+  return false;
+}
+
+// Serialized with the reaper: judge() updates this judge's lease watches.
+bool NodeTable::gone(uint8_t node, uint32_t self_id, uint64_t self_word) {
+  if (node == 0 || node > region_.header()->max_nodes) return true;
+  if (node == self_id) return false;
+  std::lock_guard<std::mutex> g(mu_);
+  uint64_t w = region_.coh().read(&region_.node_slot(node - 1)->state);
+  if (node_state(w) == kNodeFree) return true;
+  return judge(node - 1, w, self_id, self_word).verdict == NodeInfo::kDead;
+}
+
+bool NodeTable::incarnation_alive(uint8_t node, uint8_t epoch8) const {
+  if (node == 0 || node > region_.header()->max_nodes) return false;
+  uint64_t w = region_.coh().read(&region_.node_slot(node - 1)->state);
+  uint8_t st = node_state(w);
+  return (st == kNodeAlive || st == kNodeClaimed) && uint8_t(node_epoch(w)) == epoch8;
+}
+
 }  // namespace cxlkv

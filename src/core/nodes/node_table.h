@@ -2,8 +2,9 @@
 // NodeSlot; liveness.h: the primitives). Owns the judge's identity on this kernel (host id, the
 // pool's lock file, the domain tag written into node words), its lease observations of every
 // slot, and the lock that serialises judging and reclaiming in this process. Gives one verdict
-// per slot with its evidence; reclaiming what a dead node held touches every protocol and stays
-// with Pool (nodes.cpp).
+// per slot with its evidence, and the reads built on it (verdicts, any_dead, gone,
+// incarnation_alive); reclaiming what a dead node held touches every protocol and stays with Pool
+// (nodes.cpp) until the store answers it through one narrow interface.
 #pragma once
 #include <cstdint>
 #include <mutex>
@@ -55,6 +56,17 @@ class NodeTable {
   // Judges slot idx, whose state word was read as w; self_id/self_word: this attachment's node id
   // (0: none) and node word. Caller holds mu().
   NodeInfo judge(uint32_t idx, uint64_t w, uint32_t self_id, uint64_t self_word);
+
+  // The table as this judge sees it now (each takes mu()): every slot that is not FREE with its
+  // verdict (`pool info`); whether any is judged dead (a row-less observer becomes a writer before
+  // it reclaims one); whether node `node` (1-based) can no longer finish what it started (its slot
+  // is FREE or judged dead; any out-of-range id is gone). self_id, self_word: as for judge().
+  std::vector<NodeInfo> verdicts(uint32_t self_id, uint64_t self_word);
+  bool any_dead(uint32_t self_id, uint64_t self_word);
+  bool gone(uint8_t node, uint32_t self_id, uint64_t self_word);
+  // Whether node `node` is attached now (CLAIMED or ALIVE) in the incarnation whose epoch ends in
+  // epoch8. A read of its word, no judging.
+  bool incarnation_alive(uint8_t node, uint8_t epoch8) const;
 
  private:
   struct Watch {  // lease observations of this judge, per slot

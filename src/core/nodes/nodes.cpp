@@ -152,16 +152,6 @@ bool Pool::reclaim_judged(uint32_t idx, uint64_t w, const NodeInfo& n, bool forc
   return true;
 }
 
-// A node slot judged dead now (a row-less observer becomes a writer before it reclaims one).
-bool Pool::any_dead_node() {
-  std::lock_guard<std::mutex> g(reap_mu_);
-  for (uint32_t i = 0; i < hdr_->max_nodes; ++i) {
-    uint64_t w = coh_.read(&node_slot(i)->state);
-    if (node_state(w) != kNodeFree && judge(i, w).verdict == NodeInfo::kDead) return true;
-  }
-  return false;
-}
-
 uint64_t Pool::reap_pass(uint64_t* undecided) {
   if (row_less_ && any_dead_node()) become_writer();
   if (bakery_) bakery_->sweep();  // tier-1 words of our row left by dead host-mates (arbiter.h)
@@ -188,16 +178,6 @@ uint64_t Pool::reap_pass(uint64_t* undecided) {
 }
 
 uint64_t Pool::reap_dead_nodes() { return reap_pass(nullptr); }
-
-std::vector<NodeInfo> Pool::nodes() {
-  std::lock_guard<std::mutex> g(reap_mu_);
-  std::vector<NodeInfo> out;
-  for (uint32_t i = 0; i < hdr_->max_nodes; ++i) {
-    uint64_t w = coh_.read(&node_slot(i)->state);
-    if (node_state(w) != kNodeFree) out.push_back(judge(i, w));
-  }
-  return out;
-}
 
 NodeInfo Pool::reap_node(uint32_t id, bool force, bool* reclaimed, uint64_t wait_ms) {
   if (id == 0 || id > hdr_->max_nodes)
@@ -232,24 +212,6 @@ NodeInfo Pool::reap_node(uint32_t id, bool force, bool* reclaimed, uint64_t wait
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-}
-
-// True when node `node` (1-based) can no longer finish what it started: its slot is free, or the
-// judge finds it dead. Serialized with the reaper: judge() updates this process's lease watches.
-bool Pool::writer_gone(uint8_t node) {
-  if (node == 0 || node > hdr_->max_nodes) return true;
-  if (node == node_id_) return false;
-  std::lock_guard<std::mutex> g(reap_mu_);
-  uint64_t w = coh_.read(&node_slot(node - 1)->state);
-  if (node_state(w) == kNodeFree) return true;
-  return judge(node - 1, w).verdict == NodeInfo::kDead;
-}
-
-bool Pool::incarnation_alive(uint8_t node, uint8_t epoch8) {
-  if (node == 0 || node > hdr_->max_nodes) return false;
-  uint64_t w = coh_.read(&node_slot(node - 1)->state);
-  uint8_t st = node_state(w);
-  return (st == kNodeAlive || st == kNodeClaimed) && uint8_t(node_epoch(w)) == epoch8;
 }
 
 void Pool::reclaim_node(uint32_t idx, uint64_t reclaiming_word) {

@@ -53,19 +53,33 @@ class Mapping {
   // Maps a devdax device for creation (its whole size, or `size` if smaller).
   static Mapping open_devdax_for_create(const std::string& path, uint64_t size);
 
-  // Striped pools (striped_mapping.cpp; format.h "Striped pools"). The pool is one contiguous
-  // range: stripe i is mapped with MAP_FIXED from device i % N at its device offset, one mmap per
-  // stripe (neighbouring stripes are on different devices, so no two merge): pool_bytes / stripe
-  // maps, checked against vm.max_map_count first. open_striped reads device 0's header and stripe
-  // table and every other device's label, and refuses a wrong order, a missing or extra device,
-  // a device of another pool or a short device with a one-line error before mapping anything.
-  static Mapping open_striped(const std::vector<std::string>& paths, bool populate, bool read_only,
-                              bool allow_foreign_owner, bool allow_group);
-  // Creates (exclusively, mode 0600) and allocates one file per device at tmp_paths (a devdax
-  // path is opened instead), writes every label, and maps the range (zero-filled). The caller
-  // writes the header and the table into the range, commits the init word, then links the files.
-  static Mapping create_striped(const std::vector<std::string>& tmp_paths, const format::StripeTable& t,
-                                const uint8_t uuid[16], uint64_t pool_bytes);
+  // Striped ranges (striped_mapping.cpp). The range is one contiguous mapping: stripe i is mapped
+  // with MAP_FIXED from device i % N at its device offset, one mmap per stripe (neighbouring
+  // stripes are on different devices, so no two merge): pool_bytes / stripe maps, checked against
+  // vm.max_map_count first. The mapper only maps: what the devices say about the pool (header,
+  // stripe table, labels) is validated by the caller (striped_pool.cpp) from read_device_head
+  // before it hands a geometry to map_striped, and by Region::adopt after.
+  //
+  // Opens every device (open_existing's rules: no symbolic link, the owner policy; no file named
+  // twice) and maps nothing yet.
+  static Mapping open_devices(const std::vector<std::string>& paths, bool read_only, bool allow_foreign_owner,
+                              bool allow_group);
+  // Copies the first n bytes of device k (a short file reads as zeros past its end).
+  void read_device_head(uint32_t k, void* out, size_t n) const;
+  // Maps the opened devices as one range of pool_bytes striped by g; need[k]: the bytes device k
+  // must have (TruncatedError when it has fewer; FormatError for a devdax device and stripes that
+  // are not 2 MiB aligned). private_copy: MAP_PRIVATE (read-only inspection). Closes the devices
+  // on failure.
+  void map_striped(const StripeGeometry& g, uint64_t pool_bytes, const std::vector<uint64_t>& need,
+                   bool populate, bool private_copy);
+  // Creates (exclusively, mode 0600) and allocates one file per device at tmp_paths, need[k]
+  // bytes each (a devdax path is opened instead and must have them), and maps the range
+  // (zero-filled for files). Removes what it created on failure.
+  static Mapping create_striped(const std::vector<std::string>& tmp_paths, const StripeGeometry& g,
+                                const std::vector<uint64_t>& need, uint64_t pool_bytes);
+  // Writes n bytes at offset 0 of device k, outside the mapped range (a device label), the first
+  // zero_bytes cleared first on devdax (a new file is zero already).
+  void write_device_head(uint32_t k, const void* bytes, size_t n, uint64_t zero_bytes);
   bool striped() const { return geo_.striped(); }
   const StripeGeometry& stripes() const { return geo_; }
   const std::vector<MappedDevice>& devices() const { return devices_; }

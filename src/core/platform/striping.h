@@ -1,13 +1,12 @@
-// Stripe arithmetic of a pool interleaved over several devices (format.h "Striped pools"): which
-// device holds a pool byte and where. Pure functions of a validated StripeGeometry; the mapping
-// layer (striped_mapping.cpp) maps by them, the allocator places blocks by them (placement.cpp),
-// and tests/cpp/test_striping.cpp checks them against the bytes of real device files.
+// Stripe arithmetic of a range interleaved over several devices: which device holds a byte and
+// where. Pure functions of a validated StripeGeometry; the mapping layer (striped_mapping.cpp)
+// maps by them, the allocator places blocks by them (placement.cpp), and
+// tests/cpp/test_striping.cpp checks them against the bytes of real device files. What a pool
+// records about its stripes (the stripe table, the device labels) is format/stripe_table.h.
 #pragma once
 #include <cstdint>
 #include <string>
 #include <vector>
-
-#include "format.h"
 
 namespace cxlkv {
 
@@ -47,27 +46,9 @@ inline uint64_t device_need_bytes(const StripeGeometry& g, uint64_t pool_bytes, 
   return (d ? g.label : 0) + device_stripes(g, pool_bytes, d) * g.stripe;
 }
 
-// A pool named by several devices is written as one string, the device paths joined by commas
-// ("/dev/shm/a,/dev/shm/b"): every place that takes a pool path (API, CLI, CXLKV_POOL, the vLLM
-// connector's pool_path) takes a device list unchanged. Throws ArgumentError on an empty element,
-// a path listed twice or more than kMaxDevices devices. One element: a single-device pool.
-std::vector<std::string> split_device_list(const std::string& spec);
-inline bool is_device_list(const std::string& spec) { return spec.find(',') != std::string::npos; }
-
-// Fills `t` for a new pool of pool_bytes over `devices` devices. Throws ArgumentError when the
-// stripe is not a power of two in range (a multiple of 2 MiB with devdax), or when pool_bytes is
-// not a stripe multiple of at least one stripe per device. Pure (tests/cpp/test_geometry.cpp).
-void plan_stripes(format::StripeTable& t, uint64_t pool_bytes, uint32_t devices, uint64_t stripe_bytes,
-                  bool devdax);
-// Validates a table read from a pool (untrusted): magic, checksum, device count, stripe, label,
-// device sizes equal to what the geometry needs. Returns "" or a one-line reason.
-std::string stripe_table_problem(const format::StripeTable& t, uint64_t pool_bytes);
-StripeGeometry stripe_geometry(const format::StripeTable& t);
 // A striped range takes one memory map per stripe (neighbours are on different devices, so none
 // merge). "" if `need` more maps fit a process that holds `used` of `limit` (vm.max_map_count,
 // 256 kept for the libraries), else the one-line reason with both ways out.
 std::string map_budget_problem(uint64_t need, uint64_t used, uint64_t limit, const std::string& what);
-uint64_t stripe_table_checksum(const format::StripeTable& t);
-uint64_t device_label_checksum(const format::DeviceLabel& l);
 
 }  // namespace cxlkv

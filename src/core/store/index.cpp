@@ -149,7 +149,7 @@ void Pool::finish_evict(uint64_t slot, uint64_t evicting_word) {
     uint64_t dw = coh_.read(d);
     if (block_state(dw) == kBlockUsed && block_slot(dw) == slot) {
       allocator_.free_block(e.chunk, e.block);
-      quota_release(e);  // quota_protocol.cpp
+      quotas_.release(node_id_, e);  // quotas.cpp
     }
   }
   coh_.publish(&entry(slot)->state,
@@ -201,7 +201,7 @@ bool Pool::evict_victim(const Victim& c, const NsHandle* ns, uint64_t* out_chunk
     return false;
   }
   coh_.publish_shared(d, make_block_word(kBlockUsed, uint8_t(node_id_), my_epoch8(), new_owner_slot));
-  quota_release(e);  // quota_protocol.cpp: the victim's subjects no longer hold the block
+  quotas_.release(node_id_, e);  // quotas.cpp: the victim's subjects no longer hold the block
   coh_.publish(&entry(c.slot)->state, make_entry_word(kTombstone, 0, entry_gen(ev), entry_tag(ev)));
   *out_chunk = e.chunk;
   *out_block = e.block;
@@ -251,7 +251,7 @@ bool Pool::evict_owner(uint64_t c, uint32_t b, uint64_t dw, uint64_t fenced) {
   uint64_t* d = block_desc(c, b);
   uint64_t cur = coh_.read(d);
   bool ok = cur == dw && coh_.claim(d, cur, fenced);
-  if (ok) quota_release(e);  // quota_protocol.cpp
+  if (ok) quotas_.release(node_id_, e);  // quotas.cpp
   coh_.publish(&entry(slot)->state, make_entry_word(kTombstone, 0, entry_gen(ev), entry_tag(ev)));
   count(kEvictions);
   return ok;
@@ -407,7 +407,7 @@ bool Pool::claim_block(const NsHandle& ns, uint64_t slot, uint32_t gen, uint32_t
             evict_from_queue(ns, chunk, block, slot);
   }
   if (!got) {
-    quota_refund(ns, slot);  // quota_protocol.cpp
+    quotas_.refund(node_id_, *e, ns.block_bytes);  // quotas.cpp
     coh_.publish(&e->state, make_entry_word(kTombstone, 0, gen, tag));
     count(kPutsFailed);
     return false;
@@ -560,7 +560,7 @@ bool Pool::release_abandoned(uint64_t slot, uint64_t w) {
   }
   if (!coh_.claim(&e->state, w, make_entry_word(kTombstone, 0, entry_gen(w), entry_tag(w)))) return false;
   if (d && block_state(dw) == kBlockUsed && block_slot(dw) == slot && coh_.claim(d, dw, 0))
-    quota_release(rows);
+    quotas_.release(node_id_, rows);
   return true;
 }
 

@@ -1,7 +1,7 @@
 // Quotas, the protocol (docs/ARCHITECTURE.md "Quotas"): naming a tenant and setting a limit
 // (under the namespace-table lock), charging a put and evicting the subject's own blocks when it
-// is over (quota_admit), the release where a block leaves its entry (quota_release), and
-// `pool check`'s recount (check_quotas). The table's reader is Quotas (quotas.h).
+// is over (quota_admit), and `pool check`'s recount (check_quotas). The table's reader and writer,
+// the counters' bookings and the release where a block leaves its entry are Quotas' (quotas.h).
 #include <chrono>
 #include <cstring>
 #include <thread>
@@ -12,18 +12,6 @@ namespace cxlkv {
 
 using namespace format;
 
-namespace {
-// A tenant name as written by this build: 1..31 bytes of UTF-8 text without control characters.
-void check_tenant(const std::string& t) {
-  if (t.empty() || t.size() >= kTenantNameBytes)
-    throw ArgumentError("tenant must have 1.." + std::to_string(kTenantNameBytes - 1) + " bytes, got " +
-                        std::to_string(t.size()));
-  for (unsigned char c : t)
-    if (c < 0x20 || c == 0x7f) throw ArgumentError("tenant must not contain NUL or control characters");
-  if (!valid_utf8(t.data(), t.size())) throw ArgumentError("tenant must be UTF-8 text");
-}
-}  // namespace
-
 // Quota rows change under the namespace-table lock (namespaces.cpp), one writer at a time.
 void Pool::with_quota_lock(const std::function<void()>& fn) {
   if (read_only_) throw ReadOnlyError("pool " + path_ + " was opened read-only; quotas cannot be changed");
@@ -33,47 +21,18 @@ void Pool::with_quota_lock(const std::function<void()>& fn) {
   quotas_.invalidate_cache();
 }
 
-void Pool::write_quota_row(uint32_t row, const QuotaRow& r) {
-  QuotaRow* p = quotas_.row_ptr(row);
-  coh_.check_fence();  // before the plain stores (a dirty line reaches memory flushed or not)
-  auto* d = reinterpret_cast<uint64_t*>(p);
-  const auto* s = reinterpret_cast<const uint64_t*>(&r);
-  for (size_t i = 0; i < sizeof r / 8; ++i)
-    std::atomic_ref<uint64_t>(d[i]).store(s[i], std::memory_order_relaxed);
-  coh_.flush(p, sizeof r);
-  coh_.fence();
-}
-
-// The row of subject (kind, ns_id, tenant), created if absent. Caller holds the quota lock.
-uint32_t Pool::quota_row_locked(uint32_t kind, uint32_t ns_id, const std::string& tenant) {
-  uint32_t free_row = 0;
-  for (uint32_t r = 1; r <= kQuotaRows; ++r) {
-    QuotaInfo q;
-    if (quotas_.read_row(r, &q)) {
-      if (q.kind == kind && q.ns_id == ns_id && q.tenant == tenant) return r;
-    } else if (!q.used && !free_row) {
-      free_row = r;  // an unreadable row is not free: `pool check` reports it, nobody reuses it
-    }
-  }
-  if (!free_row)
-    throw QuotaTableFullError("pool " + path_ + ": all " + std::to_string(kQuotaRows) +
-                              " quota rows (tenants and namespace quotas) are in use");
-  write_quota_row(free_row, Quotas::make_row(kind, ns_id, tenant, 0, 0));
-  return free_row;
-}
-
 uint8_t Pool::tenant_row(const std::string& tenant) {
-  check_tenant(tenant);
+  Quotas::check_tenant(tenant);
   for (const QuotaInfo& q : quotas_.cached())
     if (q.kind == kQuotaTenant && q.tenant == tenant) return uint8_t(q.row);
   uint32_t row = 0;
-  with_quota_lock([&] { row = quota_row_locked(kQuotaTenant, 0, tenant); });
+  with_quota_lock([&] { row = quotas_.row_of_locked(kQuotaTenant, 0, tenant, path_); });
   return uint8_t(row);
 }
 
 uint32_t Pool::set_quota(uint32_t ns_id, const std::string& tenant, uint64_t max_bytes, uint32_t max_ppm) {
   if ((ns_id == 0) == tenant.empty()) throw ArgumentError("a quota names either a namespace or a tenant");
-  if (!tenant.empty()) check_tenant(tenant);
+  if (!tenant.empty()) Quotas::check_tenant(tenant);
   if (ns_id > hdr_->max_namespaces || (ns_id && quotas_.block_bytes_of(ns_id) == 0))
     throw ArgumentError("namespace id " + std::to_string(ns_id) + " is not a namespace of pool " + path_);
   if (max_ppm > kPpmOne) throw ArgumentError("a fraction of the pool must be at most 1");
@@ -88,30 +47,13 @@ uint32_t Pool::set_quota(uint32_t ns_id, const std::string& tenant, uint64_t max
   }
   uint32_t row = 0;
   with_quota_lock([&] {
-    row = quota_row_locked(kind, ns_id, tenant);
-    write_quota_row(row, Quotas::make_row(kind, ns_id, tenant, max_bytes, max_ppm));
+    row = quotas_.row_of_locked(kind, ns_id, tenant, path_);
+    quotas_.write_row(row, Quotas::make_row(kind, ns_id, tenant, max_bytes, max_ppm));
   });
   return row;
 }
 
 std::vector<QuotaInfo> Pool::quotas() { return quotas_.rows(hdr_->max_nodes); }
-
-void Pool::quota_book(uint8_t row, uint64_t bytes, bool charge) {
-  if (row == 0 || row > kQuotaRows || !node_id_ || !bytes) return;
-  NodeAreaFixed* f = node_fixed(node_id_ - 1);
-  uint64_t* w = charge ? &f->quota_charged[row - 1] : &f->quota_released[row - 1];
-  coh_.bump_owned(w, bytes);
-  coh_.flush(w, sizeof *w);  // other hosts enforce the same quota: the line reaches memory now
-}
-
-void Pool::quota_release(const IndexEntry& e) {
-  if (!e.tenant_row && !e.ns_row) return;
-  const uint64_t bytes = quotas_.block_bytes_of(e.ns_id);
-  // Only rows in use: a forged entry naming a free row must not book bytes a later subject of
-  // that row would start with (its usage would read low, its quota lenient).
-  if (e.tenant_row && quotas_.in_use(e.tenant_row)) quota_book(e.tenant_row, bytes, false);
-  if (e.ns_row && quotas_.in_use(e.ns_row)) quota_book(e.ns_row, bytes, false);
-}
 
 // Charges the block a put is about to take to the rows its entry names, then, for each row over
 // its limit, evicts the subject's own oldest unpinned blocks of this namespace (tails of chains
@@ -124,7 +66,7 @@ bool Pool::quota_admit(const NsHandle& ns, uint64_t slot, uint64_t* chunk, uint3
   IndexEntry* e = entry(slot);  // ours (WRITING): the rows we wrote with the key
   const uint8_t rows[2] = {e->tenant_row, e->ns_row};
   if (!rows[0] && !rows[1]) return true;
-  for (uint8_t r : rows) quota_book(r, ns.block_bytes, true);
+  for (uint8_t r : rows) quotas_.book(node_id_, r, ns.block_bytes, true);
   constexpr int kMaxOwnEvictions = 64;  // bounds a put whatever the counters say
   for (uint8_t r : rows) {
     if (!r || r > kQuotaRows) continue;
@@ -151,7 +93,7 @@ bool Pool::quota_admit(const NsHandle& ns, uint64_t slot, uint64_t* chunk, uint3
           if (block_state(dw) == kBlockUsed && block_slot(dw) == slot) allocator_.free_block(*chunk, *block);
           *got = false;
         }
-        quota_refund(ns, slot);
+        quotas_.refund(node_id_, *e, ns.block_bytes);
         count(kPutsOverQuota);
         return false;
       }
@@ -159,12 +101,6 @@ bool Pool::quota_admit(const NsHandle& ns, uint64_t slot, uint64_t* chunk, uint3
     }
   }
   return true;
-}
-
-void Pool::quota_refund(const NsHandle& ns, uint64_t slot) {
-  const IndexEntry* e = entry(slot);
-  quota_book(e->tenant_row, ns.block_bytes, false);
-  quota_book(e->ns_row, ns.block_bytes, false);
 }
 
 // `pool check`: every row readable and well-formed, every entry's rows naming rows in use, and
@@ -219,7 +155,7 @@ void Pool::check_quotas(CheckReport& r) {
                              " bytes, its blocks hold " + std::to_string(held[q.row]);
     if (r.repair && node_id_ && !read_only_) {
       const int64_t diff = held[q.row] - counted;
-      quota_book(uint8_t(q.row), uint64_t(diff > 0 ? diff : -diff), diff > 0);
+      quotas_.book(node_id_, uint8_t(q.row), uint64_t(diff > 0 ? diff : -diff), diff > 0);
       r.fixed(what + " (booked the difference)");
     } else {
       r.warnings.push_back(what + (r.repair ? " (not repaired: no node slot)" : ""));

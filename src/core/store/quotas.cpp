@@ -8,6 +8,7 @@
 
 #include "checksum.h"
 #include "clock.h"
+#include "errors.h"
 
 namespace cxlkv {
 
@@ -46,6 +47,67 @@ QuotaRow Quotas::make_row(uint32_t kind, uint32_t ns_id, const std::string& tena
   std::memcpy(r.name, tenant.data(), std::min<size_t>(tenant.size(), kTenantNameBytes - 1));
   r.checksum = xxh3(&r, offsetof(QuotaRow, checksum));
   return r;
+}
+
+void Quotas::check_tenant(const std::string& t) {
+  if (t.empty() || t.size() >= kTenantNameBytes)
+    throw ArgumentError("tenant must have 1.." + std::to_string(kTenantNameBytes - 1) + " bytes, got " +
+                        std::to_string(t.size()));
+  for (unsigned char c : t)
+    if (c < 0x20 || c == 0x7f) throw ArgumentError("tenant must not contain NUL or control characters");
+  if (!valid_utf8(t.data(), t.size())) throw ArgumentError("tenant must be UTF-8 text");
+}
+
+void Quotas::write_row(uint32_t row, const QuotaRow& r) const {
+  const Coherence& coh = region_.coh();
+  QuotaRow* p = row_ptr(row);
+  coh.check_fence();  // before the plain stores (a dirty line reaches memory flushed or not)
+  auto* d = reinterpret_cast<uint64_t*>(p);
+  const auto* s = reinterpret_cast<const uint64_t*>(&r);
+  for (size_t i = 0; i < sizeof r / 8; ++i)
+    std::atomic_ref<uint64_t>(d[i]).store(s[i], std::memory_order_relaxed);
+  coh.flush(p, sizeof r);
+  coh.fence();
+}
+
+uint32_t Quotas::row_of_locked(uint32_t kind, uint32_t ns_id, const std::string& tenant,
+                               const std::string& path) const {
+  uint32_t free_row = 0;
+  for (uint32_t r = 1; r <= kQuotaRows; ++r) {
+    QuotaInfo q;
+    if (read_row(r, &q)) {
+      if (q.kind == kind && q.ns_id == ns_id && q.tenant == tenant) return r;
+    } else if (!q.used && !free_row) {
+      free_row = r;  // an unreadable row is not free: `pool check` reports it, nobody reuses it
+    }
+  }
+  if (!free_row)
+    throw QuotaTableFullError("pool " + path + ": all " + std::to_string(kQuotaRows) +
+                              " quota rows (tenants and namespace quotas) are in use");
+  write_row(free_row, make_row(kind, ns_id, tenant, 0, 0));
+  return free_row;
+}
+
+void Quotas::book(uint32_t node_id, uint8_t row, uint64_t bytes, bool charge) const {
+  if (row == 0 || row > kQuotaRows || !node_id || !bytes) return;
+  NodeAreaFixed* f = region_.node_fixed(node_id - 1);
+  uint64_t* w = charge ? &f->quota_charged[row - 1] : &f->quota_released[row - 1];
+  region_.coh().bump_owned(w, bytes);
+  region_.coh().flush(w, sizeof *w);  // other hosts enforce the same quota: the line reaches memory now
+}
+
+void Quotas::release(uint32_t node_id, const IndexEntry& e) {
+  if (!e.tenant_row && !e.ns_row) return;
+  const uint64_t bytes = block_bytes_of(e.ns_id);
+  // Only rows in use: a forged entry naming a free row must not book bytes a later subject of
+  // that row would start with (its usage would read low, its quota lenient).
+  if (e.tenant_row && in_use(e.tenant_row)) book(node_id, e.tenant_row, bytes, false);
+  if (e.ns_row && in_use(e.ns_row)) book(node_id, e.ns_row, bytes, false);
+}
+
+void Quotas::refund(uint32_t node_id, const IndexEntry& e, uint64_t block_bytes) const {
+  book(node_id, e.tenant_row, block_bytes, false);
+  book(node_id, e.ns_row, block_bytes, false);
 }
 
 uint64_t Quotas::arena_bytes() const {
@@ -119,63 +181,103 @@ std::vector<QuotaInfo> Quotas::rows(uint32_t max_nodes) const {
   return out;
 }
 
-void Quotas::refresh_locked() {
-  const uint64_t now = now_mono_us();
-  if (cache_valid_ && now - cache_us_ <= kRefreshUs) return;
+Quotas::Quotas(const Region& region)
+    : region_(region), block_bytes_(std::make_unique<std::atomic<uint64_t>[]>(kMaxNamespaces + 1)) {}
+
+template <class F>
+auto Quotas::read_view(F&& f) const {
+  for (;;) {
+    const Snapshot& v = views_[current_.load(std::memory_order_acquire)];
+    const uint64_t seq = v.seq.load(std::memory_order_acquire);
+    if (seq & 1) continue;  // two refreshes passed since current_ was read: read the other slot
+    auto out = f(v);
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (v.seq.load(std::memory_order_relaxed) == seq) return out;
+  }
+}
+
+void Quotas::keep_fresh() {
+  const uint64_t t = refreshed_us_.load(std::memory_order_acquire);
+  if (t && now_mono_us() - t <= kRefreshUs) return;  // the put path: one clock read, no lock
+  if (!t) {  // first use, or this process changed a quota: its next read sees the change
+    std::lock_guard<std::mutex> g(refresh_mu_);
+    refresh_locked(false);
+    return;
+  }
+  std::unique_lock<std::mutex> g(refresh_mu_, std::try_to_lock);
+  if (g.owns_lock()) refresh_locked(false);  // else another thread is re-reading the rows right now
+}
+
+void Quotas::refresh_locked(bool force) {
+  const uint64_t now = std::max<uint64_t>(now_mono_us(), 1);
+  const uint64_t t = refreshed_us_.load(std::memory_order_relaxed);
+  if (!force && t && now - t <= kRefreshUs) return;  // refreshed while we waited for the lock
   cache_.clear();
   for (uint32_t r = 1; r <= kQuotaRows; ++r) {
     QuotaInfo q;
     if (read_row(r, &q)) cache_.push_back(q);
   }
-  cache_us_ = now;
-  cache_valid_ = true;
-  uint64_t ns_of[kQuotaRows] = {};
-  for (const QuotaInfo& q : cache_)
-    if (q.kind == kQuotaNamespace) ns_of[q.row - 1] = uint64_t(q.ns_id) + 1;
-  for (uint32_t i = 0; i < kQuotaRows; ++i) ns_of_row_[i].store(ns_of[i], std::memory_order_relaxed);
-  ns_rows_us_.store(now ? now : 1, std::memory_order_release);
+  const uint32_t next = current_.load(std::memory_order_relaxed) ^ 1;
+  Snapshot& v = views_[next];
+  const uint64_t seq = v.seq.load(std::memory_order_relaxed);
+  v.seq.store(seq + 1, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_release);  // odd before any field changes
+  for (uint32_t r = 1; r <= kQuotaRows; ++r) {
+    v.subject[r].store(0, std::memory_order_relaxed);
+    v.limit[r].store(0, std::memory_order_relaxed);
+  }
+  uint32_t hi = 0;
+  for (const QuotaInfo& q : cache_) {
+    v.subject[q.row].store(subject_word(q.kind, q.ns_id), std::memory_order_relaxed);
+    v.limit[q.row].store(q.limit_bytes, std::memory_order_relaxed);
+    hi = std::max(hi, q.row);
+  }
+  v.rows_hi.store(hi, std::memory_order_relaxed);
+  v.seq.store(seq + 2, std::memory_order_release);
+  current_.store(next, std::memory_order_release);
+  refreshed_us_.store(now, std::memory_order_release);
 }
 
 std::vector<QuotaInfo> Quotas::cached() {
-  std::lock_guard<std::mutex> g(mu_);
-  refresh_locked();
+  std::lock_guard<std::mutex> g(refresh_mu_);
+  refresh_locked(false);
   return cache_;
 }
 
 void Quotas::invalidate_cache() {
-  std::lock_guard<std::mutex> g(mu_);
-  cache_valid_ = false;
-  ns_rows_us_.store(0, std::memory_order_release);
+  std::lock_guard<std::mutex> g(refresh_mu_);  // a re-read in progress may predate the change
+  refreshed_us_.store(0, std::memory_order_release);
 }
 
 uint8_t Quotas::ns_row(uint32_t ns_id) {
-  const uint64_t filled = ns_rows_us_.load(std::memory_order_acquire);
-  if (filled == 0 || now_mono_us() - filled > kRefreshUs) {  // stale: the one thread that locks refreshes
-    std::lock_guard<std::mutex> g(mu_);
-    refresh_locked();
-  }
-  for (uint32_t i = 0; i < kQuotaRows; ++i)
-    if (ns_of_row_[i].load(std::memory_order_relaxed) == uint64_t(ns_id) + 1) return uint8_t(i + 1);
-  return 0;
+  keep_fresh();
+  const uint64_t want = subject_word(kQuotaNamespace, ns_id);
+  return read_view([&](const Snapshot& v) {
+    const uint32_t hi = std::min(v.rows_hi.load(std::memory_order_relaxed), kQuotaRows);
+    for (uint32_t r = 1; r <= hi; ++r)
+      if (v.subject[r].load(std::memory_order_relaxed) == want) return uint8_t(r);
+    return uint8_t(0);
+  });
 }
 
 uint64_t Quotas::limit(uint32_t row) {
-  std::lock_guard<std::mutex> g(mu_);
-  refresh_locked();
-  for (const QuotaInfo& q : cache_)
-    if (q.row == row) return q.limit_bytes;
-  return 0;
+  if (row == 0 || row > kQuotaRows) return 0;
+  keep_fresh();
+  return read_view([&](const Snapshot& v) { return v.limit[row].load(std::memory_order_relaxed); });
 }
 
 bool Quotas::in_use(uint32_t row) {
-  std::lock_guard<std::mutex> g(mu_);
-  for (int pass = 0; pass < 2; ++pass) {  // a row created since the last refresh: read once more
-    if (pass) cache_valid_ = false;
-    refresh_locked();
-    for (const QuotaInfo& q : cache_)
-      if (q.row == row) return true;
+  if (row == 0 || row > kQuotaRows) return false;
+  auto readable = [&] {
+    return read_view([&](const Snapshot& v) { return v.subject[row].load(std::memory_order_relaxed) != 0; });
+  };
+  keep_fresh();
+  if (readable()) return true;
+  {  // a row created since the last refresh: read once more
+    std::lock_guard<std::mutex> g(refresh_mu_);
+    refresh_locked(true);
   }
-  return false;
+  return readable();
 }
 
 int64_t Quotas::raw_usage(uint32_t row, uint32_t max_nodes) const {
@@ -198,19 +300,16 @@ uint64_t Quotas::usage(uint32_t row, uint32_t max_nodes) const {
 
 uint64_t Quotas::block_bytes_of(uint32_t ns_id) {
   const PoolHeader* h = region_.header();
-  if (ns_id == 0 || ns_id > h->max_namespaces) return 0;
-  {
-    std::lock_guard<std::mutex> g(mu_);
-    if (block_bytes_.size() > ns_id && block_bytes_[ns_id]) return block_bytes_[ns_id];
-  }
+  if (ns_id == 0 || ns_id > h->max_namespaces || ns_id > kMaxNamespaces) return 0;
+  const uint64_t known = block_bytes_[ns_id].load(std::memory_order_relaxed);
+  if (known) return known;
   const NamespaceEntry* e = region_.ns_entry(ns_id);
   if (ns_state(region_.coh().read(&e->state)) != kNsReady) return 0;
   region_.coh().invalidate(e, sizeof *e);
   const uint64_t b = std::atomic_ref<uint64_t>(const_cast<NamespaceEntry*>(e)->layout.block_bytes).load();
   if (b == 0 || b > kMaxBlockBytes) return 0;
-  std::lock_guard<std::mutex> g(mu_);
-  if (block_bytes_.size() <= ns_id) block_bytes_.resize(h->max_namespaces + 1, 0);
-  block_bytes_[ns_id] = b;  // READY entries never change: the first good read holds
+  // READY entries never change: the first good read holds
+  block_bytes_[ns_id].store(b, std::memory_order_relaxed);
   return b;
 }
 

@@ -1,13 +1,14 @@
-// Quotas (format/quota.h): reading the quota table and the usage counters of a pool, validated.
-// Everything read here is untrusted: a row must pass its checksum and every field its bounds
-// before it limits anything; usage sums are clamped to [0, pool bytes]. The protocol around it
-// (charging a put, evicting a subject's own blocks, releasing, `pool check`) is Pool's, in
+// Quotas (format/quota.h): the quota table and the usage counters of a pool, read validated and
+// written (a row under the table lock, a node's own counters). Everything read here is
+// untrusted: a row must pass its checksum and every field its bounds before it limits anything;
+// usage sums are clamped to [0, pool bytes]. The protocol around it (the table lock, charging a
+// put, evicting a subject's own blocks, releasing, `pool check`) is still Pool's, in
 // quota_protocol.cpp.
 #pragma once
-#include <array>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -34,52 +35,94 @@ struct QuotaInfo {
   uint64_t usage_bytes = 0;  // counters' sum, clamped
 };
 
+// The cached view (ns_row, limit, in_use, block_bytes_of) is what every put and every release
+// consults, from as many copy threads as the caller runs: reading it takes no lock. The rows are
+// re-read from the pool at most every kRefreshUs, by the first thread that finds the view stale
+// (the others keep using the previous view while it does), into the slot of a two-slot buffer that
+// readers are not reading, which is then published (Snapshot below). A quota changed by this
+// process (invalidate_cache) is seen by its next read; one changed by another process within
+// kRefreshUs plus the few microseconds one re-read takes.
 class Quotas {
  public:
-  explicit Quotas(const Region& region) : region_(region) {}
+  explicit Quotas(const Region& region);
 
   // Row `row` (1-based) read now: false if free or unreadable (torn, forged: info->used says which;
   // only an all-zero row is free, so a row whose kind a stray write zeroed stays its subject's).
   bool read_row(uint32_t row, QuotaInfo* info) const;
   // Every row in use (readable or not), with usage.
   std::vector<QuotaInfo> rows(uint32_t max_nodes) const;
-  // The rows as read at most kRefreshUs ago (puts consult this; set_quota's changes reach
-  // every process within that time).
+  // The rows as read at most kRefreshUs ago (tenant_row consults this; set_quota's changes reach
+  // every process within that time). Takes the refresh lock: not for the put path.
   std::vector<QuotaInfo> cached();
   void invalidate_cache();
-  // The namespace's row (1-based) or 0. Every put asks this: it reads ns_of_row_ without a lock
-  // and takes mu_ only when that table is stale (once per kRefreshUs, or after invalidate_cache).
-  uint8_t ns_row(uint32_t ns_id);
-  uint64_t limit(uint32_t row);  // cached limit of a row, 0 = none
-  bool in_use(uint32_t row);     // a readable row (cached)
+  uint8_t ns_row(uint32_t ns_id);  // the namespace's row (1-based) or 0; lock-free
+  uint64_t limit(uint32_t row);    // cached limit of a row, 0 = none; lock-free
+  bool in_use(uint32_t row);       // a readable row (cached; a miss re-reads the table once)
   // usage(r) = sum over node slots of charged - released, as a signed total (check compares it
   // raw); usage() clamps it to [0, pool bytes].
   int64_t raw_usage(uint32_t row, uint32_t max_nodes) const;
   uint64_t usage(uint32_t row, uint32_t max_nodes) const;
   uint64_t arena_bytes() const;
-  // The block bytes of namespace ns_id (READY entries are immutable: cached), 0 if none.
+  // The block bytes of namespace ns_id (READY entries are immutable: cached, lock-free), 0 if none.
   uint64_t block_bytes_of(uint32_t ns_id);
 
   // Serialises a row with its checksum (the writer's half; the caller holds the table lock).
   static format::QuotaRow make_row(uint32_t kind, uint32_t ns_id, const std::string& tenant,
                                    uint64_t max_bytes, uint32_t max_ppm);
   format::QuotaRow* row_ptr(uint32_t row) const;  // 1-based, bounds-checked by the caller
+  // A tenant name as written by this build: 1..31 bytes of UTF-8 text without control
+  // characters (ArgumentError otherwise).
+  static void check_tenant(const std::string& tenant);
+  // Writes row `row` (1-based) and writes it back. The caller holds the table lock.
+  void write_row(uint32_t row, const format::QuotaRow& r) const;
+  // The row of subject (kind, ns_id, tenant), created if absent (QuotaTableFullError, naming
+  // pool `path`, if none is free). The caller holds the table lock.
+  uint32_t row_of_locked(uint32_t kind, uint32_t ns_id, const std::string& tenant,
+                         const std::string& path) const;
+  // Adds `bytes` to node `node_id`'s (1-based) charged or released counter of `row`, written back
+  // at once (other hosts enforce the same quota). Nothing without a row, a node or bytes.
+  void book(uint32_t node_id, uint8_t row, uint64_t bytes, bool charge) const;
+  // The block of entry e (a snapshot, or the entry itself) was freed or handed to another entry
+  // (every free path): node `node_id` books its bytes released for each row of e in use.
+  void release(uint32_t node_id, const format::IndexEntry& e);
+  // A put charged e's rows `block_bytes` but took no block: node `node_id` gives the charge back.
+  void refund(uint32_t node_id, const format::IndexEntry& e, uint64_t block_bytes) const;
 
  private:
   static constexpr uint64_t kRefreshUs = 100'000;
-  void refresh_locked();  // caller holds mu_; also republishes ns_of_row_
+  // One published view of the readable rows, indexed by row (1-based). A seqlock per slot: the
+  // refresher (one at a time, under refresh_mu_) rewrites only the slot readers were not sent to
+  // (current_ names the other), so a reader retries only if two refreshes pass while it reads.
+  // subject[r]: 0 = row r is free or unreadable; else kReadable | kind << 32 | ns_id.
+  // limit[r]: its limit in bytes, 0 = none. rows_hi: no readable row above it (puts scan 1..rows_hi).
+  struct Snapshot {
+    std::atomic<uint64_t> seq{0};  // odd while being rewritten
+    std::atomic<uint32_t> rows_hi{0};
+    std::atomic<uint64_t> subject[format::kQuotaRows + 1] = {};
+    std::atomic<uint64_t> limit[format::kQuotaRows + 1] = {};
+  };
+  static constexpr uint64_t kReadable = 1ull << 63;
+  static uint64_t subject_word(uint32_t kind, uint32_t ns_id) {
+    return kReadable | uint64_t(kind) << 32 | ns_id;
+  }
+  // Re-reads the table if the view is older than kRefreshUs (waits for the re-read only after
+  // invalidate_cache or on first use; otherwise a concurrent refresher's view-in-progress is
+  // not waited for).
+  void keep_fresh();
+  void refresh_locked(bool force);  // caller holds refresh_mu_
+  // Calls f(const Snapshot&) on a consistent published view and returns what it returned.
+  template <class F>
+  auto read_view(F&& f) const;
+
   const Region& region_;
-  std::mutex mu_;
-  std::vector<QuotaInfo> cache_;
-  uint64_t cache_us_ = 0;
-  bool cache_valid_ = false;
-  // Lock-free copy of cache_'s namespace rows for ns_row: ns_of_row_[r-1] = ns_id + 1 when row r
-  // is a readable namespace row, else 0. Each slot is one atomic word, so a reader racing a
-  // refresh sees every row either as before or as after it (as stale as the mutex-held cache
-  // could be). ns_rows_us_ is when it was filled; 0 = stale (never filled, or invalidated).
-  std::array<std::atomic<uint64_t>, format::kQuotaRows> ns_of_row_{};
-  std::atomic<uint64_t> ns_rows_us_{0};
-  std::vector<uint64_t> block_bytes_;  // by namespace id; 0 = not known yet
+  Snapshot views_[2];
+  std::atomic<uint32_t> current_{0};       // the slot readers read
+  std::atomic<uint64_t> refreshed_us_{0};  // when current_'s rows were read; 0 = re-read before use
+  std::mutex refresh_mu_;                  // one refresher at a time; readers never take it
+  std::vector<QuotaInfo> cache_;           // under refresh_mu_: the same rows, with tenant names
+  // By namespace id (1..kMaxNamespaces); 0 = not known yet. Written once per id with the value
+  // every writer reads (a READY namespace's layout is immutable): relaxed is enough.
+  std::unique_ptr<std::atomic<uint64_t>[]> block_bytes_;
 };
 
 }  // namespace cxlkv

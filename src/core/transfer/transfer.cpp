@@ -85,7 +85,7 @@ void Pool::abort(const NsHandle& ns, Reservation* r) {
     uint64_t dw = coh_.read(block_desc(r->chunk, r->block));
     if (block_state(dw) == kBlockUsed && block_slot(dw) == r->slot) {
       allocator_.free_block(r->chunk, r->block);
-      quota_refund(ns, r->slot);  // quota_protocol.cpp: the entry is still our WRITING one (checked above)
+      quotas_.refund(node_id_, *entry(r->slot), ns.block_bytes);  // still our WRITING entry (checked above)
     }
   }
   coh_.claim(&e->state, writing, make_entry_word(kTombstone, 0, r->gen, r->tag));
