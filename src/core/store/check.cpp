@@ -158,7 +158,7 @@ void Pool::check_index(CheckReport& r) {
       findings.push_back({slot, w, at + " names unknown namespace " + std::to_string(e.ns_id)});
       continue;
     }
-    if (!validate_ref(it->second, e)) {
+    if (!index_.validate_ref(it->second, e)) {
       findings.push_back({slot, w,
                           at + " points outside its namespace's chunks (chunk " + std::to_string(e.chunk) +
                               ", block " + std::to_string(e.block) + ")"});
@@ -279,7 +279,7 @@ void Pool::check_index(CheckReport& r) {
         ++r.ready_blocks;
       } else if (back && est == kCondemned) {
         ++r.condemned_blocks;
-        condemned_pinned += is_pinned(slot, entry_gen(ew));
+        condemned_pinned += index_.is_pinned(slot, entry_gen(ew));
       } else if (back && (est == kWriting || est == kEvicting)) {
         ++r.inflight_blocks;
       } else if (incarnation_alive(block_node(dw), block_epoch(dw))) {
@@ -308,7 +308,7 @@ void Pool::check_index(CheckReport& r) {
     }
     if (back && entry_state(ew) == kCondemned) {
       ++r.condemned_blocks;
-      condemned_pinned += is_pinned(slot, entry_gen(ew));
+      condemned_pinned += index_.is_pinned(slot, entry_gen(ew));
       continue;
     }
     const std::string at = "block " + std::to_string(l.chunk) + ":" + std::to_string(l.block);

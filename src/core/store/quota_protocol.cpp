@@ -55,54 +55,6 @@ uint32_t Pool::set_quota(uint32_t ns_id, const std::string& tenant, uint64_t max
 
 std::vector<QuotaInfo> Pool::quotas() { return quotas_.rows(hdr_->max_nodes); }
 
-// Charges the block a put is about to take to the rows its entry names, then, for each row over
-// its limit, evicts the subject's own oldest unpinned blocks of this namespace (tails of chains
-// first: the evictor's order) until it fits. The first such block is handed straight to `slot`
-// (*got: the caller allocates nothing), so a subject at its limit never takes a block from the
-// free pool or from anyone else. False: over the limit with nothing of its own left to evict;
-// the charge is returned and puts_over_quota counted.
-bool Pool::quota_admit(const NsHandle& ns, uint64_t slot, uint64_t* chunk, uint32_t* block, bool* got) {
-  *got = false;
-  IndexEntry* e = entry(slot);  // ours (WRITING): the rows we wrote with the key
-  const uint8_t rows[2] = {e->tenant_row, e->ns_row};
-  if (!rows[0] && !rows[1]) return true;
-  for (uint8_t r : rows) quotas_.book(node_id_, r, ns.block_bytes, true);
-  constexpr int kMaxOwnEvictions = 64;  // bounds a put whatever the counters say
-  for (uint8_t r : rows) {
-    if (!r || r > kQuotaRows) continue;
-    const uint64_t limit = quotas_.limit(r);
-    if (!limit) continue;
-    for (int n = 0; quotas_.usage(r, hdr_->max_nodes) > limit; ++n) {
-      Evictor::Accept own = [&](const IndexEntry& v) {
-        return (v.tenant_row == r || v.ns_row == r) &&
-               (ns.device < 0 || (validate_ref(ns, v) && allocator_.block_on_device(ns, v.chunk, v.block)));
-      };
-      const uint32_t key =
-          Allocator::placement_key(ns) | (uint32_t(r) << 24);  // a queue per (subject, namespace)
-      bool evicted =
-          n < kMaxOwnEvictions && evictor_.from_queue(
-                                      key, ns.id, own,
-                                      [&](const Victim& c) {
-                                        return *got ? evict_victim(c, &ns, nullptr, nullptr, ~0ull)
-                                                    : (*got = evict_victim(c, &ns, chunk, block, slot));
-                                      });
-      if (!evicted) {
-        if (*got) {  // the block handed over is ours now: give it back
-          uint64_t* d = block_desc(*chunk, *block);
-          uint64_t dw = coh_.read(d);
-          if (block_state(dw) == kBlockUsed && block_slot(dw) == slot) allocator_.free_block(*chunk, *block);
-          *got = false;
-        }
-        quotas_.refund(node_id_, *e, ns.block_bytes);
-        count(kPutsOverQuota);
-        return false;
-      }
-      count(kQuotaEvictions);
-    }
-  }
-  return true;
-}
-
 // `pool check`: every row readable and well-formed, every entry's rows naming rows in use, and
 // each row's usage recounted from the blocks (entries that hold a block pointing back). A live
 // pool may differ by the puts in flight (a warning); --repair books the difference into this
