@@ -194,7 +194,7 @@ class Pool : private Allocator::Peers, private Index::Peers {
   }
   std::vector<std::pair<NsHandle, Layout>> list_namespaces();
 
-  // --- quotas (store/quota_protocol.cpp, format/quota.h) --------------------------------------
+  // --- quotas (store/namespaces.cpp, format/quota.h) ------------------------------------------
   // The row of tenant `tenant`, created (under the namespace-table lock) on first use; 1-based.
   uint8_t tenant_row(const std::string& tenant);
   // Sets the limit of a namespace (ns_id, tenant "") or a tenant (ns_id 0): max_bytes and/or
@@ -380,7 +380,7 @@ class Pool : private Allocator::Peers, private Index::Peers {
   void check_namespaces(CheckReport& r);
   void check_index(CheckReport& r);  // entries, blocks and their accounting
   void check_pins(CheckReport& r);
-  void check_quotas(CheckReport& r);  // quota_protocol.cpp
+  void check_quotas(CheckReport& r);
   bool snapshot(uint64_t slot, uint64_t word, format::IndexEntry* out) const {
     return region_.snapshot(slot, word, out);
   }
@@ -466,8 +466,8 @@ class Pool : private Allocator::Peers, private Index::Peers {
 
   PinSlots pin_slots_;  // this process's pins (pin_slots.h): Index allocates, detach clears them
   Allocator allocator_{region_, *this};  // blocks, chunks, placement; its cursors (allocator.h)
-  // quotas: the table's reader (quotas.h); the protocol around it is quota_protocol.cpp's and,
-  // on the put and free paths, Index's
+  // quotas: the table's reader (quotas.h); tenants and limits are set under the namespace-table
+  // lock (namespaces.cpp), and a put's charge and a block's release are Index's
   Quotas quotas_{region_};
   // The prefix index (index.h): lookup, insert, pins, eviction; its victim queues and lease pins.
   Index index_{region_, allocator_, quotas_, pin_slots_, node_id_, node_word_, *this};

@@ -227,7 +227,7 @@ PutResult Index::claim_entry(const NsHandle& ns, const Key& key, uint16_t depth,
       coh_.check_fence();  // multihost: before plain stores (a dirty line reaches memory anyway)
       std::memcpy(e->key, key.data(), 32);
       e->ns_id = uint16_t(ns.id);
-      e->tenant_row = ns.tenant_row;  // quota_protocol.cpp: whom the block is charged to
+      e->tenant_row = ns.tenant_row;  // format/quota.h: whom the block is charged to
       e->ns_row = quotas_.ns_row(ns.id);
       e->chunk = kNoChunk, e->block = 0;  // no block yet: never the slot's previous one
       coh_.flush(e, sizeof *e);
@@ -271,7 +271,8 @@ bool Index::claim_block(const NsHandle& ns, uint64_t slot, uint32_t gen, uint32_
                         uint32_t* block) {
   IndexEntry* e = entry(slot);
   bool got = false;
-  // quota_protocol.cpp: charged to the entry's quota rows; over quota with nothing of its own to evict: none
+  // quota_admit (index_evict.cpp): charged to the entry's quota rows; over quota with nothing of its own to
+  // evict: none
   if (!quota_admit(ns, slot, chunk, block, &got)) {
     coh_.publish(&e->state, make_entry_word(kTombstone, 0, gen, tag));
     return false;

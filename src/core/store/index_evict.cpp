@@ -169,7 +169,7 @@ bool Index::release_abandoned(uint64_t slot, uint64_t w) {
   coh_.invalidate(e, sizeof *e);
   const uint64_t chunk = e->chunk;  // of a writer that is gone: nothing changes them any more
   const uint32_t block = e->block;
-  IndexEntry rows{};  // quota_protocol.cpp: whom the block was charged to
+  IndexEntry rows{};  // Quotas::release: whom the block was charged to
   rows.ns_id = e->ns_id, rows.tenant_row = e->tenant_row, rows.ns_row = e->ns_row;
   uint64_t* d = nullptr;
   uint64_t dw = 0;
