@@ -373,9 +373,18 @@ std::vector<DeviceUse> Pool::device_usage() {
   return allocator_.device_usage(paths);
 }
 
-void Pool::count(Counter c, uint64_t v) {
-  if (!region_.base() || !node_id_) return;
-  coh_.bump_owned(&node_fixed(node_id_ - 1)->counters[c], v);
+void Pool::count(Counter c, uint64_t v) { region_.count(node_id_, c, v); }
+
+// False while the last owner of FREE node slot `node` may still have the pool open: a node of
+// this kernel keeps its slot's lock until it closes (L1), fenced or not (attach_node skips such a
+// slot too). A node of another kernel cannot be asked: its FREE slot is all the evidence.
+bool Pool::owner_closed(uint8_t node) {
+  const NodeSlot* s = node_slot(node - 1);
+  if (!lock_.lock_id || coh_.read(&s->host_id) != host_id_ || coh_.read(&s->lock_id) != lock_.lock_id)
+    return true;
+  if (!liveness::try_lock(lock_, lock_offset(node - 1))) return false;
+  liveness::unlock(lock_, lock_offset(node - 1));
+  return true;
 }
 
 std::vector<uint64_t> Pool::counters() {

@@ -24,6 +24,7 @@
 #include "evictor.h"
 #include "format.h"
 #include "geometry.h"
+#include "index.h"
 #include "index_scan.h"
 #include "layout.h"
 #include "liveness.h"
@@ -111,7 +112,7 @@ struct CheckReport {
   }
 };
 
-class Pool : private Allocator::Peers {
+class Pool : private Allocator::Peers, private Index::Peers {
  public:
   static std::unique_ptr<Pool> create(const std::string& path, const CreateOptions& opt, bool exist_ok);
   // attach=false: an observer (check, info, stats, reap) that takes no node slot, so it works on a
@@ -179,7 +180,10 @@ class Pool : private Allocator::Peers {
     return allocator_.bind_device(ns, device, path_);
   }
   // Where the payload of `key` lies: pool offset and length; false if absent.
-  bool locate(const NsHandle& ns, const Key& key, uint64_t* offset, uint64_t* length);
+  bool locate(const NsHandle& ns, const Key& key, uint64_t* offset, uint64_t* length) {
+    ensure_usable();
+    return index_.locate(ns, key, offset, length);
+  }
   // The pool bytes [offset, offset + length) if they lie wholly inside the arena, else null
   // (token_rows.cpp: row gathers from offsets a caller kept; the bytes are payload, unvalidated).
   const char* arena_bytes(uint64_t offset, uint64_t length) const;
@@ -190,7 +194,7 @@ class Pool : private Allocator::Peers {
   }
   std::vector<std::pair<NsHandle, Layout>> list_namespaces();
 
-  // --- quotas (store/quota_protocol.cpp, format/quota.h) --------------------------------------
+  // --- quotas (store/namespaces.cpp, format/quota.h) ------------------------------------------
   // The row of tenant `tenant`, created (under the namespace-table lock) on first use; 1-based.
   uint8_t tenant_row(const std::string& tenant);
   // Sets the limit of a namespace (ns_id, tenant "") or a tenant (ns_id 0): max_bytes and/or
@@ -198,29 +202,39 @@ class Pool : private Allocator::Peers {
   uint32_t set_quota(uint32_t ns_id, const std::string& tenant, uint64_t max_bytes, uint32_t max_ppm);
   std::vector<QuotaInfo> quotas();  // every row in use, with its usage
 
-  // --- block operations (index.cpp) ---------------------------------------------------------
+  // --- block operations (the prefix index: Index, store/index.h) ------------------------------
   // put: true if the key is readable afterwards (stored now or already there); false if it is
   // only in flight by another live writer, or no block could be allocated or evicted.
-  PutResult put_ex(const NsHandle& ns, const Key& key, const Piece* src, size_t n, uint16_t depth);
-  bool put(const NsHandle& ns, const Key& key, const Piece* src, size_t n, uint16_t depth);
+  PutResult put_ex(const NsHandle& ns, const Key& key, const Piece* src, size_t n, uint16_t depth) {
+    return index_.put_ex(ns, key, src, n, depth);
+  }
+  bool put(const NsHandle& ns, const Key& key, const Piece* src, size_t n, uint16_t depth) {
+    return index_.put(ns, key, src, n, depth);
+  }
   // get: scatter the payload into dst pieces (total >= length); false on miss or checksum failure.
-  bool get(const NsHandle& ns, const Key& key, const Piece* dst, size_t n, uint64_t* length);
-  bool contains(const NsHandle& ns, const Key& key);
-  size_t match_prefix(const NsHandle& ns, const Key* keys, size_t n);
-  bool remove(const NsHandle& ns, const Key& key);
+  bool get(const NsHandle& ns, const Key& key, const Piece* dst, size_t n, uint64_t* length) {
+    return index_.get(ns, key, dst, n, length);
+  }
+  bool contains(const NsHandle& ns, const Key& key) { return index_.contains(ns, key); }
+  size_t match_prefix(const NsHandle& ns, const Key* keys, size_t n) {
+    return index_.match_prefix(ns, keys, n);
+  }
+  bool remove(const NsHandle& ns, const Key& key) { return index_.remove(ns, key); }
   // acquire: pins the leading present keys. All leases of this process together hold at most
   // lease_cap() = pin_slots - get_pin_reserve() pins, so single gets always find a slot; a lease
   // cut short by that cap (or by a full pin array) counts `pins_exhausted`.
-  std::vector<PinRef> acquire(const NsHandle& ns, const Key* keys, size_t n);
-  uint32_t lease_cap() const;
-  uint32_t get_pin_reserve() const;
+  std::vector<PinRef> acquire(const NsHandle& ns, const Key* keys, size_t n) {
+    return index_.acquire(ns, keys, n);
+  }
+  uint32_t lease_cap() const { return index_.lease_cap(); }
+  uint32_t get_pin_reserve() const { return index_.get_pin_reserve(); }
   // Block-less intents (reserve without a block): the cap per node (the creator's share of the
   // index, SharedWords.init) and how many this node holds now. A reserve past the cap is refused
   // (Reservation::capped) before it touches the index, so one node's flood of intents never
   // takes the slots other nodes' puts need.
   uint64_t intent_cap() const;
   uint64_t intents_held() const { return intents_held_.load(std::memory_order_relaxed); }
-  void release(const std::vector<PinRef>& pins);
+  void release(const std::vector<PinRef>& pins) { index_.release(pins, mapping_intact()); }
 
   // --- batched gather/scatter (copy_engine.cpp) ---------------------------------------------
   // Gathers, for key i, the fragments at block id block_ids[i] into one pool block (depth of key
@@ -274,7 +288,7 @@ class Pool : private Allocator::Peers {
   std::vector<std::pair<uint64_t, uint64_t>> transfer_ranges(uint64_t max_bytes, uint64_t page) const;
 
   // --- maintenance (nodes.cpp, check.cpp) ----------------------------------------------------
-  uint64_t reap_dead_nodes();  // returns nodes reclaimed
+  uint64_t reap_dead_nodes() override;  // returns nodes reclaimed (Index::Peers: puts reap too)
   // Reclaims node `id` if it is judged dead (waiting up to one lease to judge a node of another
   // kernel), or, with force, even if alive (its process is fenced: L3). Returns the judgment made
   // before acting; verdict kDead means it was reclaimed (or kAlive + force: reclaimed anyway).
@@ -354,73 +368,38 @@ class Pool : private Allocator::Peers {
   uint64_t chunk_stride() const { return region_.chunk_stride(); }
   format::SharedWords* shared() const { return region_.shared(); }
 
-  // index internals (index.cpp)
-  struct Found {
-    uint64_t slot;
-    uint64_t word;
-    format::IndexEntry e;
-  };
-  // hash: key_hash64(key, ns) or null; home_word: the home slot's state word as read a moment ago by
-  // read_homes (snapshot re-checks it before anything is believed), or null to read it here.
-  bool find(const NsHandle& ns, const Key& key, const uint64_t* hash, Found* out,
-            const uint64_t* home_word = nullptr);
-  void read_homes(const NsHandle& ns, const Key* keys, size_t n, std::vector<uint64_t>& hashes,
-                  std::vector<uint64_t>& home_words);
-  void condemn(uint64_t slot, uint64_t ready_word);
-  bool reclaim_condemned(uint64_t slot);
-  // Entries nobody will finish (index.cpp): why (or ""), and their release.
-  std::string abandoned_by(uint64_t slot, uint64_t word, bool by_epoch);
-  bool release_abandoned(uint64_t slot, uint64_t word);
-  bool owner_closed(uint8_t node);  // of a FREE node slot
+  // The index's release of entries nobody will finish (Index), under the names nodes.cpp and
+  // check.cpp use: why (or ""), the release, and an unpinned CONDEMNED entry's.
+  std::string abandoned_by(uint64_t slot, uint64_t word, bool by_epoch) {
+    return index_.abandoned_by(slot, word, by_epoch);
+  }
+  bool release_abandoned(uint64_t slot, uint64_t word) { return index_.release_abandoned(slot, word); }
+  bool reclaim_condemned(uint64_t slot) { return index_.reclaim_condemned(slot); }
+  bool owner_closed(uint8_t node) override;  // of a FREE node slot (pool.cpp; Index::Peers)
   // check.cpp: the sections of check(), in order; each adds to r and, with r.repair, repairs.
   bool node_attached(uint8_t node);  // CLAIMED or ALIVE (not judged: a dead one is reaped first)
   void check_ns_lock(CheckReport& r);
   void check_namespaces(CheckReport& r);
   void check_index(CheckReport& r);  // entries, blocks and their accounting
   void check_pins(CheckReport& r);
-  void check_quotas(CheckReport& r);  // quota_protocol.cpp
-  bool writing_same_key(const NsHandle& ns, const Key& key, uint64_t slot, uint64_t writing_word);
+  void check_quotas(CheckReport& r);
   bool snapshot(uint64_t slot, uint64_t word, format::IndexEntry* out) const {
     return region_.snapshot(slot, word, out);
   }
-  bool pin(uint64_t slot, uint64_t word, PinRef* out, bool* exhausted, bool for_lease);
-  void unpin(const PinRef& p);
-  bool is_pinned(uint64_t slot, uint32_t gen);
-  void touch(uint64_t slot, uint16_t depth);
-  bool evict_in_window(uint64_t home);
-  void finish_evict(uint64_t slot, uint64_t evicting_word);
-  bool fill_claimed(const NsHandle& ns, const Key& key, const Piece* src, size_t n, uint16_t depth,
-                    uint64_t total, uint64_t slot, uint32_t gen, uint32_t tag);
-  struct Claimed {
-    uint64_t slot;
-    uint32_t gen;
-    uint32_t tag;
-  };
-  PutResult claim_entry(const NsHandle& ns, const Key& key, uint16_t depth, Claimed* out);
-  bool claim_block(const NsHandle& ns, uint64_t slot, uint32_t gen, uint32_t tag, uint64_t* chunk,
-                   uint32_t* block);
   bool verify_block(const VerifiedBlock& b);
-  bool copy_out(const NsHandle& ns, const Found& f, const Piece* dst, size_t n);
-  bool validate_ref(const NsHandle& ns, const format::IndexEntry& e) const;
-  // The allocator (allocator.h) allocates as this node; it asks the store back only to steal a
-  // chunk (Allocator::Peers: the namespaces, and the index's half of draining, index.cpp).
-  Allocator::Writer writer() const { return {uint8_t(node_id_), my_epoch8()}; }
+  // The allocator (allocator.h) asks the store back only to steal a chunk (Allocator::Peers: the
+  // namespaces, and the index's half of draining, Index::evict_owner).
   std::vector<NsHandle> namespace_handles() override;
-  bool evict_owner(uint64_t chunk, uint32_t block, uint64_t desc, uint64_t fenced) override;
-  // pin slots (pin_slots.h: the process-local allocator over this node's pin array)
-  bool alloc_pin(uint32_t* idx) {
-    return pin_slots_.alloc(idx, hdr_->pin_slots,
-                            [this](uint64_t hw) { coh_.publish(&node_fixed(node_id_ - 1)->pin_hw, hw); });
+  bool evict_owner(uint64_t chunk, uint32_t block, uint64_t desc, uint64_t fenced) override {
+    return index_.evict_owner(chunk, block, desc, fenced);
   }
-  void free_pin(uint32_t idx) { pin_slots_.free(idx); }
   void count(format::Counter c, uint64_t v = 1);
-  uint8_t my_epoch8() const { return uint8_t(format::node_epoch(node_word_)); }
   // The node table's reads (node_table.h): attached now in the incarnation whose epoch ends in
   // `epoch8`; can no longer finish what it started.
   bool incarnation_alive(uint8_t node, uint8_t epoch8) const {
     return node_table_.incarnation_alive(node, epoch8);
   }
-  bool writer_gone(uint8_t node) { return node_table_.gone(node, node_id_, node_word_); }
+  bool writer_gone(uint8_t node) override { return node_table_.gone(node, node_id_, node_word_); }
 
   std::string path_;
   Mapping map_;
@@ -487,24 +466,18 @@ class Pool : private Allocator::Peers {
   static constexpr uint32_t kParticipants = 4096;  // tier-1 participant bytes per host id
   std::atomic<uint64_t> reaped_unreported_{0};     // reclaims since open or the last check (F20)
 
-  PinSlots pin_slots_;
-  std::atomic<uint64_t> lease_pins_{0};  // pins held by this process's leases (see lease_cap)
+  PinSlots pin_slots_;  // this process's pins (pin_slots.h): Index allocates, detach clears them
   Allocator allocator_{region_, *this};  // blocks, chunks, placement; its cursors (allocator.h)
-  // Chooses eviction victims (evictor.h); evict_victim below carries the eviction out.
-  Evictor evictor_{region_};
-  // quotas: the table's reader (quotas.h), and the hooks of the put/free paths (quota_protocol.cpp)
+  // quotas: the table's reader (quotas.h); tenants and limits are set under the namespace-table
+  // lock (namespaces.cpp), and a put's charge and a block's release are Index's
   Quotas quotas_{region_};
+  // The prefix index (index.h): lookup, insert, pins, eviction; its victim queues and lease pins.
+  Index index_{region_, allocator_, quotas_, pin_slots_, node_id_, node_word_, *this};
   void with_quota_lock(const std::function<void()>& fn);
   // namespaces.cpp: fn under the namespace-table lock, bounded (LockTimeoutError ends with nothing_done)
   void with_ns_table_lock(const char* nothing_done, const std::function<void()>& fn);
-  // Hook: a put about to take a block (claim_block). False: over quota, nothing of its own to evict.
-  bool quota_admit(const NsHandle& ns, uint64_t slot, uint64_t* chunk, uint32_t* block, bool* got);
-  using Victim = Evictor::Victim;
-  bool evict_from_queue(const NsHandle& ns, uint64_t* out_chunk, uint32_t* out_block,
-                        uint64_t new_owner_slot);
-  bool evict_victim(const Victim& c, const NsHandle* ns, uint64_t* out_chunk, uint32_t* out_block,
-                    uint64_t new_owner_slot);
-  std::atomic<uint64_t> last_reap_ns_{0};
+  std::atomic<uint64_t> last_reap_ns_{0};  // when reap_pass last started (nodes.cpp)
+  uint64_t last_reap_ns() const override { return last_reap_ns_.load(std::memory_order_relaxed); }
   std::function<bool()> intact_ = [this] { return mapping_intact(); };  // for the heartbeat
   // multihost, after each beat: reset what no host-mate holds in our own lock row (a stray write,
   // a fenced holder's ticket). The heartbeat stops before bakery_ changes or goes (detach_node).

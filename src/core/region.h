@@ -68,6 +68,13 @@ class Region {
     return reinterpret_cast<format::SharedWords*>(base_ + format::kSharedWordsOff);
   }
 
+  // Adds v to counter c of node `node_id` (1-based; the node's own line: Coherence::bump_owned).
+  // Nothing while closed, or for node 0 (an observer without a node slot counts nothing).
+  void count(uint32_t node_id, format::Counter c, uint64_t v = 1) {
+    if (!base_ || !node_id) return;
+    coh_.bump_owned(&node_fixed(node_id - 1)->counters[c], v);
+  }
+
   // A consistent copy of index entry `slot` in the version whose state word the caller read as
   // `word` (coherence.h: snapshot); out->state = word. False: the entry moved, discard *out.
   bool snapshot(uint64_t slot, uint64_t word, format::IndexEntry* out) const;

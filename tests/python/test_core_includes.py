@@ -31,9 +31,7 @@ KNOWN: dict[tuple[str, str], str] = {
             "nodes/host_slot.cpp",
             "nodes/nodes.cpp",
             "store/check.cpp",
-            "store/index.cpp",
             "store/namespaces.cpp",
-            "store/quota_protocol.cpp",
             "transfer/token_rows.h",
             "transfer/transfer.cpp",
         )

@@ -81,7 +81,7 @@ constexpr uint32_t kMaxBlocksPerChunk = 65535;  // BlockRef.block is 16 bits
 constexpr uint32_t kMaxNodes = 254;             // node ids 1..254 fit the 8-bit owner fields
 // Pin slots per node (the default of pool creation). The vLLM connector leases a request's whole
 // matched prefix: 4096 pins = 64 Ki tokens at 16 tokens per block, e.g. two 32 Ki-token prompts
-// leased at once by one engine, with gets' reserve on top (Pool::get_pin_reserve). Costs 32 KiB
+// leased at once by one engine, with gets' reserve on top (Index::get_pin_reserve). Costs 32 KiB
 // per node slot (2 MiB for 64 nodes), and an evictor scans only up to each node's high-water mark.
 // It is the cap of the size-derived default (plan_geometry): pools under 64 MiB get fewer.
 constexpr uint32_t kDefaultPinSlots = 4096;

@@ -13,7 +13,7 @@
 //
 // Entry points: alloc_block (the index's claim_block asks for a block) and free_block (the index
 // gives one back). The allocator never evicts on its own: when it finds nothing the caller evicts
-// (Pool::evict_from_queue); only stealing a chunk from another namespace asks the index, through
+// (Index::evict_from_queue); only stealing a chunk from another namespace asks the index, through
 // Peers::evict_owner, to give up the blocks of the chunk it drains.
 #pragma once
 #include <cstdint>

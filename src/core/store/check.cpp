@@ -5,11 +5,11 @@
 //
 // With repair (`pool check --repair`), what nobody else would ever release is released too, each
 // on evidence re-read after that pause, and listed in CheckReport::repaired instead of errors:
-//   - entries in WRITING/EVICTING whose node can never finish them (Pool::abandoned_by);
+//   - entries in WRITING/EVICTING whose node can never finish them (Index::abandoned_by);
 //   - CONDEMNED entries no pin holds any more (an observer frees them only with repair; an attached
 //     checker always did, as any attached node may);
 //   - blocks USED by a gone incarnation that no entry points to (what a releaser that died between
-//     its two steps leaves, index.cpp release_abandoned).
+//     its two steps leaves, Index::release_abandoned).
 #include <chrono>
 #include <cstring>
 #include <map>
@@ -41,7 +41,7 @@ CheckReport Pool::check(bool repair, int64_t watch_ms) {
   check_ns_lock(r);
   check_namespaces(r);
   check_index(r);
-  check_quotas(r);  // quota_protocol.cpp
+  check_quotas(r);
   check_pins(r);
   if (bakery_ || row_less_) check_lock_area(r);  // the cross-host lock area (multihost): lock_check.cpp
   if (r.duplicate_keys)
@@ -158,7 +158,7 @@ void Pool::check_index(CheckReport& r) {
       findings.push_back({slot, w, at + " names unknown namespace " + std::to_string(e.ns_id)});
       continue;
     }
-    if (!validate_ref(it->second, e)) {
+    if (!index_.validate_ref(it->second, e)) {
       findings.push_back({slot, w,
                           at + " points outside its namespace's chunks (chunk " + std::to_string(e.chunk) +
                               ", block " + std::to_string(e.block) + ")"});
@@ -279,7 +279,7 @@ void Pool::check_index(CheckReport& r) {
         ++r.ready_blocks;
       } else if (back && est == kCondemned) {
         ++r.condemned_blocks;
-        condemned_pinned += is_pinned(slot, entry_gen(ew));
+        condemned_pinned += index_.is_pinned(slot, entry_gen(ew));
       } else if (back && (est == kWriting || est == kEvicting)) {
         ++r.inflight_blocks;
       } else if (incarnation_alive(block_node(dw), block_epoch(dw))) {
@@ -308,7 +308,7 @@ void Pool::check_index(CheckReport& r) {
     }
     if (back && entry_state(ew) == kCondemned) {
       ++r.condemned_blocks;
-      condemned_pinned += is_pinned(slot, entry_gen(ew));
+      condemned_pinned += index_.is_pinned(slot, entry_gen(ew));
       continue;
     }
     const std::string at = "block " + std::to_string(l.chunk) + ":" + std::to_string(l.block);
@@ -354,6 +354,66 @@ void Pool::check_pins(CheckReport& r) {
         ++r.orphan_pins;
         r.error("node " + std::to_string(i + 1) + " (not attached) still holds a pin");
       }
+    }
+  }
+}
+
+// `pool check`: every row readable and well-formed, every entry's rows naming rows in use, and
+// each row's usage recounted from the blocks (entries that hold a block pointing back). A live
+// pool may differ by the puts in flight (a warning); --repair books the difference into this
+// node's counters.
+void Pool::check_quotas(CheckReport& r) {
+  std::vector<QuotaInfo> rows = quotas_.rows(hdr_->max_nodes);
+  if (rows.empty()) return;  // no row was ever used: nothing to recount (check stays one index pass)
+  std::vector<bool> in_use(kQuotaRows + 1, false);
+  for (const QuotaInfo& q : rows) {
+    if (!q.readable) {
+      r.error("quota row " + std::to_string(q.row) +
+              " is unreadable (checksum or field out of range): " + "no limit is enforced from it");
+      continue;
+    }
+    in_use[q.row] = true;
+    if (q.kind == kQuotaNamespace && quotas_.block_bytes_of(q.ns_id) == 0)
+      r.error("quota row " + std::to_string(q.row) + " names namespace " + std::to_string(q.ns_id) +
+              ", which does not exist");
+  }
+  std::vector<int64_t> held(kQuotaRows + 1, 0);
+  uint64_t bad_rows = 0;
+  for (uint64_t slot = 0; slot <= slot_mask_; ++slot) {
+    const uint64_t w = coh_.read(&entry(slot)->state);
+    const uint8_t st = entry_state(w);
+    if (st != kWriting && st != kReady && st != kEvicting && st != kCondemned) continue;
+    IndexEntry e;
+    if (!snapshot(slot, w, &e) || (!e.tenant_row && !e.ns_row)) continue;
+    if (e.tenant_row > kQuotaRows || e.ns_row > kQuotaRows || (e.tenant_row && !in_use[e.tenant_row]) ||
+        (e.ns_row && !in_use[e.ns_row])) {
+      ++bad_rows;
+      continue;
+    }
+    if (e.chunk >= hdr_->chunk_count || e.block >= desc_bytes_ / 8) continue;
+    const uint64_t dw = coh_.read(block_desc(e.chunk, e.block));
+    if (block_state(dw) != kBlockUsed || block_slot(dw) != slot) continue;
+    const int64_t bytes = int64_t(quotas_.block_bytes_of(e.ns_id));
+    if (e.tenant_row) held[e.tenant_row] += bytes;
+    if (e.ns_row) held[e.ns_row] += bytes;
+  }
+  if (bad_rows)
+    r.error(std::to_string(bad_rows) +
+            " index entries name quota rows not in use (their blocks are charged to nobody)");
+  for (const QuotaInfo& q : rows) {
+    if (!q.readable) continue;
+    const int64_t counted = quotas_.raw_usage(q.row, hdr_->max_nodes);
+    if (counted == held[q.row]) continue;
+    const std::string who =
+        q.kind == kQuotaTenant ? "tenant '" + q.tenant + "'" : "namespace " + std::to_string(q.ns_id);
+    const std::string what = "quota usage of " + who + ": counters say " + std::to_string(counted) +
+                             " bytes, its blocks hold " + std::to_string(held[q.row]);
+    if (r.repair && node_id_ && !read_only_) {
+      const int64_t diff = held[q.row] - counted;
+      quotas_.book(node_id_, uint8_t(q.row), uint64_t(diff > 0 ? diff : -diff), diff > 0);
+      r.fixed(what + " (booked the difference)");
+    } else {
+      r.warnings.push_back(what + (r.repair ? " (not repaired: no node slot)" : ""));
     }
   }
 }

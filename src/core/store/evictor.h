@@ -2,7 +2,7 @@
 // millisecond first, within one the deepest block of its chain first). Owns the per-namespace
 // victim queues and the hand that samples the index for them. Choosing is all it does: the
 // eviction itself (claim EVICTING, the pin check, handing the block over) is the index protocol's
-// (Pool::evict_victim, index.cpp), passed in as `try_evict`.
+// (Index::evict_victim, index_evict.cpp), passed in as `try_evict`.
 #pragma once
 #include <atomic>
 #include <cstdint>

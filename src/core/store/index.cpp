@@ -1,20 +1,17 @@
-// The prefix index: open addressing with linear probing over a fixed table of one-line entries,
-// keyed by (namespace, full 32-byte key). See format.h for the entry state machine.
-//
-// Publication: a writer owns its entry in WRITING, copies the payload, writes every field, and
-// publishes the state word READY last. Readers see either nothing or a complete block.
-// Pins (hazard slots): a reader writes (slot, gen) into its own pin array, fences, and re-reads
-// the state word; an evictor moves READY -> EVICTING with claim (a full fence) and then scans all
-// pin arrays. Either the reader sees EVICTING and backs off, or the evictor sees the pin and puts
-// the entry back to READY: a pinned block is never freed, and no shared counter is incremented.
+// Index (index.h): lookup, insert and pins. Open addressing with linear probing over a fixed table
+// of one-line entries, keyed by (namespace, full 32-byte key); format.h has the entry state
+// machine and index.h the invariants (publication, pins). Eviction and the release of entries
+// nobody will finish are in index_evict.cpp.
 #include <algorithm>
 #include <cstddef>
 #include <cstring>
 #include <random>
 
 #include "checksum.h"
+#include "clock.h"
+#include "errors.h"
+#include "index.h"
 #include "key_hash.h"
-#include "pool.h"
 
 namespace cxlkv {
 
@@ -28,11 +25,11 @@ inline void cpu_relax() {
 }
 }  // namespace
 
-bool Pool::find(const NsHandle& ns, const Key& key, const uint64_t* hash, Found* out,
-                const uint64_t* home_word) {
-  KeyHash kh = hash ? key_hash_split(*hash, slot_mask_) : key_hash(key.data(), ns.id, slot_mask_);
+bool Index::find(const NsHandle& ns, const Key& key, const uint64_t* hash, Found* out,
+                 const uint64_t* home_word) {
+  KeyHash kh = hash ? key_hash_split(*hash, slot_mask()) : key_hash(key.data(), ns.id, slot_mask());
   for (uint32_t i = 0; i < kMaxProbe; ++i) {
-    uint64_t slot = (kh.home + i) & slot_mask_;
+    uint64_t slot = (kh.home + i) & slot_mask();
     uint64_t w = i == 0 && home_word ? *home_word : coh_.read(&entry(slot)->state);
     uint8_t st = entry_state(w);
     if (st == kEmpty) return false;
@@ -68,7 +65,7 @@ bool Pool::find(const NsHandle& ns, const Key& key, const uint64_t* hash, Found*
 
 // for_lease: the pin outlives the call (acquire); lease pins together stay below lease_cap(),
 // so gets keep get_pin_reserve() slots of headroom. Sets *exhausted when no slot is left.
-bool Pool::pin(uint64_t slot, uint64_t word, PinRef* out, bool* exhausted, bool for_lease) {
+bool Index::pin(uint64_t slot, uint64_t word, PinRef* out, bool* exhausted, bool for_lease) {
   uint32_t idx;
   if (for_lease && lease_pins_.fetch_add(1, std::memory_order_relaxed) >= lease_cap()) {
     lease_pins_.fetch_sub(1, std::memory_order_relaxed);
@@ -82,7 +79,7 @@ bool Pool::pin(uint64_t slot, uint64_t word, PinRef* out, bool* exhausted, bool 
     count(kPinsExhausted);
     return false;
   }
-  uint64_t* p = &pins(node_id_ - 1)[idx];
+  uint64_t* p = &region_.pins(node_id_ - 1)[idx];
   coh_.publish(p, pin_value(slot, entry_gen(word)));
   coh_.fence();  // the pin store must be visible before we re-check the state
   if (coh_.read(&entry(slot)->state) != word) {
@@ -95,17 +92,17 @@ bool Pool::pin(uint64_t slot, uint64_t word, PinRef* out, bool* exhausted, bool 
   return true;
 }
 
-void Pool::unpin(const PinRef& p) {
-  coh_.publish(&pins(node_id_ - 1)[p.pin_index], 0);
+void Index::unpin(const PinRef& p) {
+  coh_.publish(&region_.pins(node_id_ - 1)[p.pin_index], 0);
   free_pin(p.pin_index);
 }
 
-bool Pool::is_pinned(uint64_t slot, uint32_t gen) {
+bool Index::is_pinned(uint64_t slot, uint32_t gen) {
   const uint64_t v = pin_value(slot, gen);
-  for (uint32_t i = 0; i < hdr_->max_nodes; ++i) {
-    if (node_state(coh_.read(&node_slot(i)->state)) == kNodeFree) continue;
-    uint64_t hw = std::min<uint64_t>(coh_.read(&node_fixed(i)->pin_hw), hdr_->pin_slots);
-    const uint64_t* p = pins(i);
+  for (uint32_t i = 0; i < hdr().max_nodes; ++i) {
+    if (node_state(coh_.read(&region_.node_slot(i)->state)) == kNodeFree) continue;
+    uint64_t hw = std::min<uint64_t>(coh_.read(&region_.node_fixed(i)->pin_hw), hdr().pin_slots);
+    const uint64_t* p = region_.pins(i);
     coh_.invalidate(p, hw * 8);
     for (uint64_t k = 0; k < hw; ++k)
       if (coh_.read_hint(&p[k]) == v) return true;
@@ -125,140 +122,21 @@ AccessStamp::AccessStamp(uint64_t ms) : prev_(t_batch_ms) { t_batch_ms = ms ? ms
 AccessStamp::~AccessStamp() { t_batch_ms = prev_; }
 uint64_t AccessStamp::current() { return t_batch_ms; }
 
-void Pool::touch(uint64_t slot, uint16_t depth) {
+void Index::touch(uint64_t slot, uint16_t depth) {
   uint64_t ms = t_batch_ms ? t_batch_ms : now_mono_us() / 1000;
   uint64_t v = access_hint(ms, depth);
   if (coh_.read_hint(access(slot)) != v) coh_.write_hint(access(slot), v);
 }
 
-bool Pool::validate_ref(const NsHandle& ns, const IndexEntry& e) const {
-  if (e.chunk >= hdr_->chunk_count || e.block >= ns.geo.blocks || e.length > ns.block_bytes) return false;
-  uint64_t w = const_cast<Pool*>(this)->coh_.read(chunk_word(e.chunk));
+bool Index::validate_ref(const NsHandle& ns, const IndexEntry& e) const {
+  if (e.chunk >= hdr().chunk_count || e.block >= ns.geo.blocks || e.length > ns.block_bytes) return false;
+  uint64_t w = coh_.read(region_.chunk_word(e.chunk));
   // DRAINING: the chunk may change hands, but only after this entry is evicted, which a pin
   // prevents; so its READY entries are still valid to read.
   return (chunk_state(w) == kChunkActive || chunk_state(w) == kChunkDraining) && chunk_ns(w) == ns.id;
 }
 
-// Frees the block of an entry this node holds in EVICTING (or WRITING, when a put is abandoned)
-// and tombstones the slot. The block is freed only if its descriptor still points to the slot.
-void Pool::finish_evict(uint64_t slot, uint64_t evicting_word) {
-  IndexEntry e;
-  snapshot(slot, evicting_word, &e);
-  if (e.chunk < hdr_->chunk_count && e.block < desc_bytes_ / 8) {
-    uint64_t* d = block_desc(e.chunk, e.block);
-    uint64_t dw = coh_.read(d);
-    if (block_state(dw) == kBlockUsed && block_slot(dw) == slot) {
-      allocator_.free_block(e.chunk, e.block);
-      quotas_.release(node_id_, e);  // quotas.cpp
-    }
-  }
-  coh_.publish(&entry(slot)->state,
-               make_entry_word(kTombstone, 0, entry_gen(evicting_word), entry_tag(evicting_word)));
-}
-
-// Evicts one candidate if it is still READY (or CONDEMNED) in the same generation and not pinned. With
-// new_owner_slot != ~0 its block is handed straight to that slot (no FREE window in which
-// another node could take it); otherwise the block is freed.
-bool Pool::evict_victim(const Victim& c, const NsHandle* ns, uint64_t* out_chunk, uint32_t* out_block,
-                        uint64_t new_owner_slot) {
-  uint64_t w = c.word;
-  // Pre-check: a pinned entry is skipped without flipping its state, so readers of pinned
-  // blocks (leases) do not see a transient EVICTING. The check after the claim is the real one.
-  if (is_pinned(c.slot, entry_gen(w))) {
-    count(kEvictSkippedPinned);
-    return false;
-  }
-  uint64_t ev = make_entry_word(kEvicting, uint8_t(node_id_), entry_gen(w), entry_tag(w));
-  if (!coh_.claim(&entry(c.slot)->state, w, ev)) return false;
-  coh_.fault("evict.claimed");
-  if (is_pinned(c.slot, entry_gen(ev))) {
-    coh_.publish(&entry(c.slot)->state, c.word);
-    count(kEvictSkippedPinned);
-    return false;
-  }
-  if (new_owner_slot == ~0ull) {
-    finish_evict(c.slot, ev);
-    count(kEvictions);
-    return true;
-  }
-  IndexEntry e;
-  snapshot(c.slot, ev, &e);
-  uint64_t dw = 0;
-  uint64_t* d = nullptr;
-  if (ns && validate_ref(*ns, e)) {
-    d = block_desc(e.chunk, e.block);
-    dw = coh_.read(d);
-  }
-  if (!d || block_state(dw) != kBlockUsed || block_slot(dw) != c.slot) {
-    count(kCorruptEntries);
-    finish_evict(c.slot, ev);
-    return false;
-  }
-  // A block of a chunk being drained stays with the drainer.
-  if (chunk_state(coh_.read(chunk_word(e.chunk))) != kChunkActive) {
-    finish_evict(c.slot, ev);
-    count(kEvictions);
-    return false;
-  }
-  coh_.publish_shared(d, make_block_word(kBlockUsed, uint8_t(node_id_), my_epoch8(), new_owner_slot));
-  quotas_.release(node_id_, e);  // quotas.cpp: the victim's subjects no longer hold the block
-  coh_.publish(&entry(c.slot)->state, make_entry_word(kTombstone, 0, entry_gen(ev), entry_tag(ev)));
-  *out_chunk = e.chunk;
-  *out_block = e.block;
-  count(kEvictions);
-  return true;
-}
-
-// Window eviction: the 128-slot probe window of a key is full. Evicts the oldest unpinned READY
-// entry of the window (any namespace) and frees its block.
-bool Pool::evict_in_window(uint64_t home) {
-  for (const Victim& c : evictor_.window(home))
-    if (evict_victim(c, nullptr, nullptr, nullptr, ~0ull)) return true;
-  return false;
-}
-
-// Namespace eviction from the evictor's sampled queue (evictor.h); the block goes straight to
-// new_owner_slot.
-bool Pool::evict_from_queue(const NsHandle& ns, uint64_t* out_chunk, uint32_t* out_block,
-                            uint64_t new_owner_slot) {
-  // A device-bound handle takes over only blocks on its device (placement.cpp).
-  Evictor::Accept on_device;
-  if (ns.device >= 0)
-    on_device = [&](const IndexEntry& e) {
-      return validate_ref(ns, e) && allocator_.block_on_device(ns, e.chunk, e.block);
-    };
-  return evictor_.from_queue(Allocator::placement_key(ns), ns.id, on_device, [&](const Victim& c) {
-    return evict_victim(c, &ns, out_chunk, out_block, new_owner_slot);
-  });
-}
-
-// The index's half of draining a chunk (Allocator::Peers): used block (c, b), its descriptor read
-// as `dw`, is taken from its entry if that is READY, unpinned and points back here: the entry is
-// tombstoned and the descriptor fenced.
-bool Pool::evict_owner(uint64_t c, uint32_t b, uint64_t dw, uint64_t fenced) {
-  uint64_t slot = block_slot(dw);
-  if (block_state(dw) != kBlockUsed || slot > slot_mask_) return false;
-  uint64_t ew = coh_.read(&entry(slot)->state);
-  IndexEntry e;
-  if (entry_state(ew) != kReady || !snapshot(slot, ew, &e) || e.chunk != c || e.block != b) return false;
-  uint64_t ev = make_entry_word(kEvicting, uint8_t(node_id_), entry_gen(ew), entry_tag(ew));
-  if (!coh_.claim(&entry(slot)->state, ew, ev)) return false;
-  if (is_pinned(slot, entry_gen(ev))) {
-    coh_.publish(&entry(slot)->state, ew);
-    count(kEvictSkippedPinned);
-    return false;
-  }
-  uint64_t* d = block_desc(c, b);
-  uint64_t cur = coh_.read(d);
-  bool ok = cur == dw && coh_.claim(d, cur, fenced);
-  if (ok) quotas_.release(node_id_, e);  // quotas.cpp
-  coh_.publish(&entry(slot)->state, make_entry_word(kTombstone, 0, entry_gen(ev), entry_tag(ev)));
-  count(kEvictions);
-  return ok;
-}
-
-bool Pool::locate(const NsHandle& ns, const Key& key, uint64_t* offset, uint64_t* length) {
-  ensure_usable();
+bool Index::locate(const NsHandle& ns, const Key& key, uint64_t* offset, uint64_t* length) {
   Found f;
   if (!find(ns, key, nullptr, &f) || !validate_ref(ns, f.e)) return false;
   *offset = uint64_t(block_payload(ns, f.e.chunk, f.e.block) - region_.base());
@@ -266,7 +144,7 @@ bool Pool::locate(const NsHandle& ns, const Key& key, uint64_t* offset, uint64_t
   return true;
 }
 
-bool Pool::put(const NsHandle& ns, const Key& key, const Piece* src, size_t n, uint16_t depth) {
+bool Index::put(const NsHandle& ns, const Key& key, const Piece* src, size_t n, uint16_t depth) {
   PutResult r = put_ex(ns, key, src, n, depth);
   return r == PutResult::stored || r == PutResult::present;
 }
@@ -274,11 +152,11 @@ bool Pool::put(const NsHandle& ns, const Key& key, const Piece* src, size_t n, u
 // A WRITING entry holds a stored block of nobody: it is this key in flight only if its writer
 // is alive and it names this key (key and ns_id are written right after the claim). A dead
 // writer's entry is skipped and, at most every 100 ms, reaped (F10).
-bool Pool::writing_same_key(const NsHandle& ns, const Key& key, uint64_t slot, uint64_t w) {
+bool Index::writing_same_key(const NsHandle& ns, const Key& key, uint64_t slot, uint64_t w) {
   uint8_t node = entry_node(w);
-  if (node == 0 || node > hdr_->max_nodes) return false;
-  if (writer_gone(node)) {
-    if (now_unix_ns() - last_reap_ns_.load(std::memory_order_relaxed) > 100'000'000) reap_dead_nodes();
+  if (node == 0 || node > hdr().max_nodes) return false;
+  if (peers_.writer_gone(node)) {
+    if (now_unix_ns() - peers_.last_reap_ns() > 100'000'000) peers_.reap_dead_nodes();
     return false;
   }
   IndexEntry e;
@@ -286,7 +164,7 @@ bool Pool::writing_same_key(const NsHandle& ns, const Key& key, uint64_t slot, u
   return e.ns_id == ns.id && std::memcmp(e.key, key.data(), 32) == 0;
 }
 
-PutResult Pool::put_ex(const NsHandle& ns, const Key& key, const Piece* src, size_t n, uint16_t depth) {
+PutResult Index::put_ex(const NsHandle& ns, const Key& key, const Piece* src, size_t n, uint16_t depth) {
   uint64_t total = 0;
   for (size_t i = 0; i < n; ++i) {
     if (__builtin_add_overflow(total, src[i].bytes, &total)) total = ~0ull;
@@ -308,12 +186,12 @@ PutResult Pool::put_ex(const NsHandle& ns, const Key& key, const Piece* src, siz
 
 // First half of put() (and of reserve(), transfer.cpp): an entry for `key` in WRITING, owned by
 // this node and naming the key, or why not (present, in flight elsewhere, no slot).
-PutResult Pool::claim_entry(const NsHandle& ns, const Key& key, uint16_t depth, Claimed* out) {
-  KeyHash kh = key_hash(key.data(), ns.id, slot_mask_);
+PutResult Index::claim_entry(const NsHandle& ns, const Key& key, uint16_t depth, Claimed* out) {
+  KeyHash kh = key_hash(key.data(), ns.id, slot_mask());
   for (int attempt = 0; attempt < 16; ++attempt) {
     uint64_t reuse = ~0ull, reuse_word = 0;
     for (uint32_t i = 0; i < kMaxProbe; ++i) {
-      uint64_t slot = (kh.home + i) & slot_mask_;
+      uint64_t slot = (kh.home + i) & slot_mask();
       uint64_t w = coh_.read(&entry(slot)->state);
       uint8_t st = entry_state(w);
       if (st == kEmpty || st == kTombstone) {
@@ -349,7 +227,7 @@ PutResult Pool::claim_entry(const NsHandle& ns, const Key& key, uint16_t depth, 
       coh_.check_fence();  // multihost: before plain stores (a dirty line reaches memory anyway)
       std::memcpy(e->key, key.data(), 32);
       e->ns_id = uint16_t(ns.id);
-      e->tenant_row = ns.tenant_row;  // quota_protocol.cpp: whom the block is charged to
+      e->tenant_row = ns.tenant_row;  // format/quota.h: whom the block is charged to
       e->ns_row = quotas_.ns_row(ns.id);
       e->chunk = kNoChunk, e->block = 0;  // no block yet: never the slot's previous one
       coh_.flush(e, sizeof *e);
@@ -363,13 +241,13 @@ PutResult Pool::claim_entry(const NsHandle& ns, const Key& key, uint16_t depth, 
     // Two nodes may have claimed slots for the same key at once: the earlier probe position wins.
     PutResult lost = PutResult::stored;
     for (uint32_t i = 0; i < kMaxProbe && lost == PutResult::stored; ++i) {
-      uint64_t slot = (kh.home + i) & slot_mask_;
+      uint64_t slot = (kh.home + i) & slot_mask();
       if (slot == reuse) continue;
       uint64_t w = coh_.read(&entry(slot)->state);
       uint8_t st = entry_state(w);
       if (st == kEmpty) break;
       if (entry_tag(w) != kh.tag) continue;
-      bool before = ((slot - kh.home) & slot_mask_) < ((reuse - kh.home) & slot_mask_);
+      bool before = ((slot - kh.home) & slot_mask()) < ((reuse - kh.home) & slot_mask());
       IndexEntry o;
       if (st == kWriting && before && writing_same_key(ns, key, slot, w)) lost = PutResult::in_flight;
       if (st == kReady && snapshot(slot, w, &o) && o.ns_id == ns.id && !std::memcmp(o.key, key.data(), 32))
@@ -389,20 +267,21 @@ PutResult Pool::claim_entry(const NsHandle& ns, const Key& key, uint16_t depth, 
 
 // A block for the WRITING entry `slot` (allocated, else evicted, else after reaping the dead),
 // recorded in the entry at once so that a reclaimer finds it. None: the entry is tombstoned.
-bool Pool::claim_block(const NsHandle& ns, uint64_t slot, uint32_t gen, uint32_t tag, uint64_t* chunk,
-                       uint32_t* block) {
+bool Index::claim_block(const NsHandle& ns, uint64_t slot, uint32_t gen, uint32_t tag, uint64_t* chunk,
+                        uint32_t* block) {
   IndexEntry* e = entry(slot);
   bool got = false;
-  // quota_protocol.cpp: charged to the entry's quota rows; over quota with nothing of its own to evict: none
+  // quota_admit (index_evict.cpp): charged to the entry's quota rows; over quota with nothing of its own to
+  // evict: none
   if (!quota_admit(ns, slot, chunk, block, &got)) {
     coh_.publish(&e->state, make_entry_word(kTombstone, 0, gen, tag));
     return false;
   }
   if (!got) got = allocator_.alloc_block(writer(), ns, slot, chunk, block);
   if (!got) got = evict_from_queue(ns, chunk, block, slot);
-  if (!got && now_unix_ns() - last_reap_ns_.load(std::memory_order_relaxed) > 100'000'000) {
+  if (!got && now_unix_ns() - peers_.last_reap_ns() > 100'000'000) {
     // Dead nodes may hold pins or blocks: reclaim them, then try both paths again.
-    if (reap_dead_nodes() > 0)
+    if (peers_.reap_dead_nodes() > 0)
       got = allocator_.alloc_block(writer(), ns, slot, chunk, block) ||
             evict_from_queue(ns, chunk, block, slot);
   }
@@ -421,8 +300,8 @@ bool Pool::claim_block(const NsHandle& ns, uint64_t slot, uint32_t gen, uint32_t
 
 // Second half of put(): this node owns `slot` in WRITING. Allocates a block (evicting if
 // needed), copies and checksums the payload, and publishes READY.
-bool Pool::fill_claimed(const NsHandle& ns, const Key& key, const Piece* src, size_t n, uint16_t depth,
-                        uint64_t total, uint64_t slot, uint32_t gen, uint32_t tag) {
+bool Index::fill_claimed(const NsHandle& ns, const Key& key, const Piece* src, size_t n, uint16_t depth,
+                         uint64_t total, uint64_t slot, uint32_t gen, uint32_t tag) {
   IndexEntry* e = entry(slot);
   const uint64_t reuse = slot;
   {  // (scope kept flat for readability of the publication order below)
@@ -453,7 +332,7 @@ bool Pool::fill_claimed(const NsHandle& ns, const Key& key, const Piece* src, si
   }
 }
 
-bool Pool::copy_out(const NsHandle& ns, const Found& f, const Piece* dst, size_t n) {
+bool Index::copy_out(const NsHandle& ns, const Found& f, const Piece* dst, size_t n) {
   const char* src = block_payload(ns, f.e.chunk, f.e.block);
   uint64_t left = f.e.length;
   coh_.invalidate(src, left);
@@ -473,7 +352,7 @@ bool Pool::copy_out(const NsHandle& ns, const Found& f, const Piece* dst, size_t
   return left == 0 && hs.digest() == f.e.checksum;
 }
 
-bool Pool::get(const NsHandle& ns, const Key& key, const Piece* dst, size_t n, uint64_t* length) {
+bool Index::get(const NsHandle& ns, const Key& key, const Piece* dst, size_t n, uint64_t* length) {
   for (int attempt = 0; attempt < 3; ++attempt) {
     Found f;
     if (!find(ns, key, nullptr, &f)) break;
@@ -512,103 +391,7 @@ bool Pool::get(const NsHandle& ns, const Key& key, const Piece* dst, size_t n, u
   return false;
 }
 
-// READY -> CONDEMNED: the entry leaves the index at once (no later lookup, on any node, finds
-// it), whoever holds pins on it; its block stays USED until reclaim_condemned() sees no pin.
-void Pool::condemn(uint64_t slot, uint64_t ready_word) {
-  uint64_t cw = make_entry_word(kCondemned, 0, entry_gen(ready_word), entry_tag(ready_word));
-  if (coh_.claim(&entry(slot)->state, ready_word, cw)) count(kCondemnedEntries);
-}
-
-// CONDEMNED -> EVICTING -> TOMBSTONE if no pin names the entry; otherwise it stays CONDEMNED
-// for the next evictor, reclaim or `pool check`. True if the slot was freed.
-bool Pool::reclaim_condemned(uint64_t slot) {
-  uint64_t w = coh_.read(&entry(slot)->state);
-  if (entry_state(w) != kCondemned || is_pinned(slot, entry_gen(w))) return false;
-  // An observer (`pool check` takes no node slot) has no node id to own EVICTING with. It needs
-  // none: no pin can be taken on a CONDEMNED entry any more (a pin is validated against the READY
-  // word), so the check above is final, and the one claim of release_abandoned picks one winner.
-  if (node_id_ == 0) return release_abandoned(slot, w);
-  uint64_t ev = make_entry_word(kEvicting, uint8_t(node_id_), entry_gen(w), entry_tag(w));
-  if (!coh_.claim(&entry(slot)->state, w, ev)) return false;
-  if (is_pinned(slot, entry_gen(ev))) {
-    coh_.publish(&entry(slot)->state, w);
-    return false;
-  }
-  finish_evict(slot, ev);
-  return true;
-}
-
-// Tombstones index slot `slot`, read as word w (an entry nobody will finish: see abandoned_by,
-// or CONDEMNED with no pin), and frees its block. The tombstone comes first, by claim: of several
-// who notice (reclaimers, `pool check --repair`) exactly one wins, and only the winner frees the
-// block, by a claim of the descriptor word read before, so a block handed out again since (a new
-// word) is never freed. Dying between the two steps leaves the block USED with no entry pointing
-// back: its owner's reclaim frees it, or `pool check --repair` once that owner's incarnation is
-// gone (the block's owner is its writer: for a CONDEMNED entry maybe a live node).
-bool Pool::release_abandoned(uint64_t slot, uint64_t w) {
-  IndexEntry* e = entry(slot);
-  coh_.invalidate(e, sizeof *e);
-  const uint64_t chunk = e->chunk;  // of a writer that is gone: nothing changes them any more
-  const uint32_t block = e->block;
-  IndexEntry rows{};  // quota_protocol.cpp: whom the block was charged to
-  rows.ns_id = e->ns_id, rows.tenant_row = e->tenant_row, rows.ns_row = e->ns_row;
-  uint64_t* d = nullptr;
-  uint64_t dw = 0;
-  if (chunk < hdr_->chunk_count && block < desc_bytes_ / 8) {
-    d = block_desc(chunk, block);
-    dw = coh_.read(d);
-  }
-  if (!coh_.claim(&e->state, w, make_entry_word(kTombstone, 0, entry_gen(w), entry_tag(w)))) return false;
-  if (d && block_state(dw) == kBlockUsed && block_slot(dw) == slot && coh_.claim(d, dw, 0))
-    quotas_.release(node_id_, rows);
-  return true;
-}
-
-// Why the node holding index slot `slot` in WRITING/EVICTING (word w) can never finish it, or ""
-// if it still may (format.h L4: such entries exist only while their node's slot is CLAIMED,
-// ALIVE or RECLAIMING). Evidence, never a guess:
-//   - the node's slot is FREE: every incarnation that could have claimed the entry has ended (a
-//     clean close has finished its puts; a reclaim tombstones the entries). This is what a
-//     co-tenant leaves who writes FREE over a live node's state word: that node is fenced (L3)
-//     and never finishes; no reclaim runs for a FREE slot. Only once its process has closed the
-//     pool, where that can be known (owner_closed): until then it may still be inside the put.
-//   - by_epoch, for WRITING: the slot is attached again, and the block the entry points to was
-//     claimed for this slot by the same node id in another epoch (the descriptor records the low
-//     8 bits of the claimer's epoch; the entry word records no epoch). Equal low bits of two
-//     epochs only hide a gone writer, never accuse a live one. Callers re-read after a pause:
-//     a new incarnation's entry may still point to its slot's old block until it allocates.
-// A slot RECLAIMING, or ALIVE and judged dead, is its reclaimer's business.
-std::string Pool::abandoned_by(uint64_t slot, uint64_t w, bool by_epoch) {
-  const uint8_t node = entry_node(w);
-  if (node == 0 || node > hdr_->max_nodes) return "it names no node (" + std::to_string(node) + ")";
-  if (node == node_id_) return "";
-  const uint64_t nw = coh_.read(&node_slot(node - 1)->state);
-  const uint8_t nst = node_state(nw);
-  if (nst == kNodeFree) return owner_closed(node) ? "node " + std::to_string(node) + " is not attached" : "";
-  if (!by_epoch || entry_state(w) != kWriting || (nst != kNodeAlive && nst != kNodeClaimed)) return "";
-  IndexEntry* e = entry(slot);
-  coh_.invalidate(e, sizeof *e);
-  if (e->chunk >= hdr_->chunk_count || e->block >= desc_bytes_ / 8) return "";
-  const uint64_t dw = coh_.read(block_desc(e->chunk, e->block));
-  if (block_state(dw) != kBlockUsed || block_slot(dw) != slot || block_node(dw) != node) return "";
-  if (block_epoch(dw) == uint8_t(node_epoch(nw))) return "";
-  return "node " + std::to_string(node) +
-         "'s incarnation that claimed it is gone (the slot was attached again)";
-}
-
-// False while the last owner of FREE node slot `node` may still have the pool open: a node of
-// this kernel keeps its slot's lock until it closes (L1), fenced or not (attach_node skips such a
-// slot too). A node of another kernel cannot be asked: its FREE slot is all the evidence.
-bool Pool::owner_closed(uint8_t node) {
-  const NodeSlot* s = node_slot(node - 1);
-  if (!lock_.lock_id || coh_.read(&s->host_id) != host_id_ || coh_.read(&s->lock_id) != lock_.lock_id)
-    return true;
-  if (!liveness::try_lock(lock_, lock_offset(node - 1))) return false;
-  liveness::unlock(lock_, lock_offset(node - 1));
-  return true;
-}
-
-bool Pool::contains(const NsHandle& ns, const Key& key) {
+bool Index::contains(const NsHandle& ns, const Key& key) {
   Found f;
   return find(ns, key, nullptr, &f);
 }
@@ -620,27 +403,27 @@ bool Pool::contains(const NsHandle& ns, const Key& key) {
 // Measured on a 2-core KVM guest: software prefetches alone leave ~10% of 256 random lines
 // uncached (dropped), which the dependent walk then pays in full; the loads of the gather do not
 // drop. See BENCHMARKS.md (index).
-void Pool::read_homes(const NsHandle& ns, const Key* keys, size_t n, std::vector<uint64_t>& hashes,
-                      std::vector<uint64_t>& home_words) {
+void Index::read_homes(const NsHandle& ns, const Key* keys, size_t n, std::vector<uint64_t>& hashes,
+                       std::vector<uint64_t>& home_words) {
   hashes.resize(n);
   home_words.resize(n);
   for (size_t i = 0; i < n; ++i) {
     hashes[i] = key_hash64(keys[i].data(), ns.id);
-    __builtin_prefetch(entry(hashes[i] & slot_mask_), 0, 3);
-    __builtin_prefetch(access(hashes[i] & slot_mask_), 1, 3);  // touch() writes it afterwards
+    __builtin_prefetch(entry(hashes[i] & slot_mask()), 0, 3);
+    __builtin_prefetch(access(hashes[i] & slot_mask()), 1, 3);  // touch() writes it afterwards
   }
   for (size_t i = 0; i < n; ++i) {
-    const uint64_t home = hashes[i] & slot_mask_, w = coh_.read(&entry(home)->state);
+    const uint64_t home = hashes[i] & slot_mask(), w = coh_.read(&entry(home)->state);
     home_words[i] = w;
     // A key not at home (its home holds another tag, a tombstone, a writer) is probed on at the
     // next slot: another line, so prefetch it now. Branch-free: the home line itself otherwise.
     const uint8_t st = entry_state(w);
     const bool on = st != kEmpty && !(st == kReady && entry_tag(w) == key_tag(hashes[i]));
-    __builtin_prefetch(entry((home + on) & slot_mask_), 0, 3);
+    __builtin_prefetch(entry((home + on) & slot_mask()), 0, 3);
   }
 }
 
-size_t Pool::match_prefix(const NsHandle& ns, const Key* keys, size_t n) {
+size_t Index::match_prefix(const NsHandle& ns, const Key* keys, size_t n) {
   AccessStamp stamp;
   const uint64_t ms = AccessStamp::current();
   thread_local std::vector<uint64_t> hashes, home_words;
@@ -651,7 +434,7 @@ size_t Pool::match_prefix(const NsHandle& ns, const Key* keys, size_t n) {
     // Fast path, the common case: the key is READY at its home. Its key and ns_id are compared in
     // place (a seqlock compare of the entry's head, Coherence::snapshot_matches) and believed only
     // if the state word is unchanged afterwards; anything else takes find()'s full probe.
-    const uint64_t home = hashes[m] & slot_mask_, w = home_words[m];
+    const uint64_t home = hashes[m] & slot_mask(), w = home_words[m];
     if (entry_state(w) == kReady && entry_tag(w) == key_tag(hashes[m])) {
       IndexEntry* e = entry(home);
       static_assert(offsetof(IndexEntry, key) == 8 && offsetof(IndexEntry, ns_id) == 40);
@@ -675,31 +458,14 @@ size_t Pool::match_prefix(const NsHandle& ns, const Key* keys, size_t n) {
   return slots.size();
 }
 
-bool Pool::remove(const NsHandle& ns, const Key& key) {
-  Found f;
-  if (!find(ns, key, nullptr, &f)) return false;
-  uint64_t w = f.word;
-  if (is_pinned(f.slot, entry_gen(w))) return false;
-  uint64_t ev = make_entry_word(kEvicting, uint8_t(node_id_), entry_gen(w), entry_tag(w));
-  if (!coh_.claim(&entry(f.slot)->state, w, ev)) return false;
-  coh_.fault("evict.claimed");
-  if (is_pinned(f.slot, entry_gen(ev))) {
-    coh_.publish(&entry(f.slot)->state, f.word);
-    return false;
-  }
-  finish_evict(f.slot, ev);
-  count(kDeletes);
-  return true;
-}
-
-uint32_t Pool::lease_cap() const { return hdr_->pin_slots - get_pin_reserve(); }
-uint32_t Pool::get_pin_reserve() const {
+uint32_t Index::lease_cap() const { return hdr().pin_slots - get_pin_reserve(); }
+uint32_t Index::get_pin_reserve() const {
   // Single gets (and load's per-key gets on up to copy_threads threads) must always find a pin
   // slot, whatever leases hold: keep 1/8 of the slots, at least 1 and at most 64, for them.
-  return std::clamp<uint32_t>(hdr_->pin_slots / 8, 1, 64);
+  return std::clamp<uint32_t>(hdr().pin_slots / 8, 1, 64);
 }
 
-std::vector<PinRef> Pool::acquire(const NsHandle& ns, const Key* keys, size_t n) {
+std::vector<PinRef> Index::acquire(const NsHandle& ns, const Key* keys, size_t n) {
   AccessStamp stamp;
   std::vector<PinRef> out;
   thread_local std::vector<uint64_t> hashes, home_words;
@@ -719,10 +485,10 @@ std::vector<PinRef> Pool::acquire(const NsHandle& ns, const Key* keys, size_t n)
   return out;
 }
 
-void Pool::release(const std::vector<PinRef>& pins) {
+void Index::release(const std::vector<PinRef>& pins, bool intact) {
   // On a shrunk file the pins' pages are gone (a store would be a SIGBUS once no handler of ours
   // is installed, e.g. at interpreter exit); the pins died with them.
-  if (mapping_intact())
+  if (intact)
     for (const PinRef& p : pins) unpin(p);
   lease_pins_.fetch_sub(pins.size(), std::memory_order_relaxed);
 }

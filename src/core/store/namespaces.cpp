@@ -177,4 +177,51 @@ void Pool::with_ns_table_lock(const char* nothing_done, const std::function<void
   fn();
 }
 
+// --- quotas (format/quota.h; docs/ARCHITECTURE.md "Quotas"): naming a tenant and setting a limit,
+// under the namespace-table lock. The table's reader and writer are Quotas' (quotas.h); a put's
+// charge and own-block eviction are Index::quota_admit's (index_evict.cpp).
+
+// Quota rows change under the namespace-table lock (namespaces.cpp), one writer at a time.
+void Pool::with_quota_lock(const std::function<void()>& fn) {
+  if (read_only_) throw ReadOnlyError("pool " + path_ + " was opened read-only; quotas cannot be changed");
+  if (!node_id_) become_writer();  // a row-less observer (host_slot.cpp): changing a quota is writing
+  if (!node_id_) throw ReadOnlyError("pool " + path_ + ": changing a quota needs a node slot (none free)");
+  with_ns_table_lock("no quota was changed", fn);
+  quotas_.invalidate_cache();
+}
+
+uint8_t Pool::tenant_row(const std::string& tenant) {
+  Quotas::check_tenant(tenant);
+  for (const QuotaInfo& q : quotas_.cached())
+    if (q.kind == kQuotaTenant && q.tenant == tenant) return uint8_t(q.row);
+  uint32_t row = 0;
+  with_quota_lock([&] { row = quotas_.row_of_locked(kQuotaTenant, 0, tenant, path_); });
+  return uint8_t(row);
+}
+
+uint32_t Pool::set_quota(uint32_t ns_id, const std::string& tenant, uint64_t max_bytes, uint32_t max_ppm) {
+  if ((ns_id == 0) == tenant.empty()) throw ArgumentError("a quota names either a namespace or a tenant");
+  if (!tenant.empty()) Quotas::check_tenant(tenant);
+  if (ns_id > hdr_->max_namespaces || (ns_id && quotas_.block_bytes_of(ns_id) == 0))
+    throw ArgumentError("namespace id " + std::to_string(ns_id) + " is not a namespace of pool " + path_);
+  if (max_ppm > kPpmOne) throw ArgumentError("a fraction of the pool must be at most 1");
+  const uint32_t kind = ns_id ? kQuotaNamespace : kQuotaTenant;
+  if (!max_bytes && !max_ppm) {  // a clear: a subject without a row has no limit, and rows are never freed
+    bool has_row = false;
+    for (uint32_t r = 1; r <= kQuotaRows && !has_row; ++r) {
+      QuotaInfo q;
+      has_row = quotas_.read_row(r, &q) && q.kind == kind && q.ns_id == ns_id && q.tenant == tenant;
+    }
+    if (!has_row) return 0;
+  }
+  uint32_t row = 0;
+  with_quota_lock([&] {
+    row = quotas_.row_of_locked(kind, ns_id, tenant, path_);
+    quotas_.write_row(row, Quotas::make_row(kind, ns_id, tenant, max_bytes, max_ppm));
+  });
+  return row;
+}
+
+std::vector<QuotaInfo> Pool::quotas() { return quotas_.rows(hdr_->max_nodes); }
+
 }  // namespace cxlkv

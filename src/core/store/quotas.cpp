@@ -1,5 +1,5 @@
 // Quotas (format/quota.h, docs/ARCHITECTURE.md "Quotas"): the table's validated reader and the
-// usage sums. The protocol around it (Pool members) is quota_protocol.cpp.
+// usage sums. The protocol around it: quotas.h.
 #include "quotas.h"
 
 #include <algorithm>

@@ -16,7 +16,7 @@ struct NsHandle {
   format::ChunkGeometry geo{};
   std::string name;
   int device = -1;         // placement (placement.cpp): -1 = any device, else blocks only on that device
-  uint8_t tenant_row = 0;  // quota_protocol.cpp: the quota row of the tenant this handle writes for; 0 = none
+  uint8_t tenant_row = 0;  // format/quota.h: the quota row of the tenant this handle writes for; 0 = none
 };
 
 // One device of the pool as `pool info` shows it (placement.cpp): its path, the pool bytes it
@@ -69,7 +69,7 @@ struct PinRef {
 };
 
 // Stamps every access hint written by this thread while alive with one time (ms; 0 = now), so
-// that the keys of one batch rank by chain depth alone (index.cpp: Pool::touch; defined there).
+// that the keys of one batch rank by chain depth alone (index.cpp: Index::touch; defined there).
 class AccessStamp {
  public:
   explicit AccessStamp(uint64_t ms = 0);

@@ -26,10 +26,10 @@ void Pool::reserve(const NsHandle& ns, const Key& key, uint16_t depth, Reservati
     r->state = Reservation::capped;
     return;
   }
-  Claimed c;
+  Index::Claimed c;
   PutResult claimed = PutResult::failed;
   try {
-    claimed = claim_entry(ns, key, depth, &c);
+    claimed = index_.claim_entry(ns, key, depth, &c);
   } catch (...) {
     if (!with_block) intents_held_.fetch_sub(1, std::memory_order_acq_rel);
     throw;
@@ -51,12 +51,12 @@ void Pool::reserve(const NsHandle& ns, const Key& key, uint16_t depth, Reservati
   uint64_t chunk = 0;
   uint32_t block = 0;
   try {
-    if (!claim_block(ns, c.slot, c.gen, c.tag, &chunk, &block)) {
+    if (!index_.claim_block(ns, c.slot, c.gen, c.tag, &chunk, &block)) {
       r->state = Reservation::failed;
       return;
     }
   } catch (...) {
-    finish_evict(c.slot, make_entry_word(kWriting, uint8_t(node_id_), c.gen, c.tag));
+    index_.finish_evict(c.slot, make_entry_word(kWriting, uint8_t(node_id_), c.gen, c.tag));
     throw;
   }
   r->state = Reservation::reserved;
@@ -140,7 +140,7 @@ bool Pool::commit(const NsHandle& ns, Reservation* r) {
     return false;
   }
   r->state = Reservation::committed;
-  touch(r->slot, r->depth);
+  index_.touch(r->slot, r->depth);
   count(kPuts);
   count(kBytesStored, ns.block_bytes);
   return true;
@@ -159,16 +159,16 @@ size_t Pool::pin_verified(const NsHandle& ns, const Key* keys, size_t n, std::ve
   AccessStamp stamp;
   size_t got = 0;
   for (size_t i = 0; i < n; ++i) {
-    Found f;
+    Index::Found f;
     PinRef p;
     bool ok = false, exhausted = false;
     for (int attempt = 0; attempt < 3 && !ok && !exhausted; ++attempt) {
-      if (!find(ns, keys[i], nullptr, &f)) break;
-      ok = pin(f.slot, f.word, &p, &exhausted, /*for_lease=*/true);
+      if (!index_.find(ns, keys[i], nullptr, &f)) break;
+      ok = index_.pin(f.slot, f.word, &p, &exhausted, /*for_lease=*/true);
     }
     if (!ok) break;
     // A block of another length was not saved by a device transfer of this layout: a miss.
-    if (!validate_ref(ns, f.e) || f.e.length != ns.block_bytes) {
+    if (!index_.validate_ref(ns, f.e) || f.e.length != ns.block_bytes) {
       count(kCorruptEntries);
       release({p});
       break;
@@ -178,12 +178,12 @@ size_t Pool::pin_verified(const NsHandle& ns, const Key* keys, size_t n, std::ve
                     f.e.length,  f.e.checksum};
     if (!verify_block(b)) {
       count(kChecksumFailures);
-      condemn(f.slot, f.word);
+      index_.condemn(f.slot, f.word);
       release({p});
-      reclaim_condemned(f.slot);
+      index_.reclaim_condemned(f.slot);
       break;
     }
-    touch(f.slot, f.e.depth);
+    index_.touch(f.slot, f.e.depth);
     out->push_back(b);
     ++got;
   }
@@ -198,7 +198,7 @@ size_t Pool::recheck(const std::vector<VerifiedBlock>& blocks) {
   for (; i < blocks.size(); ++i) {
     if (verify_block(blocks[i])) continue;
     count(kChecksumFailures);
-    condemn(blocks[i].slot, blocks[i].word);  // reclaimed once unpinned (unpin_verified)
+    index_.condemn(blocks[i].slot, blocks[i].word);  // reclaimed once unpinned (unpin_verified)
     break;
   }
   if (i == blocks.size())
@@ -215,7 +215,7 @@ void Pool::unpin_verified(std::vector<VerifiedBlock>* blocks) {
   for (const auto& b : *blocks) pins.push_back(PinRef{b.slot, entry_gen(b.word), b.pin_index});
   release(pins);
   if (mapping_intact())
-    for (const auto& b : *blocks) reclaim_condemned(b.slot);  // no-op unless recheck condemned it
+    for (const auto& b : *blocks) index_.reclaim_condemned(b.slot);  // no-op unless recheck condemned it
   blocks->clear();
 }
 
