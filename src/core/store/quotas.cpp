@@ -186,7 +186,12 @@ Quotas::Quotas(const Region& region)
 
 template <class F>
 auto Quotas::read_view(F&& f) const {
-  for (;;) {
+  // Lock-free while refreshes are rare. Refreshes can be driven back to back by pool content
+  // (a forced refresh per release that names an unreadable row), so a reader preempted on every
+  // try could retry without bound: after kLockFreeTries it reads under refresh_mu_, where no
+  // refresher writes, which bounds its wait by one refresh.
+  constexpr int kLockFreeTries = 8;
+  for (int i = 0; i < kLockFreeTries; ++i) {
     const Snapshot& v = views_[current_.load(std::memory_order_acquire)];
     const uint64_t seq = v.seq.load(std::memory_order_acquire);
     if (seq & 1) continue;  // two refreshes passed since current_ was read: read the other slot
@@ -194,6 +199,8 @@ auto Quotas::read_view(F&& f) const {
     std::atomic_thread_fence(std::memory_order_acquire);
     if (v.seq.load(std::memory_order_relaxed) == seq) return out;
   }
+  std::lock_guard<std::mutex> g(refresh_mu_);
+  return f(views_[current_.load(std::memory_order_acquire)]);
 }
 
 void Quotas::keep_fresh() {

@@ -118,7 +118,7 @@ class Quotas {
   Snapshot views_[2];
   std::atomic<uint32_t> current_{0};       // the slot readers read
   std::atomic<uint64_t> refreshed_us_{0};  // when current_'s rows were read; 0 = re-read before use
-  std::mutex refresh_mu_;                  // one refresher at a time; readers never take it
+  mutable std::mutex refresh_mu_;          // one refresher at a time; a reader only after 8 torn tries
   std::vector<QuotaInfo> cache_;           // under refresh_mu_: the same rows, with tenant names
   // By namespace id (1..kMaxNamespaces); 0 = not known yet. Written once per id with the value
   // every writer reads (a READY namespace's layout is immutable): relaxed is enough.
