@@ -19,7 +19,7 @@ import uuid
 import pytest
 
 from conftest import BLOCK, run_engine, words
-from cxlkv.integrations.coalesce_clock import kv_namespaces
+from cxlkv.integrations.namespace_kinds import kv_namespaces
 
 pytestmark = pytest.mark.timeout(900)
 
