@@ -44,6 +44,22 @@ def _median_s(fn, iters: int) -> float:
     return statistics.median(times)
 
 
+def time_loads(loads: dict, blocks: int, iters: int) -> dict:
+    """Median seconds and GB/s of each named load, {name: (load() -> blocks loaded, its
+    destination arrays)}; a load that returns fewer than `blocks` blocks is an error."""
+    out = {}
+    for name, (load, dst) in loads.items():
+
+        def timed(load=load) -> None:
+            if (n := load()) != blocks:
+                raise RuntimeError(f"a load returned {n} of {blocks} blocks")
+
+        s = _median_s(timed, iters)
+        nbytes = sum(a.nbytes for a in dst)
+        out[name] = {"seconds": round(s, 6), "GBps": round(nbytes / s / 1e9, 3), "bytes": nbytes}
+    return out
+
+
 def run(
     layers: int,
     heads: int,
@@ -94,20 +110,13 @@ def run(
             dst2 = [np.zeros_like(a) for a in mine]
             dst1 = [np.zeros_like(a) for a in full]
 
-            def check(n: int) -> None:
-                if n != blocks:
-                    raise RuntimeError(f"a load returned {n} of {blocks} blocks")
-
-            cases = {
-                "tp2_rank_whole_block": (lambda: check(whole2.load(keys, dst2, ids)), dst2),
-                "tp2_rank_from_tp1_heads": (lambda: check(r0.load(keys, dst2, ids)), dst2),
-                "tp1_whole_block": (lambda: check(whole1.load(keys, dst1, ids)), dst1),
-                "tp1_from_heads": (lambda: check(shared.load(keys, dst1, ids)), dst1),
+            loads = {
+                "tp2_rank_whole_block": (lambda: whole2.load(keys, dst2, ids), dst2),
+                "tp2_rank_from_tp1_heads": (lambda: r0.load(keys, dst2, ids), dst2),
+                "tp1_whole_block": (lambda: whole1.load(keys, dst1, ids), dst1),
+                "tp1_from_heads": (lambda: shared.load(keys, dst1, ids), dst1),
             }
-            for name, (fn, dst) in cases.items():
-                s = _median_s(fn, iters)
-                nbytes = sum(a.nbytes for a in dst)
-                out[name] = {"seconds": round(s, 6), "GBps": round(nbytes / s / 1e9, 3), "bytes": nbytes}
+            out.update(time_loads(loads, blocks, iters))
             np.testing.assert_array_equal(dst2[0], mine[0])
             np.testing.assert_array_equal(dst1[-1], full[-1])
             out["ratio_tp2_from_tp1_vs_same_tp"] = round(

@@ -20,7 +20,7 @@ import numpy as np
 
 import cxlkv
 from cxlkv.integrations import state_shards as ss
-from cxlkv.tools.bench_tp import _median_s
+from cxlkv.tools.bench_tp import time_loads
 
 
 def _layout(name: str, layers: int, units: int, block_bytes: int) -> cxlkv.KVLayout:
@@ -89,20 +89,13 @@ def run(
             assert whole2.store(keys, mine, ids) == blocks
             dst2, dst1 = [np.zeros_like(a) for a in mine], [np.zeros_like(a) for a in full]
 
-            def check(n: int) -> None:
-                if n != blocks:
-                    raise RuntimeError(f"a load returned {n} of {blocks} blocks")
-
-            cases = {
-                "tp2_rank_whole_state": (lambda: check(whole2.load(keys, dst2, ids)), dst2),
-                "tp2_rank_from_tp1_units": (lambda: check(r0.load(keys, dst2, ids)), dst2),
-                "tp1_whole_state": (lambda: check(whole1.load(keys, dst1, ids)), dst1),
-                "tp1_from_units": (lambda: check(shared.load(keys, dst1, ids)), dst1),
+            loads = {
+                "tp2_rank_whole_state": (lambda: whole2.load(keys, dst2, ids), dst2),
+                "tp2_rank_from_tp1_units": (lambda: r0.load(keys, dst2, ids), dst2),
+                "tp1_whole_state": (lambda: whole1.load(keys, dst1, ids), dst1),
+                "tp1_from_units": (lambda: shared.load(keys, dst1, ids), dst1),
             }
-            for name, (fn, dst) in cases.items():
-                s = _median_s(fn, iters)
-                nbytes = sum(a.nbytes for a in dst)
-                out[name] = {"seconds": round(s, 6), "GBps": round(nbytes / s / 1e9, 3), "bytes": nbytes}
+            out.update(time_loads(loads, blocks, iters))
             if not all(np.array_equal(a, b) for a, b in zip(dst2, mine, strict=True)):
                 raise RuntimeError("the TP=2 rank's state differs from its slice of the TP=1 state")
             if not all(np.array_equal(a, b) for a, b in zip(dst1, full, strict=True)):
