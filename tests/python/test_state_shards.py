@@ -79,10 +79,10 @@ def rank_arrays(full, tp, rank, layout="SD"):
     return out
 
 
-def layout_of(sh):
+def layout_of(sh, model_id="test/gdn-state"):
     nbytes = ss.unit_bytes(sh, [2, 4], LAYERS)
     return cxlkv.KVLayout(
-        model_id="test/gdn-state",
+        model_id=model_id,
         dtype="bytes",
         num_layers=LAYERS,
         num_kv_heads=sh.units,
@@ -262,22 +262,9 @@ def test_mamba2_with_one_group_is_no_cut_at_tp2():
     assert vsg.shards_of(m2_spec(2), SimpleNamespace(), "SD", 2) is None  # no groups in the config
 
 
-def m2_layout(sh):
-    return cxlkv.KVLayout(
-        model_id="test/mamba2-state",
-        dtype="bytes",
-        num_layers=LAYERS,
-        num_kv_heads=sh.units,
-        head_size=1,
-        tokens_per_block=16,
-        kind="opaque",
-        block_bytes=ss.unit_bytes(sh, [2, 4], LAYERS),
-    )
-
-
 def m2_ns(pool, tp, rank, layout="SD"):
     sh = m2_shards(layout)
-    return ss.StateNamespace(pool.namespace(m2_layout(sh)), sh.plan(tp, rank), sh)
+    return ss.StateNamespace(pool.namespace(layout_of(sh, "test/mamba2-state")), sh.plan(tp, rank), sh)
 
 
 def m2_rank_arrays(full, tp, rank, layout="SD"):
