@@ -122,12 +122,12 @@ def _pool_stats(path: str) -> dict:
         return p.stats()
 
 
-def _wait_stored(pool: str, redis: RedisServer, puts: int, keys: int) -> None:
+def _wait_stored(pool: str, redis: RedisServer | None, puts: int, keys: int) -> None:
     """Until the pool holds `puts` puts and the remote `keys` keys (LMCache stores behind the
     request); a shortfall after L2_WAIT_S is reported by the caller's numbers, not hidden."""
     deadline = time.monotonic() + L2_WAIT_S
     while time.monotonic() < deadline:
-        if _pool_stats(pool)["puts"] >= puts and redis.snapshot()["keys"] >= keys:
+        if _pool_stats(pool)["puts"] >= puts and (redis is None or redis.snapshot()["keys"] >= keys):
             return
         time.sleep(0.5)
 
@@ -240,8 +240,14 @@ def run(
                 log = s.extra["lmcache_log"]
                 since = os.path.getsize(log)
                 redis.kill()
+                puts0 = _pool_stats(pools[1])["puts"]
                 down = _path("remote_down", "1c", s.url, served, fresh_down, pools[1], None)
+                # LMCache stores behind the requests, and with the remote dead its store may first
+                # wait out a failed connection: count the pool's puts once they arrive (bounded by
+                # L2_WAIT_S; a shortfall stays in the numbers), not the instant the answer returns.
+                _wait_stored(pools[1], None, puts0 + 1, 0)
                 time.sleep(3)  # LMCache's store behind the requests meets the dead remote
+                down["pool_puts"] = _pool_stats(pools[1])["puts"] - puts0
                 lines = _remote_log_lines(log, since)
                 down["lmcache_log_lines_about_remote"] = len(lines)
                 down["lmcache_log_sample"] = lines[:3]
