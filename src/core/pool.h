@@ -373,8 +373,10 @@ class Pool : private Allocator::Peers, private Index::Peers {
   std::string abandoned_by(uint64_t slot, uint64_t word, bool by_epoch) {
     return index_.abandoned_by(slot, word, by_epoch);
   }
-  bool release_abandoned(uint64_t slot, uint64_t word) { return index_.release_abandoned(slot, word); }
-  bool reclaim_condemned(uint64_t slot) { return index_.reclaim_condemned(slot); }
+  bool release_abandoned(uint64_t slot, uint64_t word, uint8_t as = 0) {
+    return index_.release_abandoned(slot, word, as);
+  }
+  bool reclaim_condemned(uint64_t slot, uint8_t as = 0) { return index_.reclaim_condemned(slot, as); }
   bool owner_closed(uint8_t node) override;  // of a FREE node slot (pool.cpp; Index::Peers)
   // check.cpp: the sections of check(), in order; each adds to r and, with r.repair, repairs.
   bool node_attached(uint8_t node);  // CLAIMED or ALIVE (not judged: a dead one is reaped first)

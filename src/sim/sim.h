@@ -27,7 +27,7 @@ struct SimOptions {
   uint64_t pool_bytes = 4ull << 20;
   std::string tmp_dir = "/dev/shm";
   // Crash events hit this named fault point (insert.claimed, insert.copied, evict.claimed,
-  // alloc.claimed, alloc.carving, lock.held) instead of a random coherence call.
+  // release.claimed, alloc.claimed, alloc.carving, lock.held) instead of a random coherence call.
   std::string fault;
 };
 

@@ -16,7 +16,7 @@ namespace cxlkv::fault_trap {
 
 namespace {
 // The protocol's named points (the Coherence::fault callers).
-constexpr const char* kPoints[] = {"insert.claimed", "insert.copied", "evict.claimed",
+constexpr const char* kPoints[] = {"insert.claimed", "insert.copied", "evict.claimed", "release.claimed",
                                    "alloc.claimed",  "alloc.carving", "lock.held"};
 std::string g_point;
 bool g_stop = false;

@@ -1,7 +1,7 @@
 // Test-only trap at a named fault point in a REAL process (the emulator's CacheModel::fault_point
 // does the same for simulated hosts). The points: insert.claimed, insert.copied, evict.claimed,
-// alloc.claimed, alloc.carving, lock.held (Coherence::locked_rmw, the cross-host lock held).
-// Two ways to arm them, one hook:
+// release.claimed (a reclaimer holds an abandoned entry), alloc.claimed, alloc.carving, lock.held
+// (Coherence::locked_rmw, the cross-host lock held). Two ways to arm them, one hook:
 //  * `CXLKV_TEST_FAULT=<point>[:kill|:stop][@N]`, read once at the first attach of the process
 //    (tests/python/test_multihost_procs.py): the N-th hit (default 1st) of that point writes one
 //    line "cxlkv-fault <point> <pid>" to stderr, then SIGKILLs the process (kill -9 exactly there)

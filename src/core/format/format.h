@@ -437,14 +437,16 @@ inline uint64_t make_ns_word(uint8_t st, uint8_t node) {
 //   EMPTY(0)      never used: ends a probe
 //   WRITING(n)    node n claimed the slot and is filling it        (from EMPTY or TOMBSTONE)
 //   READY         visible: payload complete and checksummed         (from WRITING, published last)
-//   EVICTING(n)   node n is freeing it; readers treat it as absent (from READY or CONDEMNED)
+//   EVICTING(n)   node n is freeing it; readers treat it as absent (from READY or CONDEMNED;
+//                 or from WRITING/EVICTING of a gone node, by the node releasing it)
 //   TOMBSTONE     free for reuse, does not end a probe              (from WRITING or EVICTING)
 //   CONDEMNED     failed its checksum: invisible to lookups and puts, does not end a probe, its
 //                 block stays USED (readers that pinned it may still be copying); any node
 //                 moves it CONDEMNED -> EVICTING(n) -> TOMBSTONE once no pin names it (the
 //                 reader that condemned it after unpinning, an evictor, a reclaim, `pool check`;
 //                 an observer, which has no n, straight to TOMBSTONE: no pin can appear any more)
-//                                                                    (from READY, by claim)
+//                                                                    (from READY, by claim;
+//                 from EVICTING of a gone node that a reader still pins, by its releaser)
 // gen increments on every WRITING claim: a pin (slot, gen) cannot match a later reuse.
 // tag = 24 bits of the key hash, so probes skip most foreign slots without reading the key.
 // Readers: read state, read fields, re-read state; equal words => consistent snapshot (seqlock).

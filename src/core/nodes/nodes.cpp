@@ -231,9 +231,10 @@ void Pool::reclaim_node(uint32_t idx, uint64_t reclaiming_word) {
   for (uint64_t slot = 0; slot <= slot_mask_; ++slot) {
     uint64_t w = coh_.read(&entry(slot)->state);
     uint8_t st = entry_state(w);
-    if (st == kCondemned) reclaim_condemned(slot);
+    // Released under the dead node's id: dying here leaves them to its next reclaim (index_evict.cpp).
+    if (st == kCondemned) reclaim_condemned(slot, dead);
     if (st != kWriting && st != kEvicting) continue;
-    if (entry_node(w) == dead || !abandoned_by(slot, w, false).empty()) release_abandoned(slot, w);
+    if (entry_node(w) == dead || !abandoned_by(slot, w, false).empty()) release_abandoned(slot, w, dead);
   }
   // 3. Chunks it was carving or draining; block descs it claimed that no entry points back to.
   for (uint64_t c = 0; c < hdr_->chunk_count; ++c) {

@@ -9,9 +9,10 @@
 //   - CONDEMNED entries no pin holds any more (an observer frees them only with repair; an attached
 //     checker always did, as any attached node may);
 //   - blocks USED by a gone incarnation that no entry points to (what a releaser that died between
-//     its two steps leaves, Index::release_abandoned).
+//     its two steps leaves when it had no node id, Index::tombstone_then_free).
 #include <chrono>
 #include <cstring>
+#include <iterator>
 #include <map>
 #include <set>
 #include <thread>
@@ -25,7 +26,10 @@ namespace cxlkv {
 using namespace format;
 
 namespace {
-const char* entry_state_name(uint8_t st) { return st == kWriting ? "WRITING" : "EVICTING"; }
+const char* entry_state_name(uint8_t st) {
+  static constexpr const char* kNames[] = {"EMPTY", "WRITING", "READY", "EVICTING", "TOMBSTONE", "CONDEMNED"};
+  return st < std::size(kNames) ? kNames[st] : "an unknown state";
+}
 void pause_before_reread() { std::this_thread::sleep_for(std::chrono::milliseconds(50)); }
 }  // namespace
 
@@ -325,7 +329,10 @@ void Pool::check_index(CheckReport& r) {
       continue;
     }
     ++r.leaked_blocks;
-    r.error(at + " is leaked (used, but no index entry points to it)" +
+    // Who claimed it and for which slot, and what that slot holds now: where to look for the cause.
+    r.error(at + " is leaked (used by node " + std::to_string(block_node(dw)) + " epoch " +
+            std::to_string(block_epoch(dw)) + " for slot " + std::to_string(slot) + ", now " +
+            entry_state_name(entry_state(ew)) + "; no index entry points to it)" +
             (r.repair ? "" : "; `pool check --repair` frees it"));
   }
   if (r.capacity_blocks !=

@@ -18,8 +18,8 @@
 //   the entry back: a pinned block is never freed, and no shared counter is incremented.
 // - A block leaves an entry only while its descriptor names the entry's slot (USED, slot): it is
 //   freed, or handed straight to a new owner, by the one holder of the entry in EVICTING (or by
-//   the one winner of the tombstone claim, release_abandoned); every such release books the
-//   block's bytes released to the entry's quota rows (Quotas::release).
+//   one without a node id, outside any reclaim, the one winner of the tombstone claim); every such release
+//   books the block's bytes released to the entry's quota rows (Quotas::release).
 // - WRITING and EVICTING entries exist only while their node slot is CLAIMED, ALIVE or
 //   RECLAIMING (L4): an entry whose writer is gone is skipped by puts and released (abandoned_by).
 // - Lease pins together stay below lease_cap(), so single gets always find a pin slot.
@@ -123,15 +123,18 @@ class Index {
   // Frees the block of an entry this node holds in EVICTING (or WRITING) and tombstones the slot.
   void finish_evict(uint64_t slot, uint64_t evicting_word);
   void condemn(uint64_t slot, uint64_t ready_word);
-  bool reclaim_condemned(uint64_t slot);
+  // `as`: inside the reclaim of node `as`, the id to hold a released entry EVICTING under (0: this
+  // node's own; index_evict.cpp says why).
+  bool reclaim_condemned(uint64_t slot, uint8_t as = 0);
   // Entries nobody will finish (index_evict.cpp): why (or ""), and their release.
   std::string abandoned_by(uint64_t slot, uint64_t word, bool by_epoch);
-  bool release_abandoned(uint64_t slot, uint64_t word);
+  bool release_abandoned(uint64_t slot, uint64_t word, uint8_t as = 0);
   // The index's half of draining a chunk (Allocator::Peers::evict_owner, which Pool forwards here).
   bool evict_owner(uint64_t chunk, uint32_t block, uint64_t desc, uint64_t fenced);
 
  private:
   using Victim = Evictor::Victim;
+  bool tombstone_then_free(uint64_t slot, uint64_t word);  // release_abandoned for an observer
   void read_homes(const NsHandle& ns, const Key* keys, size_t n, std::vector<uint64_t>& hashes,
                   std::vector<uint64_t>& home_words);
   bool writing_same_key(const NsHandle& ns, const Key& key, uint64_t slot, uint64_t writing_word);

@@ -140,13 +140,14 @@ void Index::condemn(uint64_t slot, uint64_t ready_word) {
 
 // CONDEMNED -> EVICTING -> TOMBSTONE if no pin names the entry; otherwise it stays CONDEMNED
 // for the next evictor, reclaim or `pool check`. True if the slot was freed.
-bool Index::reclaim_condemned(uint64_t slot) {
+bool Index::reclaim_condemned(uint64_t slot, uint8_t as) {
   uint64_t w = coh_.read(&entry(slot)->state);
   if (entry_state(w) != kCondemned || is_pinned(slot, entry_gen(w))) return false;
-  // An observer (`pool check` takes no node slot) has no node id to own EVICTING with. It needs
-  // none: no pin can be taken on a CONDEMNED entry any more (a pin is validated against the READY
-  // word), so the check above is final, and the one claim of release_abandoned picks one winner.
-  if (node_id_ == 0) return release_abandoned(slot, w);
+  // Without a node id of its own (an observer, or a reclaim at open before the attach) it holds
+  // the entry as release_abandoned does: under the reclaimed node's id, or, with none, by a
+  // tombstone claim. No pin can be taken on a CONDEMNED entry any more (a pin is validated
+  // against the READY word), so the check above is final.
+  if (node_id_ == 0) return release_abandoned(slot, w, as);
   uint64_t ev = make_entry_word(kEvicting, uint8_t(node_id_), entry_gen(w), entry_tag(w));
   if (!coh_.claim(&entry(slot)->state, w, ev)) return false;
   if (is_pinned(slot, entry_gen(ev))) {
@@ -157,14 +158,52 @@ bool Index::reclaim_condemned(uint64_t slot) {
   return true;
 }
 
-// Tombstones index slot `slot`, read as word w (an entry nobody will finish: see abandoned_by,
-// or CONDEMNED with no pin), and frees its block. The tombstone comes first, by claim: of several
-// who notice (reclaimers, `pool check --repair`) exactly one wins, and only the winner frees the
-// block, by a claim of the descriptor word read before, so a block handed out again since (a new
-// word) is never freed. Dying between the two steps leaves the block USED with no entry pointing
-// back: its owner's reclaim frees it, or `pool check --repair` once that owner's incarnation is
-// gone (the block's owner is its writer: for a CONDEMNED entry maybe a live node).
-bool Index::release_abandoned(uint64_t slot, uint64_t w) {
+// Frees index slot `slot`, read as word w: an entry nobody will finish (see abandoned_by), or
+// CONDEMNED with no pin. Of several who notice (reclaimers, `pool check --repair`) exactly one
+// wins the claim of w, and only the winner frees the block.
+// The winner holds the entry EVICTING under a node id first and tombstones it last,
+// as every eviction does: under `as`, the node whose reclaim this is (its slot stays RECLAIMING
+// until the reclaim ends, so a reclaimer dying here leaves the entry to that node's next reclaim,
+// which finds the block still named by the entry), else under this node's own id. Claiming
+// TOMBSTONE first, as before, left the block USED with no entry pointing back, and when its writer
+// was alive and later closed cleanly no reclaim ever visited it (a leak only `pool check --repair`
+// found). The entry is held, so no other slot can take the block meanwhile.
+// The entry may be pinned: a dead evictor may have claimed EVICTING before its own pin check, with
+// a reader still copying the block. Such an entry becomes CONDEMNED (out of the index, its block
+// freed by reclaim_condemned once the pin is gone) instead of freed under the reader.
+bool Index::release_abandoned(uint64_t slot, uint64_t w, uint8_t as) {
+  const uint8_t holder = as ? as : uint8_t(node_id_);
+  if (holder == 0) return tombstone_then_free(slot, w);
+  const uint64_t ev = make_entry_word(kEvicting, holder, entry_gen(w), entry_tag(w));
+  uint64_t seen = ev;  // Coherence::claim's expected word (it writes back what it found)
+  // w == ev: the node we reclaim was evicting it (or died releasing it): as its one reclaimer
+  // (its slot RECLAIMING is ours) we hold the entry already.
+  if (w != ev && !coh_.claim(&entry(slot)->state, w, ev)) return false;
+  coh_.fault("release.claimed");
+  if (is_pinned(slot, entry_gen(ev))) {
+    if (coh_.claim(&entry(slot)->state, seen, make_entry_word(kCondemned, 0, entry_gen(ev), entry_tag(ev))))
+      count(kCondemnedEntries);
+    return false;
+  }
+  // Claims, not publishes, from here on: a reclaimer judged dead while only slow may still be
+  // here beside the next one; whichever comes second finds the words changed and does nothing.
+  IndexEntry e;
+  if (!snapshot(slot, ev, &e)) return false;
+  if (e.chunk < hdr().chunk_count && e.block < region_.desc_bytes() / 8) {
+    uint64_t* d = block_desc(e.chunk, e.block);
+    uint64_t dw = coh_.read(d);
+    if (block_state(dw) == kBlockUsed && block_slot(dw) == slot && coh_.claim(d, dw, 0))
+      quotas_.release(node_id_, e);  // quotas.cpp
+  }
+  return coh_.claim(&entry(slot)->state, seen, make_entry_word(kTombstone, 0, entry_gen(ev), entry_tag(ev)));
+}
+
+// release_abandoned without a node id to hold EVICTING under (`pool check` as an observer, outside
+// any reclaim): the tombstone comes first, by claim, and the block is freed by a claim of the
+// descriptor word read before (a block handed out again since, a new word, is never freed). An
+// observer dying between the two steps leaves the block USED with no entry pointing back: its
+// owner's reclaim frees it, or the next `pool check --repair` once that owner's incarnation is gone.
+bool Index::tombstone_then_free(uint64_t slot, uint64_t w) {
   IndexEntry* e = entry(slot);
   coh_.invalidate(e, sizeof *e);
   const uint64_t chunk = e->chunk;  // of a writer that is gone: nothing changes them any more
