@@ -155,6 +155,52 @@ TEST_F(QuotaTest, ForgedRowIsUnreadableAndReported) {
   EXPECT_TRUE(put_id(ns_, 1));
 }
 
+// A row whose checksum a stray write broke is still its subject's: the blocks charged to it are
+// released to it while it reads unreadable, so its usage is right again once the row is.
+// (Releases used to skip unreadable rows, and the usage drifted up until `pool check --repair`.)
+TEST_F(QuotaTest, ReleasesAreBookedWhileTheRowIsUnreadable) {
+  NsHandle a = as("a");
+  for (uint64_t id = 0; id < 4; ++id) ASSERT_TRUE(put_id(a, id));
+  const uint8_t r = a.tenant_row;
+  auto flip = [&] {
+    RawMap raw(path_);
+    raw.base()[format::kQuotaTableOff + (r - 1) * sizeof(format::QuotaRow) + 20] ^= 0x40;
+  };
+  flip();
+  {
+    auto b = Pool::open(path_);  // a fresh view: it reads the row unreadable
+    NsHandle nb = b->open_namespace(layout("quota", kBlock));
+    nb.tenant_row = r;
+    ASSERT_TRUE(b->remove(nb, key_of(0)));
+    ASSERT_TRUE(b->remove(nb, key_of(1)));
+  }
+  EXPECT_FALSE(row(r).readable);
+  flip();
+  EXPECT_TRUE(row(r).readable);
+  EXPECT_EQ(row(r).usage_bytes, 2 * kBlock);
+  expect_recount_ok();
+}
+
+// An aborted reservation refunds the rows its block was charged to, not what its entry in the
+// pool names by then: a stray write to the entry's rows moves no usage from one subject to another.
+TEST_F(QuotaTest, AbortRefundsWhatWasChargedWhateverTheEntrySays) {
+  NsHandle a = as("a");
+  NsHandle b = as("b");
+  ASSERT_TRUE(put_id(b, 50));
+  Reservation r;
+  pool_->reserve(a, key_of(7), 0, &r);
+  ASSERT_EQ(r.state, Reservation::reserved);
+  EXPECT_EQ(row(a.tenant_row).usage_bytes, kBlock);
+  {
+    RawMap raw(path_);
+    raw.entry(r.slot)->tenant_row = b.tenant_row;  // forged while the reservation is in flight
+  }
+  pool_->abort(a, &r);
+  EXPECT_EQ(row(a.tenant_row).usage_bytes, 0u);
+  EXPECT_EQ(row(b.tenant_row).usage_bytes, kBlock);
+  expect_recount_ok();
+}
+
 TEST_F(QuotaTest, ForgedCountersAreClampedBoundedAndRepaired) {
   NsHandle a = as("a");
   pool_->set_quota(0, "a", 4 * kBlock, 0);

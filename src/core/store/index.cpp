@@ -268,12 +268,13 @@ PutResult Index::claim_entry(const NsHandle& ns, const Key& key, uint16_t depth,
 // A block for the WRITING entry `slot` (allocated, else evicted, else after reaping the dead),
 // recorded in the entry at once so that a reclaimer finds it. None: the entry is tombstoned.
 bool Index::claim_block(const NsHandle& ns, uint64_t slot, uint32_t gen, uint32_t tag, uint64_t* chunk,
-                        uint32_t* block) {
+                        uint32_t* block, QuotaCharge* charged) {
   IndexEntry* e = entry(slot);
   bool got = false;
+  QuotaCharge charge;
   // quota_admit (index_evict.cpp): charged to the entry's quota rows; over quota with nothing of its own to
   // evict: none
-  if (!quota_admit(ns, slot, chunk, block, &got)) {
+  if (!quota_admit(ns, slot, chunk, block, &got, &charge)) {
     coh_.publish(&e->state, make_entry_word(kTombstone, 0, gen, tag));
     return false;
   }
@@ -286,11 +287,12 @@ bool Index::claim_block(const NsHandle& ns, uint64_t slot, uint32_t gen, uint32_
             evict_from_queue(ns, chunk, block, slot);
   }
   if (!got) {
-    quotas_.refund(node_id_, *e, ns.block_bytes);  // quotas.cpp
+    quotas_.refund(node_id_, charge, ns.block_bytes);  // quotas.cpp
     coh_.publish(&e->state, make_entry_word(kTombstone, 0, gen, tag));
     count(kPutsFailed);
     return false;
   }
+  if (charged) *charged = charge;
   coh_.check_fence();
   e->chunk = uint32_t(*chunk);  // written early so a reclaimer can find the block
   e->block = uint16_t(*block);

@@ -118,8 +118,9 @@ class Index {
   // naming the key, or why not (present, in flight elsewhere, no slot).
   PutResult claim_entry(const NsHandle& ns, const Key& key, uint16_t depth, Claimed* out);
   // A block for the WRITING entry `slot`, recorded in the entry. None: the entry is tombstoned.
+  // *charged (if given): the quota rows the block was charged to, for a refund by the caller.
   bool claim_block(const NsHandle& ns, uint64_t slot, uint32_t gen, uint32_t tag, uint64_t* chunk,
-                   uint32_t* block);
+                   uint32_t* block, QuotaCharge* charged = nullptr);
   // Frees the block of an entry this node holds in EVICTING (or WRITING) and tombstones the slot.
   void finish_evict(uint64_t slot, uint64_t evicting_word);
   void condemn(uint64_t slot, uint64_t ready_word);
@@ -148,7 +149,8 @@ class Index {
                     uint64_t new_owner_slot);
   // A put about to take a block (claim_block): charged to its entry's quota rows, evicting the
   // subject's own blocks while over (index_evict.cpp). False: over quota, nothing of its own to evict.
-  bool quota_admit(const NsHandle& ns, uint64_t slot, uint64_t* chunk, uint32_t* block, bool* got);
+  bool quota_admit(const NsHandle& ns, uint64_t slot, uint64_t* chunk, uint32_t* block, bool* got,
+                   QuotaCharge* charged);
   bool snapshot(uint64_t slot, uint64_t word, format::IndexEntry* out) const {
     return region_.snapshot(slot, word, out);
   }

@@ -278,11 +278,14 @@ bool Index::remove(const NsHandle& ns, const Key& key) {
 // (*got: the caller allocates nothing), so a subject at its limit never takes a block from the
 // free pool or from anyone else. False: over the limit with nothing of its own left to evict;
 // the charge is returned and puts_over_quota counted.
-bool Index::quota_admit(const NsHandle& ns, uint64_t slot, uint64_t* chunk, uint32_t* block, bool* got) {
+bool Index::quota_admit(const NsHandle& ns, uint64_t slot, uint64_t* chunk, uint32_t* block, bool* got,
+                        QuotaCharge* charged) {
   *got = false;
-  IndexEntry* e = entry(slot);  // ours (WRITING): the rows we wrote with the key
-  const uint8_t rows[2] = {e->tenant_row, e->ns_row};
+  *charged = QuotaCharge{};
+  const IndexEntry* e = entry(slot);                   // ours (WRITING): the rows we wrote with the key
+  const uint8_t rows[2] = {e->tenant_row, e->ns_row};  // read once: what is charged and refunded
   if (!rows[0] && !rows[1]) return true;
+  *charged = QuotaCharge{rows[0], rows[1]};
   for (uint8_t r : rows) quotas_.book(node_id_, r, ns.block_bytes, true);
   constexpr int kMaxOwnEvictions = 64;  // bounds a put whatever the counters say
   for (uint8_t r : rows) {
@@ -310,7 +313,8 @@ bool Index::quota_admit(const NsHandle& ns, uint64_t slot, uint64_t* chunk, uint
           if (block_state(dw) == kBlockUsed && block_slot(dw) == slot) allocator_.free_block(*chunk, *block);
           *got = false;
         }
-        quotas_.refund(node_id_, *e, ns.block_bytes);
+        quotas_.refund(node_id_, *charged, ns.block_bytes);
+        *charged = QuotaCharge{};
         count(kPutsOverQuota);
         return false;
       }

@@ -99,15 +99,16 @@ void Quotas::book(uint32_t node_id, uint8_t row, uint64_t bytes, bool charge) co
 void Quotas::release(uint32_t node_id, const IndexEntry& e) {
   if (!e.tenant_row && !e.ns_row) return;
   const uint64_t bytes = block_bytes_of(e.ns_id);
-  // Only rows in use: a forged entry naming a free row must not book bytes a later subject of
-  // that row would start with (its usage would read low, its quota lenient).
+  // Only rows in use (readable or not: a row whose checksum a stray write broke is still its
+  // subject's, and its charges were booked): a forged entry naming a free row must not book bytes
+  // a later subject of that row would start with (its usage would read low, its quota lenient).
   if (e.tenant_row && in_use(e.tenant_row)) book(node_id, e.tenant_row, bytes, false);
   if (e.ns_row && in_use(e.ns_row)) book(node_id, e.ns_row, bytes, false);
 }
 
-void Quotas::refund(uint32_t node_id, const IndexEntry& e, uint64_t block_bytes) const {
-  book(node_id, e.tenant_row, block_bytes, false);
-  book(node_id, e.ns_row, block_bytes, false);
+void Quotas::refund(uint32_t node_id, QuotaCharge charged, uint64_t block_bytes) const {
+  book(node_id, charged.tenant_row, block_bytes, false);
+  book(node_id, charged.ns_row, block_bytes, false);
 }
 
 uint64_t Quotas::arena_bytes() const {
@@ -186,9 +187,9 @@ Quotas::Quotas(const Region& region)
 
 template <class F>
 auto Quotas::read_view(F&& f) const {
-  // Lock-free while refreshes are rare. Refreshes can be driven back to back by pool content
-  // (a forced refresh per release that names an unreadable row), so a reader preempted on every
-  // try could retry without bound: after kLockFreeTries it reads under refresh_mu_, where no
+  // Lock-free while refreshes are rare. Pool content can drive refreshes (in_use forces one when
+  // a release names a free row, at most one per kForcedRefreshUs), and a reader preempted on every
+  // try could still retry for long: after kLockFreeTries it reads under refresh_mu_, where no
   // refresher writes, which bounds its wait by one refresh.
   constexpr int kLockFreeTries = 8;
   for (int i = 0; i < kLockFreeTries; ++i) {
@@ -220,9 +221,13 @@ void Quotas::refresh_locked(bool force) {
   const uint64_t t = refreshed_us_.load(std::memory_order_relaxed);
   if (!force && t && now - t <= kRefreshUs) return;  // refreshed while we waited for the lock
   cache_.clear();
+  std::vector<uint32_t> unreadable;  // used, but torn or forged: still someone's (release books them)
   for (uint32_t r = 1; r <= kQuotaRows; ++r) {
     QuotaInfo q;
-    if (read_row(r, &q)) cache_.push_back(q);
+    if (read_row(r, &q))
+      cache_.push_back(q);
+    else if (q.used)
+      unreadable.push_back(r);
   }
   const uint32_t next = current_.load(std::memory_order_relaxed) ^ 1;
   Snapshot& v = views_[next];
@@ -239,6 +244,7 @@ void Quotas::refresh_locked(bool force) {
     v.limit[q.row].store(q.limit_bytes, std::memory_order_relaxed);
     hi = std::max(hi, q.row);
   }
+  for (uint32_t r : unreadable) v.subject[r].store(kUsedUnreadable, std::memory_order_relaxed);
   v.rows_hi.store(hi, std::memory_order_relaxed);
   v.seq.store(seq + 2, std::memory_order_release);
   current_.store(next, std::memory_order_release);
@@ -275,16 +281,24 @@ uint64_t Quotas::limit(uint32_t row) {
 
 bool Quotas::in_use(uint32_t row) {
   if (row == 0 || row > kQuotaRows) return false;
-  auto readable = [&] {
+  auto used = [&] {
     return read_view([&](const Snapshot& v) { return v.subject[row].load(std::memory_order_relaxed) != 0; });
   };
   keep_fresh();
-  if (readable()) return true;
-  {  // a row created since the last refresh: read once more
+  if (used()) return true;
+  // Maybe a row created since the last refresh: read once more. Entries naming a free row are
+  // pool content (a forged entry), so these re-reads are at most one per kForcedRefreshUs: a
+  // release that names a row created within that time is not booked (its usage reads high until
+  // `pool check --repair` recounts it), never a re-read of the whole table per release.
+  const uint64_t now = std::max<uint64_t>(now_mono_us(), 1);
+  uint64_t last = forced_us_.load(std::memory_order_relaxed);
+  if (last && now - last <= kForcedRefreshUs) return false;
+  if (!forced_us_.compare_exchange_strong(last, now, std::memory_order_relaxed)) return used();
+  {
     std::lock_guard<std::mutex> g(refresh_mu_);
     refresh_locked(true);
   }
-  return readable();
+  return used();
 }
 
 int64_t Quotas::raw_usage(uint32_t row, uint32_t max_nodes) const {

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "region.h"
+#include "store_types.h"
 
 namespace cxlkv {
 
@@ -57,7 +58,9 @@ class Quotas {
   void invalidate_cache();
   uint8_t ns_row(uint32_t ns_id);  // the namespace's row (1-based) or 0; lock-free
   uint64_t limit(uint32_t row);    // cached limit of a row, 0 = none; lock-free
-  bool in_use(uint32_t row);       // a readable row (cached; a miss re-reads the table once)
+  // A row in use, readable or not (cached; a miss re-reads the table, at most once per
+  // kForcedRefreshUs in this process).
+  bool in_use(uint32_t row);
   // usage(r) = sum over node slots of charged - released, as a signed total (check compares it
   // raw); usage() clamps it to [0, pool bytes].
   int64_t raw_usage(uint32_t row, uint32_t max_nodes) const;
@@ -86,14 +89,16 @@ class Quotas {
   // (every free path): node `node_id` books its bytes released for each row of e in use.
   void release(uint32_t node_id, const format::IndexEntry& e);
   // A put charged e's rows `block_bytes` but took no block: node `node_id` gives the charge back.
-  void refund(uint32_t node_id, const format::IndexEntry& e, uint64_t block_bytes) const;
+  void refund(uint32_t node_id, QuotaCharge charged, uint64_t block_bytes) const;
 
  private:
   static constexpr uint64_t kRefreshUs = 100'000;
+  static constexpr uint64_t kForcedRefreshUs = 1'000;  // in_use's re-reads on a miss: pool-driven
   // One published view of the readable rows, indexed by row (1-based). A seqlock per slot: the
   // refresher (one at a time, under refresh_mu_) rewrites only the slot readers were not sent to
   // (current_ names the other), so a reader retries only if two refreshes pass while it reads.
-  // subject[r]: 0 = row r is free or unreadable; else kReadable | kind << 32 | ns_id.
+  // subject[r]: 0 = row r is free; kUsedUnreadable = used, but torn or forged (no kind, no limit);
+  // else kReadable | kind << 32 | ns_id.
   // limit[r]: its limit in bytes, 0 = none. rows_hi: no readable row above it (puts scan 1..rows_hi).
   struct Snapshot {
     std::atomic<uint64_t> seq{0};  // odd while being rewritten
@@ -102,6 +107,7 @@ class Quotas {
     std::atomic<uint64_t> limit[format::kQuotaRows + 1] = {};
   };
   static constexpr uint64_t kReadable = 1ull << 63;
+  static constexpr uint64_t kUsedUnreadable = 1ull << 62;  // never equal to a subject_word
   static uint64_t subject_word(uint32_t kind, uint32_t ns_id) {
     return kReadable | uint64_t(kind) << 32 | ns_id;
   }
@@ -118,6 +124,7 @@ class Quotas {
   Snapshot views_[2];
   std::atomic<uint32_t> current_{0};       // the slot readers read
   std::atomic<uint64_t> refreshed_us_{0};  // when current_'s rows were read; 0 = re-read before use
+  std::atomic<uint64_t> forced_us_{0};     // in_use's last forced re-read (rate limit)
   mutable std::mutex refresh_mu_;          // one refresher at a time; a reader only after 8 torn tries
   std::vector<QuotaInfo> cache_;           // under refresh_mu_: the same rows, with tenant names
   // By namespace id (1..kMaxNamespaces); 0 = not known yet. Written once per id with the value

@@ -62,6 +62,14 @@ struct IndexRecord {
   uint8_t key[32];
 };
 
+// The quota rows one block was charged to when a put took it (Index::quota_admit), kept by the
+// writer: a put that gives the block back refunds exactly this, whatever the pool's copy of its
+// entry says by then (the pool is untrusted).
+struct QuotaCharge {
+  uint8_t tenant_row = 0;
+  uint8_t ns_row = 0;
+};
+
 struct PinRef {
   uint64_t slot;
   uint32_t gen;

@@ -51,7 +51,7 @@ void Pool::reserve(const NsHandle& ns, const Key& key, uint16_t depth, Reservati
   uint64_t chunk = 0;
   uint32_t block = 0;
   try {
-    if (!index_.claim_block(ns, c.slot, c.gen, c.tag, &chunk, &block)) {
+    if (!index_.claim_block(ns, c.slot, c.gen, c.tag, &chunk, &block, &r->charged)) {
       r->state = Reservation::failed;
       return;
     }
@@ -85,7 +85,7 @@ void Pool::abort(const NsHandle& ns, Reservation* r) {
     uint64_t dw = coh_.read(block_desc(r->chunk, r->block));
     if (block_state(dw) == kBlockUsed && block_slot(dw) == r->slot) {
       allocator_.free_block(r->chunk, r->block);
-      quotas_.refund(node_id_, *entry(r->slot), ns.block_bytes);  // still our WRITING entry (checked above)
+      quotas_.refund(node_id_, r->charged, ns.block_bytes);  // what claim_block charged
     }
   }
   coh_.claim(&e->state, writing, make_entry_word(kTombstone, 0, r->gen, r->tag));

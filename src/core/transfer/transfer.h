@@ -12,6 +12,8 @@
 #include <array>
 #include <cstdint>
 
+#include "store_types.h"
+
 namespace cxlkv {
 
 // One block reserved for a key: an entry in WRITING owned by this node, naming the key, with the
@@ -31,6 +33,7 @@ struct Reservation {
   uint32_t block = 0;
   uint64_t offset = 0;  // payload's offset in the pool (reserved with a block only)
   bool with_block = true;
+  QuotaCharge charged;  // what the block was charged to: an abort refunds exactly this
 };
 
 // One pinned, verified block of a load.
