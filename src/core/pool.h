@@ -368,15 +368,6 @@ class Pool : private Allocator::Peers, private Index::Peers {
   uint64_t chunk_stride() const { return region_.chunk_stride(); }
   format::SharedWords* shared() const { return region_.shared(); }
 
-  // The index's release of entries nobody will finish (Index), under the names nodes.cpp and
-  // check.cpp use: why (or ""), the release, and an unpinned CONDEMNED entry's.
-  std::string abandoned_by(uint64_t slot, uint64_t word, bool by_epoch) {
-    return index_.abandoned_by(slot, word, by_epoch);
-  }
-  bool release_abandoned(uint64_t slot, uint64_t word, uint8_t as = 0) {
-    return index_.release_abandoned(slot, word, as);
-  }
-  bool reclaim_condemned(uint64_t slot, uint8_t as = 0) { return index_.reclaim_condemned(slot, as); }
   bool owner_closed(uint8_t node) override;  // of a FREE node slot (pool.cpp; Index::Peers)
   // check.cpp: the sections of check(), in order; each adds to r and, with r.repair, repairs.
   bool node_attached(uint8_t node);  // CLAIMED or ALIVE (not judged: a dead one is reaped first)
@@ -394,6 +385,9 @@ class Pool : private Allocator::Peers, private Index::Peers {
   std::vector<NsHandle> namespace_handles() override;
   bool evict_owner(uint64_t chunk, uint32_t block, uint64_t desc, uint64_t fenced) override {
     return index_.evict_owner(chunk, block, desc, fenced);
+  }
+  bool entry_points_back(uint64_t slot, uint64_t chunk, uint32_t block) override {
+    return index_.entry_points_back(slot, chunk, block);
   }
   void count(format::Counter c, uint64_t v = 1);
   // The node table's reads (node_table.h): attached now in the incarnation whose epoch ends in

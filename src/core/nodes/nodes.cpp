@@ -225,55 +225,12 @@ void Pool::reclaim_node(uint32_t idx, uint64_t reclaiming_word) {
   for (uint64_t p = 0; p < hw; ++p) coh_.publish(&pins(idx)[p], 0);
   coh_.publish(&fx->pin_hw, 0);
   coh_.publish(&fx->intents, 0);  // its intents are WRITING entries: tombstoned by step 2
-  // 2. Index entries it was writing or evicting: tombstoned, their block freed (index.cpp). The
-  //    same scan releases what no reclaim of a node would visit: entries whose node slot is FREE
-  //    (abandoned_by), and CONDEMNED entries that no pin holds any more (its pins were maybe the last).
-  for (uint64_t slot = 0; slot <= slot_mask_; ++slot) {
-    uint64_t w = coh_.read(&entry(slot)->state);
-    uint8_t st = entry_state(w);
-    // Released under the dead node's id: dying here leaves them to its next reclaim (index_evict.cpp).
-    if (st == kCondemned) reclaim_condemned(slot, dead);
-    if (st != kWriting && st != kEvicting) continue;
-    if (entry_node(w) == dead || !abandoned_by(slot, w, false).empty()) release_abandoned(slot, w, dead);
-  }
-  // 3. Chunks it was carving or draining; block descs it claimed that no entry points back to.
-  for (uint64_t c = 0; c < hdr_->chunk_count; ++c) {
-    uint64_t* cw = chunk_word(c);
-    uint64_t w = coh_.read(cw);
-    if (chunk_state(w) == kChunkCarving && chunk_node(w) == dead) {
-      coh_.claim(cw, w, 0);
-      continue;
-    }
-    if (chunk_state(w) == kChunkDraining && chunk_node(w) == dead) {
-      // Undo a half-done drain: unfence, and the chunk goes back to its namespace.
-      for (uint32_t b = 0; b < desc_bytes_ / 8; ++b) {
-        uint64_t* d = block_desc(c, b);
-        uint64_t dw = coh_.read(d);
-        if (block_state(dw) == kBlockFenced && block_node(dw) == dead) coh_.claim(d, dw, 0);
-      }
-      uint64_t back = make_chunk_word(kChunkActive, 0, chunk_ns(w));
-      if (!coh_.claim(cw, w, back)) continue;
-      w = back;
-    }
-    if (chunk_state(w) != kChunkActive) continue;
-    uint32_t nblocks = uint32_t(desc_bytes_ / 8);
-    for (uint32_t b = 0; b < nblocks; ++b) {
-      uint64_t* d = block_desc(c, b);
-      uint64_t dw = coh_.read(d);
-      if (block_state(dw) != kBlockUsed || block_node(dw) != dead) continue;
-      uint64_t slot = block_slot(dw);
-      if (slot <= slot_mask_) {
-        IndexEntry* e = entry(slot);
-        uint64_t ew = coh_.read(&e->state);
-        uint8_t st = entry_state(ew);
-        coh_.invalidate(e, sizeof *e);
-        if ((st == kReady || st == kWriting || st == kEvicting || st == kCondemned) && e->chunk == c &&
-            e->block == b)
-          continue;
-      }
-      coh_.claim(d, dw, 0);
-    }
-  }
+  // 2. Index entries it was writing or evicting, and what no reclaim of a node would visit
+  //    (Index::release_of_node, index_evict.cpp).
+  index_.release_of_node(dead);
+  // 3. Chunks it was carving or draining; block descs it claimed that no entry points back to
+  //    (Allocator::release_of_node, allocator.cpp).
+  allocator_.release_of_node(dead);
   // 4. Namespace-table lock and half-created namespaces.
   uint64_t lw = coh_.read(&shared()->ns_lock.word);
   if (lw == dead) coh_.claim(&shared()->ns_lock.word, lw, 0);

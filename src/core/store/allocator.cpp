@@ -198,6 +198,38 @@ void Allocator::free_block(uint64_t chunk, uint32_t block) const {
   region_.coh().publish_shared(region_.block_desc(chunk, block), 0);
 }
 
+void Allocator::release_of_node(uint8_t dead) {
+  const Coherence& coh = region_.coh();
+  const uint32_t nblocks = uint32_t(region_.desc_bytes() / 8);
+  for (uint64_t c = 0; c < hdr().chunk_count; ++c) {
+    uint64_t* cw = region_.chunk_word(c);
+    uint64_t w = coh.read(cw);
+    if (chunk_state(w) == kChunkCarving && chunk_node(w) == dead) {
+      coh.claim(cw, w, 0);
+      continue;
+    }
+    if (chunk_state(w) == kChunkDraining && chunk_node(w) == dead) {
+      // Undo a half-done drain: unfence, and the chunk goes back to its namespace.
+      for (uint32_t b = 0; b < nblocks; ++b) {
+        uint64_t* d = region_.block_desc(c, b);
+        uint64_t dw = coh.read(d);
+        if (block_state(dw) == kBlockFenced && block_node(dw) == dead) coh.claim(d, dw, 0);
+      }
+      uint64_t back = make_chunk_word(kChunkActive, 0, chunk_ns(w));
+      if (!coh.claim(cw, w, back)) continue;
+      w = back;
+    }
+    if (chunk_state(w) != kChunkActive) continue;
+    for (uint32_t b = 0; b < nblocks; ++b) {
+      uint64_t* d = region_.block_desc(c, b);
+      uint64_t dw = coh.read(d);
+      if (block_state(dw) != kBlockUsed || block_node(dw) != dead) continue;
+      if (peers_.entry_points_back(block_slot(dw), c, b)) continue;
+      coh.claim(d, dw, 0);
+    }
+  }
+}
+
 Occupancy Allocator::occupancy() {
   const Coherence& coh = region_.coh();
   Occupancy o{};

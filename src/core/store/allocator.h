@@ -14,7 +14,8 @@
 // Entry points: alloc_block (the index's claim_block asks for a block) and free_block (the index
 // gives one back). The allocator never evicts on its own: when it finds nothing the caller evicts
 // (Index::evict_from_queue); only stealing a chunk from another namespace asks the index, through
-// Peers::evict_owner, to give up the blocks of the chunk it drains.
+// Peers::evict_owner, to give up the blocks of the chunk it drains; and a reclaim asks it whether
+// an entry still names a dead node's block (Peers::entry_points_back).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -50,6 +51,8 @@ class Allocator {
     // `desc`, is taken from the entry that owns it (READY, unpinned, pointing back here): the entry
     // is evicted and the descriptor set to `fenced`. False: it cannot be taken now.
     virtual bool evict_owner(uint64_t chunk, uint32_t block, uint64_t desc, uint64_t fenced) = 0;
+    // Whether an index entry at `slot` names block (chunk, block) (Index::entry_points_back).
+    virtual bool entry_points_back(uint64_t slot, uint64_t chunk, uint32_t block) = 0;
 
    protected:
     ~Peers() = default;
@@ -64,6 +67,10 @@ class Allocator {
   // Gives a block back (its descriptor to 0).
   void free_block(uint64_t chunk, uint32_t block) const;
   Occupancy occupancy();
+  // Step 3 of the reclaim of node `dead` (nodes.cpp holds its slot RECLAIMING): a chunk it was
+  // carving goes back to FREE, one it was draining is unfenced and goes back to its namespace,
+  // and a block it claimed that no index entry points back to is freed.
+  void release_of_node(uint8_t dead);
 
   // --- placement (placement.cpp) -----------------------------------------------------------
   const StripeGeometry& stripes() const { return stripes_; }

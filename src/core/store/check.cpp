@@ -137,7 +137,7 @@ void Pool::check_index(CheckReport& r) {
     }
     if (st == kCondemned) {
       // Any attached node may free it once nothing pins it; an observer only with repair.
-      if ((node_id_ || r.repair) && reclaim_condemned(slot) && r.repair)
+      if ((node_id_ || r.repair) && index_.reclaim_condemned(slot) && r.repair)
         r.fixed("index slot " + std::to_string(slot) +
                 ": freed the block of an entry condemned by a checksum failure (no pin left)");
       continue;  // still pinned (or not repaired): counted with the blocks below
@@ -147,7 +147,7 @@ void Pool::check_index(CheckReport& r) {
       continue;
     }
     if (st == kWriting || st == kEvicting) {
-      if (!node_attached(entry_node(w)) || !abandoned_by(slot, w, true).empty()) {
+      if (!node_attached(entry_node(w)) || !index_.abandoned_by(slot, w, true).empty()) {
         Suspect s{slot, w, 0, 0};
         ref_of(slot, &s.chunk, &s.block);
         suspects.push_back(s);
@@ -206,7 +206,7 @@ void Pool::check_index(CheckReport& r) {
     uint64_t chunk, block;
     ref_of(s.slot, &chunk, &block);
     if (w != s.word || chunk != s.chunk || block != s.block) continue;  // it moved: not stuck
-    const std::string why = abandoned_by(s.slot, w, true);
+    const std::string why = index_.abandoned_by(s.slot, w, true);
     const uint8_t node = entry_node(w);
     std::string wait;  // why it is not released (yet), when no evidence says it is abandoned
     if (why.empty() && node_state(coh_.read(&node_slot(node - 1)->state)) == kNodeFree)
@@ -217,7 +217,7 @@ void Pool::check_index(CheckReport& r) {
     const std::string at = "index slot " + std::to_string(s.slot) + " stuck in " +
                            entry_state_name(entry_state(w)) + " (" + (why.empty() ? wait : why) + ")";
     if (r.repair && !why.empty()) {
-      if (release_abandoned(s.slot, w)) r.fixed(at + ": tombstoned, its block freed");
+      if (index_.release_abandoned(s.slot, w)) r.fixed(at + ": tombstoned, its block freed");
       continue;  // or someone else released it first
     }
     if (!why.empty() || !node_attached(entry_node(w))) {

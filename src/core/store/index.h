@@ -130,6 +130,10 @@ class Index {
   // Entries nobody will finish (index_evict.cpp): why (or ""), and their release.
   std::string abandoned_by(uint64_t slot, uint64_t word, bool by_epoch);
   bool release_abandoned(uint64_t slot, uint64_t word, uint8_t as = 0);
+  // The reclaim of node `dead` (nodes.cpp), the index's part: its entries and the abandoned ones.
+  void release_of_node(uint8_t dead);
+  // An entry at `slot` names block (chunk, block) (Allocator::Peers::entry_points_back).
+  bool entry_points_back(uint64_t slot, uint64_t chunk, uint32_t block);
   // The index's half of draining a chunk (Allocator::Peers::evict_owner, which Pool forwards here).
   bool evict_owner(uint64_t chunk, uint32_t block, uint64_t desc, uint64_t fenced);
 

@@ -222,6 +222,31 @@ bool Index::tombstone_then_free(uint64_t slot, uint64_t w) {
   return true;
 }
 
+// Step 2 of the reclaim of node `dead` (nodes.cpp holds its slot RECLAIMING): entries it held in
+// WRITING or EVICTING are released, under its id (release_abandoned says why). The same scan
+// releases what no reclaim of a node would visit: entries whose node slot is FREE (abandoned_by),
+// and CONDEMNED entries that no pin holds any more (the dead node's pins were maybe the last).
+void Index::release_of_node(uint8_t dead) {
+  for (uint64_t slot = 0; slot <= slot_mask(); ++slot) {
+    const uint64_t w = coh_.read(&entry(slot)->state);
+    const uint8_t st = entry_state(w);
+    if (st == kCondemned) reclaim_condemned(slot, dead);
+    if (st != kWriting && st != kEvicting) continue;
+    if (entry_node(w) == dead || !abandoned_by(slot, w, false).empty()) release_abandoned(slot, w, dead);
+  }
+}
+
+// Whether index slot `slot` holds an entry (READY, in flight or CONDEMNED) whose block is
+// (chunk, block): the allocator frees a dead node's block only when none does.
+bool Index::entry_points_back(uint64_t slot, uint64_t chunk, uint32_t block) {
+  if (slot > slot_mask()) return false;
+  IndexEntry* e = entry(slot);
+  const uint8_t st = entry_state(coh_.read(&e->state));
+  coh_.invalidate(e, sizeof *e);
+  return (st == kReady || st == kWriting || st == kEvicting || st == kCondemned) && e->chunk == chunk &&
+         e->block == block;
+}
+
 // Why the node holding index slot `slot` in WRITING/EVICTING (word w) can never finish it, or ""
 // if it still may (format.h L4: such entries exist only while their node's slot is CLAIMED,
 // ALIVE or RECLAIMING). Evidence, never a guess:
