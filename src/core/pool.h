@@ -31,7 +31,6 @@
 #include "lock_check.h"
 #include "mapping.h"
 #include "node_table.h"
-#include "pin_slots.h"
 #include "quotas.h"
 #include "region.h"
 #include "rpc_admin.h"
@@ -462,13 +461,12 @@ class Pool : private Allocator::Peers, private Index::Peers {
   static constexpr uint32_t kParticipants = 4096;  // tier-1 participant bytes per host id
   std::atomic<uint64_t> reaped_unreported_{0};     // reclaims since open or the last check (F20)
 
-  PinSlots pin_slots_;  // this process's pins (pin_slots.h): Index allocates, detach clears them
   Allocator allocator_{region_, *this};  // blocks, chunks, placement; its cursors (allocator.h)
   // quotas: the table's reader (quotas.h); tenants and limits are set under the namespace-table
   // lock (namespaces.cpp), and a put's charge and a block's release are Index's
   Quotas quotas_{region_};
   // The prefix index (index.h): lookup, insert, pins, eviction; its victim queues and lease pins.
-  Index index_{region_, allocator_, quotas_, pin_slots_, node_id_, node_word_, *this};
+  Index index_{region_, allocator_, quotas_, node_id_, node_word_, *this};
   void with_quota_lock(const std::function<void()>& fn);
   // namespaces.cpp: fn under the namespace-table lock, bounded (LockTimeoutError ends with nothing_done)
   void with_ns_table_lock(const char* nothing_done, const std::function<void()>& fn);

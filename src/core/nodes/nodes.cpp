@@ -121,7 +121,7 @@ void Pool::detach_node() {
     // below; other hosts after a lease of silence, since the heartbeat has stopped).
     try {
       // Pins of a clean close are already released by their leases; clear any left behind.
-      uint64_t hw = std::min<uint64_t>(pin_slots_.high_water(), hdr_->pin_slots);
+      uint64_t hw = std::min<uint64_t>(index_.pin_high_water(), hdr_->pin_slots);
       for (uint64_t p = 0; p < hw; ++p) coh_.publish(&pins(i)[p], 0);
       coh_.publish(&node_fixed(i)->pin_hw, 0);
       uint64_t w = node_word_;

@@ -71,17 +71,18 @@ class Index {
 
   // node_id, node_word: who this attachment is (1-based node id, 0 = not attached; its node slot
   // word), owned and changed by the node side (attach, detach); read here, never written.
-  // pin_slots: this process's allocator over its node's pin array (detach clears up to its mark).
-  Index(Region& region, Allocator& allocator, Quotas& quotas, PinSlots& pin_slots, const uint32_t& node_id,
+  Index(Region& region, Allocator& allocator, Quotas& quotas, const uint32_t& node_id,
         const uint64_t& node_word, Peers& peers)
       : region_(region),
         coh_(region.coh()),
         allocator_(allocator),
         quotas_(quotas),
-        pin_slots_(pin_slots),
         node_id_(node_id),
         node_word_(node_word),
         peers_(peers) {}
+
+  // How far this process's pins reach in its node's pin array: detach clears them up to here.
+  uint64_t pin_high_water() const { return pin_slots_.high_water(); }
 
   // --- block operations (index.cpp) --------------------------------------------------------
   // put: true if the key is readable afterwards (stored now or already there); false if it is
@@ -180,7 +181,7 @@ class Index {
   Coherence& coh_;  // region_'s (one owner: the region; reassigned there for the multihost arbiter)
   Allocator& allocator_;
   Quotas& quotas_;
-  PinSlots& pin_slots_;
+  PinSlots pin_slots_;  // this process's pin indexes over its node's pin array (pin_slots.h)
   const uint32_t& node_id_;
   const uint64_t& node_word_;
   Peers& peers_;
