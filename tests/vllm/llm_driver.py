@@ -4,7 +4,7 @@ prints one `RESULT <json>` line per round. Driven by tests/vllm/test_connector.p
     python llm_driver.py '<json spec>'
 
 spec: model ("tiny" | "tiny-swa" (sliding window on every other layer) | "tiny-nemotron-h" (an
-SSM hybrid) | "tiny-qwen3-next" | "tiny-qwen3-next-tp" | "tiny-nemotron-h-tp" | "tiny-jamba" | "tiny-granite4" (more SSM hybrids) | "smollm2" | a model directory), load_format (vLLM's), served_model_name (optional), pool (path),
+SSM hybrid) | "tiny-qwen3-next" | "tiny-qwen3-next-tp" | "tiny-nemotron-h-tp" | "tiny-jamba" | "tiny-granite4" | "tiny-granite4-tp" (more SSM hybrids) | "smollm2" | a model directory), load_format (vLLM's), served_model_name (optional), pool (path),
 connector (bool), role ("kv_both" ...), on_pool_error ("fail": an unusable pool stops the engine
 instead of serving without the cache), max_num_batched_tokens (optional), prefix_caching (bool,
 default true), ids (bool: report prompt token ids), stats (bool: report preemptions and the
@@ -129,6 +129,7 @@ def main() -> None:
         "tiny-nemotron-h-tp": models.tiny_nemotron_h_tp,  # two Mamba-2 groups: TP=1 and TP=2
         "tiny-jamba": models.tiny_jamba,
         "tiny-granite4": models.tiny_granite4,
+        "tiny-granite4-tp": models.tiny_granite4_tp,  # two Mamba-2 groups: TP=1 and TP=2
     }
     if name in more_hybrids:
         model = more_hybrids[name]()

@@ -91,12 +91,13 @@ def test_tp1_and_tp2_share_prefixes_both_ways(pool_path, tmp_path):
 # (each rank loads its key head's state entry and its KV head) and stores R; then the TP=1 engine
 # computes R cold under another salt and hits R. A hit must come with the state: the tiny model's
 # slowly decaying state (A_log -6) moves the greedy tokens when it is wrong or missing.
-# CXLKV_TEST_TP_STATE_MODEL=tiny-nemotron-h-tp runs the same with a Mamba-2 hybrid instead (two
+# CXLKV_TEST_TP_STATE_MODEL=tiny-nemotron-h-tp (or tiny-granite4-tp) runs the same with a Mamba-2 hybrid instead (two
 # groups, one state entry per group; vLLM CPU's Mamba-2 prefill needs one-block chunks): not in CI
 # (another two engines), run by hand (README "Hybrid models").
 TP_STATE_MODELS = {  # model -> (vLLM's block size for it, more of the engine's spec)
     "tiny-qwen3-next-tp": (256, {}),
     "tiny-nemotron-h-tp": (128, {"max_num_batched_tokens": 128}),
+    "tiny-granite4-tp": (128, {"max_num_batched_tokens": 128}),
 }
 
 

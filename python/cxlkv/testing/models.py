@@ -443,6 +443,7 @@ TINY_QWEN3_NEXT_NAME = "tiny-qwen3-next-v1"
 TINY_QWEN3_NEXT_TP_NAME = "tiny-qwen3-next-2kh-v1"
 TINY_JAMBA_NAME = "tiny-jamba-v1"
 TINY_GRANITE4_NAME = "tiny-granite4-v1"
+TINY_GRANITE4_TP_NAME = "tiny-granite4-2g-v1"
 TINY_HYBRID_COMMON = dict(
     vocab_size=4096,
     hidden_size=128,
@@ -512,7 +513,7 @@ def _tiny_jamba_build(out: Path) -> dict:
     )
 
 
-def _tiny_granite4_build(out: Path) -> dict:
+def _tiny_granite4_build(out: Path, groups: int = 1) -> dict:
     from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
     config = GraniteMoeHybridConfig(
@@ -522,7 +523,7 @@ def _tiny_granite4_build(out: Path) -> dict:
         mamba_n_heads=4,
         mamba_d_head=64,
         mamba_d_state=16,
-        mamba_n_groups=1,
+        mamba_n_groups=groups,
         mamba_d_conv=4,
         mamba_expand=2,
         num_local_experts=4,  # MoE MLPs with a shared MLP on every layer
@@ -542,7 +543,7 @@ def _tiny_granite4_build(out: Path) -> dict:
         config,
         GraniteMoeHybridForCausalLM,
         TINY_NEMOTRON_H_WEIGHT_SCALE,
-        "cxlkv tiny random Granite 4",
+        "cxlkv tiny random Granite 4" + (f", {groups} groups" if groups > 1 else ""),
         rename,
     )
 
@@ -577,12 +578,23 @@ def tiny_granite4(path: PathLike | None = None) -> str:
     return _build_once(Path(path) if path else model_cache_dir() / TINY_GRANITE4_NAME, _tiny_granite4_build)
 
 
+def tiny_granite4_tp(path: PathLike | None = None) -> str:
+    """The tiny Granite 4 with two groups in its Mamba-2 layer (two heads each): vLLM splits it over
+    two TP ranks group by group, as the two-group Nemotron-H."""
+    return _build_once(
+        Path(path) if path else model_cache_dir() / TINY_GRANITE4_TP_NAME,
+        lambda out: _tiny_granite4_build(out, groups=2),
+    )
+
+
 __all__ += [
     "TINY_GRANITE4_NAME",
+    "TINY_GRANITE4_TP_NAME",
     "TINY_JAMBA_NAME",
     "TINY_QWEN3_NEXT_NAME",
     "TINY_QWEN3_NEXT_TP_NAME",
     "tiny_granite4",
+    "tiny_granite4_tp",
     "tiny_jamba",
     "tiny_qwen3_next",
     "tiny_qwen3_next_tp",
