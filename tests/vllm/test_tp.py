@@ -117,16 +117,20 @@ def test_hybrid_state_shared_between_tp1_and_tp2_both_ways(pool_path, tmp_path):
     a = EngineProc(
         hybrid_spec(pool_path, 1, [one(p), {**one(r, "cold-a"), "wait_for": a_go}, one(r)], model), TP1_ENV
     )
-    b = None
+    b = d = None
     try:
         a.expect("RESULT ")  # P's state and KV are in the pool, written by TP=1
         b = EngineProc(hybrid_spec(pool_path, 2, [one(p, "cold-b"), one(p), one(r)], model), TP2_ENV)
         b_res = b.results(600)
         with open(a_go, "w"):
             pass
+        # P/D across TP sizes: a TP=2 decode instance (kv_consumer: loads, never saves) resumes P
+        # from the state and KV the TP=1 engine prefilled
+        d = EngineProc({**hybrid_spec(pool_path, 2, [one(p)], model), "role": "kv_consumer"}, TP2_ENV)
         a_res = a.results(600)
+        d_res = d.results(600)
     finally:
-        for e in (a, b):
+        for e in (a, b, d):
             if e is not None and e.p.poll() is None:
                 os.killpg(e.p.pid, 9)
                 e.p.wait()
@@ -140,6 +144,11 @@ def test_hybrid_state_shared_between_tp1_and_tp2_both_ways(pool_path, tmp_path):
         assert hit["tokens"] == cold["tokens"]
         for got, ref in zip(hit["logprobs"], cold["logprobs"], strict=True):
             assert abs(got - ref) <= LOGPROB_TOL  # the other TP size's sums differ in low-order bits
+    # P/D: the TP=2 decode instance resumes P from the TP=1 prefill's state and KV, saves nothing
+    decode = d_res[0]["outputs"][0]
+    assert decode["cached"] == (decode["len"] - 1) // block * block >= 2 * block, decode
+    assert decode["tokens"] == cold_b["tokens"]
+    assert not d_res[0]["cxlkv"].get("vllm:cxlkv_group_blocks{group=0,outcome=stored}"), d_res[0]["cxlkv"]
     assert store_r["cached"] == 0  # R was new to the pool when TP=2 computed and stored it
     stored = [x["cxlkv"].get("vllm:cxlkv_group_blocks{group=0,outcome=stored}", 0) for x in b_res]
     assert stored[2] > stored[1], stored  # R's state, one entry per key head (the counters add up)
