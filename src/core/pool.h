@@ -30,6 +30,7 @@
 #include "liveness.h"
 #include "lock_check.h"
 #include "mapping.h"
+#include "namespaces.h"
 #include "node_table.h"
 #include "quotas.h"
 #include "region.h"
@@ -111,7 +112,7 @@ struct CheckReport {
   }
 };
 
-class Pool : private Allocator::Peers, private Index::Peers {
+class Pool : private Allocator::Peers, private Index::Peers, private Namespaces::Peers {
  public:
   static std::unique_ptr<Pool> create(const std::string& path, const CreateOptions& opt, bool exist_ok);
   // attach=false: an observer (check, info, stats, reap) that takes no node slot, so it works on a
@@ -167,8 +168,8 @@ class Pool : private Allocator::Peers, private Index::Peers {
   void check_truncated() const;
   Backend backend() const { return coh_.backend(); }
 
-  // --- namespaces (namespaces.cpp) ----------------------------------------------------------
-  NsHandle open_namespace(const Layout& layout);
+  // --- namespaces (Namespaces, store/namespaces.h) -------------------------------------------
+  NsHandle open_namespace(const Layout& layout) { return namespaces_.open(layout); }
   // --- device interleaving (placement.cpp, striped_pool.cpp) --------------------------------
   const StripeGeometry& stripes() const { return allocator_.stripes(); }
   // The mapped devices of a striped pool (device 0 first); empty for a single-device pool.
@@ -191,15 +192,17 @@ class Pool : private Allocator::Peers, private Index::Peers {
     ensure_usable();
     return allocator_.namespace_usage();
   }
-  std::vector<std::pair<NsHandle, Layout>> list_namespaces();
+  std::vector<std::pair<NsHandle, Layout>> list_namespaces() { return namespaces_.list(); }
 
-  // --- quotas (store/namespaces.cpp, format/quota.h) ------------------------------------------
+  // --- quotas (Namespaces: set under the namespace-table lock; Quotas: the rows, format/quota.h)
   // The row of tenant `tenant`, created (under the namespace-table lock) on first use; 1-based.
-  uint8_t tenant_row(const std::string& tenant);
+  uint8_t tenant_row(const std::string& tenant) { return namespaces_.tenant_row(tenant); }
   // Sets the limit of a namespace (ns_id, tenant "") or a tenant (ns_id 0): max_bytes and/or
   // max_ppm of the arena, 0 = none (both 0 clears it). Returns the row.
-  uint32_t set_quota(uint32_t ns_id, const std::string& tenant, uint64_t max_bytes, uint32_t max_ppm);
-  std::vector<QuotaInfo> quotas();  // every row in use, with its usage
+  uint32_t set_quota(uint32_t ns_id, const std::string& tenant, uint64_t max_bytes, uint32_t max_ppm) {
+    return namespaces_.set_quota(ns_id, tenant, max_bytes, max_ppm);
+  }
+  std::vector<QuotaInfo> quotas() { return quotas_.rows(hdr_->max_nodes); }  // every row in use, with usage
 
   // --- block operations (the prefix index: Index, store/index.h) ------------------------------
   // put: true if the key is readable afterwards (stored now or already there); false if it is
@@ -287,7 +290,7 @@ class Pool : private Allocator::Peers, private Index::Peers {
   std::vector<std::pair<uint64_t, uint64_t>> transfer_ranges(uint64_t max_bytes, uint64_t page) const;
 
   // --- maintenance (nodes.cpp, check.cpp) ----------------------------------------------------
-  uint64_t reap_dead_nodes() override;  // returns nodes reclaimed (Index::Peers: puts reap too)
+  uint64_t reap_dead_nodes() override;  // returns nodes reclaimed (Index::Peers, Namespaces::Peers)
   // Reclaims node `id` if it is judged dead (waiting up to one lease to judge a node of another
   // kernel), or, with force, even if alive (its process is fenced: L3). Returns the judgment made
   // before acting; verdict kDead means it was reclaimed (or kAlive + force: reclaimed anyway).
@@ -338,9 +341,8 @@ class Pool : private Allocator::Peers, private Index::Peers {
   void validate_striping(const format::PoolHeader& h, const char* base);
   bool devices_replaced() const;
   bool devices_intact() const;
-  // Breaks the namespace-table lock when its holder id is out of range or names a FREE node slot
-  // (a holder that can never release it). Returns the stale holder id, 0 if nothing was broken.
-  uint64_t break_stale_ns_lock();
+  // The namespace-table lock's stale holder broken (Namespaces::break_stale_lock; check.cpp).
+  uint64_t break_stale_ns_lock() { return namespaces_.break_stale_lock(); }
   // observer: take a node slot only if one is free now (never wait, never fail): a multihost
   // observer that writes publishes its row that way (become_writer) and beats like any node.
   void attach_node(bool observer = false);
@@ -381,7 +383,7 @@ class Pool : private Allocator::Peers, private Index::Peers {
   bool verify_block(const VerifiedBlock& b);
   // The allocator (allocator.h) asks the store back only to steal a chunk (Allocator::Peers: the
   // namespaces, and the index's half of draining, Index::evict_owner).
-  std::vector<NsHandle> namespace_handles() override;
+  std::vector<NsHandle> namespace_handles() override { return namespaces_.handles(); }
   bool evict_owner(uint64_t chunk, uint32_t block, uint64_t desc, uint64_t fenced) override {
     return index_.evict_owner(chunk, block, desc, fenced);
   }
@@ -445,7 +447,7 @@ class Pool : private Allocator::Peers, private Index::Peers {
   bool row_less_ = false;
   std::unique_ptr<Arbiter> row_less_arbiter_;
   std::mutex writer_mu_;  // become_writer: one upgrade
-  void become_writer();
+  void become_writer() override;
   bool any_dead_node() { return node_table_.any_dead(node_id_, node_word_); }
   // `pool check`'s reader of the lock area: our Bakery, or for a row-less observer one that owns
   // no row (its slot is lock_hosts) and is only read through (read_ticket, classify_tier1).
@@ -463,13 +465,12 @@ class Pool : private Allocator::Peers, private Index::Peers {
 
   Allocator allocator_{region_, *this};  // blocks, chunks, placement; its cursors (allocator.h)
   // quotas: the table's reader (quotas.h); tenants and limits are set under the namespace-table
-  // lock (namespaces.cpp), and a put's charge and a block's release are Index's
+  // lock (Namespaces), and a put's charge and a block's release are Index's
   Quotas quotas_{region_};
+  // The namespace table (namespaces.h): open, list, its lock; tenants and limits set under it.
+  Namespaces namespaces_{region_, quotas_, path_, node_id_, read_only_, observer_, *this};
   // The prefix index (index.h): lookup, insert, pins, eviction; its victim queues and lease pins.
   Index index_{region_, allocator_, quotas_, node_id_, node_word_, *this};
-  void with_quota_lock(const std::function<void()>& fn);
-  // namespaces.cpp: fn under the namespace-table lock, bounded (LockTimeoutError ends with nothing_done)
-  void with_ns_table_lock(const char* nothing_done, const std::function<void()>& fn);
   std::atomic<uint64_t> last_reap_ns_{0};  // when reap_pass last started (nodes.cpp)
   uint64_t last_reap_ns() const override { return last_reap_ns_.load(std::memory_order_relaxed); }
   std::function<bool()> intact_ = [this] { return mapping_intact(); };  // for the heartbeat

@@ -45,7 +45,7 @@ class Allocator {
   // The store around the allocator, asked only on the slow path that steals a chunk.
   class Peers {
    public:
-    // The listed namespaces (namespaces.cpp): who may give up a chunk, and each one's geometry.
+    // The listed namespaces (Namespaces::handles): who may give up a chunk, and each one's geometry.
     virtual std::vector<NsHandle> namespace_handles() = 0;
     // The index's half of draining a chunk: used block (chunk, block), whose descriptor was read as
     // `desc`, is taken from the entry that owns it (READY, unpinned, pointing back here): the entry

@@ -1,12 +1,14 @@
-// Namespaces: one per model/KV layout (and TP rank). Keys of different namespaces never alias:
-// the namespace id seeds the index hash and is compared on every lookup, and each chunk belongs to
-// exactly one namespace, so block geometry is fixed per chunk.
-#include <unistd.h>
+// Namespaces (namespaces.h): the namespace table's protocol — open/create under the
+// namespace-table lock, the listing, fingerprints checked — and the tenants and quota limits set
+// under that lock.
+#include "namespaces.h"
 
+#include <chrono>
 #include <cstring>
 #include <thread>
 
-#include "pool.h"
+#include "errors.h"
+#include "format.h"
 
 namespace cxlkv {
 
@@ -36,10 +38,10 @@ Layout layout_of(const NamespaceEntry& e) {
 }
 }  // namespace
 
-std::vector<std::pair<NsHandle, Layout>> Pool::list_namespaces() {
+std::vector<std::pair<NsHandle, Layout>> Namespaces::list() {
   std::vector<std::pair<NsHandle, Layout>> out;
-  for (uint32_t id = 1; id <= hdr_->max_namespaces; ++id) {
-    NamespaceEntry* e = ns_entry(id);
+  for (uint32_t id = 1; id <= hdr().max_namespaces; ++id) {
+    NamespaceEntry* e = region_.ns_entry(id);
     if (ns_state(coh_.read(&e->state)) != kNsReady) continue;
     coh_.invalidate(e, sizeof *e);
     Layout l = layout_of(*e);
@@ -49,32 +51,32 @@ std::vector<std::pair<NsHandle, Layout>> Pool::list_namespaces() {
     NsHandle h;
     h.id = id;
     h.block_bytes = l.block_bytes;
-    h.geo = chunk_geometry(hdr_->chunk_bytes, l.block_bytes);
+    h.geo = chunk_geometry(hdr().chunk_bytes, l.block_bytes);
     h.name = l.name;
     out.emplace_back(h, l);
   }
   return out;
 }
 
-std::vector<NsHandle> Pool::namespace_handles() {
+std::vector<NsHandle> Namespaces::handles() {
   std::vector<NsHandle> out;
-  for (auto& [h, l] : list_namespaces()) out.push_back(h);
+  for (auto& [h, l] : list()) out.push_back(h);
   return out;
 }
 
-uint64_t Pool::break_stale_ns_lock() {
-  uint64_t* lock = &shared()->ns_lock.word;
+uint64_t Namespaces::break_stale_lock() {
+  uint64_t* lock = &region_.shared()->ns_lock.word;
   uint64_t holder = coh_.read(lock);
   if (holder == 0) return 0;
-  bool stale = holder > hdr_->max_nodes;
-  if (!stale) stale = node_state(coh_.read(&node_slot(uint32_t(holder - 1))->state)) == kNodeFree;
+  bool stale = holder > hdr().max_nodes;
+  if (!stale) stale = node_state(coh_.read(&region_.node_slot(uint32_t(holder - 1))->state)) == kNodeFree;
   if (!stale) return 0;
-  become_writer();  // a row-less observer (host_slot.cpp): breaking it is writing
+  peers_.become_writer();  // a row-less observer (host_slot.cpp): breaking it is writing
   uint64_t expected = holder;
   return coh_.claim(lock, expected, 0) ? holder : 0;
 }
 
-NsHandle Pool::open_namespace(const Layout& want) {
+NsHandle Namespaces::open(const Layout& want) {
   if (read_only_) throw ReadOnlyError("pool " + path_ + " was opened read-only; namespaces cannot be opened");
   check_text("namespace name", want.name, kNameBytes);
   check_text("model_id", want.model_id, kModelIdBytes);
@@ -87,17 +89,17 @@ NsHandle Pool::open_namespace(const Layout& want) {
     throw ArgumentError("model_id must be shorter than " + std::to_string(kModelIdBytes) + " bytes");
   check_text("source", want.source, kSourceBytes);
   check_layout(want.fields());
-  auto geo = chunk_geometry(hdr_->chunk_bytes, want.block_bytes);
+  auto geo = chunk_geometry(hdr().chunk_bytes, want.block_bytes);
   if (geo.blocks == 0)
     throw ArgumentError("a block of " + std::to_string(want.block_bytes) +
-                        " bytes does not fit in this pool's chunks of " + std::to_string(hdr_->chunk_bytes) +
+                        " bytes does not fit in this pool's chunks of " + std::to_string(hdr().chunk_bytes) +
                         " bytes; create the pool with a larger chunk size");
   uint64_t fp = layout_fingerprint(want.model_id, want.fields());
 
   auto lookup = [&](NsHandle* h) -> bool {
-    for (auto& [handle, layout] : list_namespaces()) {
+    for (auto& [handle, layout] : list()) {
       if (layout.name != want.name) continue;
-      NamespaceEntry* e = ns_entry(handle.id);
+      NamespaceEntry* e = region_.ns_entry(handle.id);
       std::string diff = layout_diff(want, layout);
       if (e->fingerprint != fp || !diff.empty())
         throw LayoutMismatchError(
@@ -113,10 +115,10 @@ NsHandle Pool::open_namespace(const Layout& want) {
 
   // Create under the namespace-table lock (rare; a lock held by a dead node is broken by reap).
   bool found = false;
-  with_ns_table_lock("no namespace was created", [&] {
+  with_lock("no namespace was created", [&] {
     if ((found = lookup(&h))) return;
-    for (uint32_t id = 1; id <= hdr_->max_namespaces; ++id) {
-      NamespaceEntry* e = ns_entry(id);
+    for (uint32_t id = 1; id <= hdr().max_namespaces; ++id) {
+      NamespaceEntry* e = region_.ns_entry(id);
       uint64_t w = coh_.read(&e->state);
       if (ns_state(w) != kNsFree) continue;
       if (!coh_.claim(&e->state, w, make_ns_word(kNsCreating, uint8_t(node_id_)))) continue;
@@ -138,7 +140,7 @@ NsHandle Pool::open_namespace(const Layout& want) {
     }
   });
   if (found) return h;
-  throw NamespaceTableFullError("pool " + path_ + ": all " + std::to_string(hdr_->max_namespaces) +
+  throw NamespaceTableFullError("pool " + path_ + ": all " + std::to_string(hdr().max_namespaces) +
                                 " namespace slots are in use");
 }
 
@@ -148,32 +150,32 @@ NsHandle Pool::open_namespace(const Layout& want) {
 // write (or a stalled writer whose heartbeat runs): LockTimeoutError, `nothing_done` saying what
 // was not written. The lock is released however fn ends (a fenced node's release is left to
 // whoever reclaims it).
-void Pool::with_ns_table_lock(const char* nothing_done, const std::function<void()>& fn) {
-  uint64_t* lock = &shared()->ns_lock.word;
+void Namespaces::with_lock(const char* nothing_done, const std::function<void()>& fn) {
+  uint64_t* lock = &region_.shared()->ns_lock.word;
   const auto deadline =
-      std::chrono::steady_clock::now() + std::chrono::milliseconds(3 * uint64_t(hdr_->lease_ms));
+      std::chrono::steady_clock::now() + std::chrono::milliseconds(3 * uint64_t(hdr().lease_ms));
   for (int spins = 0;; ++spins) {
     uint64_t expected = 0;
     if (coh_.claim(lock, expected, node_id_)) break;
-    if (spins % 100 == 0) break_stale_ns_lock();  // F13: a holder that can never release it
-    if (spins % 100 == 99) reap_dead_nodes();
+    if (spins % 100 == 0) break_stale_lock();  // F13: a holder that can never release it
+    if (spins % 100 == 99) peers_.reap_dead_nodes();
     if (spins % 100 == 50 && std::chrono::steady_clock::now() > deadline)
       throw LockTimeoutError("pool " + path_ + ": namespace table lock held by live node " +
                              std::to_string(expected) + " for more than 3 leases (" +
-                             std::to_string(3 * uint64_t(hdr_->lease_ms)) +
+                             std::to_string(3 * uint64_t(hdr().lease_ms)) +
                              " ms): a stalled writer or a stray write; " + nothing_done);
     std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
   struct Unlock {
-    Pool* p;
+    Coherence& coh;
     uint64_t* w;
     ~Unlock() {
       try {
-        p->coh_.publish(w, 0);
+        coh.publish(w, 0);
       } catch (...) {  // fenced: the lock is broken by whoever reclaims this node
       }
     }
-  } unlock{this, lock};
+  } unlock{coh_, lock};
   fn();
 }
 
@@ -181,16 +183,16 @@ void Pool::with_ns_table_lock(const char* nothing_done, const std::function<void
 // under the namespace-table lock. The table's reader and writer are Quotas' (quotas.h); a put's
 // charge and own-block eviction are Index::quota_admit's (index_evict.cpp).
 
-// Quota rows change under the namespace-table lock (namespaces.cpp), one writer at a time.
-void Pool::with_quota_lock(const std::function<void()>& fn) {
+// Quota rows change under the namespace-table lock (with_lock), one writer at a time.
+void Namespaces::with_quota_lock(const std::function<void()>& fn) {
   if (read_only_) throw ReadOnlyError("pool " + path_ + " was opened read-only; quotas cannot be changed");
-  if (!node_id_) become_writer();  // a row-less observer (host_slot.cpp): changing a quota is writing
+  if (!node_id_) peers_.become_writer();  // a row-less observer (host_slot.cpp): changing a quota is writing
   if (!node_id_) throw ReadOnlyError("pool " + path_ + ": changing a quota needs a node slot (none free)");
-  with_ns_table_lock("no quota was changed", fn);
+  with_lock("no quota was changed", fn);
   quotas_.invalidate_cache();
 }
 
-uint8_t Pool::tenant_row(const std::string& tenant) {
+uint8_t Namespaces::tenant_row(const std::string& tenant) {
   Quotas::check_tenant(tenant);
   for (const QuotaInfo& q : quotas_.cached())
     if (q.kind == kQuotaTenant && q.tenant == tenant) return uint8_t(q.row);
@@ -199,10 +201,11 @@ uint8_t Pool::tenant_row(const std::string& tenant) {
   return uint8_t(row);
 }
 
-uint32_t Pool::set_quota(uint32_t ns_id, const std::string& tenant, uint64_t max_bytes, uint32_t max_ppm) {
+uint32_t Namespaces::set_quota(uint32_t ns_id, const std::string& tenant, uint64_t max_bytes,
+                               uint32_t max_ppm) {
   if ((ns_id == 0) == tenant.empty()) throw ArgumentError("a quota names either a namespace or a tenant");
   if (!tenant.empty()) Quotas::check_tenant(tenant);
-  if (ns_id > hdr_->max_namespaces || (ns_id && quotas_.block_bytes_of(ns_id) == 0))
+  if (ns_id > hdr().max_namespaces || (ns_id && quotas_.block_bytes_of(ns_id) == 0))
     throw ArgumentError("namespace id " + std::to_string(ns_id) + " is not a namespace of pool " + path_);
   if (max_ppm > kPpmOne) throw ArgumentError("a fraction of the pool must be at most 1");
   const uint32_t kind = ns_id ? kQuotaNamespace : kQuotaTenant;
@@ -221,7 +224,5 @@ uint32_t Pool::set_quota(uint32_t ns_id, const std::string& tenant, uint64_t max
   });
   return row;
 }
-
-std::vector<QuotaInfo> Pool::quotas() { return quotas_.rows(hdr_->max_nodes); }
 
 }  // namespace cxlkv

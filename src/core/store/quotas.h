@@ -2,7 +2,7 @@
 // written (a row under the table lock, a node's own counters). Everything read here is
 // untrusted: a row must pass its checksum and every field its bounds before it limits anything;
 // usage sums are clamped to [0, pool bytes]. The protocol around it: tenants and limits are set
-// under the namespace-table lock (Pool, namespaces.cpp); a put's charge, its own-block eviction and
+// under the namespace-table lock (Namespaces, namespaces.h); a put's charge, its own-block eviction and
 // every release are the index's (Index, index_evict.cpp); `pool check` recounts (check.cpp).
 #pragma once
 #include <atomic>
