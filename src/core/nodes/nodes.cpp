@@ -231,14 +231,8 @@ void Pool::reclaim_node(uint32_t idx, uint64_t reclaiming_word) {
   // 3. Chunks it was carving or draining; block descs it claimed that no entry points back to
   //    (Allocator::release_of_node, allocator.cpp).
   allocator_.release_of_node(dead);
-  // 4. Namespace-table lock and half-created namespaces.
-  uint64_t lw = coh_.read(&shared()->ns_lock.word);
-  if (lw == dead) coh_.claim(&shared()->ns_lock.word, lw, 0);
-  for (uint32_t id = 1; id <= hdr_->max_namespaces; ++id) {
-    NamespaceEntry* ne = ns_entry(id);
-    uint64_t w = coh_.read(&ne->state);
-    if (ns_state(w) == kNsCreating && ns_node(w) == dead) coh_.claim(&ne->state, w, 0);
-  }
+  // 4. Namespace-table lock and half-created namespaces (Namespaces::release_of_node).
+  namespaces_.release_of_node(dead);
   // 5. Count it in the dead slot's own counters (L5: we own its area until FREE), then free it.
   coh_.bump_owned(&node_fixed(idx)->counters[kReclaimedNodes], 1);
   uint64_t w = reclaiming_word;

@@ -64,6 +64,16 @@ std::vector<NsHandle> Namespaces::handles() {
   return out;
 }
 
+void Namespaces::release_of_node(uint8_t dead) {
+  uint64_t lw = coh_.read(&region_.shared()->ns_lock.word);
+  if (lw == dead) coh_.claim(&region_.shared()->ns_lock.word, lw, 0);
+  for (uint32_t id = 1; id <= hdr().max_namespaces; ++id) {
+    NamespaceEntry* ne = region_.ns_entry(id);
+    uint64_t w = coh_.read(&ne->state);
+    if (ns_state(w) == kNsCreating && ns_node(w) == dead) coh_.claim(&ne->state, w, 0);
+  }
+}
+
 uint64_t Namespaces::break_stale_lock() {
   uint64_t* lock = &region_.shared()->ns_lock.word;
   uint64_t holder = coh_.read(lock);

@@ -74,6 +74,9 @@ class Namespaces {
   // Breaks the namespace-table lock when its holder id is out of range or names a FREE node slot
   // (a holder that can never release it). Returns the stale holder id, 0 if nothing was broken.
   uint64_t break_stale_lock();
+  // Step 4 of the reclaim of node `dead` (nodes.cpp holds its slot RECLAIMING): the table's lock
+  // if it holds it, and the entries it was creating (CREATING -> FREE).
+  void release_of_node(uint8_t dead);
 
   // --- quotas (format/quota.h): naming a tenant and setting a limit, under the lock ----------
   // The row of tenant `tenant`, created (under the namespace-table lock) on first use; 1-based.
