@@ -127,8 +127,14 @@ def test_forged_ticket_with_a_faked_pulse_deadlocks_no_one(pool_path, pod):  # n
         # The ticket left in the unused row is named (stripe, row, what) and repaired.
         r = cli("pool", "check", "--json", pool_path, host="lock-admin", slot=5)
         report = json.loads(r.stdout)
-        assert r.returncode == 1, r.stdout + r.stderr
-        assert any("row 9" in e and "another row" in e for e in report["errors"]), report["errors"]
+        if node_word(pool_path, info, node_a) == word_a:
+            assert r.returncode == 1, r.stdout + r.stderr
+            assert any("row 9" in e and "another row" in e for e in report["errors"]), report["errors"]
+        else:
+            # A was fenced under load (a 1 s lease beside the forger's bursts) and attached again:
+            # the ticket names an incarnation that is gone, so it is stale (a warning), not foreign
+            found = report["errors"] + report.get("warnings", [])
+            assert any("row 9" in m and "stale" in m for m in found), found
         r = cli("pool", "check", "--repair", "--json", pool_path, host="lock-admin", slot=5)
         assert r.returncode == 0, r.stdout + r.stderr
         r = cli("pool", "check", "--json", pool_path, host="lock-admin", slot=5)
