@@ -133,11 +133,25 @@ def _wait_stored(pool: str, redis: RedisServer | None, puts: int, keys: int) -> 
 
 
 def _path(
-    name: str, host: str, url: str, served: str, prompts: list[str], pool: str, redis: RedisServer | None
+    name: str,
+    host: str,
+    url: str,
+    served: str,
+    prompts: list[str],
+    pool: str,
+    redis: RedisServer | None,
+    stores: bool = False,
 ) -> dict:
+    """Sends `prompts` and counts what they did. stores: the prompts are new, so the pool should
+    take chunks of them; LMCache stores behind the request (and, with its remote dead or just
+    restarted, may first wait out a failed connection), so the pool's count is read once it has
+    moved, at most L2_WAIT_S later (a shortfall stays in the numbers), not the instant the answers
+    return."""
     pool0 = _pool_stats(pool)
     remote0 = redis.snapshot() if redis else None
     reqs = [complete(url, served, p) for p in prompts]
+    if stores:
+        _wait_stored(pool, None, pool0["puts"] + 1, 0)
     pool1 = _pool_stats(pool)
     remote1 = redis.snapshot() if redis else None
     ttfts = [r["ttft_ms"] for r in reqs]
@@ -240,14 +254,8 @@ def run(
                 log = s.extra["lmcache_log"]
                 since = os.path.getsize(log)
                 redis.kill()
-                puts0 = _pool_stats(pools[1])["puts"]
-                down = _path("remote_down", "1c", s.url, served, fresh_down, pools[1], None)
-                # LMCache stores behind the requests, and with the remote dead its store may first
-                # wait out a failed connection: count the pool's puts once they arrive (bounded by
-                # L2_WAIT_S; a shortfall stays in the numbers), not the instant the answer returns.
-                _wait_stored(pools[1], None, puts0 + 1, 0)
+                down = _path("remote_down", "1c", s.url, served, fresh_down, pools[1], None, stores=True)
                 time.sleep(3)  # LMCache's store behind the requests meets the dead remote
-                down["pool_puts"] = _pool_stats(pools[1])["puts"] - puts0
                 lines = _remote_log_lines(log, since)
                 down["lmcache_log_lines_about_remote"] = len(lines)
                 down["lmcache_log_sample"] = lines[:3]
@@ -256,7 +264,9 @@ def run(
                 say("remote restarted (empty) on the same port")
                 redis.start()
                 since = os.path.getsize(log)
-                back = _path("after_remote_restart", "1c", s.url, served, fresh_back, pools[1], redis)
+                back = _path(
+                    "after_remote_restart", "1c", s.url, served, fresh_back, pools[1], redis, stores=True
+                )
                 # Does LMCache write to the restarted remote again? More fresh requests, a few
                 # seconds apart, until it holds a key (its RESP client may need a failed call per
                 # connection before it reconnects).
