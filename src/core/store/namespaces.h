@@ -11,7 +11,7 @@
 //   is fixed per chunk.
 // - An entry is created by one writer: the one that claims its state word FREE -> CREATING under
 //   the namespace-table lock; it writes every field, writes them back and publishes READY last.
-//   A dead creator's CREATING entry is freed by whoever reclaims it (nodes.cpp).
+//   A dead creator's CREATING entry is freed by whoever reclaims it (release_of_node).
 //   A READY entry is immutable (readers need no lock), but its bytes are untrusted: a READY entry
 //   whose block size no writer could have stored is not listed (`pool check` reports it).
 // - A name is opened only with the layout it was created with (fingerprint and every field),
@@ -19,7 +19,7 @@
 // - The namespace-table lock is held by one node id at a time, for a bounded time (3 leases, then
 //   LockTimeoutError), and released however the work under it ends; quota rows change only under
 //   it. A holder id out of range or naming a FREE node slot is broken (break_stale_lock); a dead
-//   holder's lock is released by whoever reclaims it (nodes.cpp).
+//   holder's lock is released by whoever reclaims it (release_of_node).
 #pragma once
 #include <cstdint>
 #include <functional>
