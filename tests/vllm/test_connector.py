@@ -121,11 +121,18 @@ def test_full_pool_keeps_serving_and_leaks_nothing(pool_path, tiny_model):
     are gone the pool is consistent with no pins and no half-written blocks left behind."""
     import cxlkv
 
+    def counters() -> dict:
+        with cxlkv.Pool.open(pool_path) as pool:
+            return pool.stats()
+
     prompts = plain([words(20 + i, 700) for i in range(8)])
     # Coalescing on (the default): its intents cost no block, and a pool of so few chunks
     # publishes no writer clocks (coalesce_clock.py), so nothing of it evicts the prompts' KV.
     small = {"pool": pool_path, "pool_size": "4MiB", "chunk_size": "1MiB"}
     first = run_engine({**small, "rounds": [{"prompts": prompts}]})[0]["outputs"]
+    # The first engine finds nothing to load, so nothing pins a block: every save evicts.
+    after_first = counters()
+    assert after_first["evictions"] > 0 and after_first["puts_failed"] == 0
     second = run_engine({**small, "rounds": [{"prompts": prompts}]})[0]["outputs"]
     for a, b in zip(first, second, strict=True):
         assert b["tokens"] == a["tokens"]
@@ -136,7 +143,12 @@ def test_full_pool_keeps_serving_and_leaks_nothing(pool_path, tiny_model):
     assert report["ok"], report["errors"]
     assert report["orphan_pins"] == 0 and report["stuck_entries"] == 0
     assert report["blocks"]["in_flight"] == 0 and report["blocks"]["leaked"] == 0
-    assert stats["evictions"] > 0 and stats["puts_failed"] == 0
+    # The second engine's loads pin (lease) nearly all of the pool's blocks until the step that
+    # loads them completes; a save running meanwhile may find every block pinned. That is the
+    # only reason a put may fail here, and such a failure is seen skipping pinned victims.
+    assert stats["puts"] > after_first["puts"]
+    if stats["puts_failed"]:
+        assert stats["evict_skipped_pinned"] > after_first["evict_skipped_pinned"]
 
 
 def test_smollm2_cross_process_exact(pool_path):
