@@ -1,9 +1,10 @@
 """One block layout for every TP size (integrations/heads.py) with real vLLM CPU engines: a
 prefix stored by a TP=1 engine is a hit for a TP=2 engine, and the reverse, with greedy outputs
 identical to what each engine computes without the pool (the same prompt under another
-cache_salt: other keys, so computed). Then prefill -> decode across TP sizes: a TP=2 decode
-instance (kv_consumer: loads, never saves) gets the prompt the TP=1 engine prefilled. The TP=1
-engine waits (a file) while the TP=2 ones run, so each engine starts once."""
+cache_salt: other keys, so computed), also when a block the TP=2 engine loads fails its checksum
+(recomputed, and stored again). Then prefill -> decode across TP sizes: a TP=2 decode instance
+(kv_consumer: loads, never saves) gets the prompt from the pool. The TP=1 engine waits (a file)
+while the TP=2 ones run, so each engine starts once."""
 
 from __future__ import annotations
 
@@ -49,7 +50,11 @@ def test_tp1_and_tp2_share_prefixes_both_ways(pool_path, tmp_path):
     b = d = None
     try:
         a.expect("RESULT ")  # P is in the pool, written by TP=1
-        b = EngineProc(spec(pool_path, 2, [one(p, "cold-b"), one(p), one(r)]), TP2_ENV)
+        # A pool fault mid-load at TP=2: P's blocks at depth 1 (every KV head's entry) get a
+        # flipped byte and vLLM's own cache is emptied, so both ranks load P from the pool, fail
+        # its second block's checksum and vLLM recomputes from there: the answer is unchanged.
+        fault = {**one(p), "before": "corrupt_depth:1", "reset_prefix_cache": True}
+        b = EngineProc(spec(pool_path, 2, [one(p, "cold-b"), one(p), fault, one(r)]), TP2_ENV)
         b_res = b.results(600)
         with open(a_go, "w"):
             pass
@@ -61,13 +66,18 @@ def test_tp1_and_tp2_share_prefixes_both_ways(pool_path, tmp_path):
             if e is not None and e.p.poll() is None:
                 os.killpg(e.p.pid, 9)
                 e.p.wait()
-    cold_b, hit_b, store_r = (x["outputs"][0] for x in b_res)
+    cold_b, hit_b, faulty_b, store_r = (x["outputs"][0] for x in b_res)
     # TP=2 loads TP=1's blocks: every full prompt block but the last token's
     assert hit_b["cached"] >= (hit_b["len"] - 1) // BLOCK * BLOCK > 0, hit_b
     assert cold_b["cached"] == 0
     # K/V of layers > 0 computed at another TP size differ in low-order bits (the all-reduce
     # sums in another order): greedy outputs agree within a bf16 ulp or two, up to a near tie
     parted = [parted_at_tie(cold_b, hit_b)]
+    # The fault: blocks flipped, loads failed on their checksum and were recomputed
+    assert b_res[2]["corrupted"] > 0
+    failed = "vllm:cxlkv_load_failed_blocks{cause=missing_or_corrupt}"
+    assert b_res[2]["cxlkv"].get(failed, 0) > b_res[1]["cxlkv"].get(failed, 0), b_res[2]["cxlkv"]
+    parted.append(parted_at_tie(cold_b, faulty_b))
     _, cold_a, hit_a = (x["outputs"][0] for x in a_res)
     # TP=1 loads TP=2's blocks (both ranks' heads)
     assert hit_a["cached"] >= (hit_a["len"] - 1) // BLOCK * BLOCK > 0, hit_a
