@@ -79,8 +79,8 @@ def rank_arrays(full, tp, rank, layout="SD"):
     return out
 
 
-def layout_of(sh, model_id="test/gdn-state"):
-    nbytes = ss.unit_bytes(sh, [2, 4], LAYERS)
+def layout_of(sh, model_id="test/gdn-state", itemsizes=(2, 4)):
+    nbytes = ss.unit_bytes(sh, itemsizes, LAYERS)
     return cxlkv.KVLayout(
         model_id=model_id,
         dtype="bytes",
@@ -296,5 +296,80 @@ def test_mamba2_states_cross_tp_sizes_both_ways_byte_for_byte(make_pool, layout)
         assert m2_ns(pool, 2, rank, layout).store(other, m2_rank_arrays(full, 2, rank, layout), [1, 2]) == 2
     got = [torch.zeros_like(a) for a in full]
     assert m2_ns(pool, 1, 0, layout).load(other, got, [1, 2]) == 2
+    for x, w in zip(got, full, strict=True):
+        assert torch.equal(x[1:3], w[1:3])
+
+
+# -------------------------------------------------------------------------------------------------
+# Short conv (LFM2): one conv state over the channels, which vLLM splits by rank in one contiguous
+# piece (the conv is a ColumnParallelLinear), cut into the model's KV heads; checked against vLLM's
+# short_conv_state_shape. A model whose KV heads a TP size does not divide is no cut there.
+KV, D = 4, 24  # the model's KV heads (the units), conv channels
+
+
+def sc_shards(layout="SD"):
+    return ss.short_conv_shards(KV, D, KERNEL, layout)
+
+
+def sc_vllm_shapes(tp):
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
+
+    return MambaStateShapeCalculator.short_conv_state_shape(tp, D, KERNEL)
+
+
+def sc_spec(tp):
+    return SimpleNamespace(
+        shapes=sc_vllm_shapes(tp), mamba_type=SimpleNamespace(name="SHORT_CONV"), mamba_cache_mode="align"
+    )
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_short_conv_rank_shapes_are_vllms_and_follow_the_config(tp):
+    assert sc_shards().local_shapes(tp) == [tuple(s) for s in sc_vllm_shapes(tp)]
+    cfg = SimpleNamespace(num_key_value_heads=KV)
+    assert vsg.shards_of(sc_spec(tp), cfg, "SD", tp) == sc_shards()
+    assert vsg.unservable(sc_spec(tp), tp, sc_shards()) is None
+    assert "units=4" in sc_shards().describe()
+
+
+def test_short_conv_with_fewer_kv_heads_than_ranks_is_no_cut():
+    one = SimpleNamespace(num_key_value_heads=1)  # vLLM replicates the one KV head on every rank
+    assert vsg.shards_of(sc_spec(1), one, "SD", 1) == ss.short_conv_shards(1, D, KERNEL, "SD")
+    assert vsg.shards_of(sc_spec(2), one, "SD", 2) is None
+    assert "SHORT_CONV state" in (vsg.unservable(sc_spec(2), 2, None) or "")
+
+
+def sc_ns(pool, tp, rank, layout="SD"):
+    sh = sc_shards(layout)
+    return ss.StateNamespace(
+        pool.namespace(layout_of(sh, "test/short-conv-state", (2,))), sh.plan(tp, rank), sh
+    )
+
+
+def sc_rank_arrays(full, tp, rank, layout="SD"):
+    """What vLLM's rank ``rank`` of ``tp`` holds: the ``rank``-th ``1/tp`` of the channels."""
+    dim, n = (2 if layout == "SD" else 1), D // tp  # [NB, L, D] or [NB, D, L]
+    return [a.narrow(dim, rank * n, n).contiguous() for a in full]
+
+
+@pytest.mark.parametrize("layout", ["SD", "DS"])
+def test_short_conv_states_cross_tp_sizes_both_ways_byte_for_byte(make_pool, layout):
+    pool = make_pool()
+    g = torch.Generator().manual_seed(7)
+    (conv_shape,) = (t.shape for t in sc_shards(layout).tensors)
+    full = [torch.randn((NB, *conv_shape), generator=g).to(CONV_DT) for _ in range(LAYERS)]
+    keys, other = keys_of(2, "c"), keys_of(2, "d")
+    assert sc_ns(pool, 1, 0, layout).store(keys, full, [0, 3]) == 2  # TP=1 stores
+    for tp in (2, 4):
+        for rank in range(tp):
+            want = sc_rank_arrays(full, tp, rank, layout)
+            got = [torch.zeros_like(a) for a in want]
+            assert sc_ns(pool, tp, rank, layout).load(keys, got, [0, 3]) == 2
+            for x, w in zip(got, want, strict=True):
+                assert torch.equal(x[0], w[0]) and torch.equal(x[3], w[3]), (tp, rank)
+    for rank in range(2):  # TP=2 stores, TP=1 reads
+        assert sc_ns(pool, 2, rank, layout).store(other, sc_rank_arrays(full, 2, rank, layout), [1, 2]) == 2
+    got = [torch.zeros_like(a) for a in full]
+    assert sc_ns(pool, 1, 0, layout).load(other, got, [1, 2]) == 2
     for x, w in zip(got, full, strict=True):
         assert torch.equal(x[1:3], w[1:3])

@@ -130,6 +130,7 @@ def main() -> None:
         "tiny-jamba": models.tiny_jamba,
         "tiny-granite4": models.tiny_granite4,
         "tiny-granite4-tp": models.tiny_granite4_tp,  # two Mamba-2 groups: TP=1 and TP=2
+        "tiny-lfm2": models.tiny_lfm2,  # short conv, two KV heads: TP=1 and TP=2
     }
     if name in more_hybrids:
         model = more_hybrids[name]()

@@ -120,6 +120,17 @@ def mamba2_shards(
     )
 
 
+def short_conv_shards(units: int, conv_dim: int, conv_kernel: int, conv_layout: str) -> StateShards:
+    """A short-conv layer (LFM2): one conv state over ``conv_dim`` channels, which vLLM splits by
+    rank in one contiguous piece each (the conv weights are a ``ColumnParallelLinear``: rank ``r``
+    of ``t`` holds the ``r``-th ``1/t`` of the channels, and the conv state follows the conv's
+    channels). The channels carry no heads, so the cut is the model's KV heads (``units``): a TP
+    size that serves the attention layers' heads whole also holds whole units of the conv."""
+    state_len = conv_kernel - 1
+    conv_shape, cdim = ((state_len, conv_dim), 1) if conv_layout == "SD" else ((conv_dim, state_len), 0)
+    return StateShards(units, (TensorShards(conv_shape, cdim, (conv_dim,)),))
+
+
 def _strides(a: Any) -> tuple[int, ...]:
     s = a.stride() if callable(getattr(a, "stride", None)) else a.strides
     item = 1 if callable(getattr(a, "stride", None)) else a.itemsize

@@ -28,11 +28,12 @@ Refused at start-up (one line naming the group, :class:`vllm_groups.UnsupportedK
 ``mamba_cache_mode`` other than "align" (prefix caching off: vLLM keeps only each request's
 running state and cannot resume from a stored one), speculative blocks (vLLM relocates them
 between steps), and tensor parallelism > 1 for a mixer whose sharding cxlkv does not describe yet
-(Mamba-1, short conv, linear attention; Mamba-2 with one group, which vLLM replicates on every
-rank): vLLM splits their states over the ranks in a layout of its own per mixer. Gated DeltaNet
-states (Qwen3-Next) are stored as one entry per key head and Mamba-2 states (Nemotron-H, Granite
-4) as one entry per group, the same at every TP size (state_shards.py), and served at any TP
-size that divides the key heads (the groups).
+(Mamba-1, linear attention; Mamba-2 with one group, which vLLM replicates on every rank): vLLM
+splits their states over the ranks in a layout of its own per mixer. Gated DeltaNet states
+(Qwen3-Next) are stored as one entry per key head, Mamba-2 states (Nemotron-H, Granite 4) as one
+entry per group and short-conv states (LFM2) as one entry per KV head of the model's attention
+layers, the same at every TP size (state_shards.py), and served at any TP size that divides the
+key heads (the groups, the KV heads).
 
 No vLLM import here: the engine-free unit tests use plain objects with the spec's fields."""
 
@@ -117,6 +118,14 @@ def _mixer_shards(mixer: str, spec: Any, cfg: Any, conv_layout: str, tp_size: in
             return None
         state_len = conv[0] if conv_layout == "SD" else conv[1]
         return ss.mamba2_shards(int(groups), ssm[0] * tp_size, ssm[1], ssm[2], state_len + 1, conv_layout)
+    if mixer == "SHORT_CONV":
+        # LFM2: the channels from this rank's conv state (split by rank), the cut from the
+        # attention layers' KV heads; shards_of checks the shape vLLM gave this rank.
+        (conv,) = (tuple(s) for s in spec.shapes)
+        if len(conv) != 2:
+            return None
+        state_len, chans = conv if conv_layout == "SD" else conv[::-1]
+        return ss.short_conv_shards(int(cfg.num_key_value_heads), chans * tp_size, state_len + 1, conv_layout)
     return None
 
 
@@ -143,8 +152,9 @@ def unservable(spec: Any, tp_size: int, shards: ss.StateShards | None = None) ->
         return (
             f"tensor_parallel_size {tp_size}: vLLM splits the {mixer_of(spec)} state over the ranks "
             "in a layout cxlkv does not describe (it splits Gated DeltaNet states over a number of "
-            "ranks dividing the key heads, and Mamba-2 states over a number of ranks dividing the "
-            "groups); serve it at TP=1"
+            "ranks dividing the key heads, Mamba-2 states over a number of ranks dividing the "
+            "groups, and short-conv states over a number of ranks dividing the KV heads); serve it "
+            "at TP=1"
         )
     return None
 

