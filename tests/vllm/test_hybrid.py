@@ -7,7 +7,8 @@ prefill instance (kv_producer) on a cold pool, and a fresh instance on the warm 
 the decode side of prefill/decode through the pool and as a shared prefix cache; vLLM's own prefix
 cache off, so that each of its rounds loads from the pool; its second round after every block in
 the pool was corrupted). Then an SSM hybrid (the tiny Nemotron-H, two more engines: see below)
-and a Gated DeltaNet hybrid (the tiny Qwen3-Next, one engine)."""
+, a Gated DeltaNet hybrid (the tiny Qwen3-Next, one engine) and a short-conv hybrid (the tiny
+LFM2, one engine)."""
 
 from __future__ import annotations
 
@@ -205,4 +206,37 @@ def test_gated_deltanet_hybrid_corrupt_state_is_recompute_never_wrong_tokens(gdn
     assert faulty["corrupted"] > 0
     for c, f in zip(cold["outputs"], faulty["outputs"], strict=True):
         assert f["tokens"] == c["tokens"] and f["logprobs"] == c["logprobs"]
+    assert faulty["cxlkv"].get("vllm:cxlkv_load_failed_blocks{cause=missing_or_corrupt}", 0) > 0
+
+
+# ------------------------------------------------------------------------------------------------
+# A short-conv hybrid: the tiny random LFM2 (a short-conv layer, an attention layer with two KV
+# heads). Its conv state is stored as one entry per KV head at every TP size (state_shards.py
+# short_conv_shards; TP=2 by hand: README "Hybrid models"). One engine, as the Gated DeltaNet's:
+# cold, then warm and corrupt with vLLM's own prefix cache emptied before each.
+@pytest.fixture(scope="module")
+def lfm2_rounds():
+    log: list = []
+    rounds = [
+        {"prompts": plain(SSM_PROMPTS)},
+        {"prompts": plain(SSM_PROMPTS), "reset_prefix_cache": True},
+        {"prompts": plain(SSM_PROMPTS), "reset_prefix_cache": True, "before": "corrupt_pool"},
+    ]
+    pool = next(gen := unique_pool("lfm2"))
+    try:
+        return run_engine({**GDN_SPEC, "model": "tiny-lfm2", "pool": pool, "rounds": rounds}, log=log), log[0]
+    finally:
+        next(gen, None)  # removes the pool file
+
+
+def test_short_conv_hybrid_resumes_from_the_pools_state_and_recomputes_a_corrupt_one(lfm2_rounds):
+    (cold, warm, faulty), log = lfm2_rounds
+    assert cold["hybrid"] is True and "KV layers registered in 2 group(s)" in log
+    for c, w, f in zip(cold["outputs"], warm["outputs"], faulty["outputs"], strict=True):
+        assert c["cached"] == 0
+        assert w["cached"] == (w["len"] - 1) // BLOCK * BLOCK >= 2 * BLOCK
+        assert w["tokens"] == c["tokens"] and w["logprobs"] == c["logprobs"]
+        assert f["tokens"] == c["tokens"] and f["logprobs"] == c["logprobs"]
+    assert warm["cxlkv"]["vllm:cxlkv_group_blocks{group=0,outcome=loaded}"] >= len(SSM_PROMPTS)
+    assert faulty["corrupted"] > 0
     assert faulty["cxlkv"].get("vllm:cxlkv_load_failed_blocks{cause=missing_or_corrupt}", 0) > 0
