@@ -6,8 +6,8 @@ Three engines, one process each, reused across the cases: a reference without th
 prefill instance (kv_producer) on a cold pool, and a fresh instance on the warm pool (kv_both, as
 the decode side of prefill/decode through the pool and as a shared prefix cache; vLLM's own prefix
 cache off, so that each of its rounds loads from the pool; its second round after every block in
-the pool was corrupted). Then an SSM hybrid (the tiny Nemotron-H, two more engines: see below)
-, a Gated DeltaNet hybrid (the tiny Qwen3-Next, one engine) and a short-conv hybrid (the tiny
+the pool was corrupted). Then an SSM hybrid (the tiny Nemotron-H, two more engines: see below),
+a Gated DeltaNet hybrid (the tiny Qwen3-Next, one engine) and a short-conv hybrid (the tiny
 LFM2, one engine)."""
 
 from __future__ import annotations
