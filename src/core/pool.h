@@ -1,8 +1,9 @@
 // Pool: one attachment of this process to a cxlkv pool, and the façade over the core's internal
 // types: Region (region.h: the mapped bytes, the validated header copy, bounds-checked accessors,
-// coherence) and the protocols that use it. Owns the mapping, the node slot and the
-// process-local helpers (pin-slot allocator, allocation cursors). Thread-safe: several threads of
-// one process may use one Pool (the Python binding releases the GIL during copies).
+// coherence) and the protocols that use it. Owns the mapping, the node slot (through Attachment,
+// attachment.h) and the process-local helpers (pin-slot allocator, allocation cursors).
+// Thread-safe: several threads of one process may use one Pool (the Python binding releases the
+// GIL during copies).
 #pragma once
 #include <array>
 #include <atomic>
