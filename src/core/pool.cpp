@@ -159,22 +159,6 @@ std::unique_ptr<Pool> Pool::open_emulated(const EmulatedHost& host, bool attach)
   return p;
 }
 
-bool Pool::heartbeat_tick() {
-  // One beat at a time: a beat's own coherence calls may reach a point where the emulator ticks
-  // again (two writers of the heartbeat line would break its one-writer rule).
-  if (beating_.exchange(true, std::memory_order_acquire)) return true;
-  struct Done {
-    std::atomic<bool>& b;
-    ~Done() { b.store(false, std::memory_order_release); }
-  } done{beating_};
-  if (!region_.base() || !node_id_) {  // not attached yet: nobody can declare us dead
-    last_beat_ns_.store(liveness::mono_ns(), std::memory_order_release);
-    return true;
-  }
-  return liveness::beat(node_slot(node_id_ - 1), node_word_, coh_.unarbitrated(), &fenced_, &last_beat_ns_,
-                        bakery_ ? uint64_t(hdr_->lease_ms) * 1'000'000 / 2 : 0);
-}
-
 namespace {
 std::string describe_nodes(const std::vector<std::pair<uint32_t, uint32_t>>& nodes) {
   std::string s;
@@ -278,7 +262,6 @@ void Pool::validate_and_attach(bool fresh, bool attach) {
   region_.adopt(b, mapped, path_, read_only_, emu_.model,
                 [&](const PoolHeader& hh) { validate_striping(hh, b); });
   const PoolHeader& h = *hdr_;
-  const bool multihost = h.backend == uint32_t(Backend::multihost);
   pid_ = uint32_t(::getpid());
   fork_generation_ = fork_generation();
   // Liveness identity (nodes.cpp, liveness.h): this kernel, and the lock descriptor by which the
@@ -290,23 +273,11 @@ void Pool::validate_and_attach(bool fresh, bool attach) {
                                      map_.file_ino());
   domain_ = liveness::domain_tag(host_id_, lock_.lock_id);
   node_table_.reset_watches(h.max_nodes);
+  attachment_.set_identity({pid_, emu_.base != nullptr, emu_.model, emu_.host_slot, want_slot_});
   if (read_only_) return;
   if (!emu_.base) fault_trap::arm_from_env();  // tests only: CXLKV_TEST_FAULT (fault_trap.h)
-  observer_ = !attach;
-  // An observer takes no node slot, and on the multihost backend no row either, until it has
-  // something to write (become_writer, host_slot.cpp "Observers"): looking never costs a host
-  // its attach. Reclaiming dead nodes is writing: a row-less observer leaves it to `pool check`.
-  if (multihost && !attach) {
-    row_less_ = true;
-    row_less_arbiter_ = std::make_unique<RowLessArbiter>("pool " + path_);
-    coh_ = Coherence(Backend::multihost, emu_.model, row_less_arbiter_.get());
-    check_truncated();
-    return;
-  }
-  if (multihost) setup_arbiter(emu_.base ? emu_.host_slot : want_slot_, false);
-  reap_dead_nodes();
-  if (attach) attach_node(false);
-  if (multihost) settle_host_slot(false);
+  // The row (multihost; none yet for an observer), a reap of the dead, the node slot: nodes.cpp.
+  attachment_.open(attach);
   check_truncated();
 }
 
@@ -329,10 +300,7 @@ void Pool::ensure_usable() const {
 }
 
 void Pool::abandon() {
-  fenced_.store(true, std::memory_order_release);
-  liveness::stop_heartbeat(heartbeat_);
-  heartbeat_ = 0;
-  node_id_ = 0;
+  attachment_.abandon();  // fenced, its heartbeat stopped, no node
   if (fork_generation_ == fork_generation()) liveness::close_lock_file(lock_);
   lock_ = liveness::LockFile{};
   region_.reset();
@@ -355,11 +323,11 @@ Mapping Pool::take_mapping_on_close() {
   // A forked child unmaps only: the node slot and its lock belong to the parent (the child's
   // copy of the lock descriptor was closed at fork; the number may name another file now).
   if (fork_generation_ == fork_generation()) {
-    detach_node();
+    attachment_.detach_node();
     liveness::close_lock_file(lock_);
   }
   lock_ = liveness::LockFile{};
-  heartbeat_ = 0;
+  attachment_.forget_heartbeat();
   admin_.forget();  // a forked child's copy: its thread is not in this process (never joined)
   region_.reset();
   return std::move(map_);
@@ -387,6 +355,19 @@ bool Pool::owner_closed(uint8_t node) {
   return true;
 }
 
+// A reclaim's steps 2-4 (nodes.cpp, Attachment::reclaim_node): what dead node `node` held in the
+// store, each released by its owner.
+void Pool::release_of_node(uint8_t node) {
+  // Index entries it was writing or evicting, and what no reclaim of a node would visit
+  // (index_evict.cpp).
+  index_.release_of_node(node);
+  // Chunks it was carving or draining; block descs it claimed that no entry points back to
+  // (allocator.cpp).
+  allocator_.release_of_node(node);
+  // Namespace-table lock and half-created namespaces (namespaces.cpp).
+  namespaces_.release_of_node(node);
+}
+
 std::vector<uint64_t> Pool::counters() {
   std::vector<uint64_t> sum(kCounterCount, 0);
   for (uint32_t i = 0; i < hdr_->max_nodes; ++i) {  // every slot: counters outlive attachments
@@ -406,9 +387,9 @@ namespace cxlkv {
 void Pool::check_lock_area(CheckReport& r) {
   LockReport l;
   l.repair = r.repair;
-  LockCheck(region_, lock_view(), bakery_ ? int64_t(host_slot_) : -1, node_id_ != 0, [this] {
-    return row_use();
-  }).run(l);
+  LockCheck(region_, attachment_.lock_view(), bakery_ ? int64_t(attachment_.host_slot()) : -1, node_id_ != 0,
+            [this] { return attachment_.row_use(); })
+      .run(l);
   r.lock_tickets_foreign += l.tickets_foreign;
   r.lock_tickets_stale += l.tickets_stale;
   r.lock_tickets_stuck += l.tickets_stuck;

@@ -1,8 +1,9 @@
 // Pool: one attachment of this process to a cxlkv pool, and the façade over the core's internal
 // types: Region (region.h: the mapped bytes, the validated header copy, bounds-checked accessors,
-// coherence) and the protocols that use it. Owns the mapping, the node slot and the
-// process-local helpers (pin-slot allocator, allocation cursors). Thread-safe: several threads of
-// one process may use one Pool (the Python binding releases the GIL during copies).
+// coherence) and the protocols that use it. Owns the mapping, the node slot (through Attachment,
+// attachment.h) and the process-local helpers (pin-slot allocator, allocation cursors).
+// Thread-safe: several threads of one process may use one Pool (the Python binding releases the
+// GIL during copies).
 #pragma once
 #include <array>
 #include <atomic>
@@ -16,6 +17,7 @@
 
 #include "allocator.h"
 #include "arbiter.h"
+#include "attachment.h"
 #include "checksum.h"
 #include "clock.h"
 #include "coherence.h"
@@ -54,7 +56,7 @@ struct OpenOptions {
   // Accept a pool whose group is one of ours (owner check by group instead of by user).
   bool allow_group = false;
   // false: an observer (check, info, stats, reap, destroy): it takes no node slot and, on the
-  // multihost backend, no host slot (row) until it has something to write (Pool::become_writer),
+  // multihost backend, no host slot (row) until it has something to write (Attachment::become_writer),
   // so looking never costs a host its attach; it cannot open namespaces.
   bool attach = true;
   // multihost: this host's row in the lock area, 0..lock_hosts-1; -1: CXLKV_HOST_SLOT, else
@@ -112,7 +114,10 @@ struct CheckReport {
   }
 };
 
-class Pool : private Allocator::Peers, private Index::Peers, private Namespaces::Peers {
+class Pool : private Allocator::Peers,
+             private Index::Peers,
+             private Namespaces::Peers,
+             private Attachment::Peers {
  public:
   static std::unique_ptr<Pool> create(const std::string& path, const CreateOptions& opt, bool exist_ok);
   // attach=false: an observer (check, info, stats, reap) that takes no node slot, so it works on a
@@ -125,11 +130,11 @@ class Pool : private Allocator::Peers, private Index::Peers, private Namespaces:
   // created by create(); heartbeats are this host's own business (heartbeat_tick).
   static std::unique_ptr<Pool> open_emulated(const EmulatedHost& host, bool attach = true);
   // One heartbeat of an emulated host (the heartbeat thread does it for real attachments).
-  bool heartbeat_tick();
+  bool heartbeat_tick() { return attachment_.heartbeat_tick(); }
   // One pass of an emulated host's row healing (Bakery::heal_own_row, which the heartbeat thread
   // runs after each beat for real attachments): the stripes reset; 0 without a row or a node.
-  uint32_t heal_lock_row();
-  uint32_t host_slot() const { return host_slot_; }
+  uint32_t heal_lock_row() { return attachment_.heal_lock_row(); }
+  uint32_t host_slot() const { return attachment_.host_slot(); }
   // multihost: whether this attachment holds a row of the lock area (an observer holds none until
   // it writes: become_writer).
   bool holds_row() const { return bakery_ != nullptr; }
@@ -148,7 +153,7 @@ class Pool : private Allocator::Peers, private Index::Peers, private Namespaces:
   void ensure_usable() const;
   // False once the mapped file shrank below the mapping (or a SIGBUS was answered): the pool's
   // pages are gone; close and lease release then skip their stores. One fstat.
-  bool mapping_intact() const;
+  bool mapping_intact() const override;
 
   // --- identity ---------------------------------------------------------------------------
   const std::string& path() const { return path_; }
@@ -289,14 +294,17 @@ class Pool : private Allocator::Peers, private Index::Peers, private Namespaces:
   // max_bytes is smaller than a chunk.
   std::vector<std::pair<uint64_t, uint64_t>> transfer_ranges(uint64_t max_bytes, uint64_t page) const;
 
-  // --- maintenance (nodes.cpp, check.cpp) ----------------------------------------------------
-  uint64_t reap_dead_nodes() override;  // returns nodes reclaimed (Index::Peers, Namespaces::Peers)
+  // --- maintenance (Attachment: nodes.cpp; check.cpp) ----------------------------------------
+  // Returns nodes reclaimed (Index::Peers, Namespaces::Peers).
+  uint64_t reap_dead_nodes() override { return attachment_.reap_dead_nodes(); }
   // Reclaims node `id` if it is judged dead (waiting up to one lease to judge a node of another
   // kernel), or, with force, even if alive (its process is fenced: L3). Returns the judgment made
   // before acting; verdict kDead means it was reclaimed (or kAlive + force: reclaimed anyway).
   // wait_ms > 0: keep watching a node judged alive or undecided until it is dead (then reclaim
   // it) or wait_ms passed.
-  NodeInfo reap_node(uint32_t id, bool force, bool* reclaimed, uint64_t wait_ms = 0);
+  NodeInfo reap_node(uint32_t id, bool force, bool* reclaimed, uint64_t wait_ms = 0) {
+    return attachment_.reap_node(id, force, reclaimed, wait_ms);
+  }
   std::vector<NodeInfo> nodes() { return node_table_.verdicts(node_id_, node_word_); }  // judged now
   // Verifies every invariant of format.h (after reaping the dead, watching nodes of another kernel
   // for up to a lease); with repair, also releases what nobody else ever will (check.cpp:
@@ -343,14 +351,6 @@ class Pool : private Allocator::Peers, private Index::Peers, private Namespaces:
   bool devices_intact() const;
   // The namespace-table lock's stale holder broken (Namespaces::break_stale_lock; check.cpp).
   uint64_t break_stale_ns_lock() { return namespaces_.break_stale_lock(); }
-  // observer: take a node slot only if one is free now (never wait, never fail): a multihost
-  // observer that writes publishes its row that way (become_writer) and beats like any node.
-  void attach_node(bool observer = false);
-  void detach_node();
-  NodeInfo judge(uint32_t idx, uint64_t word) { return node_table_.judge(idx, word, node_id_, node_word_); }
-  bool reclaim_judged(uint32_t idx, uint64_t word, const NodeInfo& n, bool force);
-  uint64_t reap_pass(uint64_t* undecided);
-  void reclaim_node(uint32_t idx, uint64_t word);
   uint64_t lock_offset(uint32_t idx) const { return node_table_.lock_offset(idx); }  // node_table.h
 
   // The region's bounds-checked accessors (region.h), under the names the protocol files use.
@@ -410,58 +410,35 @@ class Pool : private Allocator::Peers, private Index::Peers, private Namespaces:
   const uint64_t& slot_mask_ = region_.slot_mask();
   const uint64_t& desc_bytes_ = region_.desc_bytes();
   bool read_only_ = false;
-  uint32_t node_id_ = 0;  // 1-based; 0 = not attached
   uint32_t pid_ = 0;
-  uint64_t node_word_ = 0;
   uint64_t fork_generation_ = 0;
-  // liveness (nodes.cpp): the judge of the node table (node_table.h), and its identity and lock
-  // under the names nodes.cpp uses (one owner: node_table_).
+  EmulatedHost emu_{};  // set for a simulated host only
+  int want_slot_ = -1;  // OpenOptions::host_slot
+  // liveness: the judge of the node table (node_table.h), and its identity and lock under the
+  // names pool.cpp uses (one owner: node_table_).
   NodeTable node_table_{region_};
   uint64_t& host_id_ = node_table_.host_id();
   liveness::LockFile& lock_ = node_table_.lock_file();
   uint32_t& domain_ = node_table_.domain();
-  std::mutex& reap_mu_ = node_table_.mu();  // one reclaim at a time per lock descriptor
-  uint64_t heartbeat_ = 0;                  // handle with the process heartbeat thread
-  std::atomic<uint64_t> intents_held_{0};   // this node's intents (reserved, not yet aborted)
-  void publish_intents();                   // the count into our node area (NodeAreaFixed.intents)
-  std::atomic<bool> fenced_{false};         // this node was reclaimed while alive (L3), or fenced itself
-  // multihost (arbiter.h): the cross-host lock and fence; the time before the last published beat
-  std::unique_ptr<Bakery> bakery_;
-  std::atomic<uint64_t> last_beat_ns_{0};
-  std::atomic<bool> beating_{false};  // heartbeat_tick re-entry guard
-  uint32_t host_slot_ = 0;
-  EmulatedHost emu_{};  // set for a simulated host only
-  int want_slot_ = -1;  // OpenOptions::host_slot
-  // host_slot.cpp: the row, tier-1 identity and the one-host-per-row check
-  void setup_arbiter(int want_slot, bool observer);
-  void make_bakery(uint32_t row);
-  uint32_t check_host_slot_unique();
-  void settle_host_slot(bool observer);
-  RowUse row_use();  // lock_check.h
-  uint32_t probe_row(const std::vector<bool>& avoid);
-  bool probing_ = false;       // the row was probed, not configured: it may move (settle_host_slot)
-  uint32_t participant1_ = 0;  // tier-1 participant byte + 1 this attachment holds (0: none)
-  bool observer_ = false;      // opened with attach=false: no namespaces, whether or not it has a node
-  // multihost observer with no row yet: it reads only (row_less_arbiter_ refuses every arbitrated
-  // write) until become_writer() takes a row and a node slot (host_slot.cpp, "Observers").
-  bool row_less_ = false;
-  std::unique_ptr<Arbiter> row_less_arbiter_;
-  std::mutex writer_mu_;  // become_writer: one upgrade
-  void become_writer() override;
-  bool any_dead_node() { return node_table_.any_dead(node_id_, node_word_); }
-  // `pool check`'s reader of the lock area: our Bakery, or for a row-less observer one that owns
-  // no row (its slot is lock_hosts) and is only read through (read_ticket, classify_tier1).
-  Bakery& lock_view();
-  std::unique_ptr<Bakery> lock_reader_;
-  bool own_row(uint32_t row) const { return bakery_ && row == host_slot_; }
-  void release_dead_rows(uint32_t idx, uint64_t reclaiming_word);
+  // This process's node slot, heartbeat, reaping and host slot (attachment.h: nodes.cpp,
+  // host_slot.cpp); what it owns, under the names the store's files use (one owner: attachment_).
+  Attachment attachment_{region_, node_table_, path_, *this};
+  const uint32_t& node_id_ = attachment_.node_id();  // 1-based; 0 = not attached
+  const uint64_t& node_word_ = attachment_.node_word();
+  const bool& observer_ = attachment_.observer();  // opened with attach=false: no namespaces
+  std::atomic<bool>& fenced_ = attachment_.fenced();
+  const std::unique_ptr<Bakery>& bakery_ = attachment_.bakery();  // multihost: our row's lock
+  const bool& row_less_ = attachment_.row_less();                 // multihost observer, no row yet
+  std::atomic<uint64_t>& reaped_unreported_ = attachment_.reaped_unreported();
+  std::atomic<uint64_t> intents_held_{0};  // this node's intents (reserved, not yet aborted)
+  void publish_intents();                  // the count into our node area (NodeAreaFixed.intents)
+  void become_writer() override { attachment_.become_writer(); }
   void check_lock_area(CheckReport& r);  // LockCheck (lock_check.h), merged into r (pool.cpp)
   void watch_undecided_nodes(CheckReport& r, int64_t watch_ms);  // check.cpp
-  uint64_t participant_offset(uint32_t i) const {
-    return (1ull << 49) + (host_id_ & 0xFFFFF) * kParticipants + i;
-  }
-  static constexpr uint32_t kParticipants = 4096;  // tier-1 participant bytes per host id
-  std::atomic<uint64_t> reaped_unreported_{0};     // reclaims since open or the last check (F20)
+  uint64_t reap_pass(uint64_t* undecided) { return attachment_.reap_pass(undecided); }
+  // Attachment::Peers: a dead node's store state released by its owners, in order (pool.cpp).
+  void release_of_node(uint8_t node) override;
+  uint64_t pin_high_water() const override { return index_.pin_high_water(); }
 
   Allocator allocator_{region_, *this};  // blocks, chunks, placement; its cursors (allocator.h)
   // quotas: the table's reader (quotas.h); tenants and limits are set under the namespace-table
@@ -471,20 +448,14 @@ class Pool : private Allocator::Peers, private Index::Peers, private Namespaces:
   Namespaces namespaces_{region_, quotas_, path_, node_id_, read_only_, observer_, *this};
   // The prefix index (index.h): lookup, insert, pins, eviction; its victim queues and lease pins.
   Index index_{region_, allocator_, quotas_, node_id_, node_word_, *this};
-  std::atomic<uint64_t> last_reap_ns_{0};  // when reap_pass last started (nodes.cpp)
-  uint64_t last_reap_ns() const override { return last_reap_ns_.load(std::memory_order_relaxed); }
-  std::function<bool()> intact_ = [this] { return mapping_intact(); };  // for the heartbeat
-  // multihost, after each beat: reset what no host-mate holds in our own lock row (a stray write,
-  // a fenced holder's ticket). The heartbeat stops before bakery_ changes or goes (detach_node).
-  std::function<void()> chores_ = [this] {
-    if (bakery_) bakery_->heal_own_row();
-  };
-  // admin RPC (rpc_admin.cpp): this node's mailbox responder thread, and one ping at a time
-  void start_admin_responder() {
+  uint64_t last_reap_ns() const override { return attachment_.last_reap_ns(); }  // Index::Peers
+  // admin RPC (rpc_admin.cpp): this node's mailbox responder thread (Attachment::Peers: started
+  // once we have a node, stopped before its slot is freed)
+  void start_admin_responder() override {
     if (admin_.present() && node_id_ && !read_only_)
-      admin_.start({node_id_, node_word_, pid_, host_id_, &fenced_, &intact_});
+      admin_.start({node_id_, node_word_, pid_, host_id_, &fenced_, attachment_.intact()});
   }
-  void stop_admin_responder() { admin_.stop(); }
+  void stop_admin_responder() override { admin_.stop(); }
   AdminMailbox admin_{region_};
 };
 

@@ -28,8 +28,6 @@ KNOWN: dict[tuple[str, str], str] = {
     **{
         (f, "pool.h"): "a Pool member defined here (Pool is not yet a façade over owning types)"
         for f in (
-            "nodes/host_slot.cpp",
-            "nodes/nodes.cpp",
             "store/check.cpp",
             "transfer/token_rows.h",
             "transfer/transfer.cpp",

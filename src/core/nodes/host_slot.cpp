@@ -1,5 +1,6 @@
-// multihost: the host slot (row of the lock area) of an attachment, its tier-1 identity, and the
-// rule that one row belongs to one host. See docs/ARCHITECTURE.md §11 "Host slots" and arbiter.h.
+// Attachment (attachment.h), multihost: the host slot (row of the lock area) of an attachment, its
+// tier-1 identity, and the rule that one row belongs to one host. See docs/ARCHITECTURE.md §11
+// "Host slots" and arbiter.h.
 //
 // Every process of one host id shares one row: the processes of a row share it through the tier-1
 // word of each stripe (a CAS inside one coherence domain); two host ids on one row would be two
@@ -30,7 +31,8 @@
 #include <cstdlib>
 #include <string>
 
-#include "pool.h"
+#include "attachment.h"
+#include "errors.h"
 
 namespace cxlkv {
 
@@ -53,7 +55,7 @@ int configured_slot(int want, uint32_t hosts) {
 }
 }  // namespace
 
-RowUse Pool::row_use() {
+RowUse Attachment::row_use() {
   RowUse use;
   use.mate.assign(hdr_->lock_hosts, false);
   use.other.assign(hdr_->lock_hosts, 0);
@@ -77,7 +79,7 @@ RowUse Pool::row_use() {
   return use;
 }
 
-uint32_t Pool::probe_row(const std::vector<bool>& avoid) {
+uint32_t Attachment::probe_row(const std::vector<bool>& avoid) {
   const uint32_t n = hdr_->lock_hosts;
   RowUse use = row_use();
   for (uint32_t r = 0; r < n; ++r)
@@ -91,7 +93,7 @@ uint32_t Pool::probe_row(const std::vector<bool>& avoid) {
                           "the pool with more --lock-hosts");
 }
 
-void Pool::setup_arbiter(int want, bool observer) {
+void Attachment::setup_arbiter(int want, bool observer) {
   const PoolHeader& h = *hdr_;
   const int configured = configured_slot(want, h.lock_hosts);
   std::vector<bool> avoid(h.lock_hosts, false);
@@ -104,7 +106,7 @@ void Pool::setup_arbiter(int want, bool observer) {
   bakery_->adopt_participant();
 }
 
-void Pool::make_bakery(uint32_t row) {
+void Attachment::make_bakery(uint32_t row) {
   const PoolHeader& h = *hdr_;
   if (bakery_) {  // moving to another row: give the old participant byte back
     if (participant1_) liveness::unlock(lock_, participant_offset(participant1_ - 1));
@@ -119,20 +121,20 @@ void Pool::make_bakery(uint32_t row) {
   c.max_nodes = h.max_nodes;
   c.nodes = reinterpret_cast<NodeSlot*>(region_.base() + h.node_table_off);
   c.lease_ns = uint64_t(h.lease_ms) * 1'000'000;
-  c.coh = Coherence(Backend::multihost, emu_.model);
+  c.coh = Coherence(Backend::multihost, id_.model);
   c.fenced = &fenced_;
   c.last_beat = &last_beat_ns_;
   c.pool_bytes = h.pool_bytes;
   c.pool = "pool " + path_;
   c.host_id = host_id_;
-  if (emu_.base) c.tick = [this] { heartbeat_tick(); };
+  if (id_.emulated) c.tick = [this] { heartbeat_tick(); };
   // Tier-1 identity: a byte of the lock file, locked for this attachment's life, so that a
   // host-mate can tell at once that a tier-1 holder's process is gone (the kernel released it).
   // Random start: a dead holder's byte is rarely the next one taken (adopt_participant clears
   // what it left anyway).
   if (lock_.lock_id) {
     const uint32_t start =
-        uint32_t(liveness::mono_ns() ^ (uint64_t(pid_) * 0x9E3779B97F4A7C15ull)) % kParticipants;
+        uint32_t(liveness::mono_ns() ^ (uint64_t(id_.pid) * 0x9E3779B97F4A7C15ull)) % kParticipants;
     for (uint32_t i = 0; i < kParticipants; ++i) {
       const uint32_t p = (start + i) % kParticipants;
       if (liveness::lock_held_by_other(lock_, participant_offset(p))) continue;
@@ -146,14 +148,14 @@ void Pool::make_bakery(uint32_t row) {
     }
   }
   bakery_ = std::make_unique<Bakery>(std::move(c));
-  coh_ = Coherence(Backend::multihost, emu_.model, bakery_.get());
+  coh_ = Coherence(Backend::multihost, id_.model, bakery_.get());
 }
 
 // Refuses this attachment (HostSlotBusyError) when a live node of ANOTHER host id uses our row, or
 // a node of our host id from a build that does not share rows (format 2.2: no kNodeSharesHostSlot;
 // it competes without tier 1). Returns the node it collides with for a probing attachment that
 // moves on (probing_), 0 when the row is ours.
-uint32_t Pool::check_host_slot_unique() {
+uint32_t Attachment::check_host_slot_unique() {
   for (uint32_t i = 0; i < hdr_->max_nodes; ++i) {
     if (i + 1 == node_id_) continue;
     NodeSlot* s = node_slot(i);
@@ -183,18 +185,18 @@ uint32_t Pool::check_host_slot_unique() {
 }
 
 // A row-less observer that must write: a row and, if one is free, a node slot (see the top).
-void Pool::become_writer() {
+void Attachment::become_writer() {
   std::lock_guard<std::mutex> g(writer_mu_);
   if (!row_less_) return;
   try {
-    setup_arbiter(emu_.base ? emu_.host_slot : want_slot_, true);
+    setup_arbiter(id_.emulated ? id_.emulated_slot : id_.want_slot, true);
   } catch (...) {
     // No row to be had (every one used by another host): still an observer that reads only, its
     // arbitrated writes refused as before, never made without the cross-host lock.
     if (participant1_) liveness::unlock(lock_, participant_offset(participant1_ - 1));
     participant1_ = 0;
     bakery_.reset();
-    coh_ = Coherence(Backend::multihost, emu_.model, row_less_arbiter_.get());
+    coh_ = Coherence(Backend::multihost, id_.model, row_less_arbiter_.get());
     throw;
   }
   row_less_ = false;
@@ -202,13 +204,13 @@ void Pool::become_writer() {
   settle_host_slot(true);
 }
 
-uint32_t Pool::heal_lock_row() {
+uint32_t Attachment::heal_lock_row() {
   // As the heartbeat thread: only for an attachment that beats (a node), never once fenced.
   if (!bakery_ || !node_id_ || fenced_.load(std::memory_order_acquire)) return 0;
   return bakery_->heal_own_row();
 }
 
-Bakery& Pool::lock_view() {
+Bakery& Attachment::lock_view() {
   if (bakery_) return *bakery_;
   if (!lock_reader_) {
     const PoolHeader& h = *hdr_;
@@ -219,7 +221,7 @@ Bakery& Pool::lock_view() {
     c.max_nodes = h.max_nodes;
     c.nodes = reinterpret_cast<NodeSlot*>(region_.base() + h.node_table_off);
     c.lease_ns = uint64_t(h.lease_ms) * 1'000'000;
-    c.coh = Coherence(Backend::multihost, emu_.model);
+    c.coh = Coherence(Backend::multihost, id_.model);
     c.pool_bytes = h.pool_bytes;
     c.pool = "pool " + path_;
     c.host_id = host_id_;
@@ -230,7 +232,7 @@ Bakery& Pool::lock_view() {
 
 // Attached (or, for an observer, done trying): settles the row. A probing attachment that finds
 // another host on its row moves to the next free row and attaches again, at most once per row.
-void Pool::settle_host_slot(bool observer) {
+void Attachment::settle_host_slot(bool observer) {
   std::vector<bool> avoid(hdr_->lock_hosts, false);
   for (uint32_t tries = 0; tries <= hdr_->lock_hosts; ++tries) {
     if (check_host_slot_unique() == 0) return;
@@ -246,7 +248,7 @@ void Pool::settle_host_slot(bool observer) {
 
 // Reclaim of node idx (its slot claimed RECLAIMING by us): if it is a host-mate on our row, give
 // back the stripes whose tier-1 word it still holds, so that no host waits a lease for its ticket.
-void Pool::release_dead_rows(uint32_t idx, uint64_t reclaiming_word) {
+void Attachment::release_dead_rows(uint32_t idx, uint64_t reclaiming_word) {
   NodeSlot* s = node_slot(idx);
   coh_.invalidate(s, sizeof *s);
   if (s->host_slot != host_slot_ + 1 || s->host_id != host_id_) return;

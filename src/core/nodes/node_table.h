@@ -3,8 +3,8 @@
 // pool's lock file, the domain tag written into node words), its lease observations of every
 // slot, and the lock that serialises judging and reclaiming in this process. Gives one verdict
 // per slot with its evidence, and the reads built on it (verdicts, any_dead, gone,
-// incarnation_alive); reclaiming what a dead node held touches every protocol and stays with Pool
-// (nodes.cpp) until the store answers it through one narrow interface.
+// incarnation_alive). Acting on a verdict (claiming a dead slot, reclaiming what it held) is
+// Attachment's (attachment.h), which is handed this judge.
 #pragma once
 #include <cstdint>
 #include <mutex>

@@ -1,4 +1,5 @@
-// Node table: attaching, detaching, telling dead peers apart, and reclaiming what they held.
+// Attachment (attachment.h), the node table side: attaching, detaching, the heartbeat, telling
+// dead peers apart, and reclaiming what they held.
 //
 // Liveness (who is dead) is judged by liveness.h's primitives, never by pids or hostnames: see the
 // invariants L1-L5 beside NodeSlot in format.h.
@@ -15,7 +16,9 @@
 #include <cstring>
 #include <thread>
 
-#include "pool.h"
+#include "attachment.h"
+#include "clock.h"
+#include "errors.h"
 
 namespace cxlkv {
 
@@ -28,7 +31,48 @@ uint64_t pid_ns_inode() {
 }
 }  // namespace
 
-void Pool::attach_node(bool observer) {
+void Attachment::open(bool attach) {
+  const bool multihost = hdr_->backend == uint32_t(Backend::multihost);
+  observer_ = !attach;
+  // An observer takes no node slot, and on the multihost backend no row either, until it has
+  // something to write (become_writer, host_slot.cpp "Observers"): looking never costs a host
+  // its attach. Reclaiming dead nodes is writing: a row-less observer leaves it to `pool check`.
+  if (multihost && !attach) {
+    row_less_ = true;
+    row_less_arbiter_ = std::make_unique<RowLessArbiter>("pool " + path_);
+    coh_ = Coherence(Backend::multihost, id_.model, row_less_arbiter_.get());
+    return;
+  }
+  if (multihost) setup_arbiter(id_.emulated ? id_.emulated_slot : id_.want_slot, false);
+  reap_dead_nodes();
+  if (attach) attach_node(false);
+  if (multihost) settle_host_slot(false);
+}
+
+bool Attachment::heartbeat_tick() {
+  // One beat at a time: a beat's own coherence calls may reach a point where the emulator ticks
+  // again (two writers of the heartbeat line would break its one-writer rule).
+  if (beating_.exchange(true, std::memory_order_acquire)) return true;
+  struct Done {
+    std::atomic<bool>& b;
+    ~Done() { b.store(false, std::memory_order_release); }
+  } done{beating_};
+  if (!region_.base() || !node_id_) {  // not attached yet: nobody can declare us dead
+    last_beat_ns_.store(liveness::mono_ns(), std::memory_order_release);
+    return true;
+  }
+  return liveness::beat(node_slot(node_id_ - 1), node_word_, coh_.unarbitrated(), &fenced_, &last_beat_ns_,
+                        bakery_ ? uint64_t(hdr_->lease_ms) * 1'000'000 / 2 : 0);
+}
+
+void Attachment::abandon() {
+  fenced_.store(true, std::memory_order_release);
+  liveness::stop_heartbeat(heartbeat_);
+  heartbeat_ = 0;
+  node_id_ = 0;
+}
+
+void Attachment::attach_node(bool observer) {
   const uint64_t lease_ns = uint64_t(hdr_->lease_ms) * 1'000'000;
   const uint64_t deadline = liveness::mono_ns() + lease_ns + lease_ns / 4;
   for (;;) {
@@ -68,7 +112,7 @@ void Pool::attach_node(bool observer) {
       coh_.flush(node_area(i), sizeof(NodeAreaFixed) + hw * 8);
       coh_.invalidate(s, sizeof *s);
       coh_.check_fence();
-      s->pid = pid_;
+      s->pid = id_.pid;
       s->host_slot = bakery_ ? host_slot_ + 1 : 0;
       s->flags = (bakery_ ? kNodeSharesHostSlot : 0) | (observer ? kNodeObserver : 0);
       s->pid_ns = pid_ns_inode();
@@ -88,11 +132,11 @@ void Pool::attach_node(bool observer) {
       node_id_ = i + 1;
       if (bakery_) bakery_->set_node(node_id_, node_word_);
       // An emulated host beats from its own thread (heartbeat_tick), so that a pause stops it.
-      if (!emu_.base)
+      if (!id_.emulated)
         heartbeat_ = liveness::start_heartbeat(s, node_word_, std::max<uint64_t>(lease_ns / 4, 1'000'000),
                                                coh_.unarbitrated(), &fenced_, &intact_, &last_beat_ns_,
                                                bakery_ ? lease_ns / 2 : 0, bakery_ ? &chores_ : nullptr);
-      if (!emu_.base && !observer) start_admin_responder();  // answers `pool ping` (rpc_admin.cpp)
+      if (!id_.emulated && !observer) peers_.start_admin_responder();  // answers `pool ping` (rpc_admin.cpp)
       return;
     }
     if (observer) return;  // a full table: an observer goes on without a node slot
@@ -108,20 +152,20 @@ void Pool::attach_node(bool observer) {
                            "`cxlkv pool reap NODE` reclaims one)");
 }
 
-void Pool::detach_node() {
+void Attachment::detach_node() {
   if (!node_id_) return;
   uint32_t i = node_id_ - 1;
-  stop_admin_responder();  // before the slot is FREE: no answer in the name of a gone node
+  peers_.stop_admin_responder();  // before the slot is FREE: no answer in the name of a gone node
   liveness::stop_heartbeat(heartbeat_);
   heartbeat_ = 0;
-  if (!mapping_intact()) return;  // the file shrank: its pages are gone, nothing to clean there
+  if (!peers_.mapping_intact()) return;  // the file shrank: its pages are gone, nothing to clean there
   if (!fenced_.load(std::memory_order_acquire) && coh_.read(&node_slot(i)->state) == node_word_) {
     // close() always returns: a fence or a lock that stays taken (LockTimeoutError) leaves the
     // slot to be reclaimed like a dead node's (same kernel at once, once its lock is dropped
     // below; other hosts after a lease of silence, since the heartbeat has stopped).
     try {
       // Pins of a clean close are already released by their leases; clear any left behind.
-      uint64_t hw = std::min<uint64_t>(index_.pin_high_water(), hdr_->pin_slots);
+      uint64_t hw = std::min<uint64_t>(peers_.pin_high_water(), hdr_->pin_slots);
       for (uint64_t p = 0; p < hw; ++p) coh_.publish(&pins(i)[p], 0);
       coh_.publish(&node_fixed(i)->pin_hw, 0);
       uint64_t w = node_word_;
@@ -135,7 +179,7 @@ void Pool::detach_node() {
 }
 
 // Claims slot idx (judged as n from word w) RECLAIMING and reclaims it. Caller holds reap_mu_.
-bool Pool::reclaim_judged(uint32_t idx, uint64_t w, const NodeInfo& n, bool force) {
+bool Attachment::reclaim_judged(uint32_t idx, uint64_t w, const NodeInfo& n, bool force) {
   if (n.state == kNodeFree || n.self) return false;
   if (n.verdict != NodeInfo::kDead && !force) return false;
   // The reclaimer holds the slot's lock while RECLAIMING (L1), so its own death is seen too.
@@ -148,11 +192,11 @@ bool Pool::reclaim_judged(uint32_t idx, uint64_t w, const NodeInfo& n, bool forc
   }
   reclaim_node(idx, mine);
   if (locked) liveness::unlock(lock_, lock_offset(idx));
-  node_table_.forget(idx);
+  table_.forget(idx);
   return true;
 }
 
-uint64_t Pool::reap_pass(uint64_t* undecided) {
+uint64_t Attachment::reap_pass(uint64_t* undecided) {
   if (row_less_ && any_dead_node()) become_writer();
   if (bakery_) bakery_->sweep();  // tier-1 words of our row left by dead host-mates (arbiter.h)
   std::lock_guard<std::mutex> g(reap_mu_);
@@ -177,9 +221,7 @@ uint64_t Pool::reap_pass(uint64_t* undecided) {
   return reaped;
 }
 
-uint64_t Pool::reap_dead_nodes() { return reap_pass(nullptr); }
-
-NodeInfo Pool::reap_node(uint32_t id, bool force, bool* reclaimed, uint64_t wait_ms) {
+NodeInfo Attachment::reap_node(uint32_t id, bool force, bool* reclaimed, uint64_t wait_ms) {
   if (id == 0 || id > hdr_->max_nodes)
     throw ArgumentError("node id must be in 1.." + std::to_string(hdr_->max_nodes));
   become_writer();                    // a row-less observer: reaping is writing
@@ -214,7 +256,7 @@ NodeInfo Pool::reap_node(uint32_t id, bool force, bool* reclaimed, uint64_t wait
   }
 }
 
-void Pool::reclaim_node(uint32_t idx, uint64_t reclaiming_word) {
+void Attachment::reclaim_node(uint32_t idx, uint64_t reclaiming_word) {
   const uint8_t dead = uint8_t(idx + 1);
   // 0. multihost: the stripes of our host's row it held in tier 1 (host_slot.cpp).
   if (bakery_) release_dead_rows(idx, reclaiming_word);
@@ -225,14 +267,11 @@ void Pool::reclaim_node(uint32_t idx, uint64_t reclaiming_word) {
   for (uint64_t p = 0; p < hw; ++p) coh_.publish(&pins(idx)[p], 0);
   coh_.publish(&fx->pin_hw, 0);
   coh_.publish(&fx->intents, 0);  // its intents are WRITING entries: tombstoned by step 2
-  // 2. Index entries it was writing or evicting, and what no reclaim of a node would visit
-  //    (Index::release_of_node, index_evict.cpp).
-  index_.release_of_node(dead);
-  // 3. Chunks it was carving or draining; block descs it claimed that no entry points back to
-  //    (Allocator::release_of_node, allocator.cpp).
-  allocator_.release_of_node(dead);
-  // 4. Namespace-table lock and half-created namespaces (Namespaces::release_of_node).
-  namespaces_.release_of_node(dead);
+  // 2-4. What it held in the store, released by the owners of that state (Attachment::Peers):
+  //    index entries it was writing or evicting (Index::release_of_node, index_evict.cpp), chunks
+  //    it was carving or draining and block descs no entry points back to (Allocator), the
+  //    namespace-table lock and half-created namespaces (Namespaces).
+  peers_.release_of_node(dead);
   // 5. Count it in the dead slot's own counters (L5: we own its area until FREE), then free it.
   coh_.bump_owned(&node_fixed(idx)->counters[kReclaimedNodes], 1);
   uint64_t w = reclaiming_word;
