@@ -112,7 +112,10 @@ struct CheckReport {
   }
 };
 
-class Pool : private Allocator::Peers, private Index::Peers, private Namespaces::Peers {
+class Pool final : private Allocator::Peers,
+                   private Index::Peers,
+                   private Namespaces::Peers,
+                   private DeviceTransfers::Peers {
  public:
   static std::unique_ptr<Pool> create(const std::string& path, const CreateOptions& opt, bool exist_ok);
   // attach=false: an observer (check, info, stats, reap) that takes no node slot, so it works on a
@@ -145,14 +148,14 @@ class Pool : private Allocator::Peers, private Index::Peers, private Namespaces:
   // Throws if the pool is closed, or if this attachment was inherited through fork(): the child
   // does not own the parent's node slot and must open the pool itself.
   // Also throws once this node was reclaimed while alive (fenced: liveness invariant L3).
-  void ensure_usable() const;
+  void ensure_usable() const override;  // (and DeviceTransfers::Peers)
   // False once the mapped file shrank below the mapping (or a SIGBUS was answered): the pool's
   // pages are gone; close and lease release then skip their stores. One fstat.
-  bool mapping_intact() const;
+  bool mapping_intact() const override;  // (and DeviceTransfers::Peers)
 
   // --- identity ---------------------------------------------------------------------------
   const std::string& path() const { return path_; }
-  uint64_t size() const { return emu_.base ? emu_.size : map_.size(); }
+  uint64_t size() const override { return emu_.base ? emu_.size : map_.size(); }  // (DeviceTransfers::Peers)
   uint32_t node_id() const { return node_id_; }
   const format::PoolHeader& header() const { return *hdr_; }  // the private validated copy
   bool read_only() const { return read_only_; }
@@ -234,8 +237,8 @@ class Pool : private Allocator::Peers, private Index::Peers, private Namespaces:
   // index, SharedWords.init) and how many this node holds now. A reserve past the cap is refused
   // (Reservation::capped) before it touches the index, so one node's flood of intents never
   // takes the slots other nodes' puts need.
-  uint64_t intent_cap() const;
-  uint64_t intents_held() const { return intents_held_.load(std::memory_order_relaxed); }
+  uint64_t intent_cap() const { return transfers_.intent_cap(); }
+  uint64_t intents_held() const { return transfers_.intents_held(); }
   void release(const std::vector<PinRef>& pins) { index_.release(pins, mapping_intact()); }
 
   // --- batched gather/scatter (copy_engine.cpp) ---------------------------------------------
@@ -259,7 +262,7 @@ class Pool : private Allocator::Peers, private Index::Peers, private Namespaces:
   }
   static void set_copy_threads(unsigned n) { cxlkv::set_copy_threads(n); }
 
-  // --- device transfers (transfer.cpp, transfer.h) ------------------------------------------
+  // --- device transfers (DeviceTransfers, transfer/transfer.h; forwarded in pool.cpp) --------
   // reserve: an entry in WRITING and a block of ns.block_bytes for the key, at r->offset in the
   // pool (r->state reserved), or why not (present, in_flight, failed: nothing held). Without a
   // block: the entry only (an intent marker; its chunk stays kNoChunk), released by abort.
@@ -380,7 +383,6 @@ class Pool : private Allocator::Peers, private Index::Peers, private Namespaces:
   bool snapshot(uint64_t slot, uint64_t word, format::IndexEntry* out) const {
     return region_.snapshot(slot, word, out);
   }
-  bool verify_block(const VerifiedBlock& b);
   // The allocator (allocator.h) asks the store back only to steal a chunk (Allocator::Peers: the
   // namespaces, and the index's half of draining, Index::evict_owner).
   std::vector<NsHandle> namespace_handles() override { return namespaces_.handles(); }
@@ -422,8 +424,6 @@ class Pool : private Allocator::Peers, private Index::Peers, private Namespaces:
   uint32_t& domain_ = node_table_.domain();
   std::mutex& reap_mu_ = node_table_.mu();  // one reclaim at a time per lock descriptor
   uint64_t heartbeat_ = 0;                  // handle with the process heartbeat thread
-  std::atomic<uint64_t> intents_held_{0};   // this node's intents (reserved, not yet aborted)
-  void publish_intents();                   // the count into our node area (NodeAreaFixed.intents)
   std::atomic<bool> fenced_{false};         // this node was reclaimed while alive (L3), or fenced itself
   // multihost (arbiter.h): the cross-host lock and fence; the time before the last published beat
   std::unique_ptr<Bakery> bakery_;
@@ -471,6 +471,8 @@ class Pool : private Allocator::Peers, private Index::Peers, private Namespaces:
   Namespaces namespaces_{region_, quotas_, path_, node_id_, read_only_, observer_, *this};
   // The prefix index (index.h): lookup, insert, pins, eviction; its victim queues and lease pins.
   Index index_{region_, allocator_, quotas_, node_id_, node_word_, *this};
+  // The device transfers (transfer.h): reserve/commit/abort, verified loads; this node's intents.
+  DeviceTransfers transfers_{region_, index_, allocator_, quotas_, node_id_, *this};
   std::atomic<uint64_t> last_reap_ns_{0};  // when reap_pass last started (nodes.cpp)
   uint64_t last_reap_ns() const override { return last_reap_ns_.load(std::memory_order_relaxed); }
   std::function<bool()> intact_ = [this] { return mapping_intact(); };  // for the heartbeat

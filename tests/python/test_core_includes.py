@@ -32,7 +32,6 @@ KNOWN: dict[tuple[str, str], str] = {
             "nodes/nodes.cpp",
             "store/check.cpp",
             "transfer/token_rows.h",
-            "transfer/transfer.cpp",
         )
     },
 }
