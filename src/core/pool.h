@@ -16,6 +16,7 @@
 
 #include "allocator.h"
 #include "arbiter.h"
+#include "arena_view.h"
 #include "checksum.h"
 #include "clock.h"
 #include "coherence.h"
@@ -187,9 +188,16 @@ class Pool final : private Allocator::Peers,
     ensure_usable();
     return index_.locate(ns, key, offset, length);
   }
-  // The pool bytes [offset, offset + length) if they lie wholly inside the arena, else null
-  // (token_rows.cpp: row gathers from offsets a caller kept; the bytes are payload, unvalidated).
-  const char* arena_bytes(uint64_t offset, uint64_t length) const;
+  // The arena's bounds (arena_view.h), for row gathers from offsets a caller kept (token_rows.cpp).
+  // No ensure_usable() here: taken under an operation that checked it (bindings' OpGuard).
+  ArenaView arena_view() const {
+    if (!hdr_) return {};
+    return {region_.base(), hdr_->arena_off, hdr_->arena_off + hdr_->chunk_count * chunk_stride()};
+  }
+  // The pool bytes [offset, offset + length) if they lie wholly inside the arena, else null.
+  const char* arena_bytes(uint64_t offset, uint64_t length) const {
+    return arena_view().bytes(offset, length);
+  }
   std::vector<DeviceUse> device_usage();         // pool.cpp
   std::vector<NamespaceUse> namespace_usage() {  // one entry per listed namespace, by id
     ensure_usable();

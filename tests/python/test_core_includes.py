@@ -31,7 +31,6 @@ KNOWN: dict[tuple[str, str], str] = {
             "nodes/host_slot.cpp",
             "nodes/nodes.cpp",
             "store/check.cpp",
-            "transfer/token_rows.h",
         )
     },
 }
