@@ -117,7 +117,7 @@ namespace {
 // 4/6/8/12/16 rows and 1/2/3/all lines (BENCHMARKS.md, "Token format 5").
 constexpr size_t kAhead = 8;
 // `arena` by value: a local copy that no store to `out` (char*, which may alias anything) can change,
-// so its three fields stay in registers across the loop.
+// so its three fields are never reloaded through a pointer (registers or this frame's own slots).
 GatherResult gather_range(ArenaView arena, const SeqRows& s, uint32_t first_layer, const int64_t* indices,
                           size_t k, bool indices_per_layer, char* out, size_t lo, size_t hi) {
   const TokenGeometry& g = *s.g;
