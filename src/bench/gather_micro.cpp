@@ -96,7 +96,10 @@ int main(int argc, char** argv) {
     if (!pool->put(ns, keys.back(), &p, 1, 0)) std::abort();
   }
   auto pins = pool->acquire(ns, keys.data(), nb);
-  const auto blocks = resolve_blocks(*pool, ns, g, keys.data(), nb, kSeq, 0, 0);
+  const auto blocks = resolve_blocks(
+      pool->arena_view(),
+      [&](const Key& k, uint64_t* off, uint64_t* len) { return pool->locate(ns, k, off, len); }, ns, g,
+      keys.data(), nb, kSeq, 0, 0);
   if (pins.size() != nb || blocks.size() != nb) std::abort();
   std::vector<uint64_t> offs(nb);
   for (uint64_t c = 0; c < nb; ++c) offs[c] = blocks[c].offset;
@@ -172,7 +175,7 @@ int main(int argc, char** argv) {
     if (x == 1) std::puts("");
   });
   run("the product: gather_rows (copy threads)", out_bytes, reps, [&] {
-    const GatherResult res = gather_rows(*pool, s, 0, L, idx.data(), k, true, out.data());
+    const GatherResult res = gather_rows(pool->arena_view(), s, 0, L, idx.data(), k, true, out.data());
     if (res.status != GatherResult::kOk) std::printf("!! gather failed at row %zu\n", res.bad_pos);
   });
   pool->release(pins);

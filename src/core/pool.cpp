@@ -403,4 +403,19 @@ void Pool::check_lock_area(CheckReport& r) {
   for (auto& f : l.repaired) r.fixed(f);
 }
 
+// --- device transfers: the protocol is DeviceTransfers' (transfer/transfer.cpp) ---------------
+void Pool::reserve(const NsHandle& ns, const Key& key, uint16_t depth, Reservation* r, bool with_block) {
+  transfers_.reserve(ns, key, depth, r, with_block);
+}
+bool Pool::commit(const NsHandle& ns, Reservation* r) { return transfers_.commit(ns, r); }
+void Pool::abort(const NsHandle& ns, Reservation* r) { transfers_.abort(ns, r); }
+size_t Pool::pin_verified(const NsHandle& ns, const Key* keys, size_t n, std::vector<VerifiedBlock>* out) {
+  return transfers_.pin_verified(ns, keys, n, out);
+}
+size_t Pool::recheck(const std::vector<VerifiedBlock>& blocks) { return transfers_.recheck(blocks); }
+void Pool::unpin_verified(std::vector<VerifiedBlock>* blocks) { transfers_.unpin_verified(blocks); }
+std::vector<std::pair<uint64_t, uint64_t>> Pool::transfer_ranges(uint64_t max_bytes, uint64_t page) const {
+  return transfers_.transfer_ranges(max_bytes, page);
+}
+
 }  // namespace cxlkv

@@ -17,6 +17,7 @@
 
 #include "allocator.h"
 #include "arbiter.h"
+#include "arena_view.h"
 #include "attachment.h"
 #include "checksum.h"
 #include "clock.h"
@@ -114,10 +115,11 @@ struct CheckReport {
   }
 };
 
-class Pool : private Allocator::Peers,
-             private Index::Peers,
-             private Namespaces::Peers,
-             private Attachment::Peers {
+class Pool final : private Allocator::Peers,
+                   private Index::Peers,
+                   private Namespaces::Peers,
+                   private Attachment::Peers,
+                   private DeviceTransfers::Peers {
  public:
   static std::unique_ptr<Pool> create(const std::string& path, const CreateOptions& opt, bool exist_ok);
   // attach=false: an observer (check, info, stats, reap) that takes no node slot, so it works on a
@@ -150,14 +152,14 @@ class Pool : private Allocator::Peers,
   // Throws if the pool is closed, or if this attachment was inherited through fork(): the child
   // does not own the parent's node slot and must open the pool itself.
   // Also throws once this node was reclaimed while alive (fenced: liveness invariant L3).
-  void ensure_usable() const;
+  void ensure_usable() const override;  // (and DeviceTransfers::Peers)
   // False once the mapped file shrank below the mapping (or a SIGBUS was answered): the pool's
   // pages are gone; close and lease release then skip their stores. One fstat.
-  bool mapping_intact() const override;
+  bool mapping_intact() const override;  // (Attachment::Peers and DeviceTransfers::Peers)
 
   // --- identity ---------------------------------------------------------------------------
   const std::string& path() const { return path_; }
-  uint64_t size() const { return emu_.base ? emu_.size : map_.size(); }
+  uint64_t size() const override { return emu_.base ? emu_.size : map_.size(); }  // (DeviceTransfers::Peers)
   uint32_t node_id() const { return node_id_; }
   const format::PoolHeader& header() const { return *hdr_; }  // the private validated copy
   bool read_only() const { return read_only_; }
@@ -189,9 +191,16 @@ class Pool : private Allocator::Peers,
     ensure_usable();
     return index_.locate(ns, key, offset, length);
   }
-  // The pool bytes [offset, offset + length) if they lie wholly inside the arena, else null
-  // (token_rows.cpp: row gathers from offsets a caller kept; the bytes are payload, unvalidated).
-  const char* arena_bytes(uint64_t offset, uint64_t length) const;
+  // The arena's bounds (arena_view.h), for row gathers from offsets a caller kept (token_rows.cpp).
+  // No ensure_usable() here: taken under an operation that checked it (bindings' OpGuard).
+  ArenaView arena_view() const {
+    if (!hdr_) return {};
+    return {region_.base(), hdr_->arena_off, hdr_->arena_off + hdr_->chunk_count * chunk_stride()};
+  }
+  // The pool bytes [offset, offset + length) if they lie wholly inside the arena, else null.
+  const char* arena_bytes(uint64_t offset, uint64_t length) const {
+    return arena_view().bytes(offset, length);
+  }
   std::vector<DeviceUse> device_usage();         // pool.cpp
   std::vector<NamespaceUse> namespace_usage() {  // one entry per listed namespace, by id
     ensure_usable();
@@ -239,8 +248,8 @@ class Pool : private Allocator::Peers,
   // index, SharedWords.init) and how many this node holds now. A reserve past the cap is refused
   // (Reservation::capped) before it touches the index, so one node's flood of intents never
   // takes the slots other nodes' puts need.
-  uint64_t intent_cap() const;
-  uint64_t intents_held() const { return intents_held_.load(std::memory_order_relaxed); }
+  uint64_t intent_cap() const { return transfers_.intent_cap(); }
+  uint64_t intents_held() const { return transfers_.intents_held(); }
   void release(const std::vector<PinRef>& pins) { index_.release(pins, mapping_intact()); }
 
   // --- batched gather/scatter (copy_engine.cpp) ---------------------------------------------
@@ -264,7 +273,7 @@ class Pool : private Allocator::Peers,
   }
   static void set_copy_threads(unsigned n) { cxlkv::set_copy_threads(n); }
 
-  // --- device transfers (transfer.cpp, transfer.h) ------------------------------------------
+  // --- device transfers (DeviceTransfers, transfer/transfer.h; forwarded in pool.cpp) --------
   // reserve: an entry in WRITING and a block of ns.block_bytes for the key, at r->offset in the
   // pool (r->state reserved), or why not (present, in_flight, failed: nothing held). Without a
   // block: the entry only (an intent marker; its chunk stays kNoChunk), released by abort.
@@ -380,7 +389,6 @@ class Pool : private Allocator::Peers,
   bool snapshot(uint64_t slot, uint64_t word, format::IndexEntry* out) const {
     return region_.snapshot(slot, word, out);
   }
-  bool verify_block(const VerifiedBlock& b);
   // The allocator (allocator.h) asks the store back only to steal a chunk (Allocator::Peers: the
   // namespaces, and the index's half of draining, Index::evict_owner).
   std::vector<NsHandle> namespace_handles() override { return namespaces_.handles(); }
@@ -430,8 +438,6 @@ class Pool : private Allocator::Peers,
   const std::unique_ptr<Bakery>& bakery_ = attachment_.bakery();  // multihost: our row's lock
   const bool& row_less_ = attachment_.row_less();                 // multihost observer, no row yet
   std::atomic<uint64_t>& reaped_unreported_ = attachment_.reaped_unreported();
-  std::atomic<uint64_t> intents_held_{0};  // this node's intents (reserved, not yet aborted)
-  void publish_intents();                  // the count into our node area (NodeAreaFixed.intents)
   void become_writer() override { attachment_.become_writer(); }
   void check_lock_area(CheckReport& r);  // LockCheck (lock_check.h), merged into r (pool.cpp)
   void watch_undecided_nodes(CheckReport& r, int64_t watch_ms);  // check.cpp
@@ -448,6 +454,8 @@ class Pool : private Allocator::Peers,
   Namespaces namespaces_{region_, quotas_, path_, node_id_, read_only_, observer_, *this};
   // The prefix index (index.h): lookup, insert, pins, eviction; its victim queues and lease pins.
   Index index_{region_, allocator_, quotas_, node_id_, node_word_, *this};
+  // The device transfers (transfer.h): reserve/commit/abort, verified loads; this node's intents.
+  DeviceTransfers transfers_{region_, index_, allocator_, quotas_, node_id_, *this};
   uint64_t last_reap_ns() const override { return attachment_.last_reap_ns(); }  // Index::Peers
   // admin RPC (rpc_admin.cpp): this node's mailbox responder thread (Attachment::Peers: started
   // once we have a node, stopped before its slot is freed)

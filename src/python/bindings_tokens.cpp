@@ -79,7 +79,12 @@ void bind_tokens(nb::module_& m, NsAccessFn access) {
         std::vector<tokens::ResolvedBlock> r;
         {
           nb::gil_scoped_release nogil;
-          r = tokens::resolve_blocks(*a.pool, a.ns, g, ks.data(), ks.size(), seq_hash, stream, first_chunk);
+          Pool& pool = *a.pool;
+          const NsHandle& h = a.ns;
+          r = tokens::resolve_blocks(
+              pool.arena_view(),
+              [&](const Key& k, uint64_t* off, uint64_t* len) { return pool.locate(h, k, off, len); }, h, g,
+              ks.data(), ks.size(), seq_hash, stream, first_chunk);
         }
         std::vector<std::pair<uint64_t, uint32_t>> out;
         for (auto& b : r) out.emplace_back(b.offset, b.valid_tokens);
@@ -134,8 +139,8 @@ void bind_tokens(nb::module_& m, NsAccessFn access) {
         tokens::GatherResult r;
         {
           nb::gil_scoped_release nogil;
-          r = tokens::gather_rows(*a.pool, s, first_layer, n_layers, indices.data(), k, per_layer,
-                                  static_cast<char*>(out.data()));
+          r = tokens::gather_rows(a.pool->arena_view(), s, first_layer, n_layers, indices.data(), k,
+                                  per_layer, static_cast<char*>(out.data()));
         }
         if (r.status == tokens::GatherResult::kIndexOutOfRange)
           throw nb::index_error(("token index " + std::to_string(r.bad_index) + " (position " +

@@ -24,6 +24,16 @@ Key key_of(uint64_t id) {
   return k;
 }
 
+// resolve_blocks over a Pool, as the binding calls it (bindings_tokens.cpp).
+std::vector<tokens::ResolvedBlock> resolve(Pool& pool, const NsHandle& ns, const TokenGeometry& g,
+                                           const Key* keys, size_t n, uint64_t seq, uint32_t stream,
+                                           uint64_t first_chunk) {
+  return tokens::resolve_blocks(
+      pool.arena_view(),
+      [&](const Key& k, uint64_t* off, uint64_t* len) { return pool.locate(ns, k, off, len); }, ns, g, keys,
+      n, seq, stream, first_chunk);
+}
+
 // One block of random rows sealed as chunk 0 (64 tokens) of sequence seq, put under key_of(7),
 // pinned and resolved: the fixture of the tests that corrupt or rewrite rows in place.
 struct OneBlock {
@@ -40,7 +50,7 @@ void put_one_block(Pool& pool, const NsHandle& ns, const TokenGeometry& g, uint6
   Piece p{out.bytes.data(), g.block_bytes()};
   ASSERT_TRUE(pool.put(ns, key, &p, 1, 0));
   out.pins = pool.acquire(ns, &key, 1);
-  auto r = tokens::resolve_blocks(pool, ns, g, &key, 1, seq, 0, 0);
+  auto r = resolve(pool, ns, g, &key, 1, seq, 0, 0);
   ASSERT_EQ(r.size(), 1u);
   out.offset = r[0].offset;
 }
@@ -63,23 +73,23 @@ TEST_F(TokenRows, SealResolveGatherExactThenCorruptionIsAMiss) {
   }
   auto pins = pool->acquire(ns, keys.data(), keys.size());
   ASSERT_EQ(pins.size(), 3u);
-  auto r = tokens::resolve_blocks(*pool, ns, g, keys.data(), 3, seq, 0, 0);
+  auto r = resolve(*pool, ns, g, keys.data(), 3, seq, 0, 0);
   ASSERT_EQ(r.size(), 3u);
   EXPECT_EQ(r[2].valid_tokens, 8u);
-  EXPECT_TRUE(tokens::resolve_blocks(*pool, ns, g, keys.data(), 3, seq ^ 1, 0, 0).empty());  // other sequence
-  EXPECT_TRUE(tokens::resolve_blocks(*pool, ns, g, keys.data() + 1, 2, seq, 0, 0).empty());  // wrong chunk
+  EXPECT_TRUE(resolve(*pool, ns, g, keys.data(), 3, seq ^ 1, 0, 0).empty());  // other sequence
+  EXPECT_TRUE(resolve(*pool, ns, g, keys.data() + 1, 2, seq, 0, 0).empty());  // wrong chunk
   std::vector<uint64_t> offs{r[0].offset, r[1].offset, r[2].offset};
   tokens::SeqRows s{&g, seq, 0, n_tokens, offs.data(), offs.size()};
   const std::vector<int64_t> idx{39, 0, 0, 17, 16, 31};
   std::vector<char> out(idx.size() * 656, char(0xA5));
-  auto res = tokens::gather_rows(*pool, s, 2, 1, idx.data(), idx.size(), false, out.data());
+  auto res = tokens::gather_rows(pool->arena_view(), s, 2, 1, idx.data(), idx.size(), false, out.data());
   ASSERT_EQ(res.status, GatherResult::kOk);
   for (size_t i = 0; i < idx.size(); ++i) {
     const auto& b = blocks[idx[i] / 16];
     EXPECT_EQ(std::memcmp(out.data() + i * 656, b.data() + g.row_off(2, idx[i] % 16), 656), 0) << i;
   }
   const int64_t bad[] = {3, 40};
-  res = tokens::gather_rows(*pool, s, 0, 1, bad, 2, false, out.data());
+  res = tokens::gather_rows(pool->arena_view(), s, 0, 1, bad, 2, false, out.data());
   EXPECT_EQ(res.status, GatherResult::kIndexOutOfRange);
   EXPECT_EQ(res.bad_pos, 1u);
   // one byte of row (layer 1, token 20) changes in the pool: that row is a miss, others are not
@@ -87,15 +97,17 @@ TEST_F(TokenRows, SealResolveGatherExactThenCorruptionIsAMiss) {
   ASSERT_NE(row, nullptr);
   row[300] ^= 1;
   const int64_t hit[] = {20};
-  EXPECT_EQ(tokens::gather_rows(*pool, s, 0, 1, hit, 1, false, out.data()).status, GatherResult::kOk);
-  res = tokens::gather_rows(*pool, s, 1, 1, hit, 1, false, out.data());
+  EXPECT_EQ(tokens::gather_rows(pool->arena_view(), s, 0, 1, hit, 1, false, out.data()).status,
+            GatherResult::kOk);
+  res = tokens::gather_rows(pool->arena_view(), s, 1, 1, hit, 1, false, out.data());
   EXPECT_EQ(res.status, GatherResult::kMiss);
   EXPECT_EQ(res.bad_index, 20);
   // offsets outside the arena are a miss, never a read
   std::vector<uint64_t> wild{~0ull / 2, offs[1], offs[2]};
   tokens::SeqRows w{&g, seq, 0, n_tokens, wild.data(), wild.size()};
   const int64_t first[] = {0};
-  EXPECT_EQ(tokens::gather_rows(*pool, w, 0, 1, first, 1, false, out.data()).status, GatherResult::kMiss);
+  EXPECT_EQ(tokens::gather_rows(pool->arena_view(), w, 0, 1, first, 1, false, out.data()).status,
+            GatherResult::kMiss);
   pool->release(pins);
 }
 
@@ -118,7 +130,7 @@ TEST_F(TokenRows, BatchedGatherExactAndFirstCorruptRowIsTheMiss) {
     ASSERT_TRUE(pool->put(ns, keys[c], &p, 1, 0));
   }
   auto pins = pool->acquire(ns, keys.data(), keys.size());
-  auto r = tokens::resolve_blocks(*pool, ns, g, keys.data(), n_blocks, seq, 0, 0);
+  auto r = resolve(*pool, ns, g, keys.data(), n_blocks, seq, 0, 0);
   ASSERT_EQ(r.size(), n_blocks);
   std::vector<uint64_t> offs;
   for (auto& b : r) offs.push_back(b.offset);
@@ -128,7 +140,8 @@ TEST_F(TokenRows, BatchedGatherExactAndFirstCorruptRowIsTheMiss) {
   for (auto& i : idx) i = int64_t(rng() % n_tokens);
   idx[0] = 0, idx[k - 1] = int64_t(n_tokens - 1), idx[k] = idx[k + 1];  // ends and a duplicate
   std::vector<char> out(idx.size() * 1152, char(0xA5));
-  ASSERT_EQ(tokens::gather_rows(*pool, s, 0, 2, idx.data(), k, true, out.data()).status, GatherResult::kOk);
+  ASSERT_EQ(tokens::gather_rows(pool->arena_view(), s, 0, 2, idx.data(), k, true, out.data()).status,
+            GatherResult::kOk);
   for (size_t i = 0; i < idx.size(); ++i) {
     const uint32_t layer = uint32_t(i / k);
     const auto& b = blocks[idx[i] / 64];
@@ -147,12 +160,13 @@ TEST_F(TokenRows, BatchedGatherExactAndFirstCorruptRowIsTheMiss) {
       idx[k + i] = int64_t(rng() % n_tokens);
   corrupt(450);
   corrupt(300);
-  auto res = tokens::gather_rows(*pool, s, 0, 2, idx.data(), k, true, out.data());
+  auto res = tokens::gather_rows(pool->arena_view(), s, 0, 2, idx.data(), k, true, out.data());
   EXPECT_EQ(res.status, GatherResult::kMiss);
   EXPECT_EQ(res.bad_pos, k + 300);
   EXPECT_EQ(res.bad_layer, 1u);
   EXPECT_EQ(res.bad_index, idx[k + 300]);
-  EXPECT_EQ(tokens::gather_rows(*pool, s, 0, 1, idx.data(), k, false, out.data()).status, GatherResult::kOk);
+  EXPECT_EQ(tokens::gather_rows(pool->arena_view(), s, 0, 1, idx.data(), k, false, out.data()).status,
+            GatherResult::kOk);
   pool->release(pins);
 }
 
@@ -182,7 +196,7 @@ TEST_F(TokenRows, RowsChangingMidGatherAreAMissNeverWrongRows) {
   std::vector<char> out(idx.size() * 656);
   size_t ok = 0, miss = 0;
   for (int round = 0; round < 2000; ++round) {
-    auto res = tokens::gather_rows(*pool, s, 0, 1, idx.data(), idx.size(), false, out.data());
+    auto res = tokens::gather_rows(pool->arena_view(), s, 0, 1, idx.data(), idx.size(), false, out.data());
     ASSERT_NE(res.status, GatherResult::kIndexOutOfRange);
     if (res.status == GatherResult::kMiss) {
       ++miss;
@@ -322,7 +336,7 @@ TEST_F(TokenRows, FormatFiveAnyCorruptByteIsThatRowsMissOnly) {
     for (uint32_t b = 0; b < g.row_stride(); ++b) {
       const char flip = char(1 + rng() % 255);
       slot[b] ^= flip;
-      auto res = tokens::gather_rows(*pool, s, 0, 2, every.data(), 64, false, out.data());
+      auto res = tokens::gather_rows(pool->arena_view(), s, 0, 2, every.data(), 64, false, out.data());
       if (b >= R && b < g.check_at()) {  // a pad byte: never read, the row still verifies exactly
         ASSERT_EQ(res.status, GatherResult::kOk) << R << " pad byte " << b;
         ASSERT_EQ(std::memcmp(out.data() + (64 + 20) * R, block.data() + g.row_off(1, 20), R), 0);
@@ -332,8 +346,10 @@ TEST_F(TokenRows, FormatFiveAnyCorruptByteIsThatRowsMissOnly) {
       ASSERT_EQ(res.status, GatherResult::kMiss) << R << " byte " << b;
       ASSERT_EQ(res.bad_layer, 1u);
       ASSERT_EQ(res.bad_index, 20);
-      ASSERT_EQ(tokens::gather_rows(*pool, s, 0, 2, others.data(), others.size(), false, out.data()).status,
-                GatherResult::kOk)
+      ASSERT_EQ(
+          tokens::gather_rows(pool->arena_view(), s, 0, 2, others.data(), others.size(), false, out.data())
+              .status,
+          GatherResult::kOk)
           << R << " byte " << b;
       for (size_t i = 0; i < others.size(); i += 21)
         ASSERT_EQ(std::memcmp(out.data() + (others.size() + i) * R,
@@ -341,7 +357,7 @@ TEST_F(TokenRows, FormatFiveAnyCorruptByteIsThatRowsMissOnly) {
                   0);
       slot[b] ^= flip;
     }
-    ASSERT_EQ(tokens::gather_rows(*pool, s, 0, 2, every.data(), 64, false, out.data()).status,
+    ASSERT_EQ(tokens::gather_rows(pool->arena_view(), s, 0, 2, every.data(), 64, false, out.data()).status,
               GatherResult::kOk);
     pool->release(one.pins);
     // the same bytes under a version-4 header (its own hash right): foreign to a format-5 reader
@@ -355,7 +371,7 @@ TEST_F(TokenRows, FormatFiveAnyCorruptByteIsThatRowsMissOnly) {
     const Piece p{block.data(), g.block_bytes()};
     ASSERT_TRUE(pool->put(ns, old_key, &p, 1, 0));
     auto old_pins = pool->acquire(ns, &old_key, 1);
-    EXPECT_TRUE(tokens::resolve_blocks(*pool, ns, g, &old_key, 1, seq, 0, 0).empty());
+    EXPECT_TRUE(resolve(*pool, ns, g, &old_key, 1, seq, 0, 0).empty());
     pool->release(old_pins);
     pool.reset();
     ::unlink(path_.c_str());  // the next row size's pool takes the same path

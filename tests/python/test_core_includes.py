@@ -29,8 +29,6 @@ KNOWN: dict[tuple[str, str], str] = {
         (f, "pool.h"): "a Pool member defined here (Pool is not yet a façade over owning types)"
         for f in (
             "store/check.cpp",
-            "transfer/token_rows.h",
-            "transfer/transfer.cpp",
         )
     },
 }

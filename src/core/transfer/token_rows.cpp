@@ -10,18 +10,7 @@
 #include "copy_threads.h"
 #include "errors.h"
 
-namespace cxlkv {
-
-// No ensure_usable() here: called per row, under an operation that checked it (bindings' OpGuard).
-const char* Pool::arena_bytes(uint64_t offset, uint64_t length) const {
-  if (!hdr_) return nullptr;
-  const uint64_t start = hdr_->arena_off;
-  const uint64_t end = start + hdr_->chunk_count * chunk_stride();
-  if (offset < start || offset > end || length > end - offset) return nullptr;
-  return region_.base() + offset;
-}
-
-namespace tokens {
+namespace cxlkv::tokens {
 
 namespace {
 
@@ -81,8 +70,9 @@ void seal_block(char* block, const TokenGeometry& g, uint64_t seq_hash, uint32_t
   std::memcpy(block + g.header_off(), &hdr, sizeof hdr);
 }
 
-std::vector<ResolvedBlock> resolve_blocks(Pool& pool, const NsHandle& ns, const TokenGeometry& g,
-                                          const Key* keys, size_t n, uint64_t seq_hash, uint32_t stream,
+std::vector<ResolvedBlock> resolve_blocks(const ArenaView& arena, const LocateBlock& locate,
+                                          const NsHandle& ns, const TokenGeometry& g, const Key* keys,
+                                          size_t n, uint64_t seq_hash, uint32_t stream,
                                           uint64_t first_chunk) {
   std::vector<ResolvedBlock> out;
   if (ns.block_bytes != g.block_bytes())
@@ -90,8 +80,8 @@ std::vector<ResolvedBlock> resolve_blocks(Pool& pool, const NsHandle& ns, const 
                         " is not the token block size " + std::to_string(g.block_bytes()));
   for (size_t i = 0; i < n; ++i) {
     uint64_t off = 0, len = 0;
-    if (!pool.locate(ns, keys[i], &off, &len) || len != g.block_bytes()) break;
-    const char* hp = pool.arena_bytes(off + g.header_off(), sizeof(TokenBlockHeader));
+    if (!locate(keys[i], &off, &len) || len != g.block_bytes()) break;
+    const char* hp = arena.bytes(off + g.header_off(), sizeof(TokenBlockHeader));
     if (!hp) break;
     TokenBlockHeader h;  // a private copy: validated, then believed
     std::memcpy(&h, hp, sizeof h);
@@ -126,7 +116,9 @@ namespace {
 // prefetchers appear to fetch the rest of the row). kAhead = 8 and two lines measured best among
 // 4/6/8/12/16 rows and 1/2/3/all lines (BENCHMARKS.md, "Token format 5").
 constexpr size_t kAhead = 8;
-GatherResult gather_range(const Pool& pool, const SeqRows& s, uint32_t first_layer, const int64_t* indices,
+// `arena` by value: a local copy that no store to `out` (char*, which may alias anything) can change,
+// so its three fields are never reloaded through a pointer (registers or this frame's own slots).
+GatherResult gather_range(ArenaView arena, const SeqRows& s, uint32_t first_layer, const int64_t* indices,
                           size_t k, bool indices_per_layer, char* out, size_t lo, size_t hi) {
   const TokenGeometry& g = *s.g;
   const uint64_t R = g.row_bytes, S = g.row_stride(), check_at = g.check_at(), block_bytes = g.block_bytes();
@@ -147,14 +139,14 @@ GatherResult gather_range(const Pool& pool, const SeqRows& s, uint32_t first_lay
     const uint32_t t = uint32_t(t_pow2 ? p & (T - 1) : p % T);
     if (rank + kAhead < k) {  // the same layer's row kAhead ahead (indices were all checked)
       const uint64_t p2 = uint64_t(indices_per_layer ? indices[row + kAhead] : indices[rank + kAhead]);
-      const char* b2 = pool.arena_bytes(s.offsets[t_pow2 ? p2 >> t_shift : p2 / T], block_bytes);
+      const char* b2 = arena.bytes(s.offsets[t_pow2 ? p2 >> t_shift : p2 / T], block_bytes);
       if (b2) {
         const char* s2 = b2 + (uint64_t(layer) * T + uint32_t(t_pow2 ? p2 & (T - 1) : p2 % T)) * S;
         __builtin_prefetch(s2, 0, 3);
         __builtin_prefetch(s2 + 64, 0, 3);
       }
     }
-    const char* blk = pool.arena_bytes(s.offsets[chunk], block_bytes);
+    const char* blk = arena.bytes(s.offsets[chunk], block_bytes);
     bool ok = blk != nullptr;
     if (ok) {
       const char* slot = blk + (uint64_t(layer) * T + t) * S;  // g.row_off(layer, t)
@@ -181,7 +173,7 @@ constexpr uint64_t kParallelGatherBytes = 1ull << 20;
 constexpr size_t kMinRowsPerPart = 256;
 }  // namespace
 
-GatherResult gather_rows(const Pool& pool, const SeqRows& s, uint32_t first_layer, uint32_t n_layers,
+GatherResult gather_rows(const ArenaView& arena, const SeqRows& s, uint32_t first_layer, uint32_t n_layers,
                          const int64_t* indices, size_t k, bool indices_per_layer, char* out) {
   const TokenGeometry& g = *s.g;
   GatherResult r;
@@ -197,10 +189,10 @@ GatherResult gather_rows(const Pool& pool, const SeqRows& s, uint32_t first_laye
   unsigned parts = 1;
   if (uint64_t(rows) * g.row_bytes >= kParallelGatherBytes)
     parts = unsigned(std::min<size_t>(copy_thread_count(), rows / kMinRowsPerPart));
-  if (parts <= 1) return gather_range(pool, s, first_layer, indices, k, indices_per_layer, out, 0, rows);
+  if (parts <= 1) return gather_range(arena, s, first_layer, indices, k, indices_per_layer, out, 0, rows);
   std::vector<GatherResult> part(parts);
   run_on_copy_threads(parts, [&](unsigned p) {
-    part[p] = gather_range(pool, s, first_layer, indices, k, indices_per_layer, out, rows * p / parts,
+    part[p] = gather_range(arena, s, first_layer, indices, k, indices_per_layer, out, rows * p / parts,
                            rows * (p + 1) / parts);
   });
   for (const GatherResult& x : part)              // parts are ordered ranges: the first failure of the first
@@ -208,5 +200,4 @@ GatherResult gather_rows(const Pool& pool, const SeqRows& s, uint32_t first_laye
   return r;
 }
 
-}  // namespace tokens
-}  // namespace cxlkv
+}  // namespace cxlkv::tokens

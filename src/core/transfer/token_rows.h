@@ -32,9 +32,12 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <functional>
+#include <vector>
 
-#include "pool.h"
+#include "arena_view.h"
 #include "row_check.h"
+#include "store_types.h"
 
 namespace cxlkv::tokens {
 
@@ -101,6 +104,9 @@ inline uint64_t row_seed(uint64_t layer_seed, uint64_t position) {
 void seal_block(char* block, const TokenGeometry& g, uint64_t seq_hash, uint32_t stream, uint64_t chunk,
                 uint32_t valid_tokens);
 
+// Where a key's block lies: pool offset and length (Pool::locate); false if absent.
+using LocateBlock = std::function<bool(const Key&, uint64_t*, uint64_t*)>;
+
 // One pinned block of a sequence: where its bytes lie in the pool and how many tokens it holds.
 struct ResolvedBlock {
   uint64_t offset;
@@ -110,12 +116,14 @@ struct ResolvedBlock {
 // Locates keys[i] (chunk first_chunk + i of the sequence) and checks each block's header against
 // what the caller expects. Returns the leading blocks that are present and well-formed; the first
 // absent or foreign one stops the list (the caller should hold pins on them: see token_store.py).
-std::vector<ResolvedBlock> resolve_blocks(Pool& pool, const NsHandle& ns, const TokenGeometry& g,
-                                          const Key* keys, size_t n, uint64_t seq_hash, uint32_t stream,
-                                          uint64_t first_chunk);
+// `locate` finds a key's block (Pool::locate), `arena` reads its header (Pool::arena_view).
+std::vector<ResolvedBlock> resolve_blocks(const ArenaView& arena, const LocateBlock& locate,
+                                          const NsHandle& ns, const TokenGeometry& g, const Key* keys,
+                                          size_t n, uint64_t seq_hash, uint32_t stream, uint64_t first_chunk);
 
-// What one gather asks for. offsets[c]: pool offset of chunk c's block (from resolve_blocks);
-// n_tokens: the sequence length the caller resolved (every index must be below it).
+// What one gather asks for (its rows are read through an ArenaView: arena_view.h). offsets[c]: pool offset of
+// chunk c's block (from resolve_blocks); n_tokens: the sequence length the caller resolved (every index must
+// be below it).
 struct SeqRows {
   const TokenGeometry* g;
   uint64_t seq_hash;
@@ -138,7 +146,7 @@ struct GatherResult {
 // indices[j * k + i]) (indices_per_layer) or (first_layer + j, indices[i]) (shared) goes to
 // out + (j * k + i) * row_bytes. Every delivered row is verified; all indices are checked before
 // any byte is copied.
-GatherResult gather_rows(const Pool& pool, const SeqRows& s, uint32_t first_layer, uint32_t n_layers,
+GatherResult gather_rows(const ArenaView& arena, const SeqRows& s, uint32_t first_layer, uint32_t n_layers,
                          const int64_t* indices, size_t k, bool indices_per_layer, char* out);
 
 }  // namespace cxlkv::tokens

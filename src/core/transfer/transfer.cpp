@@ -4,17 +4,22 @@
 // publication; between the two the entry is WRITING and owned by this node, exactly as during a
 // CPU copy, only for longer (the device's copy). A node that dies meanwhile leaves a WRITING entry
 // of a gone writer, which peers reclaim as after a crash mid-put (F10).
+#include "transfer.h"
+
+#include <algorithm>
 #include <cstring>
+#include <string>
 
 #include "checksum.h"
-#include "pool.h"
+#include "errors.h"
 
 namespace cxlkv {
 
 using namespace format;
 
-void Pool::reserve(const NsHandle& ns, const Key& key, uint16_t depth, Reservation* r, bool with_block) {
-  ensure_usable();
+void DeviceTransfers::reserve(const NsHandle& ns, const Key& key, uint16_t depth, Reservation* r,
+                              bool with_block) {
+  peers_.ensure_usable();
   *r = Reservation{};
   r->key = key;
   r->depth = depth;
@@ -67,21 +72,21 @@ void Pool::reserve(const NsHandle& ns, const Key& key, uint16_t depth, Reservati
 
 // Releases what the reservation still holds: its block if the descriptor names our slot, then
 // the entry if it is still our WRITING word (a lost one is somebody else's now: untouched).
-void Pool::abort(const NsHandle& ns, Reservation* r) {
+void DeviceTransfers::abort(const NsHandle& ns, Reservation* r) {
   if (r->state != Reservation::reserved) return;
   r->state = Reservation::aborted;
   if (!r->with_block) {
     intents_held_.fetch_sub(1, std::memory_order_acq_rel);
-    if (!closed() && mapping_intact()) try {
+    if (!closed() && peers_.mapping_intact()) try {
         publish_intents();
       } catch (const FencedError&) {  // fenced: a reclaimer resets the count with our entries
       }
   }
-  if (closed() || !mapping_intact()) return;  // the pool is gone: its reclaim frees the block
+  if (closed() || !peers_.mapping_intact()) return;  // the pool is gone: its reclaim frees the block
   uint64_t writing = make_entry_word(kWriting, uint8_t(node_id_), r->gen, r->tag);
   IndexEntry* e = entry(r->slot);
   if (coh_.read(&e->state) != writing) return;
-  if (r->chunk < hdr_->chunk_count && r->block < ns.geo.blocks) {
+  if (r->chunk < hdr().chunk_count && r->block < ns.geo.blocks) {
     uint64_t dw = coh_.read(block_desc(r->chunk, r->block));
     if (block_state(dw) == kBlockUsed && block_slot(dw) == r->slot) {
       allocator_.free_block(r->chunk, r->block);
@@ -91,21 +96,21 @@ void Pool::abort(const NsHandle& ns, Reservation* r) {
   coh_.claim(&e->state, writing, make_entry_word(kTombstone, 0, r->gen, r->tag));
 }
 
-uint64_t Pool::intent_cap() const {
+uint64_t DeviceTransfers::intent_cap() const {
   const auto* sw = reinterpret_cast<const SharedWords*>(region_.base() + kSharedWordsOff);
-  return intent_cap_of_word(coh_.read(&sw->init.pad[kInitIntentCap]), hdr_->index_slots);
+  return intent_cap_of_word(coh_.read(&sw->init.pad[kInitIntentCap]), hdr().index_slots);
 }
 
-void Pool::publish_intents() {
+void DeviceTransfers::publish_intents() {
   if (node_id_ == 0) return;
-  coh_.publish(&node_fixed(node_id_ - 1)->intents, intents_held_.load(std::memory_order_relaxed));
+  coh_.publish(&region_.node_fixed(node_id_ - 1)->intents, intents_held_.load(std::memory_order_relaxed));
 }
 
-bool Pool::commit(const NsHandle& ns, Reservation* r) {
+bool DeviceTransfers::commit(const NsHandle& ns, Reservation* r) {
   if (r->state != Reservation::reserved) return r->state == Reservation::committed;
   if (!r->with_block)
     throw ArgumentError("an intent reservation holds no block: nothing to commit (abort it)");
-  ensure_usable();
+  peers_.ensure_usable();
   uint64_t writing = make_entry_word(kWriting, uint8_t(node_id_), r->gen, r->tag);
   IndexEntry* e = entry(r->slot);
   // Everything that says where the bytes are is read back from the pool and must still be ours:
@@ -114,7 +119,7 @@ bool Pool::commit(const NsHandle& ns, Reservation* r) {
   if (ours) {
     coh_.invalidate(e, sizeof *e);
     ours = e->ns_id == ns.id && std::memcmp(e->key, r->key.data(), 32) == 0 && e->chunk == r->chunk &&
-           e->block == r->block && r->chunk < hdr_->chunk_count && r->block < ns.geo.blocks;
+           e->block == r->block && r->chunk < hdr().chunk_count && r->block < ns.geo.blocks;
   }
   if (ours) {
     uint64_t dw = coh_.read(block_desc(r->chunk, r->block));
@@ -146,7 +151,7 @@ bool Pool::commit(const NsHandle& ns, Reservation* r) {
   return true;
 }
 
-bool Pool::verify_block(const VerifiedBlock& b) {
+bool DeviceTransfers::verify_block(const VerifiedBlock& b) {
   const char* p = region_.base() + b.offset;
   coh_.invalidate(p, b.length);
   Checksum hs;
@@ -154,8 +159,9 @@ bool Pool::verify_block(const VerifiedBlock& b) {
   return hs.digest() == b.checksum && coh_.read(&entry(b.slot)->state) == b.word;
 }
 
-size_t Pool::pin_verified(const NsHandle& ns, const Key* keys, size_t n, std::vector<VerifiedBlock>* out) {
-  ensure_usable();
+size_t DeviceTransfers::pin_verified(const NsHandle& ns, const Key* keys, size_t n,
+                                     std::vector<VerifiedBlock>* out) {
+  peers_.ensure_usable();
   AccessStamp stamp;
   size_t got = 0;
   for (size_t i = 0; i < n; ++i) {
@@ -192,8 +198,8 @@ size_t Pool::pin_verified(const NsHandle& ns, const Key* keys, size_t n, std::ve
   return got;
 }
 
-size_t Pool::recheck(const std::vector<VerifiedBlock>& blocks) {
-  ensure_usable();
+size_t DeviceTransfers::recheck(const std::vector<VerifiedBlock>& blocks) {
+  peers_.ensure_usable();
   size_t i = 0;
   for (; i < blocks.size(); ++i) {
     if (verify_block(blocks[i])) continue;
@@ -206,7 +212,7 @@ size_t Pool::recheck(const std::vector<VerifiedBlock>& blocks) {
   return i;
 }
 
-void Pool::unpin_verified(std::vector<VerifiedBlock>* blocks) {
+void DeviceTransfers::unpin_verified(std::vector<VerifiedBlock>* blocks) {
   if (blocks->empty() || closed()) {
     blocks->clear();
     return;
@@ -214,16 +220,18 @@ void Pool::unpin_verified(std::vector<VerifiedBlock>* blocks) {
   std::vector<PinRef> pins;
   for (const auto& b : *blocks) pins.push_back(PinRef{b.slot, entry_gen(b.word), b.pin_index});
   release(pins);
-  if (mapping_intact())
+  if (peers_.mapping_intact())
     for (const auto& b : *blocks) index_.reclaim_condemned(b.slot);  // no-op unless recheck condemned it
   blocks->clear();
 }
 
-std::vector<std::pair<uint64_t, uint64_t>> Pool::transfer_ranges(uint64_t max_bytes, uint64_t page) const {
-  ensure_usable();
+std::vector<std::pair<uint64_t, uint64_t>> DeviceTransfers::transfer_ranges(uint64_t max_bytes,
+                                                                            uint64_t page) const {
+  peers_.ensure_usable();
   if (page == 0 || (page & (page - 1)) || max_bytes < page)
     throw ArgumentError("transfer ranges need a power-of-two page and a maximum of at least one page");
-  const uint64_t total = size(), arena = hdr_->arena_off, stride = chunk_stride(), desc = desc_bytes_;
+  const uint64_t total = peers_.size(), arena = hdr().arena_off, stride = region_.chunk_stride(),
+                 desc = region_.desc_bytes();
   // A boundary lies on a page, and between the end of chunk k-1's payload (= chunk k's start) and
   // the start of chunk k's payload: no block is ever split between two ranges.
   auto boundary = [&](uint64_t k, uint64_t* b) {
@@ -241,7 +249,7 @@ std::vector<std::pair<uint64_t, uint64_t>> Pool::transfer_ranges(uint64_t max_by
     const uint64_t limit = at + max_bytes;
     uint64_t cut = 0;
     bool found = false;
-    for (uint64_t k = limit > arena ? std::min<uint64_t>((limit - arena) / stride, hdr_->chunk_count) : 0;
+    for (uint64_t k = limit > arena ? std::min<uint64_t>((limit - arena) / stride, hdr().chunk_count) : 0;
          k >= 1; --k) {
       uint64_t b;
       if (boundary(k, &b) && b > at && b <= limit) {
