@@ -27,9 +27,7 @@ TOKEN = re.compile(r"`([^`]+)`")
 KNOWN: dict[tuple[str, str], str] = {
     **{
         (f, "pool.h"): "a Pool member defined here (Pool is not yet a façade over owning types)"
-        for f in (
-            "store/check.cpp",
-        )
+        for f in ("store/check.cpp",)
     },
 }
 
