@@ -30,7 +30,6 @@ KNOWN: dict[tuple[str, str], str] = {
         for f in (
             "nodes/host_slot.cpp",
             "nodes/nodes.cpp",
-            "store/check.cpp",
             "transfer/token_rows.h",
             "transfer/transfer.cpp",
         )
