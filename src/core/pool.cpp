@@ -382,25 +382,15 @@ std::vector<uint64_t> Pool::counters() {
 
 namespace cxlkv {
 
-// `pool check` of the lock area (nodes/lock_check.h): LockCheck judges, the façade hands it our
-// view of the lock and our node table's row use, and merges what it found into the report.
-void Pool::check_lock_area(CheckReport& r) {
-  LockReport l;
-  l.repair = r.repair;
+// `pool check` of the lock area (nodes/lock_check.h; Checker::Peers): LockCheck judges, the
+// façade hands it our view of the lock and our node table's row use; Checker merges the report.
+// Only a multihost attachment has a lock area (a row, or a row-less observer's reading view).
+bool Pool::check_lock_area(LockReport& l) {
+  if (!bakery_ && !row_less_) return false;
   LockCheck(region_, attachment_.lock_view(), bakery_ ? int64_t(attachment_.host_slot()) : -1, node_id_ != 0,
             [this] { return attachment_.row_use(); })
       .run(l);
-  r.lock_tickets_foreign += l.tickets_foreign;
-  r.lock_tickets_stale += l.tickets_stale;
-  r.lock_tickets_stuck += l.tickets_stuck;
-  r.lock_rows_reset += l.rows_reset;
-  r.lock_words_foreign += l.words_foreign;
-  r.lock_words_stale += l.words_stale;
-  r.lock_words_held += l.words_held;
-  r.lock_words_reset += l.words_reset;
-  for (auto& e : l.errors) r.error(e);
-  r.warnings.insert(r.warnings.end(), l.warnings.begin(), l.warnings.end());
-  for (auto& f : l.repaired) r.fixed(f);
+  return true;
 }
 
 // --- device transfers: the protocol is DeviceTransfers' (transfer/transfer.cpp) ---------------

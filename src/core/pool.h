@@ -19,6 +19,7 @@
 #include "arbiter.h"
 #include "arena_view.h"
 #include "attachment.h"
+#include "check.h"
 #include "checksum.h"
 #include "clock.h"
 #include "coherence.h"
@@ -81,45 +82,12 @@ struct DestroyOptions {
   bool remove_invalid = false;   // also remove a file that is not a (complete) pool: 0 bytes, bad magic
 };
 
-// What Pool::check found, and with `repair` what it fixed. Each section of check() (check.cpp)
-// reads `repair` here and adds to the rest.
-struct CheckReport {
-  bool repair = false;  // input: also fix what can be fixed safely (`pool check --repair`)
-  bool ok = true;       // no error: nothing found, or everything found was repaired
-  std::vector<std::string> errors, warnings;
-  std::vector<std::string> repaired;  // one line per repair made
-  uint64_t reclaimed_nodes = 0;
-  uint64_t capacity_blocks = 0, free_blocks = 0, ready_blocks = 0, inflight_blocks = 0;
-  uint64_t condemned_blocks = 0;  // CONDEMNED entries whose block is still USED
-  uint64_t leaked_blocks = 0, stuck_entries = 0, orphan_pins = 0, duplicate_keys = 0;
-  uint64_t free_chunks = 0, active_chunks = 0;
-  // multihost lock area (lock_check.cpp): tickets found, by kind, and what a repair reset
-  uint64_t lock_tickets_foreign = 0;  // names a live node of another row: a stray or hostile write
-  uint64_t lock_tickets_stale = 0;    // its holder was reclaimed or never had a node; void for waiters
-  uint64_t lock_tickets_stuck = 0;    // a live holder's ticket that did not move while we looked
-  uint64_t lock_rows_reset = 0;       // tickets reset (our own row always; orphaned rows with repair)
-  uint64_t lock_words_foreign = 0;    // tier-1 words no process of their row's host can have written
-  uint64_t lock_words_stale = 0;      // tier-1 words naming a node not ALIVE in the word's epoch
-  uint64_t lock_words_held = 0;       // tier-1 words of a live holder that did not move while we looked
-  uint64_t lock_words_reset = 0;      // tier-1 words cleared (--repair: what waiters already ignore)
-  uint64_t undecided_nodes = 0;       // nodes of another kernel not judged within a lease
-  uint64_t intents = 0;               // block-less intents (WRITING entries without a block) found
-  uint64_t intent_cap = 0;            // the per-node cap of them (Pool::intent_cap)
-  uint64_t nodes_at_intent_cap = 0;   // nodes holding their cap (warning) or more (error)
-  void error(const std::string& what) {
-    ok = false;
-    if (errors.size() < 100) errors.push_back(what);
-  }
-  void fixed(const std::string& what) {
-    if (repaired.size() < 100) repaired.push_back(what);
-  }
-};
-
 class Pool final : private Allocator::Peers,
                    private Index::Peers,
                    private Namespaces::Peers,
                    private Attachment::Peers,
-                   private DeviceTransfers::Peers {
+                   private DeviceTransfers::Peers,
+                   private Checker::Peers {
  public:
   static std::unique_ptr<Pool> create(const std::string& path, const CreateOptions& opt, bool exist_ok);
   // attach=false: an observer (check, info, stats, reap) that takes no node slot, so it works on a
@@ -322,7 +290,12 @@ class Pool final : private Allocator::Peers,
   // watch_ms: how long to watch nodes of another kernel that are not judged yet (undecided nodes
   // make the report fail): 0 = not at all (a library call must not block for a lease, which the
   // header may set to an hour), < 0 = a lease and a quarter (`cxlkv pool check`).
-  CheckReport check(bool repair = false, int64_t watch_ms = 0);
+  // The protocol is Checker's (store/check.h); what only the attachment has it asks through
+  // Checker::Peers, below.
+  CheckReport check(bool repair = false, int64_t watch_ms = 0) {
+    return Checker(region_, index_, quotas_, namespaces_, node_table_, node_id_, read_only_, *this)
+        .run(repair, watch_ms);
+  }
   // --- admin RPC (rpc_admin.cpp) -------------------------------------------------------------
   bool has_admin_mailbox() const { return admin_.present(); }
   // One round trip through node `node`'s admin mailbox; needs an attached pool (our node id is
@@ -358,8 +331,6 @@ class Pool final : private Allocator::Peers,
   void validate_striping(const format::PoolHeader& h, const char* base);
   bool devices_replaced() const;
   bool devices_intact() const;
-  // The namespace-table lock's stale holder broken (Namespaces::break_stale_lock; check.cpp).
-  uint64_t break_stale_ns_lock() { return namespaces_.break_stale_lock(); }
   uint64_t lock_offset(uint32_t idx) const { return node_table_.lock_offset(idx); }  // node_table.h
 
   // The region's bounds-checked accessors (region.h), under the names the protocol files use.
@@ -379,13 +350,6 @@ class Pool final : private Allocator::Peers,
   format::SharedWords* shared() const { return region_.shared(); }
 
   bool owner_closed(uint8_t node) override;  // of a FREE node slot (pool.cpp; Index::Peers)
-  // check.cpp: the sections of check(), in order; each adds to r and, with r.repair, repairs.
-  bool node_attached(uint8_t node);  // CLAIMED or ALIVE (not judged: a dead one is reaped first)
-  void check_ns_lock(CheckReport& r);
-  void check_namespaces(CheckReport& r);
-  void check_index(CheckReport& r);  // entries, blocks and their accounting
-  void check_pins(CheckReport& r);
-  void check_quotas(CheckReport& r);
   bool snapshot(uint64_t slot, uint64_t word, format::IndexEntry* out) const {
     return region_.snapshot(slot, word, out);
   }
@@ -438,10 +402,17 @@ class Pool final : private Allocator::Peers,
   const std::unique_ptr<Bakery>& bakery_ = attachment_.bakery();  // multihost: our row's lock
   const bool& row_less_ = attachment_.row_less();                 // multihost observer, no row yet
   std::atomic<uint64_t>& reaped_unreported_ = attachment_.reaped_unreported();
+  // Namespaces::Peers and Checker::Peers: a row-less observer takes a row before it writes.
   void become_writer() override { attachment_.become_writer(); }
-  void check_lock_area(CheckReport& r);  // LockCheck (lock_check.h), merged into r (pool.cpp)
-  void watch_undecided_nodes(CheckReport& r, int64_t watch_ms);  // check.cpp
   uint64_t reap_pass(uint64_t* undecided) { return attachment_.reap_pass(undecided); }
+  // Checker::Peers (store/check.h): what `pool check` asks of the attachment.
+  uint64_t reap_for_check(uint64_t* undecided) override { return reap_pass(undecided); }
+  void beat_while_watching() override {
+    if (emu_.base) heartbeat_tick();  // an emulated host beats from its own thread
+  }
+  uint64_t take_reclaimed() override { return reaped_unreported_.exchange(0, std::memory_order_relaxed); }
+  uint64_t intent_cap_per_node() override { return intent_cap(); }
+  bool check_lock_area(LockReport& l) override;  // LockCheck (lock_check.h) with our view (pool.cpp)
   // Attachment::Peers: a dead node's store state released by its owners, in order (pool.cpp).
   void release_of_node(uint8_t node) override;
   uint64_t pin_high_water() const override { return index_.pin_high_water(); }

@@ -1,6 +1,6 @@
 // Where a key lives in the index: the ONE recipe, shared by the index (index.cpp) and the checker
-// (check.cpp). Part of the persistent format: changing it moves every key of existing pools out
-// of its probe window, so it needs a kFormatMajor bump.
+// (check_blocks.cpp). Part of the persistent format: changing it moves every key of existing
+// pools out of its probe window, so it needs a kFormatMajor bump.
 //   h    = XXH3_64(key[32], seed = namespace id)
 //   home = h & (index_slots - 1)          the first slot of the key's probe window
 //   tag  = bits 40..63 of h (24 bits)     stored in the entry's state word (format.h IndexEntry)
