@@ -274,6 +274,27 @@ def m2_rank_arrays(full, tp, rank, layout="SD"):
     return out
 
 
+def cross_tp_both_ways(full, ns_of, rank_arrays, tag):
+    """TP=1 stores ``full`` (blocks 0 and 3), every rank of TP=2 and TP=4 reads exactly its slice;
+    TP=2 ranks store theirs (blocks 1 and 2), TP=1 reads the whole back. ``ns_of(tp, rank)``: the
+    rank's StateNamespace; ``rank_arrays(full, tp, rank)``: what vLLM gives that rank."""
+    keys, other = keys_of(2, tag + "1"), keys_of(2, tag + "2")
+    assert ns_of(1, 0).store(keys, full, [0, 3]) == 2
+    for tp in (2, 4):
+        for rank in range(tp):
+            want = rank_arrays(full, tp, rank)
+            got = [torch.zeros_like(a) for a in want]
+            assert ns_of(tp, rank).load(keys, got, [0, 3]) == 2
+            for x, w in zip(got, want, strict=True):
+                assert torch.equal(x[0], w[0]) and torch.equal(x[3], w[3]), (tp, rank)
+    for rank in range(2):
+        assert ns_of(2, rank).store(other, rank_arrays(full, 2, rank), [1, 2]) == 2
+    got = [torch.zeros_like(a) for a in full]
+    assert ns_of(1, 0).load(other, got, [1, 2]) == 2
+    for x, w in zip(got, full, strict=True):
+        assert torch.equal(x[1:3], w[1:3])
+
+
 @pytest.mark.parametrize("layout", ["SD", "DS"])
 def test_mamba2_states_cross_tp_sizes_both_ways_byte_for_byte(make_pool, layout):
     pool = make_pool()
@@ -283,21 +304,9 @@ def test_mamba2_states_cross_tp_sizes_both_ways_byte_for_byte(make_pool, layout)
     for _ in range(LAYERS):
         full.append(torch.randn((NB, *conv_shape), generator=g).to(CONV_DT))
         full.append(torch.randn((NB, *ssm_shape), generator=g).to(SSM_DT))
-    keys, other = keys_of(2, "m"), keys_of(2, "n")
-    assert m2_ns(pool, 1, 0, layout).store(keys, full, [0, 3]) == 2  # TP=1 stores
-    for tp in (2, 4):
-        for rank in range(tp):
-            want = m2_rank_arrays(full, tp, rank, layout)
-            got = [torch.zeros_like(a) for a in want]
-            assert m2_ns(pool, tp, rank, layout).load(keys, got, [0, 3]) == 2
-            for x, w in zip(got, want, strict=True):
-                assert torch.equal(x[0], w[0]) and torch.equal(x[3], w[3]), (tp, rank)
-    for rank in range(2):  # TP=2 stores, TP=1 reads
-        assert m2_ns(pool, 2, rank, layout).store(other, m2_rank_arrays(full, 2, rank, layout), [1, 2]) == 2
-    got = [torch.zeros_like(a) for a in full]
-    assert m2_ns(pool, 1, 0, layout).load(other, got, [1, 2]) == 2
-    for x, w in zip(got, full, strict=True):
-        assert torch.equal(x[1:3], w[1:3])
+    cross_tp_both_ways(
+        full, lambda tp, r: m2_ns(pool, tp, r, layout), lambda f, tp, r: m2_rank_arrays(f, tp, r, layout), "m"
+    )
 
 
 # -------------------------------------------------------------------------------------------------
@@ -358,18 +367,6 @@ def test_short_conv_states_cross_tp_sizes_both_ways_byte_for_byte(make_pool, lay
     g = torch.Generator().manual_seed(7)
     (conv_shape,) = (t.shape for t in sc_shards(layout).tensors)
     full = [torch.randn((NB, *conv_shape), generator=g).to(CONV_DT) for _ in range(LAYERS)]
-    keys, other = keys_of(2, "c"), keys_of(2, "d")
-    assert sc_ns(pool, 1, 0, layout).store(keys, full, [0, 3]) == 2  # TP=1 stores
-    for tp in (2, 4):
-        for rank in range(tp):
-            want = sc_rank_arrays(full, tp, rank, layout)
-            got = [torch.zeros_like(a) for a in want]
-            assert sc_ns(pool, tp, rank, layout).load(keys, got, [0, 3]) == 2
-            for x, w in zip(got, want, strict=True):
-                assert torch.equal(x[0], w[0]) and torch.equal(x[3], w[3]), (tp, rank)
-    for rank in range(2):  # TP=2 stores, TP=1 reads
-        assert sc_ns(pool, 2, rank, layout).store(other, sc_rank_arrays(full, 2, rank, layout), [1, 2]) == 2
-    got = [torch.zeros_like(a) for a in full]
-    assert sc_ns(pool, 1, 0, layout).load(other, got, [1, 2]) == 2
-    for x, w in zip(got, full, strict=True):
-        assert torch.equal(x[1:3], w[1:3])
+    cross_tp_both_ways(
+        full, lambda tp, r: sc_ns(pool, tp, r, layout), lambda f, tp, r: sc_rank_arrays(f, tp, r, layout), "c"
+    )
