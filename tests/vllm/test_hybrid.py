@@ -176,19 +176,25 @@ def test_ssm_hybrid_corrupt_state_is_recompute_never_wrong_tokens(ssm_consumer):
 GDN_SPEC = {"model": "tiny-qwen3-next", "stats": True, "async_saves": False}
 
 
-@pytest.fixture(scope="module")
-def gdn_rounds():
+def cold_warm_corrupt(spec: dict, tag: str) -> tuple[list, str]:
+    """One engine on a fresh pool: SSM_PROMPTS cold (stored), then warm and then on a corrupted
+    pool, vLLM's own prefix cache emptied before each; its RESULT records and its log."""
     log: list = []
     rounds = [
         {"prompts": plain(SSM_PROMPTS)},
         {"prompts": plain(SSM_PROMPTS), "reset_prefix_cache": True},
         {"prompts": plain(SSM_PROMPTS), "reset_prefix_cache": True, "before": "corrupt_pool"},
     ]
-    pool = next(gen := unique_pool("gdn"))
+    pool = next(gen := unique_pool(tag))
     try:
-        return run_engine({**GDN_SPEC, "pool": pool, "rounds": rounds}, log=log), log[0]
+        return run_engine({**spec, "pool": pool, "rounds": rounds}, log=log), log[0]
     finally:
         next(gen, None)  # removes the pool file
+
+
+@pytest.fixture(scope="module")
+def gdn_rounds():
+    return cold_warm_corrupt(GDN_SPEC, "gdn")
 
 
 def test_gated_deltanet_hybrid_resumes_from_the_pools_state_token_identical(gdn_rounds):
@@ -216,17 +222,7 @@ def test_gated_deltanet_hybrid_corrupt_state_is_recompute_never_wrong_tokens(gdn
 # cold, then warm and corrupt with vLLM's own prefix cache emptied before each.
 @pytest.fixture(scope="module")
 def lfm2_rounds():
-    log: list = []
-    rounds = [
-        {"prompts": plain(SSM_PROMPTS)},
-        {"prompts": plain(SSM_PROMPTS), "reset_prefix_cache": True},
-        {"prompts": plain(SSM_PROMPTS), "reset_prefix_cache": True, "before": "corrupt_pool"},
-    ]
-    pool = next(gen := unique_pool("lfm2"))
-    try:
-        return run_engine({**GDN_SPEC, "model": "tiny-lfm2", "pool": pool, "rounds": rounds}, log=log), log[0]
-    finally:
-        next(gen, None)  # removes the pool file
+    return cold_warm_corrupt({**GDN_SPEC, "model": "tiny-lfm2"}, "lfm2")
 
 
 def test_short_conv_hybrid_resumes_from_the_pools_state_and_recomputes_a_corrupt_one(lfm2_rounds):
