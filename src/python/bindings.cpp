@@ -705,14 +705,14 @@ NB_MODULE(_core, m) {
             d["intents"] = intents;
             if (g.p->backend() == Backend::multihost) {
               nb::dict lock;
-              lock["foreign"] = r.lock_tickets_foreign;
-              lock["stale"] = r.lock_tickets_stale;
-              lock["stuck"] = r.lock_tickets_stuck;
-              lock["reset"] = r.lock_rows_reset;
-              lock["words_foreign"] = r.lock_words_foreign;
-              lock["words_stale"] = r.lock_words_stale;
-              lock["words_held"] = r.lock_words_held;
-              lock["words_reset"] = r.lock_words_reset;
+              lock["foreign"] = r.lock.tickets_foreign;
+              lock["stale"] = r.lock.tickets_stale;
+              lock["stuck"] = r.lock.tickets_stuck;
+              lock["reset"] = r.lock.rows_reset;
+              lock["words_foreign"] = r.lock.words_foreign;
+              lock["words_stale"] = r.lock.words_stale;
+              lock["words_held"] = r.lock.words_held;
+              lock["words_reset"] = r.lock.words_reset;
               d["lock_area"] = lock;
             }
             return d;

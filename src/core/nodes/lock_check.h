@@ -23,8 +23,8 @@ struct RowUse {
 };
 
 // What the lock check found and, with `repair`, what it cleared.
-struct LockReport {
-  bool repair = false;           // input: `pool check --repair`
+// What a lock-area check counts (LockReport; `pool check`'s CheckReport::lock sums them).
+struct LockFindings {
   uint64_t tickets_foreign = 0;  // names a live node of another row: a stray or hostile write
   uint64_t tickets_stale = 0;    // its holder was reclaimed or never had a node; void for waiters
   uint64_t tickets_stuck = 0;    // a live holder's ticket that did not move while we looked
@@ -33,6 +33,16 @@ struct LockReport {
   uint64_t words_stale = 0;      // tier-1 words naming a node not ALIVE in the word's epoch
   uint64_t words_held = 0;       // tier-1 words of a live holder that did not move while we looked
   uint64_t words_reset = 0;      // tier-1 words cleared (repair: what waiters already ignore)
+  LockFindings& operator+=(const LockFindings& o) {
+    tickets_foreign += o.tickets_foreign, tickets_stale += o.tickets_stale, tickets_stuck += o.tickets_stuck;
+    rows_reset += o.rows_reset, words_foreign += o.words_foreign, words_stale += o.words_stale;
+    words_held += o.words_held, words_reset += o.words_reset;
+    return *this;
+  }
+};
+
+struct LockReport : LockFindings {
+  bool repair = false;  // input: `pool check --repair`
   std::vector<std::string> errors, warnings, repaired;
   void error(const std::string& what) { errors.push_back(what); }
   void fixed(const std::string& what) { repaired.push_back(what); }

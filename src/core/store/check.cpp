@@ -181,14 +181,7 @@ void Checker::check_lock_area(CheckReport& r) {
   LockReport l;
   l.repair = r.repair;
   if (!peers_.check_lock_area(l)) return;
-  r.lock_tickets_foreign += l.tickets_foreign;
-  r.lock_tickets_stale += l.tickets_stale;
-  r.lock_tickets_stuck += l.tickets_stuck;
-  r.lock_rows_reset += l.rows_reset;
-  r.lock_words_foreign += l.words_foreign;
-  r.lock_words_stale += l.words_stale;
-  r.lock_words_held += l.words_held;
-  r.lock_words_reset += l.words_reset;
+  r.lock += l;
   for (auto& e : l.errors) r.error(e);
   r.warnings.insert(r.warnings.end(), l.warnings.begin(), l.warnings.end());
   for (auto& f : l.repaired) r.fixed(f);

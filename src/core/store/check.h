@@ -48,19 +48,13 @@ struct CheckReport {
   uint64_t condemned_blocks = 0;  // CONDEMNED entries whose block is still USED
   uint64_t leaked_blocks = 0, stuck_entries = 0, orphan_pins = 0, duplicate_keys = 0;
   uint64_t free_chunks = 0, active_chunks = 0;
-  // multihost lock area (lock_check.cpp): tickets found, by kind, and what a repair reset
-  uint64_t lock_tickets_foreign = 0;  // names a live node of another row: a stray or hostile write
-  uint64_t lock_tickets_stale = 0;    // its holder was reclaimed or never had a node; void for waiters
-  uint64_t lock_tickets_stuck = 0;    // a live holder's ticket that did not move while we looked
-  uint64_t lock_rows_reset = 0;       // tickets reset (our own row always; orphaned rows with repair)
-  uint64_t lock_words_foreign = 0;    // tier-1 words no process of their row's host can have written
-  uint64_t lock_words_stale = 0;      // tier-1 words naming a node not ALIVE in the word's epoch
-  uint64_t lock_words_held = 0;       // tier-1 words of a live holder that did not move while we looked
-  uint64_t lock_words_reset = 0;      // tier-1 words cleared (--repair: what waiters already ignore)
-  uint64_t undecided_nodes = 0;       // nodes of another kernel not judged within a lease
-  uint64_t intents = 0;               // block-less intents (WRITING entries without a block) found
-  uint64_t intent_cap = 0;            // the per-node cap of them (Pool::intent_cap)
-  uint64_t nodes_at_intent_cap = 0;   // nodes holding their cap (warning) or more (error)
+  // multihost lock area (lock_check.cpp): tickets and tier-1 words found, by kind, and what a
+  // repair reset
+  LockFindings lock;
+  uint64_t undecided_nodes = 0;      // nodes of another kernel not judged within a lease
+  uint64_t intents = 0;              // block-less intents (WRITING entries without a block) found
+  uint64_t intent_cap = 0;           // the per-node cap of them (Pool::intent_cap)
+  uint64_t nodes_at_intent_cap = 0;  // nodes holding their cap (warning) or more (error)
   void error(const std::string& what) {
     ok = false;
     if (errors.size() < 100) errors.push_back(what);
