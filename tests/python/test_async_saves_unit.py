@@ -66,12 +66,12 @@ def test_finished_request_is_held_until_its_copy_is_done(pool_path, model_dir):
     assert delay is True  # vLLM keeps the blocks
     for _ in range(3):  # empty steps: not reported while its copy waits at the gate
         assert a.worker.get_finished({"r"}) == (None, None)
-    assert a.stats.data["save_blocks"] == 0
+    assert a.stats.data["store_blocks"] == 0
     g.gate.set()
     assert finished_sending(a, set()) == {"r"}  # reported once, from the earlier finished set
     assert a.worker.get_finished(set()) == (None, None)
     assert sorted(pool_blocks(pool_path, a.sched._ns_name, toks)) == [0, 1, 2, 3]
-    assert a.worker.get_kv_connector_stats().data["save_blocks"] == 4
+    assert a.worker.get_kv_connector_stats().data["store_blocks"] == 4
     # A request that never saved (shorter than a block) is freed at once.
     a.add("s", tokens(71, BS - 1))
     a.step({"s": BS - 1})

@@ -147,7 +147,7 @@ def test_stores_every_full_block_and_only_the_windows_anchors_need(pool_path, mo
     # checkpoints 4 and 8, and the prompt's last boundary 10: the 2 blocks before each
     assert stored(pool_path, names[0], toks) == [2, 3, 6, 7, 8, 9]
     stats = a.worker.get_kv_connector_stats().data
-    assert stats["save_blocks_group1"] == N_BLOCKS and stats["save_blocks_group0"] == 6
+    assert stats["store_blocks_group1"] == N_BLOCKS and stats["store_blocks_group0"] == 6
     a.close()
 
 
@@ -324,7 +324,7 @@ def test_state_group_stores_the_states_at_anchor_boundaries_only(pool_path, mode
     # checkpoints 4 and 8, and the prompt's last boundary 10: the state blocks ending there
     assert stored(pool_path, names[0], toks) == [3, 7, 9]
     stats = a.worker.get_kv_connector_stats().data
-    assert stats["save_blocks_group0"] == 3 and stats["skip_blocks_group0"] == N_BLOCKS - 3
+    assert stats["store_blocks_group0"] == 3 and stats["skip_blocks_group0"] == N_BLOCKS - 3
     with cxlkv.Pool.open(pool_path) as pool:
         info = next(n for n in pool.namespaces() if n["name"] == names[0])
     assert info["block_bytes"] == STATE_BYTES and info["kind"] == "opaque"

@@ -94,7 +94,7 @@ def test_stats_aggregate_and_reduce():
     b.data["load_op_s"].append(1.0)
     a.aggregate(b)
     r = a.reduce()
-    assert r["load_gbps"] == 2.0 and r["save_gbps"] == 0.0 and "load_op_s" not in r
+    assert r["load_gbps"] == 2.0 and r["store_gbps"] == 0.0 and "load_op_s" not in r
     assert a.data["load_op_s"] == [1.0, 1.0]
     a.reset()
     assert a.is_empty()

@@ -556,11 +556,11 @@ def test_f5_failed_saves_counted_and_logged_once(pool_path, model_dir, caplog):
 
     a.worker._session.ns = Full()
     a.step({"r": len(toks)})
-    assert a.stats.data["save_failed_blocks"] == 4
+    assert a.stats.data["store_failed_blocks"] == 4
     toks2 = tokens(16, 6 * BS + 1)
     a.add("r2", toks2)
     a.step({"r2": len(toks2)})
-    assert a.stats.data["save_failed_blocks"] == 8
+    assert a.stats.data["store_failed_blocks"] == 8
     msgs = [r.getMessage() for r in caplog.records if "could not be saved" in r.getMessage()]
     assert len(msgs) == 1 and pool_path in msgs[0]  # once per cause, not per request
     a.worker._session.ns = real

@@ -28,12 +28,12 @@ STAT_KEYS = (
     "load_failed_blocks",
     "load_bytes",
     "load_s",
-    "save_blocks",
-    "save_failed_blocks",
-    "save_bytes",
-    "save_s",
-    "saves_dropped_after_failed_load",
-    "saves_waited_at_preemption",
+    "store_blocks",
+    "store_failed_blocks",
+    "store_bytes",
+    "store_s",
+    "stores_dropped_after_failed_load",
+    "stores_waited_at_preemption",
     "pin_capped_requests",
     "pin_capped_blocks",
     "uncacheable_requests",
@@ -59,7 +59,7 @@ COUNTERS = {
         "Prompt tokens found in the pool and offered to the scheduler (the hit ratio's numerator).",
     ),
     "cxlkv_load_bytes": ("load_bytes", "Bytes of KV copied from the pool into vLLM's KV cache."),
-    "cxlkv_store_bytes": ("save_bytes", "Bytes of KV copied from vLLM's KV cache into the pool."),
+    "cxlkv_store_bytes": ("store_bytes", "Bytes of KV copied from vLLM's KV cache into the pool."),
     "cxlkv_load_blocks": ("load_blocks", "KV blocks loaded from the pool."),
     "cxlkv_coalesce_intents": (
         "coalesce_intents",
@@ -108,9 +108,9 @@ COUNTERS = {
 
 # Counters with a label: name -> (label, {label value: stats key}).
 STORE_OUTCOMES = {
-    "stored": "save_blocks",
-    "pool_full": "save_failed_blocks",
-    "dropped_after_failed_load": "saves_dropped_after_failed_load",
+    "stored": "store_blocks",
+    "pool_full": "store_failed_blocks",
+    "dropped_after_failed_load": "stores_dropped_after_failed_load",
     "pin_capped": "pin_capped_blocks",
 }
 LOAD_FAILURE_CAUSES = ("missing_or_corrupt", "pool_unavailable")
@@ -121,7 +121,7 @@ COALESCE_FALLBACKS = {cause: f"coalesce_fallback_{cause}" for cause in FALLBACK_
 # A hybrid model's blocks per KV cache group (vllm_groups.py), by outcome: stats keys
 # "<prefix><group index>", made by the connector as groups are seen.
 GROUP_OUTCOMES = {
-    "stored": "save_blocks_group",
+    "stored": "store_blocks_group",
     "skipped": "skip_blocks_group",
     "loaded": "load_blocks_group",
 }
@@ -129,7 +129,7 @@ GROUP_OUTCOMES = {
 # Histograms of one copy (a batch of blocks of one request): stats key of the per-op list.
 HISTOGRAMS = {
     "cxlkv_load_seconds": ("load_op_s", "Seconds one load (a request's batch of blocks) took."),
-    "cxlkv_store_seconds": ("save_op_s", "Seconds one store (a request's batch of blocks) took."),
+    "cxlkv_store_seconds": ("store_op_s", "Seconds one store (a request's batch of blocks) took."),
 }
 OP_TIME_KEYS = tuple(key for key, _ in HISTOGRAMS.values())
 COPY_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
@@ -266,7 +266,7 @@ class CxlKVStats(KVConnectorStats):
     def reduce(self) -> dict:
         d = {k: v for k, v in self.data.items() if not isinstance(v, list)}
         d["load_gbps"] = round(d["load_bytes"] / d["load_s"] / 1e9, 3) if d["load_s"] else 0.0
-        d["save_gbps"] = round(d["save_bytes"] / d["save_s"] / 1e9, 3) if d["save_s"] else 0.0
+        d["store_gbps"] = round(d["store_bytes"] / d["store_s"] / 1e9, 3) if d["store_s"] else 0.0
         return d
 
     def is_empty(self) -> bool:

@@ -622,7 +622,7 @@ class CxlKVScheduler:
             st.inflight = None
             self._release(st)
             if req_id in failed:
-                self._count("saves_dropped_after_failed_load", sum(len(h.keys) for h in st.held))
+                self._count("stores_dropped_after_failed_load", sum(len(h.keys) for h in st.held))
                 st.held, st.saved_blocks, st.async_floor = [], 0, 0
                 logger.info("cxlkv: %s: load failed; vLLM recomputes the request", req_id)
 
@@ -630,7 +630,7 @@ class CxlKVScheduler:
         """vLLM recomputes from the first failed block: nothing computed on top of it is saved,
         and those blocks are saved again once recomputed."""
         depth = op.start_depth + first_bad
-        self._count("saves_dropped_after_failed_load", sum(len(h.keys) for h in st.held))
+        self._count("stores_dropped_after_failed_load", sum(len(h.keys) for h in st.held))
         st.held = []
         st.inflight = None
         st.saved_blocks = min(st.saved_blocks, depth)

@@ -183,12 +183,12 @@ class CxlKVWorker:
         if preempted:
             n = self._saves.pending(preempted)
             if n:
-                self._stats.data["saves_waited_at_preemption"] += n
+                self._stats.data["stores_waited_at_preemption"] += n
                 if "preempted_saves" not in self.ctx.logged:
                     self.ctx.logged.add("preempted_saves")
                     logger.info(
                         "cxlkv: %d saves of preempted requests in flight: the forward waits for them "
-                        "(logged once; counted as saves_waited_at_preemption)",
+                        "(logged once; counted as stores_waited_at_preemption)",
                         n,
                     )
             self._saves.wait_for(preempted)
@@ -236,7 +236,7 @@ class CxlKVWorker:
             if op.req_id in self._failed_reqs:
                 # Defence in depth (the scheduler holds such saves): this rank's load failed in
                 # this very step, so this step's KV of the request sits on missing blocks.
-                self._stats.data["saves_dropped_after_failed_load"] += len(op.keys)
+                self._stats.data["stores_dropped_after_failed_load"] += len(op.keys)
                 continue
             transfer = self._transfer_for(op)
             if transfer is not None and self._session.usable():
@@ -257,14 +257,14 @@ class CxlKVWorker:
             if isinstance(handle, CpuSaveHandle):
                 if handle.refused:  # the pool is unusable: nothing to count
                     continue
-                self._stats.data["save_s"] += handle.seconds
-                self._stats.data["save_op_s"].append(handle.seconds)
-            self._stats.data["save_blocks"] += n
-            self._stats.data["save_bytes"] += n * self._bytes_of(op)
+                self._stats.data["store_s"] += handle.seconds
+                self._stats.data["store_op_s"].append(handle.seconds)
+            self._stats.data["store_blocks"] += n
+            self._stats.data["store_bytes"] += n * self._bytes_of(op)
             if self.ctx.multi:
-                self._count_stat(f"save_blocks_group{op.group}", n)
+                self._count_stat(f"store_blocks_group{op.group}", n)
             if n < len(op.keys):
-                self._stats.data["save_failed_blocks"] += len(op.keys) - n
+                self._stats.data["store_failed_blocks"] += len(op.keys) - n
                 self.ctx.once(
                     "save_failed",
                     "cxlkv: %s: %d of %d blocks could not be saved to pool %s "
