@@ -220,6 +220,10 @@ class Bakery final : public Arbiter {
                            const std::function<uint64_t(const format::LockLine&)>& pulse,
                            uint64_t* since = nullptr);
   void sweep_observations(const std::function<uint64_t(const format::LockLine&)>& pulse);
+  // observe() of every other row of a stripe, batched (lock()'s doorway): the largest number seen.
+  // record: the one update of observed_ both make (under watch_mu_), for the line `now` seen at t.
+  const Observed& record(uint32_t stripe, uint32_t row, const format::LockLine& now, uint64_t t);
+  uint64_t observe_rows(uint32_t stripe, const std::function<uint64_t(const format::LockLine&)>& pulse);
 };
 
 }  // namespace cxlkv
