@@ -180,19 +180,30 @@ void bind_transfer(nb::module_& m) {
   nb::handle pool_type = nb::type<PyPool>();
   pool_type.attr("transfer_view") = nb::cpp_function(
       [](PyPool& pp) {
-        std::unique_lock<std::shared_mutex> g(pp.mu);
-        Pool& p = pp.get();
-        if (p.read_only()) throw ReadOnlyError("a read-only pool has no writable view");
-        auto anchor = pp.views.lock();
-        if (!anchor) {
-          anchor = std::make_shared<MappingAnchor>();
-          pp.views = anchor;
+        std::shared_ptr<MappingAnchor> anchor;
+        void* base = nullptr;
+        size_t shape[1] = {0};
+        {
+          // Exclusively, and so without the GIL (PyPool::mu's lock order): a thread of a save
+          // may hold `mu` shared while it waits for the GIL to return from commit().
+          nb::gil_scoped_release nogil;
+          std::unique_lock<std::shared_mutex> g(pp.mu);
+          Pool& p = pp.get();
+          if (p.read_only()) throw ReadOnlyError("a read-only pool has no writable view");
+          anchor = pp.views.lock();
+          if (!anchor) {
+            anchor = std::make_shared<MappingAnchor>();
+            pp.views = anchor;
+          }
+          base = p.mapped_base();
+          shape[0] = size_t(p.size());
         }
-        auto* keep = new std::shared_ptr<MappingAnchor>(anchor);
+        // `anchor` keeps the mapping alive from here on, even if the pool closes meanwhile
+        // (close_pool moves the mapping into it).
+        auto* keep = new std::shared_ptr<MappingAnchor>(std::move(anchor));
         nb::capsule owner(keep,
                           [](void* k) noexcept { delete static_cast<std::shared_ptr<MappingAnchor>*>(k); });
-        size_t shape[1] = {size_t(p.size())};
-        return nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(p.mapped_base(), 1, shape, owner);
+        return nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(base, 1, shape, owner);
       },
       nb::scope(pool_type), nb::name("transfer_view"), nb::is_method(),
       "The pool bytes as a writable uint8 array (offsets of Reservation / VerifiedLease index it). "

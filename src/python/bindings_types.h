@@ -23,6 +23,10 @@ struct MappingAnchor {
 };
 
 // Keeps a Pool alive and serializes close() against operations running without the GIL.
+// Lock order with the GIL: `mu` is taken exclusively only with the GIL released (close,
+// transfer_view), and no exclusive holder takes the GIL. A shared holder (OpGuard) may wait for
+// the GIL at the end of its call (its gil_scoped_release ends inside the guard's scope), so a
+// thread that held the GIL while waiting for `mu` exclusively would deadlock with it.
 struct PyPool {
   std::unique_ptr<Pool> pool;
   std::shared_mutex mu;

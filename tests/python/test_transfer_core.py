@@ -223,3 +223,48 @@ def test_an_intent_of_a_killed_holder_is_released(small_ns):
     assert ns.reserve([marker], blocks=False).states == ["reserved"]  # the dead holder's is absent
     rep = pool.check(repair=True)
     assert rep["ok"] and rep["stuck_entries"] == 0, rep
+
+
+_VIEW_WHILE_COMMITTING = r"""
+import os, sys, threading
+import cxlkv
+pool = cxlkv.Pool.open(sys.argv[1])
+ns = pool.namespace(cxlkv.KVLayout(model_id="test/view-race", dtype="bf16", num_layers=2,
+                                   num_kv_heads=2, head_size=16, tokens_per_block=4, block_bytes=4096))
+stop = False
+
+def saves():
+    while not stop:
+        r = ns.reserve([os.urandom(32) for _ in range(4)])
+        r.commit()  # holds the pool's guard shared, without the GIL, then takes the GIL back
+
+t = threading.Thread(target=saves)
+t.start()
+for _ in range(3000):
+    pool.transfer_view()  # takes the guard exclusively
+stop = True
+t.join()
+print("done")
+"""
+
+
+def test_a_view_taken_while_another_thread_commits_never_deadlocks(make_pool, tmp_path):
+    """A device path's second transfer (a TP rank's second head or state unit, heads.PerHeadTransfer)
+    asks for the pool's view while the first one's save thread commits: transfer_view takes the
+    pool's guard exclusively, and it once did so holding the GIL, while the committing thread held
+    the guard shared and waited for the GIL to return; both waited forever. In a child process, so
+    a deadlock fails this test instead of hanging the run."""
+    import subprocess
+    import sys
+
+    pool = make_pool()
+    script = tmp_path / "race.py"
+    script.write_text(_VIEW_WHILE_COMMITTING)
+    try:
+        out = subprocess.run(
+            [sys.executable, str(script), pool.path], capture_output=True, text=True, timeout=120
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("transfer_view and a concurrent commit deadlocked (the child did not finish in 120 s)")
+    assert out.returncode == 0 and "done" in out.stdout, out.stderr[-2000:]
+    assert pool.check()["ok"]
