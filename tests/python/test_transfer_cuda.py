@@ -252,3 +252,79 @@ def test_per_head_device_path_reads_what_the_cpu_path_wrote_at_another_tp(make_p
         assert torch.equal(a[:, 3].view(torch.uint8), b[:, 5].view(torch.uint8))
     t.close()
     assert pool.check()["ok"]
+
+
+@pytest.mark.parametrize("conv_layout", ["SD", "DS"])
+def test_state_units_device_path_matches_the_cpu_path_across_tp(make_pool, conv_layout):
+    """The CUDA path of a state group's unit entries (what vllm_worker builds for an SSM /
+    linear-attention group on a GPU: a PerHeadTransfer of CudaTransfers over state_shards.unit_views,
+    bf16 conv and fp32 SSM states in one entry): a TP=2 rank loads its units of states the CPU path
+    stored at TP=1, byte-equal to what the CPU path of that rank loads, and the states both TP=2
+    ranks save through it are what the CPU path of TP=1 reads back."""
+    import cxlkv
+    from cxlkv.integrations import state_shards as ss
+    from cxlkv.integrations.heads import PerHeadTransfer
+
+    nk, nv, hk, hv, kernel, nb = 4, 8, 4, 3, 4, 6  # two units on each TP=2 rank
+    sh = ss.gdn_shards(nk, nv, hk, hv, kernel, conv_layout)
+    entry = ss.unit_bytes(sh, (2, 4), LAYERS)
+    layout = cxlkv.KVLayout(
+        model_id="test/state-units-device",
+        dtype="bytes",
+        num_layers=LAYERS,
+        num_kv_heads=sh.units,
+        head_size=1,
+        tokens_per_block=16,
+        kind="opaque",
+        block_bytes=entry,
+    )
+    pool = make_pool()
+
+    def arrays(tp, fill=None, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        out = []
+        for _ in range(LAYERS):
+            for shape, dt in zip(sh.local_shapes(tp), (torch.bfloat16, torch.float32), strict=True):
+                a = torch.randn((nb, *shape), generator=g).to(dt)
+                out.append(a.fill_(fill) if fill is not None else a)
+        return out
+
+    def ns(tp, rank):
+        return ss.StateNamespace(pool.namespace(layout), sh.plan(tp, rank), sh)
+
+    def device(tp, rank, arrs):
+        plan = sh.plan(tp, rank)
+        n = ns(tp, rank)
+        views = lambda a, j: (ss.unit_views(a, sh, len(plan.local), j), 1)  # noqa: E731
+        return PerHeadTransfer(session_on(pool, n), arrs, 0, entry, 0, plan, CudaTransfer, views=views)
+
+    full = arrays(1, seed=3)
+    keys = [os.urandom(32) for _ in range(2)]
+    assert ns(1, 0).store(keys, full, [1, 4]) == 2
+    for rank in range(2):
+        by_cpu, by_device = arrays(2, fill=0.0), arrays(2, fill=7.0)
+        assert ns(2, rank).load(keys, by_cpu, [0, 5]) == 2
+        t = device(2, rank, by_device)
+        assert t.load(BlockOp("r", keys, [0, 5])) == 2
+        t.close()
+        for a, b in zip(by_cpu, by_device, strict=True):
+            assert torch.equal(a[[0, 5]].view(torch.uint8), b[[0, 5]].view(torch.uint8)), rank
+            assert a[0].abs().sum() > 0  # real state bytes, not the fill
+    # The other way: both TP=2 ranks save their units of new blocks through the device path.
+    keys2 = [os.urandom(32) for _ in range(2)]
+    ranks = [arrays(2, seed=10 + r) for r in range(2)]
+    for rank in range(2):
+        t = device(2, rank, ranks[rank])
+        assert t.submit_save(BlockOp("s", keys2, [2, 3])).result() == 2
+        t.close()
+    back = arrays(1, fill=0.0)
+    assert ns(1, 0).load(keys2, back, [0, 1]) == 2  # TP=1 finds every unit of both blocks
+    # What TP=1 assembled, stored again and cut by the CPU path of each rank, is that rank's save.
+    keys3 = [os.urandom(32) for _ in range(2)]
+    assert ns(1, 0).store(keys3, back, [0, 1]) == 2
+    for rank in range(2):
+        mine = arrays(2, fill=0.0)
+        assert ns(2, rank).load(keys3, mine, [2, 3]) == 2
+        for a, b in zip(mine, ranks[rank], strict=True):
+            assert torch.equal(a[[2, 3]].view(torch.uint8), b[[2, 3]].view(torch.uint8)), rank
+    assert pool.check()["ok"]
