@@ -241,6 +241,84 @@ def check_background_registration(pool: cxlkv.Pool) -> None:
         t.close()
 
 
+def check_state_units_tp2(pool: cxlkv.Pool) -> None:
+    """A hybrid model's SSM / linear-attention state group at TP=2 on the device (what vllm_worker
+    builds: a PerHeadTransfer of CudaTransfers over state_shards.unit_views, two units per rank,
+    bf16 conv and fp32 SSM state in one entry): each rank loads its units of states the CPU path
+    stored at TP=1, byte-equal to the CPU path's own load of that rank; what both ranks save is
+    read back at TP=1. On a GPU every part shares the one registration of the pool (direct path)."""
+    from cxlkv.integrations import state_shards as ss
+    from cxlkv.integrations.heads import PerHeadTransfer
+
+    sh = ss.gdn_shards(4, 8, 128, 128, 4, "SD")  # Qwen3-Next-like: head dim 128, 4 key heads
+    layers, nb = 2, 8
+    entry = ss.unit_bytes(sh, (2, 4), layers)
+    layout = cxlkv.KVLayout(
+        model_id="gpu/state-units",
+        dtype="bytes",
+        num_layers=layers,
+        num_kv_heads=sh.units,
+        head_size=1,
+        tokens_per_block=16,
+        kind="opaque",
+        block_bytes=entry,
+    )
+
+    def arrays(tp: int, dev: str, seed: int = 0, fill: float | None = None) -> list:
+        g = torch.Generator().manual_seed(seed)
+        out = []
+        for _ in range(layers):
+            for shape, dt in zip(sh.local_shapes(tp), (torch.bfloat16, torch.float32), strict=True):
+                a = torch.randn((nb, *shape), generator=g).to(dt)
+                out.append((a.fill_(fill) if fill is not None else a).to(dev))
+        return out
+
+    def ns(tp: int, rank: int):
+        return ss.StateNamespace(pool.namespace(layout), sh.plan(tp, rank), sh)
+
+    def device(tp: int, rank: int, arrs: list) -> PerHeadTransfer:
+        plan = sh.plan(tp, rank)
+        views = lambda a, j: (ss.unit_views(a, sh, len(plan.local), j), 1)  # noqa: E731
+
+        def make(session, v, bd, nbytes):
+            return CudaTransfer(session, v, bd, nbytes, background_register=False)
+
+        return PerHeadTransfer(_session(pool, ns(tp, rank)), arrs, 0, entry, 0, plan, make, views=views)
+
+    keys = [os.urandom(32) for _ in range(2)]
+    assert ns(1, 0).store(keys, arrays(1, "cpu", seed=3), [1, 4]) == 2
+    for rank in range(2):
+        by_cpu, by_dev = arrays(2, "cpu", fill=0.0), arrays(2, DEV, fill=7.0)
+        assert ns(2, rank).load(keys, by_cpu, [0, 5]) == 2
+        t = device(2, rank, by_dev)
+        try:
+            assert t.load(op("r", keys, [0, 5])) == 2
+            if DEV == "cuda":
+                for part in t._parts:  # one registration for every unit's transfer
+                    assert part.registration is not None and part.registration.registered
+        finally:
+            t.close()
+        for a, b in zip(by_cpu, by_dev, strict=True):
+            assert torch.equal(a[[0, 5]].view(torch.uint8), b[[0, 5]].cpu().view(torch.uint8)), rank
+    keys2 = [os.urandom(32) for _ in range(2)]
+    ranks = [arrays(2, DEV, seed=10 + r) for r in range(2)]
+    for rank in range(2):
+        t = device(2, rank, ranks[rank])
+        try:  # the second unit's transfer attaches while the first one's save commits
+            assert t.submit_save(op("s", keys2, [2, 3])).result() == 2
+        finally:
+            t.close()
+    back = arrays(1, "cpu", fill=0.0)
+    assert ns(1, 0).load(keys2, back, [0, 1]) == 2
+    keys3 = [os.urandom(32) for _ in range(2)]
+    assert ns(1, 0).store(keys3, back, [0, 1]) == 2
+    for rank in range(2):
+        mine = arrays(2, "cpu", fill=0.0)
+        assert ns(2, rank).load(keys3, mine, [2, 3]) == 2
+        for a, b in zip(mine, ranks[rank], strict=True):
+            assert torch.equal(a[[2, 3]].view(torch.uint8), b[[2, 3]].cpu().view(torch.uint8)), rank
+
+
 class _UvaWords:
     """A registered pool address the Triton launcher accepts (as transfer_cuda._PoolWords)."""
 
@@ -259,6 +337,7 @@ CHECKS: list[tuple[str, Callable[..., None], dict]] = [
     ),
     ("staged_path", check_staged_path, {}),
     ("corrupt_block_is_a_miss", check_corrupt_block_is_a_miss, {}),
+    ("state_units_tp2", check_state_units_tp2, {}),
 ]
 if DEV == "cuda":
     CHECKS += [

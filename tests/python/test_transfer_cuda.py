@@ -138,7 +138,7 @@ class FakeCuda:
         assert flags == reg.HOST_REGISTER_MAPPED | reg.HOST_REGISTER_PORTABLE
         assert size <= self.max_size
         self.calls += 1
-        if self.calls == self.fail_at:
+        if self.calls == self.fail_at or addr in self.registered:  # 712: already registered
             self.sticky = 712
             return 712
         self.registered.append(addr)
@@ -185,6 +185,28 @@ def test_registration_in_ranges_and_its_failures(make_pool, caplog):
         assert r.state == "failed" and not r.registered and why in r.reason
         assert fake.registered == [] and fake.sticky == 0  # all undone, sticky error cleared
         assert sum("CPU staging path" in m for m in caplog.messages) == 1
+
+
+def test_one_mapping_is_registered_once_for_all_its_transfers(make_pool):
+    """A worker builds one CudaTransfer per KV cache group (hybrid models) and per local head or
+    state unit (TP > 1), each registering the pool: the second cudaHostRegister of a range fails
+    (already registered), so they share one registration, and the last one to close unregisters."""
+    pool = make_pool()
+    cuda = FakeCuda()
+    cuda.max_size = _max(pool)
+    a = reg.register_pool(pool, cuda, background=False, max_range_bytes=cuda.max_size)
+    b = reg.register_pool(pool, cuda, background=False, max_range_bytes=cuda.max_size)
+    ranges = len(pool.transfer_ranges(cuda.max_size))
+    assert a.registered and b.registered and cuda.calls == ranges == len(cuda.registered)
+    a.close()
+    a.close()  # a second close of one hold changes nothing
+    assert b.registered and len(cuda.registered) == ranges
+    b.close()
+    assert cuda.registered == [] and not b.registered
+    c = reg.register_pool(pool, cuda, background=False, max_range_bytes=cuda.max_size)  # afresh
+    assert c.registered and cuda.calls == 2 * ranges
+    c.close()
+    assert cuda.registered == []
 
 
 def test_without_cuda_the_registration_fails_with_a_reason(make_pool, monkeypatch):

@@ -192,18 +192,65 @@ class _Failed(Exception):
     pass
 
 
+class SharedRegistration:
+    """One user's hold on a mapping's Registration (register_pool): the same state, reason and
+    seconds; close() lets go, and the last user's close unregisters. One mapping is registered
+    once per process: a second cudaHostRegister of its ranges fails (already registered), which
+    would leave every transfer but the first of a worker (one per KV cache group of a hybrid model,
+    one per local head or state unit at TP > 1) on the staging path."""
+
+    def __init__(self, key: tuple, reg: Registration) -> None:
+        self._key, self._reg, self._closed = key, reg, False
+
+    state = property(lambda self: self._reg.state)
+    reason = property(lambda self: self._reg.reason)
+    seconds = property(lambda self: self._reg.seconds)
+    registered = property(lambda self: self._reg.registered)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._reg.wait(timeout)
+
+    def close(self) -> None:
+        with _shared_lock:
+            if self._closed:
+                return
+            self._closed = True
+            held = _shared[self._key]
+            held[1] -= 1
+            last = held[1] == 0
+            if last:
+                del _shared[self._key]
+        if last:
+            self._reg.close()
+
+
+# (mapping base address, size, CudaApi given or 0) -> [Registration, users]. A mapping cannot be
+# unmapped while its registration holds its view, so its address is not reused meanwhile.
+_shared: dict[tuple, list] = {}
+_shared_lock = threading.Lock()
+
+
 def register_pool(
     pool: Any, api: CudaApi | None = None, *, background: bool = True, max_range_bytes: int = MAX_RANGE_BYTES
-) -> Registration:
-    """Registers ``pool``'s mapping (a cxlkv.Pool) with CUDA; see Registration."""
+) -> SharedRegistration:
+    """Registers ``pool``'s mapping (a cxlkv.Pool) with CUDA, or joins its registration when this
+    process registered it already (SharedRegistration); see Registration."""
     view = pool.transfer_view()
-    ranges = pool.transfer_ranges(max_range_bytes)
-    if api is None:
-        try:
-            api = CtypesCudart()
-        except OSError as e:
-            api = _Unavailable(str(e))
-    return Registration(view, ranges, api, background=background)
+    key = (int(view.ctypes.data), int(view.shape[0]), id(api) if api is not None else 0)
+    with _shared_lock:
+        held = _shared.get(key)
+        if held is not None:
+            held[1] += 1
+            return SharedRegistration(key, held[0])
+        ranges = pool.transfer_ranges(max_range_bytes)
+        if api is None:
+            try:
+                api = CtypesCudart()
+            except OSError as e:
+                api = _Unavailable(str(e))
+        reg = Registration(view, ranges, api, background=background)
+        _shared[key] = [reg, 1]
+        return SharedRegistration(key, reg)
 
 
 class _Unavailable:
