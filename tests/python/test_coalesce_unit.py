@@ -456,7 +456,14 @@ def test_prefill_rate_measured_from_steps():
     rate.step_done()
     clock.t += 1.0
     rate.step_done()
-    assert rate.tps == pytest.approx(4000 * 0.7**2 + 1000 * 0.3 * 0.7 + 1000 * 0.3)
+    # tokens over seconds, each sum decayed by 0.7 per step: not an average of the steps' rates
+    assert rate.tps == pytest.approx((2000 * 0.7**2 + 1000 * 0.7 + 1000) / (0.5 * 0.7**2 + 1.0 * 0.7 + 1.0))
+    # A short step whose time is mostly a step's fixed cost moves the rate little.
+    before = rate.tps
+    rate.step_planned(64)
+    clock.t += 0.25  # 256 tokens/s for this step alone
+    rate.step_done()
+    assert 0.8 * before < rate.tps < before
     fixed = PrefillRate(100.0, fixed=True, clock=clock)
     fixed.step_planned(5000)
     clock.t += 0.1

@@ -98,7 +98,7 @@ DEFAULT_WAIT_S = 30.0
 # (SmolLM2-135M on two cores shared by several servers under load does a few hundred), so the first
 # waits on a GPU are longer than needed rather than cut short; the first prefill step measures it.
 DEFAULT_PREFILL_TPS = 250.0
-RATE_SMOOTHING = 0.3  # weight of a new step's rate in the moving estimate
+RATE_SMOOTHING = 0.3  # per step, the older steps' sums keep 1 - this of their weight
 MIN_SAMPLE_TOKENS = 32  # a step with fewer prompt tokens says more about overheads than prefill
 STALL_FACTOR = 2.0  # no new block for this many times one chunk's estimated compute: stalled
 MIN_STALL_S = 0.25  # ... but at least this long (a save and a poll lie between two chunks)
@@ -214,7 +214,12 @@ class CoalesceConfig:
 class PrefillRate:
     """This engine's prefill rate, measured from its own steps: prompt tokens a step computed over
     the time from its start (its plan, or the previous step's completion if later: steps overlap
-    with asynchronous scheduling) to its completion. A moving average; the default until then."""
+    with asynchronous scheduling) to its completion; the default until then. Tokens over seconds of
+    the recent steps, each sum decayed by RATE_SMOOTHING per step: a step's weight is its time, so
+    a short step whose time is mostly a step's fixed cost (a 64-token suffix after a 2,048-token
+    load, decode beside it) moves the rate little. An average of per-step rates weighted them like
+    a whole prefill and put a CPU engine's rate at a quarter of what it computes (273 against
+    about 1,100 tokens/s), which made waits look shorter than computing when they were not."""
 
     def __init__(self, default_tps: float, fixed: bool = False, clock: Callable[[], float] = time.monotonic):
         self.tps = default_tps
@@ -223,6 +228,8 @@ class PrefillRate:
         self._clock = clock
         self._steps: collections.deque[tuple[float, int]] = collections.deque()
         self._last_done: float | None = None
+        self._tokens = 0.0  # decayed sums of the measured steps
+        self._seconds = 0.0
 
     def step_planned(self, prefill_tokens: int) -> None:
         self._steps.append((self._clock(), prefill_tokens))
@@ -236,8 +243,9 @@ class PrefillRate:
         self._last_done = now
         if self._fixed or tokens < MIN_SAMPLE_TOKENS or now <= start:
             return
-        sample = tokens / (now - start)
-        self.tps = sample if not self.measured else (1 - RATE_SMOOTHING) * self.tps + RATE_SMOOTHING * sample
+        self._tokens = (1 - RATE_SMOOTHING) * self._tokens + tokens
+        self._seconds = (1 - RATE_SMOOTHING) * self._seconds + (now - start)
+        self.tps = self._tokens / self._seconds
         self.measured = True
 
     def seconds_for(self, tokens: int) -> float:
