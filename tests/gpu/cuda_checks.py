@@ -249,20 +249,14 @@ def check_state_units_tp2(pool: cxlkv.Pool) -> None:
     read back at TP=1. On a GPU every part shares the one registration of the pool (direct path)."""
     from cxlkv.integrations import state_shards as ss
     from cxlkv.integrations.heads import PerHeadTransfer
+    from cxlkv.testing.layouts import state_units_layout
 
     sh = ss.gdn_shards(4, 8, 128, 128, 4, "SD")  # Qwen3-Next-like: head dim 128, 4 key heads
     layers, nb = 2, 8
-    entry = ss.unit_bytes(sh, (2, 4), layers)
     layout = cxlkv.KVLayout(
-        model_id="gpu/state-units",
-        dtype="bytes",
-        num_layers=layers,
-        num_kv_heads=sh.units,
-        head_size=1,
-        tokens_per_block=16,
-        kind="opaque",
-        block_bytes=entry,
+        **state_units_layout("gpu/state-units", sh.units, ss.unit_bytes(sh, (2, 4), layers), layers)
     )
+    entry = layout.block_bytes
 
     def arrays(tp: int, dev: str, seed: int = 0, fill: float | None = None) -> list:
         g = torch.Generator().manual_seed(seed)

@@ -21,6 +21,7 @@ import cxlkv  # noqa: E402
 from cxlkv.integrations import state_shards as ss  # noqa: E402
 from cxlkv.integrations import vllm_state_groups as vsg  # noqa: E402
 from cxlkv.integrations.heads import head_key  # noqa: E402
+from cxlkv.testing.layouts import state_units_layout  # noqa: E402
 
 # A small GDN layer with enough heads for TP=4: 4 key heads, 8 value heads (2 per key head).
 NK, NV, HK, HV, KERNEL = 4, 8, 6, 5, 4
@@ -80,16 +81,8 @@ def rank_arrays(full, tp, rank, layout="SD"):
 
 
 def layout_of(sh, model_id="test/gdn-state", itemsizes=(2, 4)):
-    nbytes = ss.unit_bytes(sh, itemsizes, LAYERS)
     return cxlkv.KVLayout(
-        model_id=model_id,
-        dtype="bytes",
-        num_layers=LAYERS,
-        num_kv_heads=sh.units,
-        head_size=1,
-        tokens_per_block=16,
-        kind="opaque",
-        block_bytes=nbytes,
+        **state_units_layout(model_id, sh.units, ss.unit_bytes(sh, itemsizes, LAYERS), LAYERS)
     )
 
 

@@ -286,20 +286,14 @@ def test_state_units_device_path_matches_the_cpu_path_across_tp(make_pool, conv_
     import cxlkv
     from cxlkv.integrations import state_shards as ss
     from cxlkv.integrations.heads import PerHeadTransfer
+    from cxlkv.testing.layouts import state_units_layout
 
     nk, nv, hk, hv, kernel, nb = 4, 8, 4, 3, 4, 6  # two units on each TP=2 rank
     sh = ss.gdn_shards(nk, nv, hk, hv, kernel, conv_layout)
-    entry = ss.unit_bytes(sh, (2, 4), LAYERS)
     layout = cxlkv.KVLayout(
-        model_id="test/state-units-device",
-        dtype="bytes",
-        num_layers=LAYERS,
-        num_kv_heads=sh.units,
-        head_size=1,
-        tokens_per_block=16,
-        kind="opaque",
-        block_bytes=entry,
+        **state_units_layout("test/state-units-device", sh.units, ss.unit_bytes(sh, (2, 4), LAYERS), LAYERS)
     )
+    entry = layout.block_bytes
     pool = make_pool()
 
     def arrays(tp, fill=None, seed=0):
