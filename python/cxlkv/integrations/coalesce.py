@@ -59,8 +59,21 @@ rank polls a wait with its own session, whose lookups ask for every KV head's en
 (heads.HeadNamespace), so a block counts as present once every rank's entry of it is READY; each
 rank loads its heads and reports its failed blocks; vLLM unions the ranks' failures per step and
 reports the request once every rank has, and truncates it at the first failed block: the request
-has the shortest of the ranks' loads (the scheduler keeps that as its floor). Hybrid models
-(several KV cache groups) stay off: docs/ARCHITECTURE.md §9, "Coalescing new prefixes".
+has the shortest of the ranks' loads (the scheduler keeps that as its floor).
+
+Hybrid models (several KV cache groups, vllm_groups.py): a boundary is servable in every group only
+where its writer stored a bounded group's reach before it, at its anchors (every
+``window_checkpoint_blocks`` boundaries and its prompt's last). So a writer also holds an anchor
+mark (:func:`anchor_mark`, an intent of its own derivation) for each anchor it computes, released
+with its intents; a waiter waits only up to the deepest boundary of the covered run whose mark is
+held (none: it computes at once), polls the common hit over the groups (each group's blocks that
+boundary needs, the lookup's rule), and loads one op per group. vLLM 0.32 takes no block-level
+load failure with several groups, so the outcome is all or nothing: a wait that gives up (its mark
+released short of the boundary, stalled, deadline) or whose load falls short loads nothing and
+reports the request in ``failed_recving``; vLLM then looks it up again from scratch (it waits once
+at most, so it loads what the pool holds and computes the rest). Off, with one log line, for a
+model with a state group (SSM / linear attention): a writer stores a state only where a prefill
+chunk ends on an anchor, which nothing promises.
 
 Extra config: ``coalesce`` (default true), ``coalesce_wait_s`` (default 30: the cap of any one
 wait) and ``coalesce_prefill_tokens_per_s`` (the estimate before a measurement; set it to fix it).
