@@ -446,3 +446,147 @@ def test_state_groups_vllm_cannot_resume_from_are_refused_in_one_line(pool_path,
         group_layouts(kc, BS, tp)
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith("cxlkv: KV cache group 0 of 2 (MambaSpec") and why in msg
+
+
+# -------------------------------------------------------------------------------------------------
+# coalescing a new prefix across engines with several KV cache groups (coalesce.py): a waiter waits
+# only for a boundary its writer marked as servable in every group (its anchors: every CHECKPOINT
+# boundaries and its prompt's last), loads every group's needs, or fails the request as a whole.
+B_SW_IDS = list(range(30, 30 + 13))
+B_FULL_IDS = list(range(45, 45 + 13))
+
+
+def start_writer(pool_path, model_dir, toks) -> tuple[Hybrid, object]:
+    """Engine A looks up a new prompt: it computes it and holds its intents and anchor marks."""
+    a = Hybrid(pool_path, model_dir)
+    req = make_req("p", toks)
+    assert a.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert a.sched.connector_scheduler._coalesce.held_blocks("p") == (0, N_BLOCKS)
+    return a, req
+
+
+def writer_saves(a: Hybrid, req, toks, finish: bool = False) -> None:
+    """A computes its whole prompt in one step and saves it (its KV: distinct bytes per block and
+    group); its intents go once its saves are reported done."""
+    for g, ids in ((0, SW_IDS), (1, FULL_IDS)):
+        for j, bid in enumerate(ids):
+            for n in ("s0", "s1") if g == 0 else ("f0", "f1"):
+                a.kv[n][bid].fill_(float(1 + j + 100 * g))
+    a.sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (SW_IDS, FULL_IDS)), 0)
+    results = a.run(a.sched.build_connector_meta(new_req_output("p", (SW_IDS, FULL_IDS), 0, len(toks))))
+    a.sched.update_connector_output(
+        SimpleNamespace(invalid_block_ids=set(), finished_sending=results.finished_sending)
+    )
+    if finish:  # the request ends; its saves are reported done, and its intents go with them
+        a.sched.request_finished_all_groups(req, (SW_IDS, FULL_IDS))
+        results = a.worker.get_transfer_results({"p"})
+        a.sched.update_connector_output(
+            SimpleNamespace(invalid_block_ids=set(), finished_sending=results.finished_sending)
+        )
+        assert not a.sched.connector_scheduler._coalesce.holds("p")
+
+
+def start_waiter(pool_path, model_dir, toks, offered: int) -> tuple[Hybrid, object, object]:
+    """Engine B (a slow prefill: waiting is clearly shorter) gets a prompt A computes: it offers
+    vLLM `offered` blocks as an asynchronous load, and vLLM allocates them."""
+    b = Hybrid(pool_path, model_dir)
+    b.sched.connector_scheduler._coalesce.rate.tps = 1.0
+    req = make_req("c", toks)
+    assert b.sched.get_num_new_matched_tokens(req, 0) == (offered * BS, offered > 0)
+    if not offered:
+        return b, req, None
+    ids = SimpleNamespace(get_block_ids=lambda: (B_SW_IDS, B_FULL_IDS))
+    b.sched.update_state_after_alloc(req, ids, offered * BS)
+    meta = b.sched.build_connector_meta(idle_output())
+    return b, req, meta
+
+
+def waited_outcome(b: Hybrid, results, failed: bool) -> dict:
+    b.sched.update_connector_output(
+        SimpleNamespace(
+            invalid_block_ids=set(),
+            finished_recving=results.finished_recving,
+            failed_recving=results.failed_recving,
+        )
+    )
+    assert results.finished_recving == {"c"} and (results.failed_recving == {"c"}) == failed
+    return {k: v for k, v in b.worker.get_kv_connector_stats().data.items() if k.startswith("coalesce") and v}
+
+
+def test_coalesce_waits_for_the_deepest_boundary_every_group_serves_and_loads_every_group(
+    pool_path, model_dir
+):
+    toks = tokens(20, N_BLOCKS * BS + 1)  # A's anchors: 4, 8 and 10 (its prompt's last)
+    a, req_a = start_writer(pool_path, model_dir, toks)
+    # B shares A's first 9 blocks: the deepest boundary A marked within them is 8 (not 9, whose
+    # window A never stores), so B waits for blocks [0, 8) and computes from there.
+    b_toks = toks[: 9 * BS] + tokens(21, 3 * BS + 1)
+    b, _req, meta = start_waiter(pool_path, model_dir, b_toks, offered=8)
+    (wait,) = meta.waits
+    assert sorted((op.group, op.start_depth, len(op.keys)) for op in wait.groups) == [(0, 6, 2), (1, 0, 8)]
+    results = b.run(meta)
+    assert not results.finished_recving  # A has not saved yet: B keeps waiting
+    writer_saves(a, req_a, toks)
+    results = b.run(b.sched.build_connector_meta(idle_output()))
+    counts = waited_outcome(b, results, failed=False)
+    for j in range(8):
+        assert b.block(1, B_FULL_IDS[j]) == a.block(1, FULL_IDS[j])
+    for j in (6, 7):
+        assert b.block(0, B_SW_IDS[j]) == a.block(0, SW_IDS[j])
+    assert b.block(0, B_SW_IDS[5]) == bytes(len(b.block(0, 1)))  # out of the window: not loaded
+    assert counts["coalesce_waits"] == 1 and counts["coalesced_blocks"] == 8
+    assert counts["coalesce_saved_tokens"] == 8 * BS and "coalesce_fallback_writer_gone" not in counts
+    # vLLM has blocks [0, 8) now: B saves from there on (and holds the intents of what it computes).
+    assert b.sched.connector_scheduler._coalesce.loaded_floor("c") == 8
+    a.close(), b.close()
+
+
+def test_coalesce_no_boundary_marked_within_the_run_means_no_wait(pool_path, model_dir):
+    toks = tokens(22, N_BLOCKS * BS + 1)
+    a, _req = start_writer(pool_path, model_dir, toks)
+    # B shares A's first 3 blocks only: no anchor of A's in (0, 3], so no boundary A computes there
+    # will be served by both groups: B computes at once, and holds the intents of its own blocks.
+    b, _req_b, _ = start_waiter(pool_path, model_dir, toks[: 3 * BS] + tokens(23, 6 * BS + 1), offered=0)
+    assert b.sched.connector_scheduler._coalesce.held_blocks("c") == (3, 9)
+    a.close(), b.close()
+
+
+@pytest.mark.parametrize("how", ["gone", "short", "stalled"])
+def test_coalesce_a_wait_that_gives_up_loads_nothing_and_vllm_computes(pool_path, model_dir, how):
+    """Writer gone (finished without saving), short (its saves lack a window block of the boundary
+    waited for), stalled (no new block within the stall bound): the request fails as a whole
+    (failed_recving), nothing is loaded into its blocks, and vLLM computes it."""
+    toks = tokens(24, N_BLOCKS * BS + 1)
+    a, req_a = start_writer(pool_path, model_dir, toks)
+    b, _req, meta = start_waiter(pool_path, model_dir, toks, offered=N_BLOCKS)
+    if how == "gone":
+        a.sched.request_finished_all_groups(req_a, (SW_IDS, FULL_IDS))
+    elif how == "short":
+        writer_saves(a, req_a, toks, finish=True)
+        b.delete(toks, 9)  # the window block boundary 10 needs, in group 0
+    else:
+        meta.waits[0].stall_s = 0.0  # the stall bound passed at the first check
+    results = b.run(meta)
+    counts = waited_outcome(b, results, failed=True)
+    cause = {"gone": "writer_gone", "short": "writer_gone", "stalled": "stalled"}[how]
+    assert counts[f"coalesce_fallback_{cause}"] == 1 and counts["coalesce_recomputed_blocks"] == N_BLOCKS
+    assert "coalesced_blocks" not in counts
+    for g, ids in ((0, B_SW_IDS), (1, B_FULL_IDS)):
+        assert all(b.block(g, bid) == bytes(len(b.block(g, bid))) for bid in ids)  # nothing loaded
+    assert b.worker.get_block_ids_with_load_errors() == set()  # never block ids with several groups
+    st = b.sched.connector_scheduler._reqs["c"]
+    assert b.sched.connector_scheduler._coalesce.loaded_floor("c") == 0 and st.saved_blocks == 0
+    # vLLM looks the request up again (from scratch): it waits once at most, so it loads what the
+    # pool holds (short: boundary 9, whose window blocks 7 and 8 are there) and computes the rest.
+    got = b.sched.get_num_new_matched_tokens(make_req("c", toks), 0)
+    assert got == ((9 * BS, True) if how == "short" else (0, False))
+    assert not b.sched.connector_scheduler._coalesce._pending
+    a.close(), b.close()
+
+
+def test_coalesce_is_off_with_a_state_group_in_one_line(pool_path, model_dir, caplog):
+    with caplog.at_level("INFO", logger="vllm.cxlkv"):
+        a = SsmHybrid(pool_path, model_dir)
+    assert not a.sched.connector_scheduler._coalesce.cfg.enabled
+    assert sum("coalescing of new prefixes is off" in r.getMessage() for r in caplog.records) == 1
+    a.close()

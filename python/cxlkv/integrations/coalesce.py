@@ -59,8 +59,21 @@ rank polls a wait with its own session, whose lookups ask for every KV head's en
 (heads.HeadNamespace), so a block counts as present once every rank's entry of it is READY; each
 rank loads its heads and reports its failed blocks; vLLM unions the ranks' failures per step and
 reports the request once every rank has, and truncates it at the first failed block: the request
-has the shortest of the ranks' loads (the scheduler keeps that as its floor). Hybrid models
-(several KV cache groups) stay off: docs/ARCHITECTURE.md §9, "Coalescing new prefixes".
+has the shortest of the ranks' loads (the scheduler keeps that as its floor).
+
+Hybrid models (several KV cache groups, vllm_groups.py): a boundary is servable in every group only
+where its writer stored a bounded group's reach before it, at its anchors (every
+``window_checkpoint_blocks`` boundaries and its prompt's last). So a writer also holds an anchor
+mark (:func:`anchor_mark`, an intent of its own derivation) for each anchor it computes, released
+with its intents; a waiter waits only up to the deepest boundary of the covered run whose mark is
+held (none: it computes at once), polls the common hit over the groups (each group's blocks that
+boundary needs, the lookup's rule), and loads one op per group. vLLM 0.32 takes no block-level
+load failure with several groups, so the outcome is all or nothing: a wait that gives up (its mark
+released short of the boundary, stalled, deadline) or whose load falls short loads nothing and
+reports the request in ``failed_recving``; vLLM then looks it up again from scratch (it waits once
+at most, so it loads what the pool holds and computes the rest). Off, with one log line, for a
+model with a state group (SSM / linear attention): a writer stores a state only where a prefill
+chunk ends on an anchor, which nothing promises.
 
 Extra config: ``coalesce`` (default true), ``coalesce_wait_s`` (default 30: the cap of any one
 wait) and ``coalesce_prefill_tokens_per_s`` (the estimate before a measurement; set it to fix it).
@@ -83,6 +96,7 @@ from cxlkv.integrations.transfer import BlockOp
 
 INTENT_SUFFIX = b"cxlkv-intent"
 COTOO_MARK_SUFFIX = b"cxlkv-intent-cotoo"
+ANCHOR_MARK_SUFFIX = b"cxlkv-intent-anchor"
 # Waiting must be clearly shorter than computing: the writer's expected remaining time (plus the
 # settle below) times this margin must be under this engine's own time to compute the blocks now.
 # A tie is a loss (the wait's polls and the load cost time, and the estimate is uncertain).
@@ -103,6 +117,7 @@ MIN_SAMPLE_TOKENS = 32  # a step with fewer prompt tokens says more about overhe
 STALL_FACTOR = 2.0  # no new block for this many times one chunk's estimated compute: stalled
 MIN_STALL_S = 0.25  # ... but at least this long (a save and a poll lie between two chunks)
 MAX_IDLE_SLEEP_S = 0.05  # an engine with nothing but waits sleeps this long at most per step
+NULL_BLOCK = 0  # vLLM's null block id (a sliding window's blocks out of reach): never loaded into
 FALLBACK_CAUSES = ("writer_gone", "stalled", "deadline", "pool_unavailable")
 # The connector's counters (vllm_metrics.py STAT_KEYS): requests that took intents, requests that
 # waited, blocks they got from another engine (and the prompt tokens that saved), waits that gave
@@ -129,6 +144,13 @@ def intent_key(chain_key: bytes) -> bytes:
     if len(chain_key) != 32:
         raise ValueError(f"cxlkv: a chain key has 32 bytes, not {len(chain_key)}")
     return hashlib.sha256(bytes(chain_key) + INTENT_SUFFIX).digest()
+
+
+def anchor_mark(intent: bytes) -> bytes:
+    """A hybrid model's "the writer of this block makes the boundary after it servable in every
+    KV cache group": sha256(intent of the boundary's last block | b"cxlkv-intent-anchor"), held
+    (never committed) beside the writer's intents for each of its anchors."""
+    return hashlib.sha256(bytes(intent) + ANCHOR_MARK_SUFFIX).digest()
 
 
 def cotoo_marker(intent: bytes, place: tuple[int, int]) -> bytes:
@@ -262,6 +284,11 @@ class WaitOp:
     already: int = 0  # leading blocks that were in the pool when the wait began
     uncovered: int = 0  # the prompt's missing blocks after the wait's: no intent, computed at once
     tokens_per_block: int = 0
+    # A hybrid model (several KV cache groups): what each group needs for the boundary waited for
+    # (one op per group, its own keys and block ids), and that boundary's anchor mark (its writer
+    # holds it until its saves are done). The outcome is all or nothing (vLLM's failed_recving).
+    groups: list = dataclasses.field(default_factory=list)
+    mark: bytes | None = None
 
 
 @dataclasses.dataclass
@@ -282,6 +309,7 @@ class _Intents:
     end_blocks: int  # the request's prompt blocks: released once its saves cover them
     clocks: list = dataclasses.field(default_factory=list)  # intents its clock is beside (deleted on release)
     release_after_step: int | None = None
+    marks: Any = None  # a hybrid model's anchor marks (their reservation), released with the intents
 
 
 class CoalesceScheduler:
@@ -298,8 +326,15 @@ class CoalesceScheduler:
         rate: PrefillRate | None = None,
         wall: Callable[[], float] = time.time,
         place: tuple[int, int] = (0, 0),
+        groups: list | None = None,
+        checkpoint: int = 0,
     ) -> None:
         self.cfg = cfg
+        # A hybrid model's KV cache groups (vllm_groups.GroupLayout: index, first_needed) and its
+        # anchors (every `checkpoint` boundaries and the prompt's last): a boundary is servable in
+        # every group only where its writer made it an anchor. None: one group.
+        self._groups = groups
+        self._checkpoint = checkpoint
         self._wall = wall
         self._place = place  # compute_place() of this engine
         self.rate = rate or PrefillRate(cfg.prefill_tps, cfg.fixed_rate)
@@ -343,9 +378,13 @@ class CoalesceScheduler:
         can_save: bool,
         can_load: bool,
         backlog: int = 0,
+        group_keys: list | None = None,
     ) -> WaitOp | None:
         """The prompt's pool hit ends at `hit` < `max_blocks`: take intents for the blocks this
-        request computes and, where another engine holds the leading ones, return the wait to plan."""
+        request computes and, where another engine holds the leading ones, return the wait to plan.
+        A hybrid model (`group_keys`: each group's chain keys; `keys` the primary group's, `hit`
+        the boundary every group serves) waits only up to the deepest boundary of the run whose
+        anchor mark the writer holds, and marks its own anchors."""
         if not self.cfg.enabled or hit >= max_blocks:
             return None
         held = self._intents.get(req_id)
@@ -364,6 +403,10 @@ class CoalesceScheduler:
         while covered < len(wanted) and states[covered] == "in_flight" and wanted[covered] not in local:
             covered += 1
         may_wait = bool(covered) and can_load and have <= hit and req_id not in self._waited
+        if may_wait and self._groups is not None:
+            # Only a boundary every group will serve: the deepest of the run its writer marked.
+            covered = self._marked_end(wanted[:covered], hit)
+            may_wait = covered > 0
         decision = self._decide(req_id, wanted[:covered], hit, backlog) if may_wait else None
         mine = [k for k, s in zip(wanted, states, strict=True) if s == "reserved"]
         if mine and can_save:
@@ -376,6 +419,8 @@ class CoalesceScheduler:
             clock = WriterClock(begins, self.rate.tps, work, *self._place)
             published = [ck for ck in {mine[0], mine[-1]} if self._publish_clock(ck, clock)]
             self._intents[req_id] = _Intents(mine, res, first, max_blocks, published)
+            if self._groups is not None:
+                self._intents[req_id].marks = self._mark_anchors(wanted, hit, first, max_blocks)
             self._count("coalesce_intents")
         elif res is not None:
             res.abort()  # nothing to hold (or it never publishes blocks: nobody should wait for it)
@@ -388,8 +433,43 @@ class CoalesceScheduler:
         wait_s, stall_s = self.bounds(covered * self._block_size, backlog, decision.shared)
         op = BlockOp(req_id, list(keys[have:end]), [], start_depth=have)
         wait = WaitOp(op, wait_s, stall_s, already=hit - have, uncovered=max_blocks - end)
+        if self._groups is not None and group_keys is not None:
+            op.group = self._primary_index()
+            wait.mark = anchor_mark(wanted[covered - 1])
+            for g in self._groups:
+                lo = max(g.first_needed(end), have)
+                wait.groups.append(BlockOp(req_id, list(group_keys[g.index][lo:end]), [], lo, group=g.index))
         self._pending[req_id] = wait
         return wait
+
+    def _primary_index(self) -> int:
+        return next((g.index for g in self._groups or () if not g.bounded), 0)
+
+    def _anchors(self, first: int, end: int) -> list[int]:
+        """A hybrid writer's anchor boundaries in (first, end]: those it makes servable in every
+        group (vllm_groups.GroupLayout.anchors_needing), `end` being its prompt's last."""
+        step = max(1, self._checkpoint)
+        return [a for a in range(first + 1, end + 1) if a % step == 0 or a == end]
+
+    def _mark_anchors(self, wanted: list, hit: int, first: int, end: int) -> Any:
+        """Hold the anchor marks of the boundaries this request makes servable in every group
+        (their last block is one it computes); None when none could be taken."""
+        marks = [anchor_mark(wanted[a - 1 - hit]) for a in self._anchors(first, end)]
+        if not marks:
+            return None
+        return self._session.call("coalesce", lambda ns: ns.reserve(marks, start_depth=first, blocks=False))
+
+    def _marked_end(self, covered: list, hit: int) -> int:
+        """Of the leading `covered` blocks another engine computes, how many lead to the deepest
+        boundary whose anchor mark it holds (0: none; the waiter computes). The marks are probed,
+        never held: a reserve that gets one aborts it at once."""
+        marks = [anchor_mark(k) for k in covered]
+        res = self._session.call("coalesce", lambda ns: ns.reserve(marks, start_depth=hit + 1, blocks=False))
+        if res is None:
+            return 0
+        states = [str(s) for s in res.states]
+        self._session.call("coalesce", lambda _ns: res.abort())
+        return next((i + 1 for i in range(len(states) - 1, -1, -1) if states[i] == "in_flight"), 0)
 
     def _decide(self, req_id: str, covered: list, hit: int, backlog: int) -> Decision:
         """Wait for the `covered` intents' blocks, or compute them now? The writer's expected
@@ -487,8 +567,11 @@ class CoalesceScheduler:
         is void; this lookup decides afresh."""
         self._pending.pop(req_id, None)
 
-    def allocated(self, req_id: str, block_ids: list, external_tokens: int, block_size: int) -> bool:
-        """update_state_after_alloc for a planned wait; False when the request has none."""
+    def allocated(
+        self, req_id: str, block_ids: list, external_tokens: int, block_size: int, group_ids: Any = None
+    ) -> bool:
+        """update_state_after_alloc for a planned wait; False when the request has none.
+        `group_ids`: a hybrid model's block ids per group (vLLM's tuple)."""
         wait = self._pending.pop(req_id, None)
         if wait is None:
             return False
@@ -496,6 +579,15 @@ class CoalesceScheduler:
         if n == 0:
             return True
         first = wait.op.start_depth
+        if wait.groups and (n != len(wait.op.keys) or group_ids is None):
+            # Granted short of the marked boundary: its groups' needs are another boundary's,
+            # which no writer promised. Nothing is loaded; vLLM computes (worker: void wait).
+            wait.groups = []
+        for g in wait.groups:
+            g.block_ids = list(group_ids[g.group][g.start_depth : g.start_depth + len(g.keys)])
+            if len(g.block_ids) != len(g.keys) or NULL_BLOCK in g.block_ids:
+                wait.groups = []
+                break
         wait.uncovered += max(0, len(wait.op.keys) - n)
         wait.op.keys = wait.op.keys[:n]
         wait.op.block_ids = list(block_ids[first : first + n])
@@ -535,6 +627,7 @@ class CoalesceScheduler:
         invalid_block_ids: set,
         finished_recving: Iterable[str],
         finished_sending: Iterable[str],
+        failed_recving: Iterable[str] = (),
     ) -> None:
         for req_id in [r for r, m in self._intents.items() if m.release_after_step is not None]:
             step = self._intents[req_id].release_after_step
@@ -549,10 +642,12 @@ class CoalesceScheduler:
             ids = pending.op.block_ids
             bad = next((i for i, b in enumerate(ids) if b in invalid_block_ids), len(ids))
             self._bad[req_id] = min(bad, self._bad.get(req_id, len(ids)))
+        failed = set(failed_recving)
         for req_id in finished_recving:
             wait = self._waiting.pop(req_id, None)
             bad = self._bad.pop(req_id, 0)
-            if wait is not None:
+            # A failed one (a hybrid model's wait that gave up): vLLM recomputes it from scratch.
+            if wait is not None and req_id not in failed:
                 self._floors[req_id] = wait.op.start_depth + bad
 
     def loaded_floor(self, req_id: str) -> int:
@@ -564,6 +659,8 @@ class CoalesceScheduler:
         m = self._intents.pop(req_id, None)
         if m is not None:
             self._session.call("coalesce", lambda _ns: m.reservation.abort())
+            if m.marks is not None:
+                self._session.call("coalesce", lambda _ns: m.marks.abort())
             for intent in m.clocks:
                 self._session.call("coalesce", lambda ns, i=intent: self._clocks.remove(_plain(ns), i))
             self._log.debug("cxlkv: %s: %d intents released (%s)", req_id, len(m.keys), why)
@@ -611,6 +708,7 @@ class CoalesceWorker:
         count: Callable[..., None],
         logger: Any,
         clock: Callable[[], float] = time.monotonic,
+        groups: list | None = None,
     ) -> None:
         self._session = session
         self._count = count
@@ -618,6 +716,11 @@ class CoalesceWorker:
         self._clock = clock
         self._waits: dict[str, _Waiting] = {}
         self._idle = False
+        # A hybrid model: each KV cache group's view of the session (vllm_common.GroupSession), and
+        # the waits that ended without their blocks (reported in failed_recving: vLLM refuses
+        # block-level failures for several groups and recomputes the request).
+        self._groups = groups
+        self.failed: set[str] = set()
 
     def add(self, waits: Iterable[WaitOp], idle: bool) -> None:
         now = self._clock()
@@ -651,8 +754,53 @@ class CoalesceWorker:
             time.sleep(MAX_IDLE_SLEEP_S)
         return done, errors
 
+    def take_failed(self) -> set[str]:
+        failed, self.failed = self.failed, set()
+        return failed
+
+    def _present_groups(self, wait: WaitOp) -> int | None:
+        """A hybrid wait: the blocks present over its groups' needs (the lookup's common-hit rule:
+        the boundary is served once every group has each block it needs); None: pool unusable."""
+        groups = self._groups or []
+        total = 0
+        for op in wait.groups:
+            n = groups[op.group].call("coalesce", lambda ns, k=op.keys: ns.match_prefix(k), retry=False)
+            if n is None:
+                return None
+            total += n
+        return total
+
+    def _check_groups(self, st: _Waiting, now: float) -> tuple[int, str | None] | None:
+        """A hybrid wait (all or nothing): None: keep waiting; else (blocks present over the
+        groups, None when all are, else why it gave up)."""
+        wait, mark = st.wait, st.wait.mark
+        need = sum(len(op.keys) for op in wait.groups)
+        if not wait.groups or not self._groups or mark is None:
+            return 0, "void"
+        present = self._present_groups(wait)
+        if present is None:
+            return 0, "pool_unavailable"
+        if present >= need:
+            return present, None
+        if present > st.present:
+            st.present, st.progress_at = present, now
+        if now - st.began >= wait.wait_s:
+            return present, "deadline"
+        if now - st.progress_at >= wait.stall_s:
+            return present, "stalled"
+        depth = wait.op.start_depth + len(wait.op.keys)
+        primary = self._groups[wait.op.group]
+        state = primary.call("coalesce", lambda ns: _probe(ns, mark, depth))
+        if state != "reserved":
+            return None
+        again = self._present_groups(wait)
+        present = max(present, again or 0)
+        return present, (None if present >= need else "writer_gone")
+
     def _check(self, st: _Waiting, now: float) -> tuple[int, str | None] | None:
         """None: keep waiting; else (leading blocks present, why the wait gave up or None)."""
+        if st.wait.mark is not None:
+            return self._check_groups(st, now)
         keys = st.wait.op.keys
         present = self._session.call("coalesce", lambda ns: ns.match_prefix(keys), retry=False)
         if present is None:
@@ -676,9 +824,54 @@ class CoalesceWorker:
         present = max(present, again or 0)
         return present, (None if present >= len(keys) else "writer_gone")
 
+    def _finish_groups(
+        self, wait: WaitOp, cause: str | None, waited_s: float, load: Callable[[BlockOp], int]
+    ) -> set[int]:
+        """A hybrid wait: every group's blocks loaded, or the request failed (failed_recving):
+        vLLM then computes it from scratch (what it had before the wait is looked up again)."""
+        op = wait.op
+        if cause is None:
+            for g in wait.groups:
+                if load(g) < len(g.keys):
+                    cause = "writer_gone"  # present, then failed its checksum or was evicted
+                    break
+        self._count("coalesce_wait_s", waited_s)
+        if cause is None:
+            got = max(0, len(op.keys) - wait.already)
+            self._count("coalesced_blocks", got)
+            self._count("coalesce_saved_tokens", got * wait.tokens_per_block)
+            if wait.uncovered:
+                self._count("coalesce_partial_loads")
+            self._log.info(
+                "cxlkv: %s: %d blocks computed by another engine loaded in %d KV cache groups after %.2f s",
+                op.req_id,
+                len(op.keys),
+                len(wait.groups),
+                waited_s,
+            )
+            return set()
+        self.failed.add(op.req_id)
+        if cause == "void":  # vLLM granted other blocks than the ones waited for: nothing to wait on
+            self._log.warning(
+                "cxlkv: %s: wait void (blocks granted short of its boundary); vLLM computes", op.req_id
+            )
+            return set()
+        self._count("coalesce_fallback_" + cause)
+        self._count("coalesce_recomputed_blocks", len(op.keys) - wait.already)
+        self._log.info(
+            "cxlkv: %s: gave up waiting after %.2f s (%s): nothing loaded (several KV cache groups: "
+            "all or nothing), vLLM computes the request",
+            op.req_id,
+            waited_s,
+            cause,
+        )
+        return set()
+
     def _finish(
         self, wait: WaitOp, present: int, cause: str | None, waited_s: float, load: Callable[[BlockOp], int]
     ) -> set[int]:
+        if wait.mark is not None:
+            return self._finish_groups(wait, cause, waited_s, load)
         op = wait.op
         n = (
             load(BlockOp(op.req_id, op.keys[:present], op.block_ids[:present], op.start_depth))

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from cxlkv.integrations import identity as ident
 from cxlkv.integrations import vllm_groups as vg
 from cxlkv.integrations import vllm_state_groups as vsg
-from cxlkv.integrations.coalesce import CoalesceConfig, CoalesceScheduler, compute_place
+from cxlkv.integrations.coalesce import NULL_BLOCK, CoalesceConfig, CoalesceScheduler, compute_place
 from cxlkv.integrations.keys import ChainedKeys, MMSpan, root_key
 from cxlkv.integrations.transfer import BlockOp
 from cxlkv.integrations.vllm_common import ConnectorContext, CxlKVConnectorMetadata, logger
@@ -27,7 +27,6 @@ from cxlkv.integrations.vllm_identity import CxlKVHandshake
 
 # vLLM's null block (block_pool.py): what a group's block table holds where it freed or never
 # allocated a block (out of a sliding window).
-NULL_BLOCK = 0
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
@@ -90,8 +89,14 @@ class CxlKVScheduler:
         cfg = CoalesceConfig.from_extra(self.ctx.extra)
         # Tensor parallelism: on (coalesce.py: a wait's blocks count as present once every head's
         # entry is, and vLLM truncates the request at the first block any rank failed to load).
-        if cfg.enabled and self.ctx.multi:
-            logger.info("cxlkv: coalescing of new prefixes is off with several KV cache groups (coalesce.py)")
+        # Hybrid models: on for full-attention, sliding-window and chunked-local groups (a wait
+        # is for a boundary its writer marked as servable in every group, all or nothing); off
+        # with a state group, whose states are stored only where a prefill chunk ended on an anchor.
+        if cfg.enabled and any(g.reach == vg.STATE for g in self.ctx.groups):
+            logger.info(
+                "cxlkv: coalescing of new prefixes is off with an SSM / linear-attention state group "
+                "(a writer stores a state only where a prefill chunk ends on an anchor; coalesce.py)"
+            )
             cfg = dataclasses.replace(cfg, enabled=False)
         sched_cfg = getattr(vllm_config, "scheduler_config", None)
         self._coalesce = CoalesceScheduler(
@@ -102,6 +107,8 @@ class CxlKVScheduler:
             block_size=self._block_size,
             chunk_tokens=int(getattr(sched_cfg, "max_num_batched_tokens", 0) or 2048),
             place=compute_place(str(getattr(getattr(vllm_config, "device_config", None), "device_type", ""))),
+            groups=list(self.ctx.groups) if self.ctx.multi else None,
+            checkpoint=self.ctx.checkpoint_blocks,
         )
         self.ctx.log_started("SCHEDULER")
 
@@ -336,32 +343,25 @@ class CxlKVScheduler:
         each group's needed blocks pinned; vLLM's local hit covers [0, have) in every group."""
         keys = [k.extend(prompt, upto_blocks=max_blocks) for k in st.group_keys]
         self._count("lookup_tokens", (max_blocks - have) * self._block_size)
-        hit = max_blocks
-        for _ in range(4):  # pins that lost a race with eviction: look again, a few times
-            hit = self._common_hit(keys, have, hit)
-            if hit <= have:
-                return 0, False
-            leases: list = []
-            short: int | None = None
-            for g in self.ctx.groups:
-                lo = max(g.first_needed(hit), have)
-                lease = self._groups[g.index].call(
-                    "acquire", lambda ns, k=keys[g.index][lo:hit]: ns.acquire(k)
-                )
-                if lease is None:  # the pool became unusable
-                    for x in leases:
-                        self._session.retire(x)
-                    return 0, False
-                leases.append(lease)
-                if len(lease) < hit - lo:
-                    short = lo + len(lease)
-                    break
-            if short is None:
-                break
-            for x in leases:
-                self._session.retire(x)
-            hit = short
-        else:
+        pinned = self._pin_groups(keys, have, max_blocks)
+        hit, leases = pinned if pinned is not None else (have, [])
+        if hit < max_blocks and (pinned is not None or self._session.usable()):
+            wait = self._coalesce.on_miss(
+                request.request_id,
+                keys[self.ctx.primary],
+                have,
+                hit,
+                max_blocks,
+                self._can_save,
+                self._can_load,
+                backlog=self._prefill_backlog(request.request_id),
+                group_keys=keys,
+            )
+            if wait is not None:  # another engine makes a deeper boundary servable: wait for it
+                for x in leases:
+                    self._session.retire(x)
+                return len(wait.op.keys) * self._block_size, True
+        if pinned is None:
             return 0, False
         st.lease, st.load_from = leases, have
         st.load = []
@@ -381,6 +381,38 @@ class CxlKVScheduler:
         # An asynchronous load: vLLM takes a failed load of a model with several groups only as a
         # failed request (failed_recving, then recomputed from scratch), never as failed blocks.
         return (hit - have) * self._block_size, True
+
+    def _pin_groups(self, keys: list, have: int, max_blocks: int) -> tuple[int, list] | None:
+        """The deepest boundary every group serves (> have) and each group's needed blocks pinned
+        there; None when there is none (or the pool is unusable)."""
+        hit = max_blocks
+        for _ in range(4):  # pins that lost a race with eviction: look again, a few times
+            hit = self._common_hit(keys, have, hit)
+            if hit <= have:
+                return None
+            leases: list = []
+            short: int | None = None
+            for g in self.ctx.groups:
+                lo = max(g.first_needed(hit), have)
+                lease = self._groups[g.index].call(
+                    "acquire", lambda ns, k=keys[g.index][lo:hit]: ns.acquire(k)
+                )
+                if lease is None:  # the pool became unusable
+                    for x in leases:
+                        self._session.retire(x)
+                    return None
+                leases.append(lease)
+                if len(lease) < hit - lo:
+                    short = lo + len(lease)
+                    break
+            if short is None:
+                break
+            for x in leases:
+                self._session.retire(x)
+            hit = short
+        else:
+            return None
+        return hit, leases
 
     def _common_hit(self, keys: list, have: int, hit: int) -> int:
         """The deepest boundary <= hit where every group has the blocks it needs (those below
@@ -424,7 +456,9 @@ class CxlKVScheduler:
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
         ids = blocks.get_block_ids()
-        if self._coalesce.allocated(request.request_id, ids[0], num_external_tokens, self._block_size):
+        if self._coalesce.allocated(
+            request.request_id, ids[self.ctx.primary], num_external_tokens, self._block_size, group_ids=ids
+        ):
             return
         st = self._reqs.get(request.request_id)
         if st is None or st.load is None:
@@ -597,6 +631,7 @@ class CxlKVScheduler:
             invalid,
             getattr(connector_output, "finished_recving", None) or (),
             getattr(connector_output, "finished_sending", None) or (),
+            getattr(connector_output, "failed_recving", None) or (),
         )
         self._async_loads_done(connector_output)
         for st in self._reqs.values():

@@ -60,7 +60,10 @@ class CxlKVWorker:
         # Every TP rank polls and loads its own heads of a wait; rank 0 counts (vLLM sums the
         # ranks' stats, and a wait is one request's, whatever the ranks).
         self._coalesce_worker = CoalesceWorker(
-            self._session, self._count_stat if self.ctx.tp_rank == 0 else _no_count, logger
+            self._session,
+            self._count_stat if self.ctx.tp_rank == 0 else _no_count,
+            logger,
+            groups=[self.ctx.group_session(g.index) for g in self.ctx.groups] if self.ctx.multi else None,
         )
         self.ctx.log_started("WORKER")
 
@@ -281,6 +284,7 @@ class CxlKVWorker:
         sending = self._saves.finished_sending(finished_req_ids)
         recving, errors = self._coalesce_worker.poll(finished_req_ids, self._load_waited)
         self._load_errors |= errors
+        self._failed_recving |= self._coalesce_worker.take_failed()
         recving, self._recved = set(recving or ()) | self._recved, set()
         return sending or None, recving or None
 
