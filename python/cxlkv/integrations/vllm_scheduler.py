@@ -25,9 +25,6 @@ from cxlkv.integrations.transfer import BlockOp
 from cxlkv.integrations.vllm_common import ConnectorContext, CxlKVConnectorMetadata, logger
 from cxlkv.integrations.vllm_identity import CxlKVHandshake
 
-# vLLM's null block (block_pool.py): what a group's block table holds where it freed or never
-# allocated a block (out of a sliding window).
-
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
