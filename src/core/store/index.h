@@ -19,7 +19,8 @@
 // - A block leaves an entry only while its descriptor names the entry's slot (USED, slot): it is
 //   freed, or handed straight to a new owner, by the one holder of the entry in EVICTING (or by
 //   one without a node id, outside any reclaim, the one winner of the tombstone claim); every such release
-//   books the block's bytes released to the entry's quota rows (Quotas::release).
+//   books the block's bytes released to the entry's quota rows (Quotas::release). One step does
+//   both, let_go (index_evict.cpp).
 // - WRITING and EVICTING entries exist only while their node slot is CLAIMED, ALIVE or
 //   RECLAIMING (L4): an entry whose writer is gone is skipped by puts and released (abandoned_by).
 // - Lease pins together stay below lease_cap(), so single gets always find a pin slot.
