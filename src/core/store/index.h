@@ -19,7 +19,8 @@
 // - A block leaves an entry only while its descriptor names the entry's slot (USED, slot): it is
 //   freed, or handed straight to a new owner, by the one holder of the entry in EVICTING (or by
 //   one without a node id, outside any reclaim, the one winner of the tombstone claim); every such release
-//   books the block's bytes released to the entry's quota rows (Quotas::release).
+//   books the block's bytes released to the entry's quota rows (Quotas::release). One step does
+//   both, let_go (index_evict.cpp).
 // - WRITING and EVICTING entries exist only while their node slot is CLAIMED, ALIVE or
 //   RECLAIMING (L4): an entry whose writer is gone is skipped by puts and released (abandoned_by).
 // - Lease pins together stay below lease_cap(), so single gets always find a pin slot.
@@ -141,6 +142,22 @@ class Index {
  private:
   using Victim = Evictor::Victim;
   bool tombstone_then_free(uint64_t slot, uint64_t word);  // release_abandoned for an observer
+  // The descriptor of the block entry e names, with its word as read; d null if (chunk, block)
+  // lie outside the pool (the pool is untrusted input).
+  struct BlockDesc {
+    uint64_t* d = nullptr;
+    uint64_t word = 0;
+    // The block is still entry `slot`'s: its descriptor reads USED for that slot.
+    bool names(uint64_t slot) const {
+      return d && format::block_state(word) == format::kBlockUsed && format::block_slot(word) == slot;
+    }
+  };
+  BlockDesc read_desc(const format::IndexEntry& e) const;
+  // How a block leaves its entry (let_go): by publish for the one holder of the entry in EVICTING,
+  // by a claim from the word read where another writer of the descriptor may be beside us.
+  enum class Write { publish, claim };
+  // The one step by which a block leaves entry `slot` (invariant above): see index_evict.cpp.
+  bool let_go(uint64_t slot, const format::IndexEntry& e, BlockDesc desc, uint64_t to, Write how);
   void read_homes(const NsHandle& ns, const Key* keys, size_t n, std::vector<uint64_t>& hashes,
                   std::vector<uint64_t>& home_words);
   bool writing_same_key(const NsHandle& ns, const Key& key, uint64_t slot, uint64_t writing_word);

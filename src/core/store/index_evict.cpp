@@ -18,14 +18,7 @@ using namespace format;
 void Index::finish_evict(uint64_t slot, uint64_t evicting_word) {
   IndexEntry e;
   snapshot(slot, evicting_word, &e);
-  if (e.chunk < hdr().chunk_count && e.block < region_.desc_bytes() / 8) {
-    uint64_t* d = block_desc(e.chunk, e.block);
-    uint64_t dw = coh_.read(d);
-    if (block_state(dw) == kBlockUsed && block_slot(dw) == slot) {
-      allocator_.free_block(e.chunk, e.block);
-      quotas_.release(node_id_, e);  // quotas.cpp
-    }
-  }
+  let_go(slot, e, read_desc(e), 0, Write::publish);
   coh_.publish(&entry(slot)->state,
                make_entry_word(kTombstone, 0, entry_gen(evicting_word), entry_tag(evicting_word)));
 }
@@ -57,13 +50,8 @@ bool Index::evict_victim(const Victim& c, const NsHandle* ns, uint64_t* out_chun
   }
   IndexEntry e;
   snapshot(c.slot, ev, &e);
-  uint64_t dw = 0;
-  uint64_t* d = nullptr;
-  if (ns && validate_ref(*ns, e)) {
-    d = block_desc(e.chunk, e.block);
-    dw = coh_.read(d);
-  }
-  if (!d || block_state(dw) != kBlockUsed || block_slot(dw) != c.slot) {
+  const BlockDesc desc = ns && validate_ref(*ns, e) ? read_desc(e) : BlockDesc{};
+  if (!desc.names(c.slot)) {
     count(kCorruptEntries);
     finish_evict(c.slot, ev);
     return false;
@@ -74,8 +62,8 @@ bool Index::evict_victim(const Victim& c, const NsHandle* ns, uint64_t* out_chun
     count(kEvictions);
     return false;
   }
-  coh_.publish_shared(d, make_block_word(kBlockUsed, uint8_t(node_id_), my_epoch8(), new_owner_slot));
-  quotas_.release(node_id_, e);  // quotas.cpp: the victim's subjects no longer hold the block
+  let_go(c.slot, e, desc, make_block_word(kBlockUsed, uint8_t(node_id_), my_epoch8(), new_owner_slot),
+         Write::publish);
   coh_.publish(&entry(c.slot)->state, make_entry_word(kTombstone, 0, entry_gen(ev), entry_tag(ev)));
   *out_chunk = e.chunk;
   *out_block = e.block;
@@ -122,10 +110,8 @@ bool Index::evict_owner(uint64_t c, uint32_t b, uint64_t dw, uint64_t fenced) {
     count(kEvictSkippedPinned);
     return false;
   }
-  uint64_t* d = block_desc(c, b);
-  uint64_t cur = coh_.read(d);
-  bool ok = cur == dw && coh_.claim(d, cur, fenced);
-  if (ok) quotas_.release(node_id_, e);  // quotas.cpp
+  const BlockDesc desc = read_desc(e);  // (c, b): e names them
+  const bool ok = desc.word == dw && let_go(slot, e, desc, fenced, Write::claim);
   coh_.publish(&entry(slot)->state, make_entry_word(kTombstone, 0, entry_gen(ev), entry_tag(ev)));
   count(kEvictions);
   return ok;
@@ -189,12 +175,7 @@ bool Index::release_abandoned(uint64_t slot, uint64_t w, uint8_t as) {
   // here beside the next one; whichever comes second finds the words changed and does nothing.
   IndexEntry e;
   if (!snapshot(slot, ev, &e)) return false;
-  if (e.chunk < hdr().chunk_count && e.block < region_.desc_bytes() / 8) {
-    uint64_t* d = block_desc(e.chunk, e.block);
-    uint64_t dw = coh_.read(d);
-    if (block_state(dw) == kBlockUsed && block_slot(dw) == slot && coh_.claim(d, dw, 0))
-      quotas_.release(node_id_, e);  // quotas.cpp
-  }
+  let_go(slot, e, read_desc(e), 0, Write::claim);
   return coh_.claim(&entry(slot)->state, seen, make_entry_word(kTombstone, 0, entry_gen(ev), entry_tag(ev)));
 }
 
@@ -206,19 +187,47 @@ bool Index::release_abandoned(uint64_t slot, uint64_t w, uint8_t as) {
 bool Index::tombstone_then_free(uint64_t slot, uint64_t w) {
   IndexEntry* e = entry(slot);
   coh_.invalidate(e, sizeof *e);
-  const uint64_t chunk = e->chunk;  // of a writer that is gone: nothing changes them any more
-  const uint32_t block = e->block;
-  IndexEntry rows{};  // Quotas::release: whom the block was charged to
-  rows.ns_id = e->ns_id, rows.tenant_row = e->tenant_row, rows.ns_row = e->ns_row;
-  uint64_t* d = nullptr;
-  uint64_t dw = 0;
-  if (chunk < hdr().chunk_count && block < region_.desc_bytes() / 8) {
-    d = block_desc(chunk, block);
-    dw = coh_.read(d);
-  }
+  // Its block and whom it was charged to; of a writer that is gone: nothing changes them any more.
+  IndexEntry ref{};
+  ref.chunk = e->chunk, ref.block = e->block;
+  ref.ns_id = e->ns_id, ref.tenant_row = e->tenant_row, ref.ns_row = e->ns_row;
+  // Read before the tombstone: once the entry is gone the block may be freed and taken again (its
+  // owner's reclaim), even for this slot, under a new word that the claim in let_go must not match.
+  const BlockDesc desc = read_desc(ref);
   if (!coh_.claim(&e->state, w, make_entry_word(kTombstone, 0, entry_gen(w), entry_tag(w)))) return false;
-  if (d && block_state(dw) == kBlockUsed && block_slot(dw) == slot && coh_.claim(d, dw, 0))
-    quotas_.release(node_id_, rows);
+  let_go(slot, ref, desc, 0, Write::claim);
+  return true;
+}
+
+Index::BlockDesc Index::read_desc(const IndexEntry& e) const {
+  if (e.chunk >= hdr().chunk_count || e.block >= region_.desc_bytes() / 8) return {};
+  uint64_t* d = block_desc(e.chunk, e.block);
+  return {d, coh_.read(d)};
+}
+
+// The one step by which a block leaves entry `slot` (index.h: only while its descriptor names the
+// slot, and every such release books the block's bytes released to the entry's quota rows): if
+// `desc`, as read, names the slot, the descriptor becomes `to` (0: freed; a USED word of another
+// slot: handed over; FENCED: taken by a drainer) and e's rows book the bytes released
+// (quotas.cpp). True if the block left the entry.
+// How the descriptor is written is the caller's concurrency, not a choice of style:
+// - Write::publish: the caller is the one holder of the entry in EVICTING, and no one else writes
+//   a descriptor while a held entry names it (Allocator::release_of_node frees only blocks no
+//   entry points back to; a drainer must claim the entry from READY first; a reclaimer of this
+//   node, should it be judged dead meanwhile, claims). Descriptors share lines (8 a line), hence
+//   publish_shared, as Allocator::free_block.
+// - Write::claim, from the word read: another writer may be beside us, and whichever comes second
+//   finds the word changed and neither writes nor books: a reclaimer judged dead while only slow
+//   beside the next one (release_abandoned), a block freed and taken again once an observer's
+//   tombstone took the entry away (tombstone_then_free), a descriptor changed since the drainer
+//   judged its chunk by it (evict_owner).
+bool Index::let_go(uint64_t slot, const IndexEntry& e, BlockDesc desc, uint64_t to, Write how) {
+  if (!desc.names(slot)) return false;
+  if (how == Write::publish)
+    coh_.publish_shared(desc.d, to);
+  else if (!coh_.claim(desc.d, desc.word, to))
+    return false;
+  quotas_.release(node_id_, e);
   return true;
 }
 
