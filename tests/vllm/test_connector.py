@@ -201,8 +201,14 @@ def test_preemption_and_many_requests_leak_no_pins(pool_path, tiny_model):
     assert tight[-1]["preemptions"] > 0, "the test did not cause preemptions"
     assert sum(o["cached"] for o in tight[1]["outputs"]) > 0, "the second round loaded nothing"
     parted = [parted_at_tie(r, o) for rnd in tight for r, o in zip(ref, rnd["outputs"], strict=True)]
-    # Most outputs run to the end without meeting a tie on which the runs' low-order bits differ.
-    assert parted.count(None) > len(parted) // 2, f"outputs parted at {parted}"
+    # Compared far enough to catch wrong KV (another request's blocks show from the first tokens
+    # after them): every output agrees with the reference for at least 32 tokens, and some run to
+    # the end. Not "most run to the end": on CPUs with AMX-BF16 (oneDNN's bf16 matmuls round by the
+    # batch's rows) the two schedules' low-order bits differ more, and 10 of 16 outputs met a
+    # near tie between tokens 56 and 153 (a Xeon with amx_bf16, 2026-11-28; the same parting
+    # points with the code of the landing before, so not the connector's doing).
+    assert all(p is None or p >= 32 for p in parted), f"outputs parted at {parted}"
+    assert parted.count(None) >= len(parted) // 4, f"outputs parted at {parted}"
     with cxlkv.Pool.open(pool_path) as pool:
         report = pool.check()
     assert report["ok"], report["errors"]
