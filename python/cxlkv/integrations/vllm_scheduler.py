@@ -293,20 +293,7 @@ class CxlKVScheduler:
         if hit < max_blocks:
             # capped by pin slots: the next block is in the pool, nobody needs to compute it
             capped = self._check_pin_cap(request.request_id, keys[hit:max_blocks], hit)
-            wait = (
-                None
-                if capped
-                else self._coalesce.on_miss(
-                    request.request_id,
-                    keys,
-                    have,
-                    hit,
-                    max_blocks,
-                    self._can_save,
-                    self._can_load,
-                    backlog=self._prefill_backlog(request.request_id),
-                )
-            )
+            wait = None if capped else self._coalesce_miss(request.request_id, keys, have, hit, max_blocks)
             if wait is not None:  # another engine computes the next blocks: wait for those only
                 self._session.retire(lease)
                 return len(wait.op.keys) * self._block_size, True
@@ -343,16 +330,8 @@ class CxlKVScheduler:
         pinned = self._pin_groups(keys, have, max_blocks)
         hit, leases = pinned if pinned is not None else (have, [])
         if hit < max_blocks and (pinned is not None or self._session.usable()):
-            wait = self._coalesce.on_miss(
-                request.request_id,
-                keys[self.ctx.primary],
-                have,
-                hit,
-                max_blocks,
-                self._can_save,
-                self._can_load,
-                backlog=self._prefill_backlog(request.request_id),
-                group_keys=keys,
+            wait = self._coalesce_miss(
+                request.request_id, keys[self.ctx.primary], have, hit, max_blocks, group_keys=keys
             )
             if wait is not None:  # another engine makes a deeper boundary servable: wait for it
                 for x in leases:
@@ -378,6 +357,23 @@ class CxlKVScheduler:
         # An asynchronous load: vLLM takes a failed load of a model with several groups only as a
         # failed request (failed_recving, then recomputed from scratch), never as failed blocks.
         return (hit - have) * self._block_size, True
+
+    def _coalesce_miss(
+        self, req_id: str, keys: list, have: int, hit: int, max_blocks: int, group_keys: list | None = None
+    ) -> Any:
+        """The pool hit ends at `hit` < `max_blocks`: coalescing takes this request's intents and
+        says whether it waits for another engine (coalesce.py CoalesceScheduler.on_miss)."""
+        return self._coalesce.on_miss(
+            req_id,
+            keys,
+            have,
+            hit,
+            max_blocks,
+            self._can_save,
+            self._can_load,
+            backlog=self._prefill_backlog(req_id),
+            group_keys=group_keys,
+        )
 
     def _pin_groups(self, keys: list, have: int, max_blocks: int) -> tuple[int, list] | None:
         """The deepest boundary every group serves (> have) and each group's needed blocks pinned
