@@ -770,14 +770,38 @@ class CoalesceWorker:
             total += n
         return total
 
-    def _check_groups(self, st: _Waiting, now: float) -> tuple[int, str | None] | None:
-        """A hybrid wait (all or nothing): None: keep waiting; else (blocks present over the
-        groups, None when all are, else why it gave up)."""
-        wait, mark = st.wait, st.wait.mark
-        need = sum(len(op.keys) for op in wait.groups)
-        if not wait.groups or not self._groups or mark is None:
-            return 0, "void"
-        present = self._present_groups(wait)
+    def _check(self, st: _Waiting, now: float) -> tuple[int, str | None] | None:
+        """None: keep waiting; else (blocks present, why the wait gave up or None). One group:
+        the leading blocks of its op, and the writer is the first missing block's intent. A hybrid
+        wait (all or nothing): the blocks present over its groups' needs, and the writer is the
+        boundary's anchor mark."""
+        wait = st.wait
+        if wait.mark is not None:
+            if not wait.groups or not self._groups:
+                return 0, "void"
+            mark, primary = wait.mark, self._groups[wait.op.group]
+            end = wait.op.start_depth + len(wait.op.keys)
+            need = sum(len(op.keys) for op in wait.groups)
+
+            def count() -> int | None:
+                return self._present_groups(wait)
+
+            def writer(present: int) -> str:
+                return primary.call("coalesce", lambda ns: _probe(ns, mark, end))
+        else:
+            keys = wait.op.keys
+            need = len(keys)
+
+            def count() -> int | None:
+                return self._session.call("coalesce", lambda ns: ns.match_prefix(keys), retry=False)
+
+            def writer(present: int) -> str:
+                # The first missing block: is it still somebody's intent? (Its writer may have
+                # died, been preempted, or finished short of it.)
+                depth = wait.op.start_depth + present
+                return self._session.call("coalesce", lambda ns: _probe(ns, intent_key(keys[present]), depth))
+
+        present = count()
         if present is None:
             return 0, "pool_unavailable"
         if present >= need:
@@ -788,41 +812,11 @@ class CoalesceWorker:
             return present, "deadline"
         if now - st.progress_at >= wait.stall_s:
             return present, "stalled"
-        depth = wait.op.start_depth + len(wait.op.keys)
-        primary = self._groups[wait.op.group]
-        state = primary.call("coalesce", lambda ns: _probe(ns, mark, depth))
-        if state != "reserved":
-            return None
-        again = self._present_groups(wait)
-        present = max(present, again or 0)
-        return present, (None if present >= need else "writer_gone")
-
-    def _check(self, st: _Waiting, now: float) -> tuple[int, str | None] | None:
-        """None: keep waiting; else (leading blocks present, why the wait gave up or None)."""
-        if st.wait.mark is not None:
-            return self._check_groups(st, now)
-        keys = st.wait.op.keys
-        present = self._session.call("coalesce", lambda ns: ns.match_prefix(keys), retry=False)
-        if present is None:
-            return 0, "pool_unavailable"
-        if present >= len(keys):
-            return present, None
-        if present > st.present:
-            st.present, st.progress_at = present, now
-        if now - st.began >= st.wait.wait_s:
-            return present, "deadline"
-        if now - st.progress_at >= st.wait.stall_s:
-            return present, "stalled"
-        # The first missing block: is it still somebody's intent? (Its writer may have died, been
-        # preempted, or finished short of it.)
-        depth = st.wait.op.start_depth + present
-        state = self._session.call("coalesce", lambda ns: _probe(ns, intent_key(keys[present]), depth))
-        if state != "reserved":
+        if writer(present) != "reserved":
             return None  # held ("in_flight"), or not checkable now ("capped", "failed"): bounded
-        # Nobody holds it: its writer is done, gone or dropped it; the block may have landed meanwhile.
-        again = self._session.call("coalesce", lambda ns: ns.match_prefix(keys), retry=False)
-        present = max(present, again or 0)
-        return present, (None if present >= len(keys) else "writer_gone")
+        # Nobody holds it: its writer is done, gone or dropped it; the blocks may have landed meanwhile.
+        present = max(present, count() or 0)
+        return present, (None if present >= need else "writer_gone")
 
     def _finish_groups(
         self, wait: WaitOp, cause: str | None, waited_s: float, load: Callable[[BlockOp], int]
