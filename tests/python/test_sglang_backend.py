@@ -292,3 +292,45 @@ def test_vllm_keys_chain_sglangs_page_hashes():
     assert len({base[0], lora_a[0], lora_b[0]}) == 3
     assert root_key("kv2-x", "lora:aaaa") != sglang_seed("lora:aaaa", None)
     assert page_key("not-a-page-hash") not in base
+
+
+def _mla_host(layout: str):
+    return sglang_host.mla_host_pool(layout, layers=LAYERS, latent=(12, 4), page=PAGE, tokens=DEVICE_TOKENS)
+
+
+def test_mla_pages_shared_across_host_layouts(sg_pool, tmp_path):
+    """An MLA host pool's pages go to the engine-neutral namespace as one latent entry per page
+    (vLLM CPU's MLA block: per layer the page's rows): a page stored from one layout loads
+    byte-equal into every other, and a TP=2 rank's replica finds what rank 0 wrote."""
+    model = _fake_model(tmp_path / "m", 1)
+    src = _mla_host("page_first")
+    src.kv_buffer.view(-1).view(torch.uint8).copy_(
+        torch.from_numpy(np.random.default_rng(5).integers(0, 256, src.kv_buffer.numel() * 2, dtype=np.uint8))
+    )
+    a = _backend(sg_pool, model, src)
+    assert a.shared and a.identity.kind == "mla" and a.identity.num_kv_heads == 1
+    keys = [f"{i:064x}" for i in range(1, 4)]
+    assert a.batch_set_v1(keys, _indices([2, 4, 7])) == [True] * 3
+    want = sglang_host.mla_logical_view(src)
+    for layout in sglang_host.MLA_HOST_LAYOUTS:
+        host = _mla_host(layout)
+        b = _backend(sg_pool, model, host, tp_rank=1, tp_size=2)
+        assert b.identity.namespace_name() == a.identity.namespace_name(), layout
+        assert b.batch_exists(keys) == 3
+        assert b.batch_get_v1(keys, _indices([0, 1, 5])) == [True] * 3
+        got = sglang_host.mla_logical_view(host)
+        for s, d in zip([2, 4, 7], [0, 1, 5], strict=True):
+            mine, theirs = (x[:, i * PAGE : (i + 1) * PAGE].contiguous() for x, i in ((got, d), (want, s)))
+            assert mine.view(torch.uint8).numpy().tobytes() == theirs.view(torch.uint8).numpy().tobytes(), (
+                layout
+            )
+        assert b.batch_set_v1(keys[:1], _indices([3])) == [True]  # a replica writes nothing: finds rank 0's
+        b.close()
+    a.close()
+
+
+def test_mla_page_unified_is_refused_in_one_line(sg_pool, tmp_path):
+    from cxlkv.integrations.sglang import UnsupportedHostPoolError
+
+    with pytest.raises(UnsupportedHostPoolError, match="layout 'page_unified' is not supported"):
+        _backend(sg_pool, _fake_model(tmp_path / "m", 1), _mla_host("page_unified"))

@@ -30,7 +30,7 @@ pytest.importorskip(
 import torch
 from sglang.srt.mem_cache.utils import get_hash_str
 
-from conftest import BLOCK, words
+from conftest import BLOCK, parted_at_tie, words
 from cxlkv.integrations.namespace_kinds import kv_namespaces
 from cxlkv.testing import sglang_host
 from engine_proc import EngineProc
@@ -124,6 +124,80 @@ def test_vllm_and_sglang_share_a_prefix_both_ways(tmp_path, tiny_model):
         warm = eng.results(bound_s=600)[1]["outputs"][0]
         assert warm["cached"] >= n * BLOCK, warm["cached"]
         assert warm["tokens"] == cold["tokens"]
+    finally:
+        for sg in backends:
+            sg.close()
+        eng.kill()
+        if os.path.exists(pool):
+            os.unlink(pool)
+
+
+def test_vllm_and_sglang_share_mla_latents_both_ways(tmp_path):
+    """The same for an MLA model (models.tiny_deepseek_v2 on vLLM CPU's CPU_MLA backend, 16-token
+    blocks = SGLang pages): one latent entry per block, SGLang's MLA host pool in each layout."""
+    import cxlkv
+    from cxlkv.testing import models
+
+    model = models.tiny_deepseek_v2()
+    cfg = json.load(open(os.path.join(model, "config.json")))
+    page, latent = 16, (cfg["kv_lora_rank"], cfg["qk_rope_head_dim"])
+    pool = f"/dev/shm/cxlkv-share-{uuid.uuid4().hex[:12]}"
+    go = tmp_path / "sglang-stored"
+    prompt = words(33, 200)
+    spec = {
+        "model": "tiny-deepseek-v2", "attention_backend": "CPU_MLA", "block_size": page, "kv_bytes": 32 << 20,
+        "pool": pool, "ids": True, "max_tokens": 8, "top_logprobs": 5,
+        "rounds": [{"prompts": [{"prompt": prompt}]}, {"prompts": [{"prompt": prompt}], "wait_for": str(go)}],
+    }  # fmt: skip
+    eng = EngineProc(spec, env={})
+    backends: list = []
+    try:
+        cold = json.loads(eng.expect("RESULT ", timeout=900)[7:])["outputs"][0]
+        eng.expect("WAITING", timeout=300)
+        ids = cold["ids"]
+        n = len(ids) // page
+        hashes = get_hash_str(ids[: n * page], None, page_size=page)
+        deadline = time.monotonic() + 120  # the engine's saves may still be in flight
+        while True:
+            with cxlkv.Pool.open(pool) as p:
+                (d,) = kv_namespaces(p)
+                plain = p.namespace(cxlkv.KVLayout.from_info(d), name=d["name"])
+                written = [bytes(plain.get_bytes(bytes.fromhex(hx)) or b"") for hx in hashes]
+            if all(written) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert all(written), f"vLLM's latents under SGLang's page hashes: {[bool(w) for w in written]}"
+        assert d["kind"] == "mla", d
+        for layout in sglang_host.MLA_HOST_LAYOUTS:
+            host = sglang_host.mla_host_pool(
+                layout, layers=cfg["num_hidden_layers"], latent=latent, page=page, tokens=n * page
+            )
+            sg = sglang_host.hicache_backend(pool, host, model=model)
+            backends.append(sg)
+            assert sg.shared and sg.identity.namespace_name() == d["name"], (
+                d["source"],
+                sg.identity.source(),
+            )
+            assert sg.batch_exists(hashes) == n
+            assert sg.batch_get_v1(hashes, torch.arange(n * page)) == [True] * n
+            rows = sglang_host.mla_logical_view(host)
+            for i, raw in enumerate(written):
+                mine = rows[:, i * page : (i + 1) * page].contiguous()
+                assert mine.view(-1).view(torch.uint8).numpy().tobytes() == raw, (layout, i)
+        # the pool forgets vLLM's latents; SGLang stores its pages (page_first: farthest from vLLM's)
+        sg = backends[1]
+        with cxlkv.Pool.open(pool) as p:
+            plain = p.namespace(cxlkv.KVLayout.from_info(d), name=d["name"])
+            assert all(plain.delete(bytes.fromhex(hx)) for hx in hashes)
+        assert sg.batch_exists(hashes) == 0
+        assert sg.batch_set_v1(hashes, torch.arange(n * page)) == [True] * n
+        with cxlkv.Pool.open(pool) as p:
+            plain = p.namespace(cxlkv.KVLayout.from_info(d), name=d["name"])
+            assert [bytes(plain.get_bytes(bytes.fromhex(hx))) for hx in hashes] == written
+        go.write_text("go")
+        warm = eng.results(bound_s=600)[1]["outputs"][0]
+        assert warm["cached"] == (len(ids) - 1) // page * page >= n * page - page, warm["cached"]
+        print("parted at", parted_at_tie(cold, warm))  # a 16-token batch rounds as the cold one did not
     finally:
         for sg in backends:
             sg.close()

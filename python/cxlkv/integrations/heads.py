@@ -129,10 +129,17 @@ def head_views(arrays: Sequence[Any], block_dim: int, head_dim: int, j: int) -> 
     K then V)."""
     if head_dim <= block_dim:
         raise ValueError(f"the KV head dim ({head_dim}) must follow the block dim ({block_dim})")
+    return block_before_tail([a[(slice(None),) * head_dim + (j,)] for a in arrays], block_dim)
+
+
+def block_before_tail(arrays: Sequence[Any], block_dim: int) -> tuple[list, int]:
+    """``arrays`` with the block dim moved just before each one's longest contiguous tail, and
+    that block dim (the same for all, else ValueError): the core copies, per block, the pieces
+    that the dims before it index, in order, so a block's entry is its elements in the order of
+    the dims after ``block_dim``, however they are strided."""
     out: list = []
     new_dim = None
-    for a in arrays:
-        v = a[(slice(None),) * head_dim + (j,)]
+    for v in arrays:
         shape, strides = tuple(v.shape), _strides(v)
         tail = len(shape)
         inner = 1

@@ -45,6 +45,8 @@ __all__ = [
     "SAMPLE_BYTES",
     "SHARED_DTYPES",
     "SHARED_ENTRY_LAYOUT",
+    "SHARED_ENTRY_LAYOUTS",
+    "SHARED_MLA_ENTRY_LAYOUT",
     "KVIdentity",
     "WeightsDigest",
     "adapter_digest",
@@ -503,6 +505,8 @@ class KVIdentity:
 # -------------------------------------------------------------------------------------------------
 # the namespace engines share (docs/IDENTITY.md, "Across engines")
 SHARED_ENTRY_LAYOUT = "entry:layer,kv,token,dim"  # one KV head's entry: per layer K rows then V rows
+SHARED_MLA_ENTRY_LAYOUT = "entry:layer,token,latent"  # one block's entry: per layer its latent rows
+SHARED_ENTRY_LAYOUTS = {"dense": SHARED_ENTRY_LAYOUT, "mla": SHARED_MLA_ENTRY_LAYOUT}
 SHARED_DTYPES = ("bf16", "fp16", "fp32")  # no scales: equal values are equal bytes
 
 
@@ -514,30 +518,38 @@ def shared_identity(
     num_kv_heads: int,
     head_size: int,
     block_size: int,
+    kind: str = "dense",
 ) -> KVIdentity:
-    """The identity of a dense KV cache that any engine can read and write: what determines the
-    bytes of one per-head entry and nothing about the engine. ``weights``: the ``files:`` kind
-    over the model directory alone (``config_digest()`` with no engine-parsed config: an
-    engine's parsed config is its own), or an operator's ``model_id``. The entry of KV head g of
-    a block is, for each layer in order, that head's K of the block's tokens (token-major,
-    ``head_size`` elements each), then its V; ``block_bytes`` is one such entry. K/V computed in
-    ``dtype`` (the compute dtype is the KV dtype), no weight quantization, no config overrides:
-    an engine configured otherwise keeps its own namespace."""
+    """The identity of a KV cache that any engine can read and write: what determines the bytes
+    of one entry and nothing about the engine. ``weights``: the ``files:`` kind over the model
+    directory alone (``config_digest()`` with no engine-parsed config: an engine's parsed config
+    is its own), or an operator's ``model_id``. ``kind`` "dense": the entry of KV head g of a
+    block is, for each layer in order, that head's K of the block's tokens (token-major,
+    ``head_size`` elements each), then its V. ``kind`` "mla": one entry per block (the latent is
+    the same on every rank; ``num_kv_heads`` must be 1), for each layer in order the block's
+    latent rows (token-major, ``head_size`` = kv_lora_rank + rope elements each). ``block_bytes``
+    is one such entry. K/V computed in ``dtype`` (the compute dtype is the KV dtype), no weight
+    quantization, no config overrides: an engine configured otherwise keeps its own namespace."""
     dt = canonical_dtype(dtype)
     if dt not in SHARED_DTYPES:
         raise ValueError(f"KV dtype {dt} has no engine-neutral namespace (scaled or quantized KV)")
+    if kind not in SHARED_ENTRY_LAYOUTS:
+        raise ValueError(f"KV kind {kind!r} has no engine-neutral namespace")
+    if kind == "mla" and num_kv_heads != 1:
+        raise ValueError(f"an MLA latent is one entry per block, not {num_kv_heads} heads")
     itemsize = 4 if dt == "fp32" else 2
+    rows = 2 if kind == "dense" else 1  # K and V rows, or one latent row, per token and layer
     return KVIdentity(
         weights=weights,
         weights_source=weights_source,
         dtype=dt,
-        kind="dense",
+        kind=kind,
         num_layers=num_layers,
         num_kv_heads=num_kv_heads,
         head_size=head_size,
         block_size=block_size,
-        heads_per_entry=1,
+        heads_per_entry=1 if kind == "dense" else 0,
         compute_dtype=dt,
-        device_layout=f"{SHARED_ENTRY_LAYOUT}|{sys.byteorder}",
-        block_bytes=num_layers * 2 * block_size * head_size * itemsize,
+        device_layout=f"{SHARED_ENTRY_LAYOUTS[kind]}|{sys.byteorder}",
+        block_bytes=num_layers * rows * block_size * head_size * itemsize,
     )

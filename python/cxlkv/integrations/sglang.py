@@ -11,14 +11,16 @@ host pool's token indices: one SGLang page is one cxlkv block, gathered from (an
 SGLang's host buffer by the core's copy engine, with no intermediate tensor. ``batch_exists``
 returns the leading run of pages present (``match_prefix``).
 
-Sharing with vLLM (docs/IDENTITY.md, "Across engines"): an MHA host pool in the layouts
+Sharing with vLLM (docs/IDENTITY.md, "Across engines"): an MLA host pool (bf16/fp16/fp32 latent
+rows of kv_lora_rank + rope, layouts ``layer_first``, ``page_first``, ``page_first_direct``) is
+stored as one entry per page, per layer the page's latent rows, as vLLM CPU's MLA block; an MHA host pool in the layouts
 ``layer_first``, ``page_first``, ``page_first_direct`` or ``page_head``, with bf16/fp16/fp32 KV,
 one pipeline stage, no context parallelism and ``interface_v1`` is stored in the engine-neutral
 namespace (identity.shared_identity: the weights by content, dtype, layers, the model's KV heads,
 head size, page size) as one entry per page and KV head, converted at copy time from SGLang's
 layout by a strided view (per layer: the head's K rows of the page's tokens, then its V rows:
 what the vLLM connector stores). Its key is SGLang's page hash itself: the vLLM connector computes the
-same chain from the tokens (keys.py), so a prefix either engine stored is found by the other. Every other pool (MLA, ``page_unified``, pipeline or context
+same chain from the tokens (keys.py), so a prefix either engine stored is found by the other. Every other pool (``page_unified``, packed fp8 latents, pipeline or context
 parallel, fp8, the tensor interface) keeps the SGLang-only namespace below, and logs why.
 
 SGLang-only namespace (docs/IDENTITY.md): derived from the weights ``model_path`` (default:
@@ -52,7 +54,7 @@ from cxlkv.errors import ClosedError
 from cxlkv.integrations import identity as ident
 from cxlkv.integrations import keys as shared_keys
 from cxlkv.integrations.external_identity import resolve_model_dir, weights_of
-from cxlkv.integrations.heads import HeadNamespace, HeadPlan
+from cxlkv.integrations.heads import HeadNamespace, HeadPlan, block_before_tail
 from cxlkv.integrations.pool_session import PoolSession
 from cxlkv.integrations.tenant import tenant_of
 
@@ -86,6 +88,28 @@ def page_view(host_pool: Any) -> tuple[torch.Tensor, int]:
 
 
 SHARED_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
+SHARED_MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+
+
+def mla_entry_view(host_pool: Any) -> torch.Tensor:
+    """SGLang's MLA host buffer as ``[page, layer, token, latent]`` (a strided view, no copy):
+    ``view[p]`` read in order is the engine-neutral entry of page p (vLLM CPU's MLA block). The
+    copies take it with the page dim moved before its contiguous tail (heads.block_before_tail)."""
+    buf = host_pool.kv_buffer
+    pages, n, layers, dim = (
+        host_pool.page_num,
+        host_pool.page_size,
+        host_pool.layer_num,
+        host_pool.kv_cache_dim,
+    )
+    layout = host_pool.layout
+    if layout == "layer_first":  # [layer, token, 1, latent]
+        return buf.view(layers, pages, n, dim).permute(1, 0, 2, 3)
+    if layout == "page_first":  # [token, layer, 1, latent]
+        return buf.view(pages, n, layers, dim).permute(0, 2, 1, 3)
+    if layout == "page_first_direct":  # [page, layer, token, 1, latent]
+        return buf.view(pages, layers, n, dim)
+    raise UnsupportedHostPoolError(f"{type(host_pool).__name__}: layout {layout!r} has no latent view")
 
 
 def entry_view(host_pool: Any) -> torch.Tensor:
@@ -109,22 +133,34 @@ def entry_view(host_pool: Any) -> torch.Tensor:
 def why_not_shared(host: Any, c: HiCacheStorageConfig, extra: dict) -> str | None:
     """Why this host pool's pages cannot go to the engine-neutral namespace (None: they can)."""
     dtype = ident.canonical_dtype(host.dtype)
+    mla = bool(c.is_mla_model)
+    host_class, layouts = (
+        ("MLATokenToKVPoolHost", SHARED_MLA_LAYOUTS) if mla else ("MHATokenToKVPoolHost", SHARED_LAYOUTS)
+    )
     checks = [
         (extra.get("share_engines", True) is False, "share_engines is false"),
         (
             not extra.get("interface_v1"),
             "the tensor interface moves pages in SGLang's own layout (set interface_v1)",
         ),
-        (bool(c.is_mla_model), "an MLA latent has no per-head entry"),
-        (type(host).__name__ != "MHATokenToKVPoolHost", f"host pool class {type(host).__name__}"),
-        (host.layout not in SHARED_LAYOUTS, f"host layout {host.layout!r}"),
+        (type(host).__name__ != host_class, f"host pool class {type(host).__name__}"),
+        (host.layout not in layouts, f"host layout {host.layout!r}"),
         (dtype not in ident.SHARED_DTYPES, f"KV dtype {dtype} (scaled or quantized)"),
-        (getattr(host, "v_head_dim", host.head_dim) != host.head_dim, "K and V head sizes differ"),
         (bool(host.storage_format_tag), f"storage format {host.storage_format_tag!r}"),
         (c.pp_size != 1, "pipeline parallelism (a page holds a stage's layers)"),
         (c.attn_cp_size != 1 or c.dcp_size != 1, "context parallelism"),
         (bool(c.should_split_heads), "tp_lcm_size head splitting"),
     ]
+    if mla:
+        checks += [
+            (bool(getattr(host, "dsa_kv_cache_store_fp8", False)), "a packed fp8 latent"),
+            (
+                host.kv_cache_dim != host.kv_lora_rank + host.qk_rope_head_dim,
+                f"a latent row of {host.kv_cache_dim} elements (not kv_lora_rank + rope)",
+            ),
+        ]
+    elif getattr(host, "v_head_dim", host.head_dim) != host.head_dim:
+        checks.append((True, "K and V head sizes differ"))
     return next((why for bad, why in checks if bad), None)
 
 
@@ -178,12 +214,19 @@ class CxlKVHiCacheStorage(HiCacheStorage):
         super().register_mem_pool_host(mem_pool_host)
         why = why_not_shared(mem_pool_host, self.config, self._extra)
         wrap: Callable[[Any], Any] = lambda ns: ns  # noqa: E731
-        if why is None:
+        if why is None and self.config.is_mla_model:  # one latent entry per page, every rank's
+            self.identity = self._shared_identity(mem_pool_host)
+            name = self.identity.namespace_name()
+            plan = HeadPlan.replicated(self.config.tp_size, self.config.tp_rank)
+            (view,), block_dim = block_before_tail([mla_entry_view(mem_pool_host)], 0)
+            key: Callable[[str], bytes] = shared_keys.page_key
+            wrap = functools.partial(HeadNamespace, plan=plan)
+        elif why is None:
             self.identity = self._shared_identity(mem_pool_host)
             name = self.identity.namespace_name()
             plan = HeadPlan(self.identity.num_kv_heads, self.config.tp_size, self.config.tp_rank)
             view, block_dim = entry_view(mem_pool_host), 0
-            key: Callable[[str], bytes] = shared_keys.page_key
+            key = shared_keys.page_key
             wrap = functools.partial(HeadNamespace, plan=plan, head_dim=1)
         else:
             log.info("cxlkv: SGLang pages stay in an SGLang-only namespace (not shared with vLLM): %s", why)
@@ -217,6 +260,11 @@ class CxlKVHiCacheStorage(HiCacheStorage):
             )
 
     def _shared_identity(self, host: Any) -> ident.KVIdentity:
+        if self.config.is_mla_model:
+            return ident.shared_identity(
+                self._weights, self._weights_source, host.dtype, host.layer_num, 1, host.kv_cache_dim,
+                host.page_size, kind="mla",
+            )  # fmt: skip
         return ident.shared_identity(
             self._weights,
             self._weights_source,

@@ -292,23 +292,27 @@ def describe(vllm_config: Any, kv_cache_config: Any, is_worker: bool, extra: dic
     return out
 
 
+# The KV cache specs whose entries are the engine-neutral ones, and their entry kind. vLLM CPU
+# keeps a full-attention layer as [blocks, heads, 2 x block_size, head_size] (read per head by
+# heads.py) and an MLA layer as [blocks, block_size, latent] (CPU_MLA and AMX_MLA alike).
+SHARED_SPECS = {"FullAttentionSpec": "dense", "MLAAttentionSpec": "mla"}
+
+
 def engine_neutral(
     vllm_config: Any, spec: Any, identity: ident.KVIdentity, extra: dict, loaded: lw.LoadedDigest | None
 ) -> ident.KVIdentity | None:
     """The namespace other engines share (identity.shared_identity; SGLang's HiCache backend
     derives the same) when nothing but the weights, dtype, geometry and block size determines
-    this engine's per-head entries; None keeps the engine's own. The entry order (per layer K
-    rows then V rows of one head) is vLLM CPU's (CPU_ATTN's [blocks, heads, 2 x block_size,
-    head_size] per layer, read per head by heads.py): other devices keep their own namespace
-    until theirs is shown equal. Checked alike on both sides (the scheduler adopts the workers'
+    this engine's entries (per KV head; an MLA latent per block); None keeps the engine's own.
+    The entry order (per layer K rows then V rows of one head; per layer the latent rows) is vLLM
+    CPU's (SHARED_SPECS): other devices keep their own namespace until theirs is shown equal. Checked alike on both sides (the scheduler adopts the workers'
     weights field into the identity this returns)."""
     mc = vllm_config.model_config
     path = None if extra.get("model_id") else model_path(mc)
     if (
         extra.get("share_engines", True) is False
         or vllm_config.device_config.device_type != "cpu"
-        or type(spec).__name__ != "FullAttentionSpec"
-        or identity.kind != "dense"
+        or SHARED_SPECS.get(type(spec).__name__) != identity.kind
         or identity.quantization != "none"
         or identity.overrides
         or config_paths(mc)
@@ -328,5 +332,6 @@ def engine_neutral(
         identity.num_kv_heads,
         identity.head_size,
         identity.block_size,
+        identity.kind,
     )
     return shared if shared.block_bytes == identity.block_bytes else None

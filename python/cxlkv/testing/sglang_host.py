@@ -1,4 +1,4 @@
-"""SGLang's own MHA host KV pool and HiCache storage backend, built on CPU for the tests that check
+"""SGLang's own MHA and MLA host KV pools and HiCache storage backend, built on CPU for the tests that check
 cxlkv's SGLang backend against SGLang's real objects (tests/python/test_sglang_backend.py with a
 fake model, tests/vllm/test_engines_share.py against a vLLM engine).
 
@@ -49,6 +49,44 @@ def host_pool(
         )  # fmt: skip
 
 
+# The host layouts of SGLang's MLA host pool that cxlkv shares with vLLM.
+MLA_HOST_LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
+
+
+def mla_host_pool(layout: str, *, layers: int, latent: tuple[int, int], page: int, tokens: int) -> Any:
+    """SGLang's MLA host pool over ``tokens`` bf16 device tokens on CPU; ``latent``: (kv_lora_rank,
+    rope dim), one row of their sum per token and layer."""
+    import torch
+    from sglang.srt.mem_cache.device_pool_info import MLABufferInfo
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    rank, rope = latent
+    bufs = tuple(torch.zeros(tokens, 1, rank + rope, dtype=torch.bfloat16) for _ in range(layers))
+    info = MLABufferInfo(
+        buffers=bufs, data_ptrs=torch.tensor([b.data_ptr() for b in bufs], dtype=torch.uint64),
+        layer_indices=tuple(range(layers)), device_layer_num=layers, page_size=page, kv_lora_rank=rank,
+        qk_rope_head_dim=rope, kv_cache_dim=rank + rope, dtype=torch.bfloat16, device=torch.device("cpu"),
+    )  # fmt: skip
+    with host_memory_budget_scope(1 << 30):  # as host_pool: a few MiB, booked on their own
+        return MLATokenToKVPoolHost(
+            info, 1.0, 0, page, layout, pin_memory=False, device="cpu", device_capacity_tokens=tokens,
+            start_layer=0, end_layer=layers, target_layer_num=layers,
+        )  # fmt: skip
+
+
+def mla_logical_view(host) -> torch.Tensor:
+    """The MLA host buffer as [layer, token, latent], from the dims SGLang documents for each
+    layout (MLATokenToKVPoolHost.init_kv_buffer): independent of cxlkv's own views."""
+    buf, layers, dim = host.kv_buffer, host.layer_num, host.kv_cache_dim
+    if host.layout == "layer_first":  # [layer, token, 1, latent]
+        return buf.view(layers, -1, dim)
+    if host.layout == "page_first":  # [token, layer, 1, latent]
+        return buf.view(-1, layers, dim).permute(1, 0, 2)
+    assert host.layout == "page_first_direct", host.layout  # [page, layer, token, 1, latent]
+    return buf.view(host.page_num, layers, -1, dim).permute(1, 0, 2, 3).reshape(layers, -1, dim)
+
+
 def hicache_backend(
     pool_path: str, host, *, model: str | None = None, tp_rank: int = 0, tp_size: int = 1
 ) -> Any:
@@ -68,7 +106,7 @@ def hicache_backend(
         extra["model_path"] = model
     config = HiCacheStorageConfig(
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-        is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=host.layout == "page_first",
+        is_mla_model=type(host).__name__.startswith("MLA"), enable_storage_metrics=False, is_page_first_layout=host.layout == "page_first",
         model_name="served-alias", extra_config=extra,
     )  # fmt: skip
     storage = StorageBackendFactory.create_backend("dynamic", config, host)
