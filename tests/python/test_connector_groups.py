@@ -291,11 +291,11 @@ def cached_output(rid, new_ids, computed, scheduled):
     )
 
 
-def produce_ssm(pool_path, model_dir, toks) -> SsmHybrid:
+def produce_ssm(pool_path, model_dir, toks, a: SsmHybrid | None = None) -> SsmHybrid:
     """vLLM's align mode with a one-block prefill budget: each step computes one block and
     leaves the state at its end boundary in that block's slot; the last step the prompt's
-    tail (mid-block: no boundary state)."""
-    a = SsmHybrid(pool_path, model_dir)
+    tail (mid-block: no boundary state). ``a``: the engine (default: a new one)."""
+    a = a or SsmHybrid(pool_path, model_dir)
     req = make_req("p", toks)
     assert a.sched.get_num_new_matched_tokens(req, 0) == (0, False)
     for j, bid in enumerate(FULL_IDS):
@@ -584,9 +584,33 @@ def test_coalesce_a_wait_that_gives_up_loads_nothing_and_vllm_computes(pool_path
     a.close(), b.close()
 
 
-def test_coalesce_is_off_with_a_state_group_in_one_line(pool_path, model_dir, caplog):
-    with caplog.at_level("INFO", logger="vllm.cxlkv"):
-        a = SsmHybrid(pool_path, model_dir)
-    assert not a.sched.connector_scheduler._coalesce.cfg.enabled
-    assert sum("coalescing of new prefixes is off" in r.getMessage() for r in caplog.records) == 1
-    a.close()
+def test_coalesce_with_a_state_group_waits_only_for_the_writers_prompt_boundary(pool_path, model_dir):
+    """A model with a state group: its writer stores a state only where a chunk ends on an
+    anchor, and vLLM's align mode ends one at the prompt's last boundary only for sure. So A marks
+    boundary 10 alone (not its checkpoints 4 and 8): a request sharing A's first 9 blocks computes
+    at once; one with A's prompt waits for boundary 10 and loads its state and every KV block."""
+    toks = tokens(25, N_BLOCKS * BS + 1)
+    a = SsmHybrid(pool_path, model_dir)
+    req_a = make_req("p", toks)
+    assert a.sched.get_num_new_matched_tokens(req_a, 0) == (0, False)
+    assert a.sched.connector_scheduler._coalesce.held_blocks("p") == (0, N_BLOCKS)
+    b = SsmHybrid(pool_path, model_dir)
+    b.sched.connector_scheduler._coalesce.rate.tps = 1.0  # a slow prefill: waiting is shorter
+    short = make_req("s", toks[: 9 * BS] + tokens(26, 3 * BS + 1))
+    assert b.sched.get_num_new_matched_tokens(short, 0) == (0, False)  # 8 is no mark: no wait
+    req = make_req("c", toks)
+    assert b.sched.get_num_new_matched_tokens(req, 0) == (N_BLOCKS * BS, True)
+    ids = ([0] * (N_BLOCKS - 1) + [40], list(range(50, 61)))  # align mode: the boundary's state block
+    b.sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ids), N_BLOCKS * BS)
+    meta = b.sched.build_connector_meta(idle_output())
+    (wait,) = meta.waits
+    assert sorted((op.group, op.start_depth, len(op.keys)) for op in wait.groups) == [(0, 9, 1), (1, 0, 10)]
+    assert not b.run(meta).finished_recving  # A has not computed it yet: B keeps waiting
+    produce_ssm(pool_path, model_dir, toks, a)  # A computes, stores the states at 4, 8, 10, finishes
+    results = b.run(b.sched.build_connector_meta(idle_output()))
+    counts = waited_outcome(b, results, failed=False)
+    assert b.block(0, 40) == a.block(0, MAMBA_IDS[9])  # conv and SSM state of boundary 10
+    for j in range(N_BLOCKS):
+        assert b.block(1, ids[1][j]) == a.block(1, FULL_IDS[j])
+    assert counts["coalesce_waits"] == 1 and counts["coalesced_blocks"] == N_BLOCKS
+    a.close(), b.close()

@@ -1,11 +1,13 @@
 """Coalescing a new prefix on a hybrid model in two real vLLM CPU engines (separate processes, one
-pool): the tiny Llama with a 256-token sliding window on every other layer (two KV cache groups).
-A computes a new prompt (its saves slowed so that it holds its intents and anchor marks for
+pool): the tiny Llama with a 256-token sliding window on every other layer, and the tiny
+Qwen3-Next (a Gated DeltaNet state group and a full-attention group). A
+computes a new prompt (its saves slowed so that it holds its intents and anchor marks for
 seconds); B gets the same prompt meanwhile, waits for the deepest boundary A marked as servable
-in both groups (its prompt's last: A's only anchor past the checkpoints), loads both groups'
-blocks and answers what a cold run of B answers (the prompt under its own cache_salt: other keys,
-no hit, no wait). integrations/coalesce.py; the engine-free tests are
-tests/python/test_connector_groups.py."""
+in both groups (its prompt's last: A's only anchor past the checkpoints, and with a state group
+the only one it marks), loads both groups' blocks (the sliding group its window's, the state
+group the one state at that boundary) and answers what a cold run of B answers (the prompt under
+its own cache_salt: other keys, no hit, no wait). integrations/coalesce.py; the engine-free tests
+are tests/python/test_connector_groups.py."""
 
 from __future__ import annotations
 
@@ -22,16 +24,22 @@ pytestmark = pytest.mark.timeout(900)
 # 128-token blocks: the prompt reaches far past the 2-block window, so B loads only the window's
 # blocks of that group before the boundary it waits for.
 PROMPT_BLOCKS = 12
+MODELS = {  # model -> (its block size, the blocks B loads into the bounded group)
+    "tiny-swa": (BLOCK, 2),  # the 2 blocks the 256-token window reaches back
+    "tiny-qwen3-next": (BLOCK, 1),  # the state at the boundary
+}
 
 
-def test_new_prefix_of_a_hybrid_model_is_computed_once_and_loaded_in_every_group(pool_path, tmp_path):
+@pytest.mark.parametrize("model", MODELS)
+def test_new_prefix_of_a_hybrid_model_is_computed_once_and_loaded_in_every_group(pool_path, tmp_path, model):
+    block, bounded_blocks = MODELS[model]
     go_a, go_b = str(tmp_path / "go-a"), str(tmp_path / "go-b")
     p = words(1700, PROMPT_BLOCKS * BLOCK + 60)
     a = EngineProc(
-        {**spec("tiny-swa", pool_path, [(p, go_a, "")], tps=1e6)},
+        {**spec(model, pool_path, [(p, go_a, "")], tps=1e6)},
         {**ENV, "CXLKV_TEST_SAVE_DELAY_S": "8"},  # A holds its intents >= 8 s
     )
-    b = EngineProc(spec("tiny-swa", pool_path, [(p, go_b, ""), (p, "", "cold")], tps=2), ENV)
+    b = EngineProc(spec(model, pool_path, [(p, go_b, ""), (p, "", "cold")], tps=2), ENV)
     try:
         for e in (a, b):
             e.wait_for("WAITING 0")
@@ -48,14 +56,14 @@ def test_new_prefix_of_a_hybrid_model_is_computed_once_and_loaded_in_every_group
             e.kill()
     assert res_b[0]["hybrid"] is True
     writer, waiter = res_a[0]["cxlkv"], res_b[0]["cxlkv"]
-    blocks = (res_b[0]["outputs"][0]["len"] - 1) // BLOCK
+    blocks = (res_b[0]["outputs"][0]["len"] - 1) // block
     assert writer["vllm:cxlkv_coalesce_intents"] == 1
     assert waiter.get("vllm:cxlkv_coalesce_waits", 0) == 1, waiter
     assert waiter["vllm:cxlkv_coalesced_blocks"] == blocks > 0, waiter
     assert waiter.get("vllm:cxlkv_coalesce_recomputed_blocks", 0) == 0
     # every group loaded what the boundary needs: the full-attention group each block, the
-    # sliding-window group the 2 blocks its 256-token window reaches back
+    # bounded group what its reach needs there
     loaded = sorted(waiter.get(f"vllm:cxlkv_group_blocks{{group={g},outcome=loaded}}", 0) for g in (0, 1))
-    assert loaded == [2, blocks], waiter
+    assert loaded == [bounded_blocks, blocks], waiter
     print("waiter:", {k: v for k, v in waiter.items() if "coalesce" in k or "load" in k})
     same_answer(res_b[0], res_b[1])  # greedy tokens of B's cold run

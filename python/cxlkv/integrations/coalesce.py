@@ -71,9 +71,11 @@ boundary needs, the lookup's rule), and loads one op per group. vLLM 0.32 takes 
 load failure with several groups, so the outcome is all or nothing: a wait that gives up (its mark
 released short of the boundary, stalled, deadline) or whose load falls short loads nothing and
 reports the request in ``failed_recving``; vLLM then looks it up again from scratch (it waits once
-at most, so it loads what the pool holds and computes the rest). Off, with one log line, for a
-model with a state group (SSM / linear attention): a writer stores a state only where a prefill
-chunk ends on an anchor, which nothing promises.
+at most, so it loads what the pool holds and computes the rest). A model with a state group (SSM
+/ linear attention) stores a state only where a prefill chunk ends on an anchor; vLLM's "align"
+mode ends one at the prompt's last block boundary always (its scheduler's last cacheable
+position), at a checkpoint only when the step budget happens to: so its writers mark their
+prompt's last boundary only, and a waiter loads the state there with the other groups' blocks.
 
 Extra config: ``coalesce`` (default true), ``coalesce_wait_s`` (default 30: the cap of any one
 wait) and ``coalesce_prefill_tokens_per_s`` (the estimate before a measurement; set it to fix it).
@@ -328,13 +330,18 @@ class CoalesceScheduler:
         place: tuple[int, int] = (0, 0),
         groups: list | None = None,
         checkpoint: int = 0,
+        prompt_anchor_only: bool = False,
     ) -> None:
         self.cfg = cfg
         # A hybrid model's KV cache groups (vllm_groups.GroupLayout: index, first_needed) and its
         # anchors (every `checkpoint` boundaries and the prompt's last): a boundary is servable in
         # every group only where its writer made it an anchor. None: one group.
+        # `prompt_anchor_only`: a model with a state group, whose writer stores a state only where
+        # a prefill chunk ends on an anchor. vLLM's "align" mode ends a chunk at the prompt's last
+        # block boundary always, at a checkpoint only by chance: only that one is marked.
         self._groups = groups
         self._checkpoint = checkpoint
+        self._prompt_anchor_only = prompt_anchor_only
         self._wall = wall
         self._place = place  # compute_place() of this engine
         self.rate = rate or PrefillRate(cfg.prefill_tps, cfg.fixed_rate)
@@ -448,6 +455,8 @@ class CoalesceScheduler:
     def _anchors(self, first: int, end: int) -> list[int]:
         """A hybrid writer's anchor boundaries in (first, end]: those it makes servable in every
         group (vllm_groups.GroupLayout.anchors_needing), `end` being its prompt's last."""
+        if self._prompt_anchor_only:
+            return [end] if end > first else []
         step = max(1, self._checkpoint)
         return [a for a in range(first + 1, end + 1) if a % step == 0 or a == end]
 

@@ -86,15 +86,9 @@ class CxlKVScheduler:
         cfg = CoalesceConfig.from_extra(self.ctx.extra)
         # Tensor parallelism: on (coalesce.py: a wait's blocks count as present once every head's
         # entry is, and vLLM truncates the request at the first block any rank failed to load).
-        # Hybrid models: on for full-attention, sliding-window and chunked-local groups (a wait
-        # is for a boundary its writer marked as servable in every group, all or nothing); off
-        # with a state group, whose states are stored only where a prefill chunk ended on an anchor.
-        if cfg.enabled and any(g.reach == vg.STATE for g in self.ctx.groups):
-            logger.info(
-                "cxlkv: coalescing of new prefixes is off with an SSM / linear-attention state group "
-                "(a writer stores a state only where a prefill chunk ends on an anchor; coalesce.py)"
-            )
-            cfg = dataclasses.replace(cfg, enabled=False)
+        # Hybrid models: a wait is for a boundary its writer marked as servable in every group,
+        # all or nothing; with a state group only the prompt's last boundary is marked (the one
+        # where vLLM's "align" mode always ends a chunk, so the state there is stored).
         sched_cfg = getattr(vllm_config, "scheduler_config", None)
         self._coalesce = CoalesceScheduler(
             cfg,
@@ -106,6 +100,7 @@ class CxlKVScheduler:
             place=compute_place(str(getattr(getattr(vllm_config, "device_config", None), "device_type", ""))),
             groups=list(self.ctx.groups) if self.ctx.multi else None,
             checkpoint=self.ctx.checkpoint_blocks,
+            prompt_anchor_only=any(g.reach == vg.STATE for g in self.ctx.groups),
         )
         self.ctx.log_started("SCHEDULER")
 
