@@ -45,6 +45,7 @@ def spec(pool: str, tp: int, rounds: list) -> dict:
         "rounds": rounds,
         "stats": True,
         "top_logprobs": 5,
+        "async_saves": False,  # a round's saves are done by its RESULT: counters per round are exact
     }
 
 

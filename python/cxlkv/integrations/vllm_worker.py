@@ -257,6 +257,10 @@ class CxlKVWorker:
     def _account_saves(self) -> None:
         for op, handle in self._saves.completed():
             n = handle.result()
+            if not self.ctx.group_heads[op.group].writes:
+                # A replica (an MLA latent on a rank > 0, a KV head another rank writes): it
+                # writes nothing, and its result is what it found of the writer's (heads.py)
+                continue
             if isinstance(handle, CpuSaveHandle):
                 if handle.refused:  # the pool is unusable: nothing to count
                     continue
