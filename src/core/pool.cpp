@@ -300,6 +300,13 @@ void Pool::ensure_usable() const {
 }
 
 void Pool::abandon() {
+  // The mailbox responder thread reads this Pool (its fence flag, the mapping): it ends before
+  // either goes. close() stops it in detach_node, which abandon skips (no store into the pool).
+  // A forked child's copy only forgets it: the thread is the parent's.
+  if (fork_generation_ == fork_generation())
+    admin_.stop();
+  else
+    admin_.forget();
   attachment_.abandon();  // fenced, its heartbeat stopped, no node
   if (fork_generation_ == fork_generation()) liveness::close_lock_file(lock_);
   lock_ = liveness::LockFile{};

@@ -32,6 +32,11 @@ constexpr double kStopSeconds = 0.5;      // hosts finish their operation; strag
 constexpr double kJoinSeconds = 0.15;     // ...and then end: a crashed straggler at its next call
 constexpr double kCheckSeconds = 0.25;    // the final check itself, after its lease wait
 constexpr double kMinWorkSeconds = 0.25;  // less workload than this proves nothing: refused
+// Rows of the lock area past the hosts' own (0..hosts-1): one per attempt of the final checker,
+// then the pool creator's. The creator's node can outlive its close (fenced: make_image), and a
+// live node of another host id on the checker's row refuses the checker's attach.
+constexpr int kCheckAttempts = 4;
+constexpr int kCreatorRow = kCheckAttempts;  // past the hosts' rows
 
 uint64_t mix(uint64_t x) {
   x += 0x9E3779B97F4A7C15ull;
@@ -389,17 +394,23 @@ std::vector<char> make_image(const SimOptions& o, PoolHeader* hdr) {
   c.max_namespaces = 8;
   c.backend = o.backend == "flush" ? Backend::flush : Backend::multihost;
   c.lease_ms = o.lease_ms;
-  // + the final checker (a slot per attempt); only the multihost backend has a lock area
-  if (c.backend == Backend::multihost) c.lock_hosts = uint32_t(o.hosts + 5);
+  // + the final checker's rows and the creator's; only the multihost backend has a lock area
+  if (c.backend == Backend::multihost) c.lock_hosts = uint32_t(o.hosts + kCreatorRow + 1);
   {
-    // The creator attaches on this machine (real memory) with the checker's slot.
+    // The creator attaches on this machine (real memory) on a row of its own. Closing, it is
+    // fenced if its heartbeat thread was starved past half a lease (a loaded machine): its node
+    // then stays ALIVE in the image until a host judges it dead by lease and reclaims it. On a
+    // row the checker uses, that node (another host id) made the checker's attach fail.
     OpenOptions oo;
     std::string prev = std::getenv("CXLKV_HOST_SLOT") ? std::getenv("CXLKV_HOST_SLOT") : "";
-    ::setenv("CXLKV_HOST_SLOT", std::to_string(o.hosts).c_str(), 1);
+    ::setenv("CXLKV_HOST_SLOT", std::to_string(o.hosts + kCreatorRow).c_str(), 1);
     try {
       auto p = Pool::create(path, c, false);
       *hdr = p->header();
-      p->close();
+      if (o.creator_fenced)
+        p->abandon();
+      else
+        p->close();
     } catch (...) {
       if (prev.empty())
         ::unsetenv("CXLKV_HOST_SLOT");
@@ -471,7 +482,9 @@ double min_seconds(const SimOptions& o) { return reserved_seconds(o) + kMinWorkS
 
 SimResult run_sim(const SimOptions& o) {
   const auto start = Clock::now();
-  if (o.hosts < 1 || o.hosts > int(format::kMaxLockHosts) - 5) throw ArgumentError("hosts must be in 1..59");
+  const int max_hosts = int(format::kMaxLockHosts) - (kCreatorRow + 1);  // 59
+  if (o.hosts < 1 || o.hosts > max_hosts)
+    throw ArgumentError("hosts must be in 1.." + std::to_string(max_hosts));
   if (o.seconds <= 0) throw ArgumentError("seconds must be positive");
   // --seconds bounds the whole run: a lease whose waits do not fit is refused now, not waited out.
   if (o.seconds < min_seconds(o)) {
@@ -556,7 +569,7 @@ SimResult run_sim(const SimOptions& o) {
     eh.host_id = mix(0xC4EC) | 1;
     eh.host_slot = o.hosts;
     // A checker starved past half a lease (a loaded machine) fences itself: it then starts over
-    // as a new node; three fences in a row count as a failed check.
+    // as a new node on the next of its rows; kCheckAttempts fences in a row count as a failed check.
     for (int attempt = 0;; ++attempt) {
       std::unique_ptr<Pool> p;
       eh.host_slot = o.hosts + attempt;  // a fenced attempt's node is not dead yet: its own slot
@@ -593,7 +606,7 @@ SimResult run_sim(const SimOptions& o) {
         cache.set_ticker(nullptr, 0);
         cache.set_chores(nullptr, 0);
         if (p) p->abandon();
-        if (attempt < 4) continue;
+        if (attempt + 1 < kCheckAttempts) continue;
         r.check_incomplete = true;
         S.note(std::string("final check incomplete: ") + e.what());
         break;

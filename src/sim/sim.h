@@ -29,6 +29,9 @@ struct SimOptions {
   // Crash events hit this named fault point (insert.claimed, insert.copied, evict.claimed,
   // release.claimed, alloc.claimed, alloc.carving, lock.held) instead of a random coherence call.
   std::string fault;
+  // Tests: the pool's creator is fenced before it closes (on a loaded machine its heartbeat thread
+  // can starve past half a lease), so its node is left ALIVE in the image, as a crashed node's.
+  bool creator_fenced = false;
 };
 
 struct SimResult {
