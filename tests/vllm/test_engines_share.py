@@ -48,6 +48,32 @@ def _host_pool(layout: str, cfg: dict):
     )  # fmt: skip
 
 
+def stored_by_vllm(eng: EngineProc, pool: str, page: int, entries) -> tuple[dict, list, dict, dict]:
+    """After the engine's cold round: (its output, SGLang's page hashes of the prompt's whole
+    pages, the pool's one namespace, {label: bytes} of ``entries(hashes)``'s (label, key)s),
+    once every entry is in the pool (the engine's saves may still be in flight)."""
+    import cxlkv
+
+    cold = json.loads(eng.expect("RESULT ", timeout=900)[7:])["outputs"][0]
+    eng.expect("WAITING", timeout=300)
+    ids = cold["ids"]
+    n = len(ids) // page
+    assert n >= 3, len(ids)
+    hashes = get_hash_str(ids[: n * page], None, page_size=page)  # SGLang's page keys
+    deadline = time.monotonic() + 120
+    while True:
+        with cxlkv.Pool.open(pool) as p:
+            (d,) = kv_namespaces(p)
+            plain = p.namespace(cxlkv.KVLayout.from_info(d), name=d["name"])
+            written = {label: bytes(plain.get_bytes(key) or b"") for label, key in entries(hashes)}
+        if all(written.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    present = sorted(k for k, v in written.items() if v)
+    assert all(written.values()), f"vLLM's entries under SGLang's page hashes: {present} ({d['source']})"
+    return cold, hashes, d, written
+
+
 def _indices(n: int) -> torch.Tensor:
     return torch.arange(n * BLOCK)
 
@@ -68,27 +94,15 @@ def test_vllm_and_sglang_share_a_prefix_both_ways(tmp_path, tiny_model):
     eng = EngineProc(spec, env={})
     backends: list = []
     try:
-        cold = json.loads(eng.expect("RESULT ", timeout=900)[7:])["outputs"][0]
-        eng.expect("WAITING", timeout=300)
-        ids = cold["ids"]
-        n = len(ids) // BLOCK
-        assert n >= 3, len(ids)
-        hashes = get_hash_str(ids[: n * BLOCK], None, page_size=BLOCK)  # SGLang's page keys
-        deadline = time.monotonic() + 120  # the engine's saves may still be in flight
-        while True:
-            with cxlkv.Pool.open(pool) as p:
-                (d,) = kv_namespaces(p)
-                plain = p.namespace(cxlkv.KVLayout.from_info(d), name=d["name"])
-                written = {
-                    (i, h): bytes(plain.get_bytes(head_key(bytes.fromhex(hx), h)) or b"")
-                    for i, hx in enumerate(hashes)
-                    for h in range(heads)
-                }
-            if all(written.values()) or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
-        present = sorted(k for k, v in written.items() if v)
-        assert all(written.values()), f"vLLM's entries under SGLang's page hashes: {present} ({d['source']})"
+        cold, hashes, d, written = stored_by_vllm(
+            eng,
+            pool,
+            BLOCK,
+            lambda hs: [
+                ((i, h), head_key(bytes.fromhex(hx), h)) for i, hx in enumerate(hs) for h in range(heads)
+            ],
+        )
+        n = len(hashes)
         # 2. SGLang reads vLLM's blocks, in every host layout
         loaded = {}
         for layout in LAYOUTS:
@@ -152,21 +166,10 @@ def test_vllm_and_sglang_share_mla_latents_both_ways(tmp_path):
     eng = EngineProc(spec, env={})
     backends: list = []
     try:
-        cold = json.loads(eng.expect("RESULT ", timeout=900)[7:])["outputs"][0]
-        eng.expect("WAITING", timeout=300)
-        ids = cold["ids"]
-        n = len(ids) // page
-        hashes = get_hash_str(ids[: n * page], None, page_size=page)
-        deadline = time.monotonic() + 120  # the engine's saves may still be in flight
-        while True:
-            with cxlkv.Pool.open(pool) as p:
-                (d,) = kv_namespaces(p)
-                plain = p.namespace(cxlkv.KVLayout.from_info(d), name=d["name"])
-                written = [bytes(plain.get_bytes(bytes.fromhex(hx)) or b"") for hx in hashes]
-            if all(written) or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
-        assert all(written), f"vLLM's latents under SGLang's page hashes: {[bool(w) for w in written]}"
+        cold, hashes, d, by_page = stored_by_vllm(
+            eng, pool, page, lambda hs: [(i, bytes.fromhex(hx)) for i, hx in enumerate(hs)]
+        )
+        n, written = len(hashes), [by_page[i] for i in range(len(hashes))]
         assert d["kind"] == "mla", d
         for layout in sglang_host.MLA_HOST_LAYOUTS:
             host = sglang_host.mla_host_pool(
@@ -196,7 +199,7 @@ def test_vllm_and_sglang_share_mla_latents_both_ways(tmp_path):
             assert [bytes(plain.get_bytes(bytes.fromhex(hx))) for hx in hashes] == written
         go.write_text("go")
         warm = eng.results(bound_s=600)[1]["outputs"][0]
-        assert warm["cached"] == (len(ids) - 1) // page * page >= n * page - page, warm["cached"]
+        assert warm["cached"] == (warm["len"] - 1) // page * page >= n * page - page, warm["cached"]
         print("parted at", parted_at_tie(cold, warm))  # a 16-token batch rounds as the cold one did not
     finally:
         for sg in backends:
