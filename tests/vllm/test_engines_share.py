@@ -74,6 +74,17 @@ def stored_by_vllm(eng: EngineProc, pool: str, page: int, entries) -> tuple[dict
     return cold, hashes, d, written
 
 
+def sglang_loads(pool: str, host, model: str, d: dict, hashes: list, page: int, backends: list):
+    """SGLang's backend over ``host`` (kept in ``backends`` to close): it derives vLLM's namespace
+    ``d``, finds every page of ``hashes`` and loads them into the host pool's first pages."""
+    sg = sglang_host.hicache_backend(pool, host, model=model)
+    backends.append(sg)
+    assert sg.shared and sg.identity.namespace_name() == d["name"], (d["source"], sg.identity.source())
+    assert sg.batch_exists(hashes) == len(hashes)
+    assert sg.batch_get_v1(hashes, torch.arange(len(hashes) * page)) == [True] * len(hashes)
+    return sg
+
+
 def _indices(n: int) -> torch.Tensor:
     return torch.arange(n * BLOCK)
 
@@ -107,14 +118,7 @@ def test_vllm_and_sglang_share_a_prefix_both_ways(tmp_path, tiny_model):
         loaded = {}
         for layout in LAYOUTS:
             host = _host_pool(layout, cfg)
-            sg = sglang_host.hicache_backend(pool, host, model=tiny_model)
-            backends.append(sg)
-            assert sg.shared and sg.identity.namespace_name() == d["name"], (
-                d["source"],
-                sg.identity.source(),
-            )
-            assert sg.batch_exists(hashes) == n
-            assert sg.batch_get_v1(hashes, _indices(n)) == [True] * n
+            sg = sglang_loads(pool, host, tiny_model, d, hashes, BLOCK, backends)
             kv = sglang_host.logical_view(host)
             for (i, h), raw in written.items():
                 mine = kv[:, :, i * BLOCK : (i + 1) * BLOCK, h].permute(1, 0, 2, 3).contiguous()
@@ -175,14 +179,7 @@ def test_vllm_and_sglang_share_mla_latents_both_ways(tmp_path):
             host = sglang_host.mla_host_pool(
                 layout, layers=cfg["num_hidden_layers"], latent=latent, page=page, tokens=n * page
             )
-            sg = sglang_host.hicache_backend(pool, host, model=model)
-            backends.append(sg)
-            assert sg.shared and sg.identity.namespace_name() == d["name"], (
-                d["source"],
-                sg.identity.source(),
-            )
-            assert sg.batch_exists(hashes) == n
-            assert sg.batch_get_v1(hashes, torch.arange(n * page)) == [True] * n
+            sglang_loads(pool, host, model, d, hashes, page, backends)
             rows = sglang_host.mla_logical_view(host)
             for i, raw in enumerate(written):
                 mine = rows[:, i * page : (i + 1) * page].contiguous()

@@ -214,20 +214,18 @@ class CxlKVHiCacheStorage(HiCacheStorage):
         super().register_mem_pool_host(mem_pool_host)
         why = why_not_shared(mem_pool_host, self.config, self._extra)
         wrap: Callable[[Any], Any] = lambda ns: ns  # noqa: E731
-        if why is None and self.config.is_mla_model:  # one latent entry per page, every rank's
+        if why is None:
             self.identity = self._shared_identity(mem_pool_host)
             name = self.identity.namespace_name()
-            plan = HeadPlan.replicated(self.config.tp_size, self.config.tp_rank)
-            (view,), block_dim = block_before_tail([mla_entry_view(mem_pool_host)], 0)
             key: Callable[[str], bytes] = shared_keys.page_key
-            wrap = functools.partial(HeadNamespace, plan=plan)
-        elif why is None:
-            self.identity = self._shared_identity(mem_pool_host)
-            name = self.identity.namespace_name()
-            plan = HeadPlan(self.identity.num_kv_heads, self.config.tp_size, self.config.tp_rank)
-            view, block_dim = entry_view(mem_pool_host), 0
-            key = shared_keys.page_key
-            wrap = functools.partial(HeadNamespace, plan=plan, head_dim=1)
+            if self.config.is_mla_model:  # one latent entry per page, written by rank 0
+                plan = HeadPlan.replicated(self.config.tp_size, self.config.tp_rank)
+                (view,), block_dim = block_before_tail([mla_entry_view(mem_pool_host)], 0)
+                wrap = functools.partial(HeadNamespace, plan=plan)
+            else:
+                plan = HeadPlan(self.identity.num_kv_heads, self.config.tp_size, self.config.tp_rank)
+                view, block_dim = entry_view(mem_pool_host), 0
+                wrap = functools.partial(HeadNamespace, plan=plan, head_dim=1)
         else:
             log.info("cxlkv: SGLang pages stay in an SGLang-only namespace (not shared with vLLM): %s", why)
             view, block_dim = page_view(mem_pool_host)
